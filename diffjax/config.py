@@ -1,0 +1,166 @@
+"""Model configuration: one dataclass for the Differential Transformer and its baseline twin.
+
+`num_heads` counts *differential* heads when `attention == "diff"` (as in the paper: half the
+baseline's heads), and ordinary heads when `attention == "standard"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+ATTENTION_KINDS = ("diff", "standard")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+ROPE_STYLES = ("interleaved", "rotate_half")
+ROPE_TYPES = ("default", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
+
+
+def lambda_init_for_depth(depth: int) -> float:
+    """The paper's schedule, with depth counted from 0 (first layer: 0.2)."""
+    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: num_heads (no GQA)
+    head_dim: int | None = None  # None: d_model / (2 num_heads) for diff, d_model / num_heads for standard
+    mlp_dim: int | None = None  # None: 8/3 d_model rounded to a multiple of MLP_MULTIPLE
+    attention: str = "diff"  # "diff" (differential attention V1) or "standard" (MHA / GQA baseline)
+    activation: str = "silu"  # gate activation of the gated MLP (SwiGLU with silu)
+    norm_eps: float = 1e-5  # block RMSNorms and the per-head subln
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048
+    # RoPE. "interleaved" is GPT-J / unilm (the canonical layout); "rotate_half" is NeoX / HF.
+    rope_theta: float = 10000.0
+    rope_style: str = "interleaved"
+    rope_type: str = "default"  # "default" or "llama3" (frequency schedule)
+    rope_factor: float = 8.0  # llama3 only
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_len: int = 8192  # llama3 only
+    # Differential attention.
+    lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 depth); a float: the same for every layer
+    lambda_std: float = 0.1  # init std of lambda_q1, lambda_k1, lambda_q2, lambda_k2
+    # Numerics and init.
+    dtype: str = "float32"  # compute dtype of activations
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+    attention_impl: str = "auto"  # passed to diffjax.ops.diff_attention / dot_product_attention
+
+    def __post_init__(self):
+        errors = []
+
+        def check(ok: bool, message: str):
+            if not ok:
+                errors.append(message)
+
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_kv_heads", "head_dim", "mlp_dim"):
+            value = getattr(self, name)
+            check(
+                value is None or (isinstance(value, int) and value > 0),
+                f"{name} must be a positive integer or None, got {value!r}",
+            )
+        check(self.attention in ATTENTION_KINDS, f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        check(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        check(self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}")
+        check(self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
+        check(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps!r}")
+        check(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta!r}")
+        check(self.init_std > 0, f"init_std must be > 0, got {self.init_std!r}")
+        check(self.lambda_std >= 0, f"lambda_std must be >= 0, got {self.lambda_std!r}")
+        check(
+            self.lambda_init is None or 0.0 <= self.lambda_init < 1.0,
+            f"lambda_init must be None (depth schedule) or in [0, 1), got {self.lambda_init!r}",
+        )
+        if self.rope_type == "llama3":
+            check(self.rope_factor >= 1, f"rope_factor must be >= 1 for llama3 RoPE, got {self.rope_factor!r}")
+            check(
+                0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                "llama3 RoPE needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                f"{self.rope_low_freq_factor!r} and {self.rope_high_freq_factor!r}",
+            )
+            check(self.rope_original_max_len > 0, "rope_original_max_len must be > 0")
+        if errors:
+            raise ValueError("invalid ModelConfig: " + "; ".join(errors))
+
+        # Resolve the derived sizes so that every field is concrete after construction.
+        heads_per_width = 2 * self.num_heads if self.attention == "diff" else self.num_heads
+        if self.head_dim is None:
+            if self.d_model % heads_per_width:
+                what = "2 * num_heads" if self.attention == "diff" else "num_heads"
+                raise ValueError(
+                    f"invalid ModelConfig: d_model ({self.d_model}) must be divisible by {what} "
+                    f"({heads_per_width}) when head_dim is not given; set head_dim explicitly or change num_heads"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // heads_per_width)
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"invalid ModelConfig: num_heads ({self.num_heads}) must be divisible by "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"invalid ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mlp_dim is None:
+            multiple = MLP_MULTIPLE
+            object.__setattr__(self, "mlp_dim", max(multiple, round(8 * self.d_model / 3 / multiple) * multiple))
+
+    # ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def lambda_init_at(self, depth: int) -> float:
+        return lambda_init_for_depth(depth) if self.lambda_init is None else float(self.lambda_init)
+
+    @property
+    def num_query_groups(self) -> int:
+        """n_rep: query heads per kv head."""
+        return self.num_heads // self.num_kv_heads
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameters per part, counted from the shapes (tied embeddings count once)."""
+        D, H, K, d, F = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
+        if self.attention == "diff":
+            # q (D,H,2,d), k (D,K,2,d), v (D,K,2d), o (H,2d,D), four lambda vectors, subln (2d,)
+            attention = D * H * 2 * d + 2 * D * K * 2 * d + H * 2 * d * D + 4 * d + 2 * d
+        else:
+            attention = 2 * D * H * d + 2 * D * K * d
+        per_layer = attention + 3 * D * F + 2 * D
+        return {
+            "embedding": self.vocab_size * D,
+            "layers": self.num_layers * per_layer,
+            "final_norm": D,
+            "lm_head": 0 if self.tie_embeddings else D * self.vocab_size,
+        }
+
+    def param_count(self, *, include_lm_head: bool = True) -> int:
+        """Total parameters. `include_lm_head=False` counts one embedding matrix, as the paper does."""
+        counts = self.param_counts()
+        if not include_lm_head:
+            counts.pop("lm_head")
+        return sum(counts.values())

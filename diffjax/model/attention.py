@@ -1,0 +1,89 @@
+"""Differential attention (V1, unilm semantics) and the baseline multi-head / grouped-query attention.
+
+Kernels are stored in the canonical layout with the head structure in the shapes:
+q (D, H, 2, d) and k (D, Hkv, 2, d) are unilm's interleaved q_proj / k_proj rows (head, group, channel),
+v (D, Hkv, 2d), o (H, 2d, D). A unilm state_dict therefore loads by transpose and reshape alone.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from diffjax import ops
+from diffjax.config import ModelConfig
+from diffjax.model.layers import normal_param, ones_param, rms_normalize
+from diffjax.model.rope import apply_rope
+
+
+class DiffAttention(nnx.Module):
+    """Multi-head differential attention for the layer at 0-based `depth`."""
+
+    def __init__(self, config: ModelConfig, depth: int, *, rngs: nnx.Rngs):
+        D, H, K, d = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+        std, pdt = config.init_std, config.param_dtype
+        self.config = config
+        self.depth = depth
+        self.lambda_init = config.lambda_init_at(depth)
+        self.q_kernel = normal_param(rngs, (D, H, 2, d), std, pdt, ("embed", "heads", None, "head_dim"))
+        self.k_kernel = normal_param(rngs, (D, K, 2, d), std, pdt, ("embed", "kv_heads", None, "head_dim"))
+        self.v_kernel = normal_param(rngs, (D, K, 2 * d), std, pdt, ("embed", "kv_heads", "head_dim"))
+        self.o_kernel = normal_param(rngs, (H, 2 * d, D), std, pdt, ("heads", "head_dim", "embed"))
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            setattr(self, name, normal_param(rngs, (d,), config.lambda_std, pdt, ("head_dim",)))
+        self.subln_scale = ones_param((2 * d,), pdt, ("head_dim",))
+
+    def lambda_full(self, dtype):
+        """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
+
+        Products in the parameter dtype, sums and exp in float32, then the activation dtype
+        (the order of HF DiffLlama; identical to unilm for float32 parameters).
+        """
+        dot1 = jnp.sum(self.lambda_q1[...] * self.lambda_k1[...], dtype=jnp.float32)
+        dot2 = jnp.sum(self.lambda_q2[...] * self.lambda_k2[...], dtype=jnp.float32)
+        lambda_1, lambda_2 = jnp.exp(dot1).astype(dtype), jnp.exp(dot2).astype(dtype)
+        return lambda_1 - lambda_2 + jnp.asarray(self.lambda_init, dtype)
+
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None):
+        dtype = x_BTD.dtype
+        cos, sin = rope_cos_sin
+        q_BTH2d = jnp.einsum("btD,DhGd->bthGd", x_BTD, self.q_kernel[...].astype(dtype))
+        k_BSK2d = jnp.einsum("bsD,DkGd->bskGd", x_BTD, self.k_kernel[...].astype(dtype))
+        v_BSKv = jnp.einsum("bsD,Dkv->bskv", x_BTD, self.v_kernel[...].astype(dtype))
+        q_BTH2d = apply_rope(q_BTH2d, cos, sin, self.config.rope_style)
+        k_BSK2d = apply_rope(k_BSK2d, cos, sin, self.config.rope_style)
+        o_BTHv = ops.diff_attention(
+            q_BTH2d, k_BSK2d, v_BSKv, self.lambda_full(dtype),
+            causal=True, segment_ids=segment_ids, impl=self.config.attention_impl,
+        )
+        # Per-head RMSNorm over 2d (one scale shared by all heads), then the fixed (1 - lambda_init).
+        o_BTHv = rms_normalize(o_BTHv, self.config.norm_eps) * self.subln_scale[...].astype(dtype)
+        o_BTHv = o_BTHv * jnp.asarray(1.0 - self.lambda_init, dtype)
+        return jnp.einsum("bthv,hvD->btD", o_BTHv, self.o_kernel[...].astype(dtype))
+
+
+class StandardAttention(nnx.Module):
+    """Baseline causal multi-head attention with GQA (query head n uses kv head n // n_rep)."""
+
+    def __init__(self, config: ModelConfig, depth: int, *, rngs: nnx.Rngs):
+        D, N, K, d = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+        std, pdt = config.init_std, config.param_dtype
+        self.config = config
+        self.depth = depth
+        self.q_kernel = normal_param(rngs, (D, N, d), std, pdt, ("embed", "heads", "head_dim"))
+        self.k_kernel = normal_param(rngs, (D, K, d), std, pdt, ("embed", "kv_heads", "head_dim"))
+        self.v_kernel = normal_param(rngs, (D, K, d), std, pdt, ("embed", "kv_heads", "head_dim"))
+        self.o_kernel = normal_param(rngs, (N, d, D), std, pdt, ("heads", "head_dim", "embed"))
+
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None):
+        dtype = x_BTD.dtype
+        cos, sin = rope_cos_sin
+        q_BTNd = jnp.einsum("btD,Dnd->btnd", x_BTD, self.q_kernel[...].astype(dtype))
+        k_BSKd = jnp.einsum("bsD,Dkd->bskd", x_BTD, self.k_kernel[...].astype(dtype))
+        v_BSKd = jnp.einsum("bsD,Dkd->bskd", x_BTD, self.v_kernel[...].astype(dtype))
+        q_BTNd = apply_rope(q_BTNd, cos, sin, self.config.rope_style)
+        k_BSKd = apply_rope(k_BSKd, cos, sin, self.config.rope_style)
+        o_BTNd = ops.dot_product_attention(
+            q_BTNd, k_BSKd, v_BSKd, causal=True, segment_ids=segment_ids, impl=self.config.attention_impl
+        )
+        return jnp.einsum("btnd,ndD->btD", o_BTNd, self.o_kernel[...].astype(dtype))

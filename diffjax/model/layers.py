@@ -1,0 +1,87 @@
+"""Small building blocks: parameters with logical axes, RMSNorm, gated MLP, token embedding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from diffjax.config import ModelConfig
+
+
+def normal_param(rngs: nnx.Rngs, shape, std: float, dtype, axes) -> nnx.Param:
+    """A normally initialized parameter tagged with logical axis names (used by the sharding rules)."""
+    value = std * jax.random.normal(rngs.params(), shape, dtype=jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+def ones_param(shape, dtype, axes) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype=dtype), logical_axes=axes)
+
+
+def rms_normalize(x, eps: float):
+    """x / rms(x) over the last axis with float32 statistics, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a learnable scale; the cast to the input dtype comes before the scale (as in Llama and unilm)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, axes=("embed",)):
+        self.eps = eps
+        self.scale = ones_param((dim,), param_dtype, axes)
+
+    def __call__(self, x):
+        return rms_normalize(x, self.eps) * self.scale[...].astype(x.dtype)
+
+
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
+
+class GatedMLP(nnx.Module):
+    """down(act(x gate) * (x up)): SwiGLU with the default silu."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        D, F, std, pdt = config.d_model, config.mlp_dim, config.init_std, config.param_dtype
+        self.activation = config.activation
+        self.gate_kernel = normal_param(rngs, (D, F), std, pdt, ("embed", "mlp"))
+        self.up_kernel = normal_param(rngs, (D, F), std, pdt, ("embed", "mlp"))
+        self.down_kernel = normal_param(rngs, (F, D), std, pdt, ("mlp", "embed"))
+
+    def __call__(self, x_BTD):
+        dtype = x_BTD.dtype
+        gate_BTF = x_BTD @ self.gate_kernel[...].astype(dtype)
+        up_BTF = x_BTD @ self.up_kernel[...].astype(dtype)
+        hidden_BTF = _ACTIVATIONS[self.activation](gate_BTF) * up_BTF
+        return hidden_BTF @ self.down_kernel[...].astype(dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, dim: int, std: float, param_dtype, *, rngs: nnx.Rngs):
+        self.vocab_size = vocab_size
+        self.embedding = normal_param(rngs, (vocab_size, dim), std, param_dtype, ("vocab", "embed"))
+
+    def __call__(self, tokens_BT, dtype):
+        tokens_BT = jnp.asarray(tokens_BT)
+        if not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+            raise TypeError(f"tokens must be an integer array, got dtype {tokens_BT.dtype}")
+        if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
+            low, high = int(np.min(tokens_BT)), int(np.max(tokens_BT))
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        # Under jit the check above cannot run: out-of-range ids then read NaN rows instead of a
+        # silently clamped row, so the error still surfaces in the loss.
+        table = self.embedding[...].astype(dtype)
+        return jnp.take(table, tokens_BT, axis=0, mode="fill", fill_value=jnp.nan)
+
+    def attend(self, x_BTD):
+        """Logits against the embedding matrix (tied LM head), float32."""
+        return jnp.einsum("btd,vd->btv", x_BTD, self.embedding[...].astype(x_BTD.dtype), preferred_element_type=jnp.float32)

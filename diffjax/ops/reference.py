@@ -1,0 +1,89 @@
+"""XLA reference attention: the correctness oracle every faster path is tested against.
+
+Numerics follow flash kernels (and unilm's recommended module): scores accumulate in float32 and
+are scaled in float32, softmax runs in float32, P is rounded to the value dtype for the P V matmul
+(float32 accumulation), and the output is cast back to the value dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = jnp.finfo(jnp.float32).min  # finite, so a fully masked row gives a uniform map, not NaN
+
+
+def attention_mask(T: int, S: int, *, causal: bool, segment_ids=None):
+    """Boolean mask [B or 1, T, S]; True where query t may attend key s.
+
+    Causal alignment is bottom-right: query t sits at position S - T + t.
+    segment_ids: None, an int array [B, T] (self-attention, T == S), or a pair (q [B, T], kv [B, S]).
+    """
+    mask_TS = jnp.ones((T, S), dtype=bool)
+    if causal:
+        q_pos = jnp.arange(T)[:, None] + (S - T)
+        mask_TS = q_pos >= jnp.arange(S)[None, :]
+    mask_BTS = mask_TS[None]
+    if segment_ids is not None:
+        q_seg_BT, kv_seg_BS = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+        if q_seg_BT.shape[-1] != T or kv_seg_BS.shape[-1] != S:
+            raise ValueError(
+                f"segment_ids shapes {q_seg_BT.shape} / {kv_seg_BS.shape} do not match query length {T} "
+                f"and key length {S}"
+            )
+        mask_BTS = mask_BTS & (q_seg_BT[:, :, None] == kv_seg_BS[:, None, :])
+    return mask_BTS
+
+
+def _grouped_softmax_attention(q_BTKRMd, k_BSKMd, v_BSKv, mask_BTS, scale):
+    """Softmax attention for M maps at once, with GQA groups explicit.
+
+    q_BTKRMd: queries of kv head K, repeat R, map M.  k_BSKMd: keys per kv head and map (M may be
+    1 and broadcast).  Returns o_BTKRMv in v's dtype.
+    """
+    s_BKRMTS = jnp.einsum("btkrmd,bskmd->bkrmts", q_BTKRMd, k_BSKMd, preferred_element_type=jnp.float32)
+    s_BKRMTS = s_BKRMTS * jnp.float32(scale)
+    s_BKRMTS = jnp.where(mask_BTS[:, None, None, None], s_BKRMTS, _MASKED)
+    p_BKRMTS = jax.nn.softmax(s_BKRMTS, axis=-1).astype(v_BSKv.dtype)
+    o_BTKRMv = jnp.einsum("bkrmts,bskv->btkrmv", p_BKRMTS, v_BSKv, preferred_element_type=jnp.float32)
+    return o_BTKRMv.astype(v_BSKv.dtype)
+
+
+def _check_heads(name: str, H: int, K: int):
+    if H % K:
+        raise ValueError(f"{name}: query heads ({H}) must be a multiple of kv heads ({K})")
+
+
+def diff_attention_xla(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None):
+    """(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) v for every differential head.
+
+    q_BTH2d: [B, T, H, 2, d]; k_BSKGd: [B, S, Hkv, G, d] with G = 2 (k1, k2) or 1 (shared keys);
+    v_BSKv: [B, S, Hkv, dv]; lam: scalar or [B, T, H]. Query head h uses kv head h // (H / Hkv)
+    for both maps. Returns o_BTHv in v's dtype; `A1 - lam A2` is computed in that dtype.
+    """
+    B, T, H, two, d = q_BTH2d.shape
+    _, S, K, G, _ = k_BSKGd.shape
+    if two != 2 or G not in (1, 2):
+        raise ValueError(f"diff_attention: q must be [B, T, H, 2, d] and k [B, S, Hkv, 1 or 2, d], got {q_BTH2d.shape} and {k_BSKGd.shape}")
+    _check_heads("diff_attention", H, K)
+    scale = d**-0.5 if scale is None else scale
+    q_BTKRMd = q_BTH2d.reshape(B, T, K, H // K, 2, d)
+    mask_BTS = attention_mask(T, S, causal=causal, segment_ids=segment_ids)
+    o_BTKRMv = _grouped_softmax_attention(q_BTKRMd, k_BSKGd, v_BSKv, mask_BTS, scale)
+    o_BTHMv = o_BTKRMv.reshape(B, T, H, 2, v_BSKv.shape[-1])
+    lam_BTH1 = jnp.asarray(lam, dtype=v_BSKv.dtype)
+    if lam_BTH1.ndim:
+        lam_BTH1 = lam_BTH1[..., None]
+    return o_BTHMv[..., 0, :] - lam_BTH1 * o_BTHMv[..., 1, :]
+
+
+def dot_product_attention_xla(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None):
+    """Standard softmax attention with GQA (query head n uses kv head n // (N / K))."""
+    B, T, N, d = q_BTNd.shape
+    _, S, K, _ = k_BSKd.shape
+    _check_heads("dot_product_attention", N, K)
+    scale = d**-0.5 if scale is None else scale
+    q_BTKRMd = q_BTNd.reshape(B, T, K, N // K, 1, d)
+    mask_BTS = attention_mask(T, S, causal=causal, segment_ids=segment_ids)
+    o_BTKRMv = _grouped_softmax_attention(q_BTKRMd, k_BSKd[:, :, :, None], v_BSKv, mask_BTS, scale)
+    return o_BTKRMv.reshape(B, T, N, v_BSKv.shape[-1])
