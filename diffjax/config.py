@@ -53,6 +53,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     init_std: float = 0.02
     attention_impl: str = "auto"  # passed to diffjax.ops.diff_attention / dot_product_attention
+    # Names of the fields above that were None and derived in __post_init__ (re-derived by replace()).
+    derived: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         errors = []
@@ -96,6 +98,7 @@ class ModelConfig:
             raise ValueError("invalid ModelConfig: " + "; ".join(errors))
 
         # Resolve the derived sizes so that every field is concrete after construction.
+        object.__setattr__(self, "derived", tuple(n for n in ("num_kv_heads", "head_dim", "mlp_dim") if getattr(self, n) is None))
         heads_per_width = 2 * self.num_heads if self.attention == "diff" else self.num_heads
         if self.head_dim is None:
             if self.d_model % heads_per_width:
@@ -122,17 +125,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as given: derived sizes are None again, so a saved config re-derives them."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return {**values, **{name: None for name in self.derived}}
 
     def replace(self, **changes) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`; sizes that were derived are derived again from the new fields."""
+        return dataclasses.replace(self, **{**{name: None for name in self.derived}, **changes})
 
     def lambda_init_at(self, depth: int) -> float:
         return lambda_init_for_depth(depth) if self.lambda_init is None else float(self.lambda_init)
