@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 MODEL_TYPES = ("diffllama", "llama")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 _DEFAULT_EPS = {"diffllama": 1e-5, "llama": 1e-6}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Buffers some checkpoints carry that are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -59,6 +60,9 @@ def config_from_hf(hf: dict, *, dtype=None, param_dtype=None) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"config.json: model_type {model_type!r} is not supported; supported: {MODEL_TYPES}")
+    missing = [key for key in _REQUIRED if key not in hf]
+    if missing:
+        raise ValueError(f"config.json: missing required key(s) {missing}")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ValueError(f"config.json: {flag}=true is not supported (diffjax layers have no biases)")
