@@ -58,7 +58,10 @@ class DiffAttention(nnx.Module):
         )
         # Per-head RMSNorm over 2d (one scale shared by all heads), then the fixed (1 - lambda_init).
         o_BTHv = rms_normalize(o_BTHv, self.config.norm_eps) * self.subln_scale[...].astype(dtype)
-        o_BTHv = o_BTHv * jnp.asarray(1.0 - self.lambda_init, dtype)
+        # PyTorch multiplies a bf16 tensor by a Python float in float32 without rounding the scalar to
+        # bf16 first (one rounding at the end); rounding (1 - lambda_init) to bf16 would bias every output
+        # (0.8 -> 0.80078 at depth 0). Exact no-op in float32.
+        o_BTHv = (o_BTHv.astype(jnp.float32) * jnp.float32(1.0 - self.lambda_init)).astype(dtype)
         return jnp.einsum("bthv,hvD->btD", o_BTHv, self.o_kernel[...].astype(dtype))
 
 
