@@ -22,7 +22,7 @@ class Measured:
 def measured(request):
     recorder = Measured()
 
-    def record(what: str, value: float, tolerance: float) -> float:
+    def record(what: str, value: float, tolerance: float = float("nan")) -> float:
         return recorder(request.node.name, what, value, tolerance)
 
     return record
@@ -34,4 +34,4 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("measured differences against the references")
     width = max(len(name) for name, *_ in _FIGURES)
     for name, what, value, tolerance in _FIGURES:
-        terminalreporter.write_line(f"{name:<{width}}  {what:<32} {value:10.3e}  (tolerance {tolerance:.1e})")
+        terminalreporter.write_line(f"{name:<{width}}  {what:<40} {value:10.3e}" + (f"  (tolerance {tolerance:.1e})" if tolerance == tolerance else ""))

@@ -233,11 +233,6 @@ def signed_bias(got, expected):
     return float(np.sum((got - expected) * np.sign(expected)) / np.sum(np.abs(expected)))
 
 
-def report(record_property, name, value):
-    record_property(name, value)
-    print(f"\n  {name} = {value:.3e}")
-
-
 # E, H, Hkv: MHA, GQA n_rep 2 and 4 (d = 16), and MHA with d = 32.
 SHAPES = {"mha": (128, 4, 4), "gqa2": (128, 4, 2), "gqa4": (128, 4, 1), "mha_d32": (128, 2, 2)}
 
@@ -260,7 +255,7 @@ def test_flash_restatement_matches_torch_sdpa():
 
 @pytest.mark.parametrize("depth", [0, 1, 5])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_fp32_matches_flashdiff1(shape, depth, record_property):
+def test_fp32_matches_flashdiff1(shape, depth, measured):
     E, H, Hkv = SHAPES[shape]
     module = make_module(UnilmFlashDiff1, E, H, Hkv, depth, seed=depth)
     x = make_input(E)
@@ -270,12 +265,12 @@ def test_fp32_matches_flashdiff1(shape, depth, record_property):
     assert layer.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * depth))
     got = diffjax_forward(layer, x.numpy())
     err = max_abs(got, expected)
-    report(record_property, f"fp32 {shape} depth {depth}: max abs diff", err)
-    report(record_property, f"fp32 {shape} depth {depth}: max |out|", float(np.max(np.abs(expected))))
+    measured(f"fp32 {shape} depth {depth}: max abs diff", err)
+    measured(f"fp32 {shape} depth {depth}: max |out|", float(np.max(np.abs(expected))))
     assert err <= FP32_ATOL
 
 
-def test_fp32_without_subln_weight(record_property):
+def test_fp32_without_subln_weight(measured):
     """A pre-2024-10-25 checkpoint: no subln.weight, so the norm has no weight (diffjax: ones)."""
     E, H, Hkv = SHAPES["gqa2"]
     module = make_module(UnilmFlashDiff1, E, H, Hkv, 1, subln_affine=False)
@@ -285,7 +280,7 @@ def test_fp32_without_subln_weight(record_property):
     np.testing.assert_array_equal(np.asarray(layer.subln_scale[...]), np.ones(E // H))
     x = make_input(E)
     err = max_abs(diffjax_forward(layer, x.numpy()), torch_forward(module, x).numpy())
-    report(record_property, "fp32 gqa2 depth 1 no subln.weight: max abs diff", err)
+    measured("fp32 gqa2 depth 1 no subln.weight: max abs diff", err)
     assert err <= FP32_ATOL
 
 
@@ -302,7 +297,7 @@ def test_non_unit_subln_weight_matters():
 
 
 @pytest.mark.parametrize("shape,depth", [("mha", 0), ("gqa2", 1), ("gqa4", 5), ("mha_d32", 1)])
-def test_bf16_matches_flashdiff1(shape, depth, record_property):
+def test_bf16_matches_flashdiff1(shape, depth, measured):
     """Module and inputs cast to bf16 (so lambdas and subln weight are bf16 too)."""
     E, H, Hkv = SHAPES[shape]
     module = make_module(UnilmFlashDiff1, E, H, Hkv, depth, seed=10 + depth)
@@ -318,12 +313,12 @@ def test_bf16_matches_flashdiff1(shape, depth, record_property):
     rel = max_abs(got, expected) / scale
     torch_vs_fp32 = max_abs(expected, exact) / scale
     jax_vs_fp32 = max_abs(got, exact) / scale
-    report(record_property, f"bf16 {shape} depth {depth}: max abs diff / max |out| (diffjax vs torch bf16)", rel)
-    report(record_property, f"bf16 {shape} depth {depth}: same, torch bf16 vs torch fp32", torch_vs_fp32)
-    report(record_property, f"bf16 {shape} depth {depth}: same, diffjax bf16 vs torch fp32", jax_vs_fp32)
+    measured(f"bf16 {shape} depth {depth}: max abs diff / max |out| (diffjax vs torch bf16)", rel)
+    measured(f"bf16 {shape} depth {depth}: same, torch bf16 vs torch fp32", torch_vs_fp32)
+    measured(f"bf16 {shape} depth {depth}: same, diffjax bf16 vs torch fp32", jax_vs_fp32)
     bias = signed_bias(got, expected)
-    report(record_property, f"bf16 {shape} depth {depth}: signed bias (diffjax vs torch bf16)", bias)
-    report(record_property, f"bf16 {shape} depth {depth}: fraction of outputs not bit-identical", float(np.mean(got != expected)))
+    measured(f"bf16 {shape} depth {depth}: signed bias (diffjax vs torch bf16)", bias)
+    measured(f"bf16 {shape} depth {depth}: fraction of outputs not bit-identical", float(np.mean(got != expected)))
     assert rel <= BF16_RTOL
     # Rounding noise averages out; a systematic scale error does not (rounding the Python float
     # (1 - lambda_init) to bf16 before the multiply gave a bias of 1.3e-3 at depth 0).
@@ -332,7 +327,7 @@ def test_bf16_matches_flashdiff1(shape, depth, record_property):
     assert jax_vs_fp32 <= 2 * torch_vs_fp32 + 2e-3
 
 
-def test_bf16_activations_fp32_params(record_property):
+def test_bf16_activations_fp32_params(measured):
     """bf16 checkpoint loaded with float32 parameters (exact widening) and bf16 compute."""
     E, H, Hkv = SHAPES["gqa2"]
     module = make_module(UnilmFlashDiff1, E, H, Hkv, 1, seed=3).to(torch.bfloat16)
@@ -341,12 +336,12 @@ def test_bf16_activations_fp32_params(record_property):
     layer = load_unilm_attention(module.state_dict(), depth=1, dtype="bfloat16", param_dtype="float32")
     assert layer.q_kernel[...].dtype == jnp.float32
     rel = max_abs(diffjax_forward(layer, to_numpy(x16)), expected) / float(np.max(np.abs(expected)))
-    report(record_property, "bf16 gqa2 depth 1 fp32 params: max abs diff / max |out|", rel)
+    measured("bf16 gqa2 depth 1 fp32 params: max abs diff / max |out|", rel)
     assert rel <= BF16_RTOL
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jit_matches_flashdiff1(dtype, record_property):
+def test_jit_matches_flashdiff1(dtype, measured):
     """Under jit XLA may keep excess precision between fused bf16 ops (xla_allow_excess_precision), so
     bf16 results differ from eager by rounding noise only."""
     E, H, Hkv = SHAPES["gqa2"]
@@ -365,12 +360,12 @@ def test_jit_matches_flashdiff1(dtype, record_property):
     got = np.asarray(forward(layer, jnp.asarray(to_numpy(x)))).astype(np.float64)
     err = max_abs(got, expected)
     if dtype == "float32":
-        report(record_property, "fp32 gqa2 depth 0 jit: max abs diff", err)
+        measured("fp32 gqa2 depth 0 jit: max abs diff", err)
         assert err <= FP32_ATOL
     else:
         rel, bias = err / float(np.max(np.abs(expected))), signed_bias(got, expected)
-        report(record_property, "bf16 gqa2 depth 0 jit: max abs diff / max |out|", rel)
-        report(record_property, "bf16 gqa2 depth 0 jit: signed bias", bias)
+        measured("bf16 gqa2 depth 0 jit: max abs diff / max |out|", rel)
+        measured("bf16 gqa2 depth 0 jit: signed bias", bias)
         assert rel <= BF16_RTOL and abs(bias) <= BF16_MAX_BIAS
 
 
@@ -378,7 +373,7 @@ def test_jit_matches_flashdiff1(dtype, record_property):
 # the naive module (§2.6)
 
 
-def test_naive_module_agrees_for_mha(record_property):
+def test_naive_module_agrees_for_mha(measured):
     E, H, Hkv = SHAPES["mha"]
     flash = make_module(UnilmFlashDiff1, E, H, Hkv, 1)
     naive = UnilmNaiveDiffAttn(E, 1, H, Hkv)
@@ -387,13 +382,13 @@ def test_naive_module_agrees_for_mha(record_property):
     got = diffjax_forward(load_unilm_attention(naive.state_dict(), depth=1), x.numpy())
     err_naive = max_abs(got, torch_forward(naive, x).numpy())
     err_torch = max_abs(torch_forward(flash, x).numpy(), torch_forward(naive, x).numpy())
-    report(record_property, "fp32 naive n_rep 1: max abs diff diffjax vs naive", err_naive)
-    report(record_property, "fp32 naive n_rep 1: max abs diff flash vs naive (torch)", err_torch)
+    measured("fp32 naive n_rep 1: max abs diff diffjax vs naive", err_naive)
+    measured("fp32 naive n_rep 1: max abs diff flash vs naive (torch)", err_torch)
     assert err_naive <= FP32_ATOL
 
 
 @pytest.mark.parametrize("shape", ["gqa2", "gqa4"])
-def test_naive_module_differs_under_gqa(shape, record_property):
+def test_naive_module_differs_under_gqa(shape, measured):
     """Known divergence: the naive module's repeat_kv on interleaved k pairs q1 and q2 with other k
     sub-heads when n_rep > 1. diffjax follows the flash pairing."""
     E, H, Hkv = SHAPES[shape]
@@ -404,8 +399,8 @@ def test_naive_module_differs_under_gqa(shape, record_property):
     got = diffjax_forward(load_unilm_attention(flash.state_dict(), depth=1), x.numpy())
     err_flash = max_abs(got, torch_forward(flash, x).numpy())
     err_naive = max_abs(got, torch_forward(naive, x).numpy())
-    report(record_property, f"fp32 {shape}: max abs diff diffjax vs flash", err_flash)
-    report(record_property, f"fp32 {shape}: max abs diff diffjax vs naive (expected large)", err_naive)
+    measured(f"fp32 {shape}: max abs diff diffjax vs flash", err_flash)
+    measured(f"fp32 {shape}: max abs diff diffjax vs naive (expected large)", err_naive)
     assert err_flash <= FP32_ATOL
     assert err_naive > 0.05
 
@@ -445,7 +440,7 @@ def test_export_without_subln_gives_ones_and_prefix():
     assert all(k.startswith("layers.0.attn.") for k in exported)
 
 
-def test_prefix_picks_one_module(record_property):
+def test_prefix_picks_one_module(measured):
     E, H, Hkv = SHAPES["gqa2"]
     modules = [make_module(UnilmFlashDiff1, E, H, Hkv, depth, seed=depth) for depth in range(3)]
     big = {"embed_tokens.weight": torch.zeros(10, E), "layers.3.self_attn.q_proj.weight": torch.zeros(E, E)}
@@ -455,7 +450,7 @@ def test_prefix_picks_one_module(record_property):
     layer = load_unilm_attention(big, depth=1, prefix="layers.1.self_attn.")
     x = make_input(E)
     err = max_abs(diffjax_forward(layer, x.numpy()), torch_forward(modules[1], x).numpy())
-    report(record_property, "fp32 gqa2 depth 1 via prefix: max abs diff", err)
+    measured("fp32 gqa2 depth 1 via prefix: max abs diff", err)
     assert err <= FP32_ATOL
 
 
