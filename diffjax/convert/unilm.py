@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from diffjax.config import ModelConfig
+from diffjax.convert.common import to_numpy
 from diffjax.model.attention import DiffAttention
 
 __all__ = ["UNILM_ATTENTION_KEYS", "load_unilm_attention", "unilm_attention_state_dict"]
@@ -41,20 +42,6 @@ _NP_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
 }
-
-
-def _to_numpy(value: Any, key: str) -> np.ndarray:
-    """A torch tensor, numpy array or jax array as a numpy array, bit-exact (bf16 -> ml_dtypes.bfloat16)."""
-    if type(value).__module__.startswith("torch"):  # duck-typed: torch is not imported here
-        tensor = value.detach().cpu()
-        if str(tensor.dtype) == "torch.bfloat16":
-            # numpy has no bfloat16: widen to float32 (exact) and narrow with ml_dtypes (exact again).
-            return tensor.float().numpy().astype(ml_dtypes.bfloat16)
-        return tensor.numpy()
-    array = np.asarray(value)
-    if array.dtype == object:
-        raise ValueError(f"{key}: cannot convert a value of type {type(value).__name__} to an array")
-    return array
 
 
 def _dtype_name(dtype: np.dtype) -> str | None:
@@ -175,7 +162,7 @@ def load_unilm_attention(
                 f"attention module, whose keys are {', '.join(prefix + k for k in UNILM_ATTENTION_KEYS)})"
             )
             continue
-        arrays[key] = _to_numpy(value, full_key)
+        arrays[key] = to_numpy(value)
 
     problems: list[str] = []
     for key in UNILM_ATTENTION_KEYS:
