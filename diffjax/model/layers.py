@@ -72,13 +72,17 @@ class Embedding(nnx.Module):
         tokens_BT = jnp.asarray(tokens_BT)
         if not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
             raise TypeError(f"tokens must be an integer array, got dtype {tokens_BT.dtype}")
-        if not isinstance(tokens_BT, jax.core.Tracer) and tokens_BT.size:
-            low, high = int(np.min(tokens_BT)), int(np.max(tokens_BT))
+        try:
+            ids = np.asarray(tokens_BT)
+        except jax.errors.TracerArrayConversionError:
+            # Under jit the ids are not known: out-of-range ids then read NaN rows (below) instead of
+            # a silently clamped row, so the error still surfaces in the loss.
+            ids = None
+        if ids is not None and ids.size:
+            low, high = int(ids.min()), int(ids.max())
             if low < 0 or high >= self.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        # Under jit the check above cannot run: out-of-range ids then read NaN rows instead of a
-        # silently clamped row, so the error still surfaces in the loss.
         table = self.embedding[...].astype(dtype)
         return jnp.take(table, tokens_BT, axis=0, mode="fill", fill_value=jnp.nan)
 
