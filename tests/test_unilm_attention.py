@@ -504,3 +504,35 @@ def test_unexpected_key_under_prefix_only():
     state_dict["blk.extra"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"blk\.extra"):
         load_unilm_attention(state_dict, depth=0, prefix="blk.")
+
+
+@pytest.mark.parametrize("shape", ["mha", "gqa2"])
+def test_gradients_match_torch_autograd(shape, measured):
+    """d(sum(out * cotangent)) for every parameter (subln.weight and the four lambdas included) and the input."""
+    E, H, Hkv = SHAPES[shape]
+    module = make_module(UnilmFlashDiff1, E, H, Hkv, 2)
+    x = make_input(E).requires_grad_(True)
+    cotangent = torch.randn(B, T, E, generator=torch.Generator().manual_seed(7))
+    cos, sin = unilm_rope_tables(T, module.head_dim, THETA, x.dtype)
+    (module(x, cos, sin) * cotangent).sum().backward()
+    expected = {name: p.grad.numpy() for name, p in module.named_parameters()}
+
+    layer = load_unilm_attention(module.state_dict(), depth=2)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    tables = rope_tables(positions, inv_frequencies(layer.config), jnp.float32)
+
+    def objective(layer, x_BTD):
+        return jnp.sum(layer(x_BTD, tables) * jnp.asarray(cotangent.numpy()))
+
+    grads, grad_x = nnx.grad(objective, argnums=(0, 1))(layer, jnp.asarray(x.detach().numpy()))
+    # Gradients re-laid-out exactly like the weights (the export is transposes and reshapes).
+    grad_layer = load_unilm_attention(module.state_dict(), depth=2)
+    nnx.update(grad_layer, grads)
+    ours = unilm_attention_state_dict(grad_layer)
+    worst = max_abs(np.asarray(grad_x), x.grad.numpy()) / np.abs(x.grad.numpy()).max()
+    for name, grad in expected.items():
+        err = max_abs(ours[name], grad) / np.abs(grad).max()
+        assert err <= 1e-4, f"gradient of {name}: max rel err {err:.2e}"
+        worst = max(worst, err)
+    assert set(expected) == set(ours)
+    measured("grad max rel err (params and input)", worst, 1e-4)
