@@ -37,7 +37,9 @@ class DiffAttention(nnx.Module):
         """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
 
         Products in the parameter dtype, sums and exp in float32, then the activation dtype
-        (the order of HF DiffLlama; identical to unilm for float32 parameters).
+        (the order of HF DiffLlama; identical to unilm for float32 parameters). Adding lambda_init
+        rounds it to the activation dtype first, as PyTorch does for a bf16 tensor plus a Python
+        float on CPU (bit-identical to unilm in bf16, tests/test_unilm_attention.py).
         """
         dot1 = jnp.sum(self.lambda_q1[...] * self.lambda_k1[...], dtype=jnp.float32)
         dot2 = jnp.sum(self.lambda_q2[...] * self.lambda_k2[...], dtype=jnp.float32)
