@@ -22,13 +22,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Mapping
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from diffjax.config import ModelConfig
-from diffjax.convert.common import to_numpy
+from diffjax.convert.common import build_module, to_numpy
 from diffjax.model.attention import DiffAttention
 
 __all__ = ["UNILM_ATTENTION_KEYS", "load_unilm_attention", "unilm_attention_state_dict"]
@@ -207,26 +206,18 @@ def load_unilm_attention(
         dtype=dtype,
         param_dtype=param_dtype,
     )
-    layer = DiffAttention(config, int(depth), rngs=nnx.Rngs(0))
-
-    pdt = _NP_DTYPES[param_dtype]
     subln = arrays.get("subln.weight")
     if subln is None:
         subln = np.ones((2 * d,), dtype=np.float32)
-    new_values = {
-        "q_kernel": arrays["q_proj.weight"].T.reshape(E, H, 2, d),
-        "k_kernel": arrays["k_proj.weight"].T.reshape(E, K, 2, d),
-        "v_kernel": arrays["v_proj.weight"].T.reshape(E, K, 2 * d),
-        "o_kernel": arrays["out_proj.weight"].T.reshape(H, 2 * d, E),
-        **{name: arrays[name] for name in LAMBDA_KEYS},
-        "subln_scale": subln,
+    params = {
+        ("q_kernel",): arrays["q_proj.weight"].T.reshape(E, H, 2, d),
+        ("k_kernel",): arrays["k_proj.weight"].T.reshape(E, K, 2, d),
+        ("v_kernel",): arrays["v_proj.weight"].T.reshape(E, K, 2 * d),
+        ("o_kernel",): arrays["out_proj.weight"].T.reshape(H, 2 * d, E),
+        **{(name,): arrays[name] for name in LAMBDA_KEYS},
+        ("subln_scale",): subln,
     }
-    for name, value in new_values.items():
-        param = getattr(layer, name)
-        if tuple(param[...].shape) != value.shape:  # guards against a drift of DiffAttention's layout
-            raise AssertionError(f"DiffAttention.{name} has shape {param[...].shape}, converter made {value.shape}")
-        param.set_value(jnp.asarray(np.ascontiguousarray(value.astype(pdt))))
-    return layer
+    return build_module(lambda: DiffAttention(config, int(depth), rngs=nnx.Rngs(0)), params, _NP_DTYPES[param_dtype])
 
 
 def unilm_attention_state_dict(layer: DiffAttention, *, prefix: str = "") -> dict[str, np.ndarray]:
