@@ -186,13 +186,13 @@ class TokenizerConfig:
 
     def __post_init__(self):
         if self.kind not in TOKENIZER_KINDS:
-            raise ValueError(f"tokenizer.kind must be one of {TOKENIZER_KINDS}, got {self.kind!r}")
+            raise ValueError(f"data.tokenizer.kind must be one of {TOKENIZER_KINDS}, got {self.kind!r}")
         if self.kind == "sentencepiece" and not self.path:
-            raise ValueError("tokenizer.path must name a sentencepiece .model file when tokenizer.kind is 'sentencepiece'")
+            raise ValueError("data.tokenizer.path must name a sentencepiece .model file when data.tokenizer.kind is 'sentencepiece'")
         if self.kind == "tiktoken" and bool(self.path) == bool(self.encoding):
             raise ValueError(
-                "tokenizer.kind 'tiktoken' needs exactly one of tokenizer.encoding (a named encoding such as "
-                "'cl100k_base') or tokenizer.path (a .tiktoken file)"
+                "data.tokenizer.kind 'tiktoken' needs exactly one of data.tokenizer.encoding (a named encoding such as "
+                "'cl100k_base') or data.tokenizer.path (a .tiktoken file)"
             )
 
 

@@ -1,16 +1,21 @@
-"""Training: the optimizer and the loop behind `python train.py`."""
+"""Training: run config, optimizer, train step, Orbax checkpoints, metrics and the loop behind train.py."""
 
-from diffjax.train.loop import TrainConfig, TrainSummary, evaluate, train, train_step
+from diffjax.train.batching import BatchPlan, plan_batch
+from diffjax.train.config import CheckpointConfig, RunConfig, TrainConfig, load_run_config
+from diffjax.train.loop import TrainResult, train
 from diffjax.train.optimizer import OptimizerConfig, make_optimizer, make_schedule, weight_decay_mask
 
 __all__ = [
+    "BatchPlan",
+    "CheckpointConfig",
     "OptimizerConfig",
+    "RunConfig",
     "TrainConfig",
-    "TrainSummary",
-    "evaluate",
+    "TrainResult",
+    "load_run_config",
     "make_optimizer",
     "make_schedule",
+    "plan_batch",
     "train",
-    "train_step",
     "weight_decay_mask",
 ]

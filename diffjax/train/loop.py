@@ -1,158 +1,248 @@
-"""The training loop: a jitted NNX train step, an eval loss, and `train` with progress logging.
+"""`train(config)`: the whole run, from data to checkpoints, metrics and a generated sample.
 
-Batches are numpy windows sampled on the host (diffjax.data); the model and optimizer are updated
-in place by `nnx.jit`.
+Rerunning with the same run directory resumes from its newest checkpoint: params, optimizer state,
+step, RNG and the data iterator's position, so the continued run equals an uninterrupted one.
+SIGTERM / SIGINT finish the current step, save a checkpoint of it and exit.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-import jax.numpy as jnp
+import jax
 import numpy as np
-import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from diffjax.data import random_windows, sequential_windows
-from diffjax.losses import next_token_loss
+from diffjax.data import make_eval_batches, make_train_dataset
+from diffjax.generate import sample
+from diffjax.model import TransformerLM
+from diffjax.tokenizers import make_tokenizer
+from diffjax.train.batching import BatchPlan, plan_batch
+from diffjax.train.checkpoint import Checkpointer, abstract_like
+from diffjax.train.config import RunConfig, read_yaml, save_run_config
+from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, training_flops_per_token
+from diffjax.train.optimizer import make_optimizer
+from diffjax.train.progress import Progress
+from diffjax.train.step import init_state, make_eval_step, make_train_step
 
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 1000
-    batch_size: int = 16
-    seq_len: int = 256
-    seed: int = 0  # seeds the batch sampler (the model is initialized by the caller)
-    log_every: int = 25
-    eval_every: int = 250  # 0: evaluate only at the end
-    eval_windows: int = 64  # non-overlapping seq_len windows from the start of the eval split
-    final_loss_window: int = 20  # the summary's train loss is the mean over this many last steps
-
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len", "log_every", "eval_windows", "final_loss_window"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.eval_every < 0:
-            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+CONFIG_FILE = "config.yaml"
 
 
 @dataclasses.dataclass
-class TrainSummary:
-    steps: int
-    final_train_loss: float  # mean over the last `final_loss_window` steps
-    eval_loss: float | None  # None when there is no eval data
-    seconds: float  # wall time of the loop, compilation included
-    tokens_per_second: float  # after the first (compiling) step
-    eval_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+class TrainResult:
+    step: int  # the step the run ended at
+    losses: dict[int, float]  # train loss per step run in this call
+    eval_losses: dict[int, float]
+    tokens_per_second: float | None
+    sample: str | None
+    interrupted: str | None = None  # the signal's name when stopped by SIGTERM / SIGINT
 
 
-def loss_fn(model, tokens_BT):
-    return next_token_loss(model(tokens_BT), tokens_BT)
+class StopSignals:
+    """Turns SIGTERM / SIGINT into a flag the loop checks after each step (a second signal exits at once)."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self):
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
-@nnx.jit
-def train_step(model, optimizer: nnx.Optimizer, tokens_BT):
-    """One AdamW step in place; returns the loss before the update and the gradient's global norm."""
-    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens_BT)
-    optimizer.update(model, grads)
-    return {"loss": loss, "grad_norm": optax.global_norm(grads)}
+def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
+    """A run directory belongs to one model: refuse to resume with a different model section."""
+    saved_path = run_dir / CONFIG_FILE
+    if not saved_path.exists():
+        return
+    saved = read_yaml(saved_path)
+    current = config.to_dict()
+    if saved.get("model") != current["model"]:
+        differing = sorted(
+            key for key in set(saved.get("model", {})) | set(current["model"])
+            if saved.get("model", {}).get(key) != current["model"].get(key)
+        )
+        raise ValueError(
+            f"run directory {run_dir} holds a run of a different model (model.{', model.'.join(differing)} differ "
+            f"from {saved_path}); choose another train.run_dir or restore those values"
+        )
+    for section in ("data", "optim", "train", "checkpoint"):
+        if saved.get(section) != current[section]:
+            changed = sorted(k for k in current[section] if saved.get(section, {}).get(k) != current[section][k])
+            log(f"note: resuming with changed {', '.join(section + '.' + k for k in changed)}")
 
 
-@nnx.jit
-def eval_step(model, tokens_BT):
-    return loss_fn(model, tokens_BT)
+def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """This process's rows -> one global array per key, split over the mesh's data axis."""
+    return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in local.items()}
 
 
-def evaluate(model, windows_NT: np.ndarray, batch_size: int) -> float:
-    """Mean next-token loss over the windows, in batches of `batch_size` (the last one may be smaller)."""
-    if len(windows_NT) == 0:
-        raise ValueError("evaluate needs at least one window")
-    total, count = 0.0, 0
-    for start in range(0, len(windows_NT), batch_size):
-        batch = windows_NT[start : start + batch_size]
-        total += float(eval_step(model, jnp.asarray(batch))) * len(batch)
-        count += len(batch)
-    return total / count
+def _stack_micro_batches(batch: dict[str, np.ndarray], plan: BatchPlan) -> dict[str, np.ndarray]:
+    """[rows, T] -> [accum, rows / accum, T]: the micro-batches a step accumulates over."""
+    return {key: value.reshape(plan.accum_steps, -1, value.shape[-1]) for key, value in batch.items()}
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes}m{seconds:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
+def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResult:
+    run_dir = Path(config.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_resumable(run_dir, config, log)
 
-
-def train(
-    model,
-    tx: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    train_tokens: np.ndarray,
-    eval_tokens: np.ndarray | None,
-    config: TrainConfig,
-    *,
-    log: Callable[[str], None] = print,
-) -> TrainSummary:
-    """Train `model` in place for `config.steps` steps on random windows of `train_tokens`."""
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    rng = np.random.default_rng(config.seed)
-    eval_windows = None
-    if eval_tokens is not None and len(eval_tokens) >= config.seq_len:
-        eval_windows = sequential_windows(eval_tokens, config.seq_len, config.eval_windows)
-    tokens_per_step = config.batch_size * config.seq_len
-
-    # Device scalars, converted to floats only when logged so that the host can run ahead.
-    recent_losses = collections.deque(maxlen=config.final_loss_window)
-    eval_history = []
-    eval_seconds = 0.0  # excluded from tokens/s and the ETA
-    start = time.perf_counter()
-    timed_start = None  # set after the first step, which includes compilation
-    for step in range(config.steps):
-        batch = random_windows(train_tokens, config.batch_size, config.seq_len, rng)
-        metrics = train_step(model, optimizer, jnp.asarray(batch))
-        recent_losses.append(metrics["loss"])
-        done = step + 1
-        if step == 0:
-            float(metrics["loss"])  # wait for compilation to finish before timing
-            timed_start = time.perf_counter()
-        if done % config.log_every == 0 or done == config.steps or step == 0:
-            loss = float(metrics["loss"])
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {done}")
-            now = time.perf_counter()
-            timed_steps = done - 1
-            rate = timed_steps * tokens_per_step / (now - timed_start - eval_seconds) if timed_steps else float("nan")
-            eta = (config.steps - done) * tokens_per_step / rate if timed_steps else float("nan")
-            log(
-                f"step {done:>{len(str(config.steps))}}/{config.steps} | loss {loss:.4f} | "
-                f"grad norm {float(metrics['grad_norm']):.3f} | lr {float(schedule(step)):.2e} | "
-                f"{f'{rate:,.0f}' if math.isfinite(rate) else '?'} tok/s | elapsed {format_duration(now - start)} | "
-                f"eta {format_duration(eta) if math.isfinite(eta) else '?'}"
-            )
-        if eval_windows is not None and config.eval_every and done % config.eval_every == 0 and done != config.steps:
-            eval_start = time.perf_counter()
-            eval_history.append((done, evaluate(model, eval_windows, config.batch_size)))
-            eval_seconds += time.perf_counter() - eval_start
-            log(f"step {done}: eval loss {eval_history[-1][1]:.4f}")
-
-    last = [float(x) for x in recent_losses]  # also waits for the last step
-    train_seconds = time.perf_counter() - timed_start - eval_seconds
-    if eval_windows is not None:
-        eval_history.append((config.steps, evaluate(model, eval_windows, config.batch_size)))
-        log(f"step {config.steps}: eval loss {eval_history[-1][1]:.4f}")
-    timed_steps = config.steps - 1
-    return TrainSummary(
-        steps=config.steps,
-        final_train_loss=float(np.mean(last)),
-        eval_loss=eval_history[-1][1] if eval_history else None,
-        seconds=time.perf_counter() - start,
-        tokens_per_second=timed_steps * tokens_per_step / train_seconds if timed_steps else float("nan"),
-        eval_history=eval_history,
+    tokenizer = make_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
+        )
+    plan = plan_batch(
+        config.global_batch_size, num_devices=jax.device_count(), num_processes=jax.process_count(),
+        micro_batch_per_device=config.train.micro_batch_per_device,
     )
+    seq_len = config.data.seq_len
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    replicated = NamedSharding(mesh, P())
+    step_sharding = NamedSharding(mesh, P(None, "data"))  # [accum, batch, T]
+    eval_sharding = NamedSharding(mesh, P("data"))
+
+    model = TransformerLM(config.model, rngs=nnx.Rngs(config.train.seed))
+    graphdef = nnx.graphdef(model)
+    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    state = jax.device_put(init_state(model, tx, config.train.seed), replicated)
+
+    train_ds = make_train_dataset(
+        config.data, tokenizer, batch_size=plan.per_process_batch, seed=config.train.seed,
+        shard_index=jax.process_index(), shard_count=jax.process_count(),
+    )
+    data_iter = iter(train_ds)
+    eval_rows = plan.micro_batch_per_device * plan.num_devices // plan.num_processes
+    eval_batches = make_eval_batches(
+        config.data, tokenizer, batch_size=eval_rows, shard_index=jax.process_index(), shard_count=jax.process_count()
+    )
+
+    checkpointer = Checkpointer(run_dir, config.checkpoint)
+    start_step = checkpointer.latest_step() or 0
+    if start_step:
+        state, data_state = checkpointer.restore(start_step, abstract_like(state))
+        data_iter.set_state(data_state)
+        log(f"resumed from {checkpointer.directory / str(start_step)} (step {start_step})")
+    save_run_config(config, run_dir / CONFIG_FILE)
+
+    train_step = jax.jit(make_train_step(graphdef, tx, schedule, config.model), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(graphdef))
+    params_count = config.model.param_count()
+    flops_per_token = training_flops_per_token(config.model, seq_len)
+    peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)
+    tokens_per_step = plan.global_batch * seq_len
+    log(
+        f"model: {config.model.attention} attention, d_model {config.model.d_model}, {config.model.num_layers} layers, "
+        f"{config.model.num_heads} heads of dim {config.model.head_dim}, {params_count:,} params; "
+        f"{flops_per_token / 1e6:,.1f} MFLOP per trained token"
+    )
+    log(f"data: {config.data.source}, tokenizer {tokenizer.name}; batch {plan.describe(seq_len)}")
+    log(f"run directory: {run_dir}")
+
+    def evaluate() -> float | None:
+        if not eval_batches:
+            return None
+        total, count = 0.0, 0.0
+        for batch in eval_batches:
+            loss_sum, tokens = eval_step(state["params"], _global_batch(batch, eval_sharding))
+            total, count = total + float(loss_sum), count + float(tokens)
+        return total / max(count, 1.0)
+
+    metrics_writer = MetricsWriter(run_dir, tensorboard=config.train.tensorboard, resume_step=start_step)
+    result = TrainResult(step=start_step, losses={}, eval_losses={}, tokens_per_second=None, sample=None)
+    if start_step >= config.train.steps:
+        log(f"the run in {run_dir} is complete (step {start_step} of train.steps = {config.train.steps}); nothing to train")
+    progress = Progress(config.train.progress, start_step, config.train.steps, tokens_per_step, log)
+    pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
+    timer = {"start": None, "steps": 0, "paused": 0.0}
+
+    def flush():
+        for step_done, metrics in pending:
+            values = {key: float(value) for key, value in metrics.items() if key != "lambda"}
+            if not math.isfinite(values["loss"]):
+                raise FloatingPointError(f"train loss became {values['loss']} at step {step_done}")
+            if "lambda" in metrics:
+                values.update({f"lambda/layer_{i}": float(x) for i, x in enumerate(np.asarray(metrics["lambda"]))})
+            result.losses[step_done] = values["loss"]
+            if timer["steps"]:
+                elapsed = time.perf_counter() - timer["start"] - timer["paused"]
+                rate = timer["steps"] * tokens_per_step / elapsed
+                values["tokens_per_second"] = rate
+                values["tflops_per_device"] = rate * flops_per_token / plan.num_devices / 1e12
+                if peak:
+                    values["mfu"] = rate * flops_per_token / plan.num_devices / peak
+                result.tokens_per_second = rate
+            metrics_writer.write(step_done, "train", values)
+            progress.update(step_done, values)
+        pending.clear()
+
+    step = start_step
+    try:
+        with StopSignals() as stop:
+            while step < config.train.steps:
+                batch = _global_batch(_stack_micro_batches(next(data_iter), plan), step_sharding)
+                state, metrics = train_step(state, batch)
+                step += 1
+                pending.append((step, metrics))
+                if timer["start"] is None:  # the first step compiles: time from its end
+                    jax.block_until_ready(metrics)
+                    timer["start"] = time.perf_counter()
+                else:
+                    timer["steps"] += 1
+                if step % config.train.log_every == 0 or step == config.train.steps or step == start_step + 1:
+                    flush()
+                pause = time.perf_counter()
+                if config.train.eval_every and step % config.train.eval_every == 0 and step < config.train.steps:
+                    flush()
+                    result.eval_losses[step] = evaluate()
+                    metrics_writer.write(step, "eval", {"loss": result.eval_losses[step]})
+                    progress.note(f"step {step}: eval loss {result.eval_losses[step]:.4f}")
+                if step % config.checkpoint.every == 0 or step == config.train.steps or stop.received:
+                    checkpointer.save(step, state, data_iter.get_state())
+                timer["paused"] += time.perf_counter() - pause
+                if stop.received:
+                    flush()
+                    checkpointer.wait()
+                    log(f"{stop.received}: saved a checkpoint of step {step} in {checkpointer.directory}; exiting")
+                    result.interrupted = stop.received
+                    break
+        flush()
+    finally:
+        progress.close()
+        checkpointer.close()
+    result.step = step
+    if result.interrupted is None and step >= config.train.steps:
+        final_eval = evaluate()
+        if final_eval is not None:
+            result.eval_losses[step] = final_eval
+            metrics_writer.write(step, "eval", {"loss": final_eval})
+            log(f"step {step}: eval loss {final_eval:.4f}")
+        if config.train.sample_tokens:
+            model = nnx.merge(graphdef, state["params"])
+            prompt = tokenizer.encode(config.train.sample_prompt)
+            key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), 0)
+            ids = sample(model, prompt, config.train.sample_tokens, key=key, temperature=config.train.sample_temperature, window=seq_len)
+            result.sample = config.train.sample_prompt + tokenizer.decode(ids)
+            log(f"sample (temperature {config.train.sample_temperature}):\n{result.sample}")
+    metrics_writer.close()
+    if result.tokens_per_second:
+        log(f"done at step {step}: {result.tokens_per_second:,.0f} tokens/s")
+    return result

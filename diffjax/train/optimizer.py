@@ -1,85 +1,120 @@
-"""AdamW with warmup + decay, global-norm clipping, and no weight decay on 1-D parameters.
+"""AdamW with warmup then decay to a floor, a weight-decay mask by parameter name, and clipping.
 
 Learning rate at optimizer step s (0-based; step s applies schedule(s)), with W = warmup_steps,
-N = total_steps, r = min_lr_ratio and p = clip((s - W) / (N - W), 0, 1):
+N = decay_steps, m = min_lr and p = clip((s - W) / (N - W), 0, 1):
 
-    s < W:   peak * s / W                                  (linear warmup from 0)
-    s >= W:  peak * (r + (1 - r) * (1 - p))                (decay="linear")
-             peak * (r + (1 - r) * (1 + cos(pi p)) / 2)    (decay="cosine")
+    s < W:   lr * s / W                                 (linear warmup from 0)
+    s >= W:  m + (lr - m) * (1 - p)                     (decay="linear")
+             m + (lr - m) * (1 + cos(pi p)) / 2         (decay="cosine")
+             lr                                         (decay="constant")
 
-so the rate is `peak` at s = W and `r * peak` from s = N on.
+so the rate is `lr` at s = W and `min_lr` from s = N on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import optax
 
-DECAYS = ("cosine", "linear")
+DECAYS = ("linear", "cosine", "constant")
+# Parameter paths that get no weight decay by default: RMSNorm scales, the per-head subln scale
+# and differential attention's lambda vectors (decaying lambda_q/k would pull lambda to lambda_init).
+DEFAULT_NO_DECAY = (r"norm", r"subln", r"lambda_")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    peak_lr: float = 2e-3
-    warmup_steps: int = 100
-    total_steps: int = 1000
-    decay: str = "cosine"  # "cosine" or "linear", down to min_lr_ratio * peak_lr at total_steps
-    min_lr_ratio: float = 0.1
+    lr: float = 3e-3  # peak learning rate, reached after warmup
+    warmup_steps: int = 20
+    decay: str = "cosine"  # "linear", "cosine" or "constant", from lr down to min_lr at decay_steps
+    min_lr: float = 3e-4  # the floor
+    decay_steps: int | None = None  # None: the run's train.steps
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    # Regular expressions searched in a parameter's dotted path (e.g. "blocks.3.attn.lambda_q1");
+    # a match excludes the parameter from weight decay.
+    no_decay: tuple[str, ...] = DEFAULT_NO_DECAY
     clip_norm: float | None = 1.0  # global gradient norm; None: no clipping
-    decay_1d_params: bool = False  # True: also decay norm scales, lambda vectors and the subln scale
 
     def __post_init__(self):
-        if self.peak_lr <= 0:
-            raise ValueError(f"peak_lr must be > 0, got {self.peak_lr}")
-        if self.warmup_steps < 0 or self.total_steps <= 0:
-            raise ValueError(f"need warmup_steps >= 0 and total_steps > 0, got {self.warmup_steps}, {self.total_steps}")
+        object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be in [0, optim.lr = {self.lr}], got {self.min_lr!r}")
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+            raise ValueError(f"optim.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.decay_steps is not None and not (isinstance(self.decay_steps, int) and self.decay_steps > 0):
+            raise ValueError(f"optim.decay_steps must be a positive integer or None, got {self.decay_steps!r}")
         if self.decay not in DECAYS:
-            raise ValueError(f"decay must be one of {DECAYS}, got {self.decay!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise ValueError(f"optim.decay must be one of {DECAYS}, got {self.decay!r}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if not self.eps > 0:
+            raise ValueError(f"optim.eps must be > 0, got {self.eps!r}")
         if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.clip_norm is not None and self.clip_norm <= 0:
-            raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm}")
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"optim.clip_norm must be > 0 or None, got {self.clip_norm!r}")
+        for pattern in self.no_decay:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"optim.no_decay: {pattern!r} is not a regular expression ({error})") from None
 
 
-def make_schedule(config: OptimizerConfig) -> optax.Schedule:
+def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
     """The learning rate per optimizer step (formula in the module docstring)."""
-    peak, warmup = config.peak_lr, config.warmup_steps
-    decay_steps = max(1, config.total_steps - warmup)
+    lr, warmup = config.lr, config.warmup_steps
+    decay_steps = max(1, (config.decay_steps or total_steps) - warmup)
     if config.decay == "cosine":
-        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=config.min_lr_ratio)
+        decay = optax.cosine_decay_schedule(lr, decay_steps, alpha=config.min_lr / lr)
+    elif config.decay == "linear":
+        decay = optax.linear_schedule(lr, config.min_lr, decay_steps)
     else:
-        decay = optax.linear_schedule(peak, peak * config.min_lr_ratio, decay_steps)
+        decay = optax.constant_schedule(lr)
     if warmup == 0:
         return decay
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], boundaries=[warmup])
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], boundaries=[warmup])
 
 
-def weight_decay_mask(params):
-    """True for parameters that get weight decay: every parameter with more than one axis.
+def path_name(path) -> str:
+    """'blocks.3.attn.lambda_q1' for a pytree key path."""
+    parts = []
+    for key in path:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                parts.append(str(getattr(key, attribute)))
+                break
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
 
-    Excludes the 1-D ones: RMSNorm scales, DIFF attention's lambda_q1/k1/q2/k2 and subln scale.
-    """
-    return jax.tree.map(lambda x: x.ndim > 1, params)
+
+def weight_decay_mask(params, no_decay=DEFAULT_NO_DECAY):
+    """True for parameters that get weight decay: those whose path matches none of `no_decay`."""
+    patterns = [re.compile(pattern) for pattern in no_decay]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(p.search(path_name(path)) for p in patterns), params
+    )
 
 
-def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(tx, schedule): clip by global norm, then AdamW on `schedule`; `schedule(step)` is the lr to log."""
-    schedule = make_schedule(config)
+    schedule = make_schedule(config, total_steps)
     adamw = optax.adamw(
         learning_rate=schedule,
         b1=config.b1,
         b2=config.b2,
         eps=config.eps,
         weight_decay=config.weight_decay,
-        mask=None if config.decay_1d_params else weight_decay_mask,
+        mask=lambda params: weight_decay_mask(params, config.no_decay),
     )
     if config.clip_norm is None:
         return adamw, schedule

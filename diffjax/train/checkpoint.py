@@ -1,0 +1,59 @@
+"""Orbax checkpoints of a run: train state (params, optimizer state, step, RNG) and data-iterator state.
+
+Layout: <run_dir>/checkpoints/<step>/{state, data}. Orbax writes each checkpoint into a temporary
+directory and renames it when complete, so a crash during a save leaves the previous checkpoint
+as the latest restorable one (leftover temporary directories are removed on the next start).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from diffjax.train.config import CheckpointConfig
+
+
+class Checkpointer:
+    def __init__(self, run_dir: str | Path, config: CheckpointConfig):
+        self.directory = Path(run_dir).absolute() / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=config.keep,
+            enable_async_checkpointing=config.async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: Any, data_state: dict) -> None:
+        """Starts saving (in the background when async); the caller decides when to save."""
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
+            force=True,
+        )
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """(state, data_state) of checkpoint `step`; `abstract_state` gives structure, shapes, dtypes, shardings."""
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
+        )
+        return restored["state"], restored["data"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def abstract_like(tree):
+    """ShapeDtypeStructs (with shardings) of a pytree of arrays, as a restore target."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)

@@ -1,0 +1,284 @@
+"""The run configuration: model, data, optimizer, training and checkpoint sections.
+
+A run is described by one YAML file (configs/) plus dotted `key=value` overrides, e.g.
+
+    python train.py --config configs/tiny.yaml model.num_layers=2 optim.lr=1e-3
+
+Every section is a frozen dataclass; unknown keys and bad values are errors that name the key
+and list what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from diffjax.config import DataConfig, ModelConfig
+from diffjax.train.optimizer import OptimizerConfig
+
+PROGRESS_STYLES = ("auto", "bar", "lines")
+
+
+def _check_int(config, name: str, *, minimum: int, section: str = "train"):
+    value = getattr(config, name)
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+        raise ValueError(f"{section}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 400
+    # Global batch: give it in sequences (batch_size) or in tokens (batch_tokens, a multiple of
+    # data.seq_len), not both. It is split over the devices present, then into micro-batches of
+    # at most micro_batch_per_device sequences per device (gradient accumulation).
+    batch_size: int | None = 16
+    batch_tokens: int | None = None
+    micro_batch_per_device: int | None = None  # None: the whole per-device batch at once
+    seed: int = 0  # model init, data order and sampling
+    run_dir: str = "runs/tiny"
+    log_every: int = 10  # steps between metric records (JSONL, TensorBoard, log lines)
+    eval_every: int = 100  # steps between held-out evals; 0: only at the end
+    progress: str = "auto"  # "bar" (tqdm), "lines", or "auto" (a bar on a terminal, else lines)
+    tensorboard: bool = True
+    peak_tflops_per_device: float | None = None  # for MFU; None: looked up from the device kind
+    sample_tokens: int = 200  # tokens of text generated at the end (0: none)
+    sample_prompt: str = "def "
+    sample_temperature: float = 0.8
+
+    def __post_init__(self):
+        if (self.batch_size is None) == (self.batch_tokens is None):
+            raise ValueError(
+                "give exactly one of train.batch_size (sequences) and train.batch_tokens (tokens); "
+                f"got batch_size={self.batch_size!r}, batch_tokens={self.batch_tokens!r}"
+            )
+        for name in ("steps", "log_every"):
+            _check_int(self, name, minimum=1)
+        for name in ("batch_size", "batch_tokens", "micro_batch_per_device"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, minimum=1)
+        for name in ("eval_every", "sample_tokens"):
+            _check_int(self, name, minimum=0)
+        if self.progress not in PROGRESS_STYLES:
+            raise ValueError(f"train.progress must be one of {PROGRESS_STYLES}, got {self.progress!r}")
+        if self.peak_tflops_per_device is not None and not self.peak_tflops_per_device > 0:
+            raise ValueError(f"train.peak_tflops_per_device must be > 0 or None, got {self.peak_tflops_per_device!r}")
+        if not self.sample_temperature >= 0:
+            raise ValueError(f"train.sample_temperature must be >= 0 (0: greedy), got {self.sample_temperature!r}")
+        if not self.run_dir:
+            raise ValueError("train.run_dir must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints (the last step and a SIGTERM / SIGINT always save)
+    keep: int = 3  # the newest `keep` checkpoints are kept
+    async_save: bool = True  # write in a background thread while training goes on
+
+    def __post_init__(self):
+        _check_int(self, "every", minimum=1, section="checkpoint")
+        _check_int(self, "keep", minimum=1, section="checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    def __post_init__(self):
+        if self.train.batch_tokens is not None and self.train.batch_tokens % self.data.seq_len:
+            raise ValueError(
+                f"train.batch_tokens ({self.train.batch_tokens}) must be a multiple of data.seq_len ({self.data.seq_len})"
+            )
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
+            )
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step."""
+        if self.train.batch_size is not None:
+            return self.train.batch_size
+        return self.train.batch_tokens // self.data.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.to_dict(),
+            **{name: _plain(dataclasses.asdict(getattr(self, name))) for name in ("data", "optim", "train", "checkpoint")},
+        }
+
+
+def _plain(value):
+    """Tuples as lists, recursively (for YAML / JSON)."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+# --- building configs from nested dicts ------------------------------------------------------
+
+
+def _convert(value, annotation, key: str):
+    """`value` (from YAML or a command-line string) as the field type `annotation`; errors name `key`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+            if type(None) in options:
+                return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, key)
+            except ValueError as error:
+                errors.append(str(error))
+        raise ValueError(errors[0] if len(errors) == 1 else f"{key}: cannot use {value!r} ({'; '.join(errors)})")
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a mapping of {annotation.__name__} fields, got {value!r}")
+        return build_config(annotation, value, prefix=key)
+    if origin is tuple:
+        (item_type, *_rest) = typing.get_args(annotation)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return tuple(_convert(item, item_type, f"{key}[{i}]") for i, item in enumerate(value))
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be an integer, got {value!r}") from None
+        if not (math.isfinite(number) and number == int(number)):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        return int(number)
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be a number, got {value!r}") from None
+    if annotation is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"{key}: unsupported field type {annotation!r}")
+
+
+def build_config(cls, values: dict[str, Any], *, prefix: str = ""):
+    """`cls(**values)` with nested dataclasses built recursively and values converted to field types."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ValueError(
+            f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(where + k for k in unknown)}; "
+            f"valid keys{' under ' + prefix if prefix else ''}: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(value, hints[name], key)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        raise ValueError(message if prefix in message or not prefix else f"{prefix}: {message}") from None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """['model.num_layers=4', 'optim.lr=3e-4'] -> {'model': {'num_layers': '4'}, 'optim': {'lr': '3e-4'}}.
+
+    Values stay strings unless they are YAML lists / mappings; `_convert` turns them into the
+    field's type (so '3e-4' is a float wherever a float is expected).
+    """
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ValueError(f"override {item!r} must look like section.key=value (e.g. optim.lr=3e-4)")
+        value: Any = raw
+        if raw.startswith(("[", "{")):
+            value = yaml.safe_load(raw)
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r} conflicts with an earlier override of {part}")
+        node[leaf] = value
+    return nested
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file's mapping; a top-level `base: other.yaml` (relative to the file) is read first
+    and this file's values are merged over it."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    if path in _seen:
+        raise ValueError(f"config files include each other in a cycle: {' -> '.join(map(str, _seen + (path,)))}")
+    with open(path) as file:
+        values = yaml.safe_load(file) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of sections, got {type(values).__name__}")
+    base = values.pop("base", None)
+    if base is not None:
+        values = merge(read_yaml(path.parent / base, _seen + (path,)), values)
+    return values
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """The run config from a YAML file (or the defaults) with dotted overrides applied on top.
+
+    `model.vocab_size` left out (or "auto") becomes the tokenizer's vocabulary size.
+    """
+    values = merge(read_yaml(path) if path is not None else {}, parse_overrides(list(overrides)))
+    model = values.get("model") or {}
+    if not isinstance(model, dict):
+        raise ValueError(f"model must be a mapping of ModelConfig fields, got {model!r}")
+    if model.get("vocab_size", "auto") == "auto":
+        data = build_config(DataConfig, values.get("data") or {}, prefix="data")
+        from diffjax.tokenizers import make_tokenizer  # reads tokenizer files: only when needed
+
+        values = merge(values, {"model": {"vocab_size": make_tokenizer(data.tokenizer).vocab_size}})
+    return build_config(RunConfig, values)
+
+
+def save_run_config(config: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

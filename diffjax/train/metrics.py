@@ -1,0 +1,123 @@
+"""Training metrics: an analytic FLOP count, MFU, lambda per layer, and JSONL / TensorBoard writers.
+
+FLOP convention (per trained token, multiply-add = 2 FLOPs, training = 3 x forward):
+  dense:     6 x (every matmul parameter: q, k, v, o, the MLP and the LM head; not the embedding
+             lookup, norms or lambda vectors)
+  attention: 3 x forward score + value FLOPs with causal context T/2 (causal halves the T x T square;
+             packing is not discounted). Per layer and token the forward pass costs
+             DIFF:      H heads x 2 maps x (2 d ctx for q k^T + 2 (2d) ctx for p v) = 12 H d ctx
+             standard:  N heads x (2 d ctx + 2 d ctx) = 4 N d ctx
+  so DIFF attention with H = N / 2 costs 1.5x the baseline's (its value dim is 2d for both maps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.config import ModelConfig
+
+# Dense bf16 peak FLOP/s per device (vendor figures, no sparsity), matched against jax's device_kind.
+PEAK_FLOPS = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L4", 121e12),
+    ("TPU v6", 918e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v4", 275e12),
+)
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (the LM head counts even when tied)."""
+    counts = config.param_counts()
+    D, d, L = config.d_model, config.head_dim, config.num_layers
+    small = L * 2 * D + D  # block norms and the final norm
+    if config.attention == "diff":
+        small += L * (4 * d + 2 * d)  # lambda vectors and subln
+    return counts["layers"] + counts["final_norm"] - small + D * config.vocab_size
+
+
+def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token (module docstring)."""
+    context = seq_len / 2
+    if config.attention == "diff":
+        attention_forward = 12 * config.num_heads * config.head_dim * context
+    else:
+        attention_forward = 4 * config.num_heads * config.head_dim * context
+    return 6 * matmul_params(config) + 3 * config.num_layers * attention_forward
+
+
+def peak_flops_per_device(device_kind: str, override_tflops: float | None = None) -> float | None:
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    for name, flops in PEAK_FLOPS:
+        if name.lower() in device_kind.lower():
+            return flops
+    return None
+
+
+def layer_lambdas(params, config: ModelConfig) -> jax.Array | None:
+    """lambda per layer [L] (float32) from the params pure dict; None for the baseline."""
+    if config.attention != "diff":
+        return None
+    values = []
+    for depth in range(config.num_layers):
+        attn = params["blocks"][depth]["attn"]
+        dot1 = jnp.sum(attn["lambda_q1"].astype(jnp.float32) * attn["lambda_k1"].astype(jnp.float32))
+        dot2 = jnp.sum(attn["lambda_q2"].astype(jnp.float32) * attn["lambda_k2"].astype(jnp.float32))
+        values.append(jnp.exp(dot1) - jnp.exp(dot2) + config.lambda_init_at(depth))
+    return jnp.stack(values)
+
+
+class MetricsWriter:
+    """Appends records to <run_dir>/metrics.jsonl and, optionally, TensorBoard event files.
+
+    On resume from `resume_step`, records of later steps (written after the last checkpoint by
+    a run that then died) are dropped from the JSONL and TensorBoard purges them too.
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool, resume_step: int = 0):
+        run_dir = Path(run_dir)
+        self.jsonl_path = run_dir / "metrics.jsonl"
+        if resume_step and self.jsonl_path.exists():
+            self._truncate_after(resume_step)
+        elif not resume_step and self.jsonl_path.exists():
+            self.jsonl_path.unlink()
+        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+        self._tensorboard = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+
+    def _truncate_after(self, step: int):
+        kept = []
+        for line in self.jsonl_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, step: int, kind: str, values: dict[str, float]):
+        clean = {key: (float(v) if v is not None and math.isfinite(float(v)) else None) for key, v in values.items()}
+        self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
+        if self._tensorboard is not None:
+            for key, value in clean.items():
+                if value is not None:
+                    self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self):
+        self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()

@@ -1,0 +1,57 @@
+"""Progress display: a tqdm bar on a terminal, or one log line per logged step elsewhere."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+class Progress:
+    def __init__(self, style: str, start_step: int, total_steps: int, tokens_per_step: int, log):
+        self.total, self.tokens_per_step, self.log = total_steps, tokens_per_step, log
+        use_bar = style == "bar" or (style == "auto" and sys.stderr.isatty())
+        self.bar = None
+        if use_bar and start_step < total_steps:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, values: dict[str, float]):
+        rate = values.get("tokens_per_second")
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            postfix = {"loss": f"{values['loss']:.4f}"}
+            if rate:
+                postfix["tok/s"] = f"{rate:,.0f}"
+            self.bar.set_postfix(postfix, refresh=False)
+            return
+        line = f"step {step:>{len(str(self.total))}}/{self.total} | loss {values['loss']:.4f} | grad norm {values['grad_norm']:.3f} | lr {values['lr']:.2e}"
+        if rate:
+            eta = (self.total - step) * self.tokens_per_step / rate
+            line += f" | {rate:,.0f} tok/s | eta {format_duration(eta)}"
+            if "mfu" in values:
+                line += f" | MFU {values['mfu']:.1%}"
+        self.log(line)
+
+    def note(self, message: str):
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            self.log(message)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
