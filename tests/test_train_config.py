@@ -1,0 +1,183 @@
+"""Run configs: YAML files with `base:`, dotted overrides, errors that name the key, the paper's
+configs, batch plans, the analytic FLOP count against XLA's own count, and gradient accumulation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from diffjax.config import ModelConfig
+from diffjax.model import TransformerLM
+from diffjax.train import OptimizerConfig, load_run_config, make_optimizer, plan_batch
+from diffjax.train.config import RunConfig, parse_overrides
+from diffjax.train.metrics import matmul_params, training_flops_per_token
+from diffjax.train.step import init_state, make_train_step
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PAPER = CONFIGS / "paper"
+VOCAB = ["model.vocab_size=257"]  # skip building the tokenizer where the test is not about it
+
+
+def test_overrides_are_typed_by_the_field():
+    config = load_run_config(CONFIGS / "tiny.yaml", VOCAB + [
+        "model.num_layers=2", "optim.lr=3e-4", "optim.clip_norm=none", "train.batch_size=null",
+        "train.batch_tokens=4096", "data.paths=[a.txt, b.txt]", "train.tensorboard=false", "optim.b2=0.98",
+    ])
+    assert config.model.num_layers == 2 and config.optim.lr == 3e-4 and config.optim.clip_norm is None
+    assert config.global_batch_size == 4096 // config.data.seq_len
+    assert config.data.paths == ("a.txt", "b.txt") and config.train.tensorboard is False
+    assert parse_overrides(["a.b.c=1", "a.d=x=y"]) == {"a": {"b": {"c": "1"}, "d": "x=y"}}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.num_layer=3"], r"unknown config key model\.num_layer; valid keys under model: .*num_layers"),
+        (["training.steps=3"], r"unknown config key training; valid keys: checkpoint, data, model, optim, train"),
+        (["optim.lr=fast"], r"optim\.lr must be a number, got 'fast'"),
+        (["model.d_model=1.5"], r"model\.d_model must be an integer"),
+        (["train.steps=0"], r"train\.steps must be an integer >= 1"),
+        (["train.tensorboard=maybe"], r"train\.tensorboard must be true or false"),
+        (["optim.decay=exp"], r"optim\.decay must be one of"),
+        (["data.source=csv"], r"data\.source must be one of"),
+        (["data.tokenizer.kind=bpe"], r"data\.tokenizer\.kind must be one of"),
+        (["train.batch_tokens=1000"], r"exactly one of train\.batch_size"),
+        (["train.batch_size=null", "train.batch_tokens=1000"], r"train\.batch_tokens \(1000\) must be a multiple of data\.seq_len"),
+        (["data.seq_len=512"], r"data\.seq_len \(512\) exceeds model\.max_seq_len"),
+        (["train.steps"], r"must look like section\.key=value"),
+        (["checkpoint.keep=0"], r"checkpoint\.keep must be an integer >= 1"),
+    ],
+)
+def test_bad_keys_and_values_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_run_config(CONFIGS / "tiny.yaml", VOCAB + overrides)
+
+
+def test_missing_and_cyclic_config_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_run_config(tmp_path / "nope.yaml")
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ValueError, match="cycle"):
+        load_run_config(tmp_path / "a.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_run_config(tmp_path / "list.yaml")
+
+
+def test_config_round_trips_through_its_dict(tmp_path):
+    from diffjax.train.config import build_config, save_run_config, read_yaml
+
+    config = load_run_config(PAPER / "transformer-2.8b.yaml")
+    save_run_config(config, tmp_path / "saved.yaml")
+    assert build_config(RunConfig, read_yaml(tmp_path / "saved.yaml")) == config
+
+
+# Table 9 (DIFF sizes) and Table 8 (3B): (config, d_model, layers, diff heads, lr, nominal size).
+PAPER_ROWS = [
+    ("830m", 1536, 24, 8, 1.5e-4, 0.83e9),
+    ("1.4b", 2048, 24, 8, 1.5e-4, 1.4e9),
+    ("2.8b", 2560, 32, 10, 1.5e-4, 2.8e9),
+    ("6.8b", 4096, 32, 16, 7.5e-5, 6.8e9),
+    ("13.1b", 5120, 40, 20, 7.5e-5, 13.1e9),
+]
+
+
+@pytest.mark.parametrize("name, d_model, layers, heads, lr, size", PAPER_ROWS)
+def test_paper_scaling_configs(name, d_model, layers, heads, lr, size):
+    diff = load_run_config(PAPER / f"diff-{name}.yaml")
+    base = load_run_config(PAPER / f"transformer-{name}.yaml")
+    m = diff.model
+    assert (m.d_model, m.num_layers, m.num_heads, m.attention) == (d_model, layers, heads, "diff")
+    assert (base.model.num_heads, base.model.attention, base.model.head_dim) == (2 * heads, "standard", m.head_dim)
+    assert abs(m.param_count(include_lm_head=False) / size - 1) < 0.02
+    # The twins match in parameters (lambda vectors and subln aside) and differ only in attention.
+    assert abs(base.model.param_count() / m.param_count() - 1) < 1e-4
+    for config in (diff, base):
+        assert config.data.seq_len == 2048 and config.train.batch_tokens == 262144 and config.train.steps == 40000
+        o = config.optim
+        assert (o.lr, o.b1, o.b2, o.warmup_steps, o.decay, o.weight_decay) == (lr, 0.9, 0.98, 375, "linear", 0.05)
+        assert config.data.tokenizer.encoding == "cl100k_base" and config.model.vocab_size == 100288
+    assert diff.train.run_dir != base.train.run_dir
+
+
+def test_paper_3b_and_64k_configs():
+    diff = load_run_config(PAPER / "diff-3b.yaml")
+    m, o = diff.model, diff.optim
+    assert (m.d_model, m.num_layers, m.num_heads, m.head_dim, m.mlp_dim) == (3072, 28, 12, 128, 8192)
+    assert (o.lr, o.b1, o.b2, o.warmup_steps, o.decay, o.min_lr, o.weight_decay) == (3.2e-4, 0.9, 0.95, 1000, "linear", 1.28e-5, 0.1)
+    assert diff.data.seq_len == 4096 and diff.train.batch_tokens == 4 * 2**20
+    base = load_run_config(PAPER / "transformer-3b.yaml")
+    assert (base.model.num_heads, base.model.head_dim, base.model.attention) == (24, 128, "standard")
+    for name in ("diff-3b-64k", "transformer-3b-64k"):
+        long = load_run_config(PAPER / f"{name}.yaml")
+        assert long.model.rope_theta == 640000.0 and long.optim.lr == 8e-5 and long.data.seq_len == 65536
+        assert long.model.max_seq_len >= 65536
+
+
+def test_batch_tokens_resolve_to_devices_and_accumulation():
+    config = load_run_config(PAPER / "diff-830m.yaml")
+    assert config.global_batch_size == 128
+    one = plan_batch(128, num_devices=1, micro_batch_per_device=8)
+    assert (one.per_device_batch, one.micro_batch_per_device, one.accum_steps) == (128, 8, 16)
+    eight = plan_batch(128, num_devices=8, num_processes=2, micro_batch_per_device=8)
+    assert (eight.per_device_batch, eight.accum_steps, eight.per_process_batch) == (16, 2, 64)
+    assert plan_batch(128, num_devices=8).accum_steps == 1
+    with pytest.raises(ValueError, match=r"128 sequences does not split evenly over 3 devices"):
+        plan_batch(128, num_devices=3)
+    with pytest.raises(ValueError, match=r"micro_batch_per_device \(5\) must divide the per-device batch \(16"):
+        plan_batch(128, num_devices=8, micro_batch_per_device=5)
+
+
+@pytest.mark.parametrize("attention", ["diff", "standard"])
+def test_analytic_flops_match_xla_cost_analysis(attention, measured):
+    """Forward FLOPs of the analytic convention (with the full T x T square, which is what the XLA
+    reference computes) against XLA's own count of the compiled forward pass."""
+    heads = 4 if attention == "diff" else 8
+    config = ModelConfig(vocab_size=512, d_model=128, num_layers=2, num_heads=heads, attention=attention, max_seq_len=256)
+    model = TransformerLM(config, rngs=nnx.Rngs(0))
+    B, T = 2, 256
+    tokens = jnp.zeros((B, T), jnp.int32)
+    graphdef, params = nnx.split(model)
+    compiled = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)).lower(params, tokens).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    # training_flops_per_token = 3 x forward with context T / 2; undo both for the full square.
+    full_square_forward = (training_flops_per_token(config, 2 * T) - 6 * matmul_params(config)) / 3 + 2 * matmul_params(config)
+    ratio = cost["flops"] / (full_square_forward * B * T)
+    measured(f"XLA / analytic forward FLOPs ({attention})", ratio - 1, 0.03)
+    assert abs(ratio - 1) < 0.03  # XLA also counts softmax, norms and elementwise ops
+
+
+def test_diff_attention_costs_one_and_a_half_baseline_attention():
+    diff = ModelConfig(d_model=1024, num_layers=1, num_heads=8)
+    base = diff.replace(attention="standard", num_heads=16)
+    attention = lambda c: training_flops_per_token(c, 4096) - 6 * matmul_params(c)
+    assert attention(diff) == pytest.approx(1.5 * attention(base))
+    assert matmul_params(diff) == matmul_params(base)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """accum 4 x micro 2 gives the same update as one batch of 8 (token-weighted loss)."""
+    config = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, max_seq_len=32)
+    model = TransformerLM(config, rngs=nnx.Rngs(0))
+    tx, schedule = make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0), 10)
+    step = jax.jit(make_train_step(nnx.graphdef(model), tx, schedule, config))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, (8, 32)).astype(np.int32)
+    # Rows with different numbers of counted tokens, so a per-micro-batch mean would differ.
+    segment_ids = np.ones((8, 32), np.int32)
+    segment_ids[:3, 20:] = 0
+    positions = np.broadcast_to(np.arange(32), (8, 32)).astype(np.int32)
+    batch = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
+    big_state, big = step(init_state(model, tx, 0), {k: v[None] for k, v in batch.items()})
+    small_state, small = step(init_state(model, tx, 0), {k: v.reshape(4, 2, 32) for k, v in batch.items()})
+    assert float(small["loss_tokens"]) == float(big["loss_tokens"]) == 8 * 31 - 3 * 12
+    np.testing.assert_allclose(float(small["loss"]), float(big["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(small_state["params"]), jax.tree.leaves(big_state["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)  # Adam steps are ~lr = 1e-2
