@@ -78,8 +78,10 @@ def train_sentencepiece(
 
     Defaults aim at exact round trips and reproducibility: identity normalization, whitespace kept
     as is (no dummy prefix, no collapsing), byte fallback for characters outside the vocabulary, one
-    thread and no input shuffling (the same input gives the same model bytes). Ids: unk 0, bos 1,
-    eos 2, no pad. `options` are passed to the SentencePiece trainer and override these defaults
+    thread and no input shuffling (the same input gives the same model bytes). Any text then
+    round-trips exactly, except that a literal U+2581 (SentencePiece's space marker) decodes as a
+    space. Ids: unk 0, bos 1, eos 2, no pad. Documents are fed line by line (SentencePiece trains on
+    sentences), so newlines are byte pieces; the trainer keeps every sentence in memory. `options` are passed to the SentencePiece trainer and override these defaults
     (e.g. input_sentence_size=10_000_000 to cap the sentences it keeps in memory).
     """
     output_path = os.fspath(output_path)
