@@ -185,6 +185,8 @@ def test_sentencepiece_options_and_training_errors(tmp_path, corpus):
     no_eos = train_sentencepiece(corpus[:2], vocab_size=350, output_path=tmp_path / "n.model", eos_id=-1, bos_id=-1)
     assert (no_eos.eos_id, no_eos.bos_id) == (None, None)
     unigram = train_sentencepiece(corpus[:2], vocab_size=350, output_path=tmp_path / "u.model", model_type="unigram")
+    train_sentencepiece(corpus[:2], vocab_size=350, output_path=tmp_path / "u2.model", model_type="unigram")
+    assert (tmp_path / "u.model").read_bytes() == (tmp_path / "u2.model").read_bytes()  # deterministic too
     assert unigram.decode(unigram.encode(FIXED_TEXTS[3])) == FIXED_TEXTS[3]
     with pytest.raises(ValueError, match="sentencepiece training failed.*vocab"):
         train_sentencepiece(corpus[:2], vocab_size=100, output_path=tmp_path / "small.model")
