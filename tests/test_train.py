@@ -1,4 +1,5 @@
-"""The first trainer: byte tokenizer, built-in corpus and batching, optimizer, and `python train.py` end to end."""
+"""The first trainer: built-in corpus and batching, optimizer, and `python train.py` end to end
+(tokenizers: tests/test_tokenizers.py)."""
 
 from __future__ import annotations
 
@@ -18,71 +19,10 @@ from flax import nnx
 from diffjax.config import ModelConfig
 from diffjax.data import builtin_corpus, random_windows, sequential_windows, split_train_eval, stdlib_source_files
 from diffjax.model import TransformerLM
-from diffjax.tokenizers import ByteTokenizer
 from diffjax.train import OptimizerConfig, make_optimizer, make_schedule, weight_decay_mask
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LN_256 = math.log(256)
-
-
-# --- tokenizer ------------------------------------------------------------------------------
-
-
-def _random_text(rng: np.random.Generator, length: int) -> str:
-    """Code points from every UTF-8 length class (1 to 4 bytes), surrogates excluded."""
-    ranges = [(0, 0x80), (0x80, 0x800), (0x800, 0xD800), (0xE000, 0x10000), (0x10000, 0x110000)]
-    chars = []
-    for _ in range(length):
-        low, high = ranges[rng.integers(len(ranges))]
-        chars.append(chr(int(rng.integers(low, high))))
-    return "".join(chars)
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "",
-        "hello",
-        "\x00nul and\ttabs\n",
-        "héllo wörld",
-        "日本語のテキスト",
-        "emoji 🙂🚀 and e\u0301 combining",
-        "\U0010ffff",
-    ],
-)
-def test_byte_tokenizer_round_trips(text):
-    tokenizer = ByteTokenizer()
-    ids = tokenizer.encode(text)
-    assert ids.dtype == np.int32 and ids.ndim == 1
-    assert ids.tolist() == list(text.encode("utf-8"))
-    assert tokenizer.decode(ids) == text
-    assert tokenizer.decode(ids.tolist()) == text
-
-
-def test_byte_tokenizer_round_trips_random_unicode():
-    tokenizer = ByteTokenizer()
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        text = _random_text(rng, int(rng.integers(1, 200)))
-        ids = tokenizer.encode(text)
-        assert len(ids) == len(text.encode("utf-8"))
-        assert ids.min() >= 0 and ids.max() < 256
-        assert tokenizer.decode(ids) == text
-
-
-def test_byte_tokenizer_rejects_bad_ids_and_replaces_invalid_utf8():
-    tokenizer = ByteTokenizer()
-    assert tokenizer.vocab_size == 256
-    for bad in ([256], [65, -1], [0, 1000, 3]):
-        with pytest.raises(ValueError, match="outside the byte vocabulary"):
-            tokenizer.decode(bad)
-    with pytest.raises(TypeError):
-        tokenizer.decode(np.array([65.0, 66.0]))
-    with pytest.raises(TypeError):
-        tokenizer.encode(b"bytes are not text")
-    # A cut multi-byte character decodes with U+FFFD instead of raising.
-    assert tokenizer.decode([0x68, 0xC3]) == "h\ufffd"
-    assert tokenizer.decode([0xFF]) == "\ufffd"
 
 
 # --- corpus and batching --------------------------------------------------------------------

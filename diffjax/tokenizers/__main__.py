@@ -1,0 +1,71 @@
+"""`python -m diffjax.tokenizers train-sentencepiece --output tok.model --vocab-size 8000 [--source ...]`"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import itertools
+import sys
+import time
+
+from diffjax.config import DATA_SOURCES, DataConfig
+from diffjax.tokenizers.sentencepiece_tokenizer import train_sentencepiece
+
+
+def _open_documents(config: DataConfig):
+    try:
+        from diffjax.data.sources import open_documents
+    except ModuleNotFoundError as e:
+        if e.name not in ("diffjax.data.sources", "diffjax.data"):
+            raise
+        # TEMPORARY fallback until diffjax.data.sources lands: text files only, one file = one document.
+        if config.source != "text":
+            raise SystemExit(f"--source {config.source} needs diffjax.data.sources, which this checkout lacks") from None
+        paths = sorted({p for pattern in config.paths for p in glob.glob(pattern)})
+        return [open(p, encoding="utf-8").read() for p in paths]
+    return open_documents(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffjax.tokenizers", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train-sentencepiece", help="train a SentencePiece model on a corpus")
+    train.add_argument("--output", required=True, help="the .model file to write")
+    train.add_argument("--vocab-size", type=int, required=True)
+    train.add_argument("--source", choices=DATA_SOURCES, default="builtin", help="as data.source in the trainer config")
+    train.add_argument("--paths", nargs="*", default=(), help="files or glob patterns (text, jsonl, parquet)")
+    train.add_argument("--text-field", default="text", help="jsonl / parquet: the field holding a document's text")
+    train.add_argument("--max-documents", type=int, default=None, help="train on the first N documents only")
+    train.add_argument("--model-type", choices=("bpe", "unigram", "char", "word"), default="bpe")
+    train.add_argument("--character-coverage", type=float, default=0.9995)
+    train.add_argument("--no-byte-fallback", action="store_true", help="unknown characters become <unk> instead of bytes")
+    args = parser.parse_args(argv)
+
+    try:
+        config = DataConfig(source=args.source, paths=tuple(args.paths), text_field=args.text_field)
+    except ValueError as e:
+        parser.error(str(e))
+    documents = _open_documents(config)
+    count = len(documents) if args.max_documents is None else min(args.max_documents, len(documents))
+    start = time.perf_counter()
+    try:
+        tokenizer = train_sentencepiece(
+            (documents[i] for i in range(count)),  # one at a time: the corpus is never held as one string
+            vocab_size=args.vocab_size,
+            output_path=args.output,
+            model_type=args.model_type,
+            character_coverage=args.character_coverage,
+            byte_fallback=not args.no_byte_fallback,
+        )
+    except ValueError as e:  # e.g. a vocabulary too small for the corpus's characters
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {args.output}: {tokenizer.name}, eos {tokenizer.eos_id}, bos {tokenizer.bos_id}, "
+        f"{count} documents, {time.perf_counter() - start:.2f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
