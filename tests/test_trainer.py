@@ -1,0 +1,174 @@
+"""The trainer end to end: exact resume, kill -9 and SIGTERM, metrics, and the default run learning.
+
+Runs use a very small model on a slice of the built-in corpus so each takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from diffjax.train import load_run_config, train
+from diffjax.train.checkpoint import Checkpointer
+from diffjax.train.config import CheckpointConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=64",
+    "data.seq_len=32", "data.builtin_bytes=200000", "data.eval_batches=2",
+    "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.sample_tokens=8",
+    "train.progress=lines", "optim.warmup_steps=2",
+]
+
+
+def _config(run_dir, *overrides):
+    return load_run_config(REPO_ROOT / "configs" / "tiny.yaml", SMALL + [f"train.run_dir={run_dir}", *overrides])
+
+
+def test_resume_is_exact(tmp_path):
+    """2N steps straight == N steps, stop, resume for N more: same losses and bit-identical state."""
+    n = 4
+    schedule = ["optim.decay_steps=8", "checkpoint.every=100"]  # the lr schedule must not depend on where we stop
+    straight = train(_config(tmp_path / "straight", f"train.steps={2 * n}", *schedule), log=lambda _: None)
+    first = train(_config(tmp_path / "resumed", f"train.steps={n}", *schedule), log=lambda _: None)
+    lines = []
+    second = train(_config(tmp_path / "resumed", f"train.steps={2 * n}", *schedule), log=lines.append)
+    assert any(f"(step {n})" in line and line.startswith("resumed from") for line in lines), lines
+    assert sorted(first.losses) == list(range(1, n + 1)) and sorted(second.losses) == list(range(n + 1, 2 * n + 1))
+    resumed_losses = {**first.losses, **second.losses}
+    assert resumed_losses == straight.losses  # exact float equality, step by step
+    assert second.eval_losses[2 * n] == straight.eval_losses[2 * n]
+    assert second.sample == straight.sample
+
+    for run in ("straight", "resumed"):
+        assert Checkpointer(tmp_path / run, CheckpointConfig()).latest_step() == 2 * n
+    a = Checkpointer(tmp_path / "straight", CheckpointConfig()).manager.restore(2 * n)
+    b = Checkpointer(tmp_path / "resumed", CheckpointConfig()).manager.restore(2 * n)
+    leaves_a, leaves_b = jax.tree.leaves(a["state"]), jax.tree.leaves(b["state"])
+    assert len(leaves_a) == len(leaves_b) > 10
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert a["data"] == b["data"]  # the data iterator stands at the same place
+
+
+def _read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_metrics_are_written_as_jsonl_and_tensorboard(tmp_path):
+    result = train(_config(tmp_path / "run", "train.steps=3", "train.eval_every=2", "train.peak_tflops_per_device=1"),
+                   log=lambda _: None)
+    records = _read_metrics(tmp_path / "run")
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train_records] == [1, 2, 3]
+    for record in train_records[1:]:  # the first step compiles: no rate yet
+        for key in ("loss", "lr", "grad_norm", "tokens_per_second", "tflops_per_device", "mfu", "lambda/layer_0", "lambda/layer_1"):
+            assert key in record and math.isfinite(record[key]), (key, record)
+    assert train_records[0]["lr"] == 0.0 and train_records[1]["lr"] > 0  # warmup from 0
+    # lambda starts near lambda_init = 0.8 - 0.6 exp(-0.3 depth)
+    assert abs(train_records[-1]["lambda/layer_1"] - (0.8 - 0.6 * math.exp(-0.3))) < 0.2
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 3]
+    assert result.losses[3] == train_records[-1]["loss"]
+    events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+
+def _command(run_dir: Path, *overrides) -> list[str]:
+    return [sys.executable, "train.py", *SMALL, f"train.run_dir={run_dir}", *overrides]
+
+
+def _wait_for(predicate, process, timeout=300.0):
+    start = time.time()
+    while not predicate():
+        if process.poll() is not None:
+            raise AssertionError(f"training exited early with {process.returncode}: {process.stdout.read()}")
+        if time.time() - start > timeout:
+            process.kill()
+            raise AssertionError("timed out waiting for training progress")
+        time.sleep(0.2)
+
+
+def _checkpoint_steps(run_dir: Path) -> list[int]:
+    directory = run_dir / "checkpoints"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
+
+
+def test_kill_9_then_rerun_continues_from_the_last_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    command = _command(run_dir, "train.steps=30", "checkpoint.every=3", "checkpoint.keep=2")
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: len(_checkpoint_steps(run_dir)) >= 2 and _checkpoint_steps(run_dir)[-1] >= 9, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    survivors = _checkpoint_steps(run_dir)
+    assert survivors and all(step % 3 == 0 for step in survivors)
+
+    rerun = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    resumed = re.search(r"^resumed from .* \(step (\d+)\)$", rerun.stdout, flags=re.M)
+    assert resumed, rerun.stdout
+    # It restored the newest complete checkpoint (an interrupted save is never chosen).
+    assert int(resumed.group(1)) in survivors and int(resumed.group(1)) >= max(survivors) - 3
+    records = [r for r in _read_metrics(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, 31))  # every step exactly once, none lost or doubled
+    assert _checkpoint_steps(run_dir)[-1] == 30
+
+
+def test_sigterm_saves_the_current_step(tmp_path):
+    run_dir = tmp_path / "run"
+    command = _command(run_dir, "train.steps=500", "checkpoint.every=1000")
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and metrics.read_text().count('"train"') >= 3, process)
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGTERM, out
+    saved = re.search(r"^SIGTERM: saved a checkpoint of step (\d+)", out, flags=re.M)
+    assert saved, out
+    step = int(saved.group(1))
+    assert 3 <= step < 500 and _checkpoint_steps(run_dir) == [step]  # every=1000: only the SIGTERM save
+
+
+def test_config_errors_exit_cleanly(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "train.py", "model.num_layerz=2", f"train.run_dir={tmp_path}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    assert "unknown config key model.num_layerz" in result.stderr and "num_layers" in result.stderr
+
+
+def test_a_run_directory_refuses_a_different_model(tmp_path):
+    train(_config(tmp_path / "run", "train.steps=1"), log=lambda _: None)
+    with pytest.raises(ValueError, match=r"different model \(model\.num_layers differ"):
+        train(_config(tmp_path / "run", "train.steps=2", "model.num_layers=3"), log=lambda _: None)
+
+
+def test_default_run_learns(tmp_path):
+    """`python train.py` with the default config, shortened: the loss falls well below uniform."""
+    result = subprocess.run(
+        [sys.executable, "train.py", "train.steps=60", "train.eval_every=30", f"train.run_dir={tmp_path / 'run'}",
+         "train.progress=lines"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    progress = re.findall(r"^step\s+(\d+)/60 \| loss ([\d.]+) \|", out, flags=re.M)
+    assert [int(s) for s, _ in progress] == [1, 25, 50, 60], out
+    first, last = float(progress[0][1]), float(progress[-1][1])
+    assert abs(first - math.log(257)) < 0.2, out  # starts near uniform over the byte vocabulary
+    assert last < first - 1.5, out
+    evals = re.findall(r"eval loss ([\d.]+)", out)
+    assert len(evals) == 2 and float(evals[-1]) < first - 1.5, out
+    assert "sample (temperature" in out and "tok/s" in out and "eta" in out
