@@ -19,3 +19,26 @@ def next_token_loss(logits_BTV, tokens_BT, mask_BT=None):
         return jnp.mean(losses)
     weights = mask_BT[:, 1:].astype(jnp.float32)
     return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def packed_target_mask(segment_ids_BT):
+    """Bool [B, T - 1]: True where logits[:, t] predict a real token of the same document.
+
+    The target of position t is tokens[:, t + 1]; it counts only when segment_ids[t] ==
+    segment_ids[t + 1] != 0, so no prediction crosses a document boundary or lands in padding.
+    """
+    segment_ids_BT = jnp.asarray(segment_ids_BT)
+    return (segment_ids_BT[:, :-1] == segment_ids_BT[:, 1:]) & (segment_ids_BT[:, 1:] != 0)
+
+
+def packed_next_token_loss(logits_BTV, tokens_BT, segment_ids_BT):
+    """(mean loss, number of targets) of next-token prediction within the documents of packed rows.
+
+    Targets as in packed_target_mask. The count (a float32 scalar) lets gradient accumulation and
+    eval weight batches by their targets: total = sum(mean_i * count_i) / sum(count_i). With no
+    target at all the mean is 0.
+    """
+    weights_BT = packed_target_mask(segment_ids_BT).astype(jnp.float32)
+    losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV[:, :-1].astype(jnp.float32), tokens_BT[:, 1:])
+    count = jnp.sum(weights_BT)
+    return jnp.sum(losses_BT * weights_BT) / jnp.maximum(count, 1.0), count
