@@ -16,7 +16,7 @@ from diffjax.data.builtin import (
     split_train_eval,
     stdlib_source_files,
 )
-from diffjax.data.pipeline import BATCH_KEYS, make_eval_batches, make_train_dataset
+from diffjax.data.pipeline import BATCH_KEYS, make_eval_batches, make_train_dataset, pack_documents
 from diffjax.data.sources import JsonlSource, ListSource, ParquetSource, TextFileSource, expand_paths, open_documents
 from diffjax.data.split import is_eval_document, split_documents
 
@@ -34,6 +34,7 @@ __all__ = [
     "make_eval_batches",
     "make_train_dataset",
     "open_documents",
+    "pack_documents",
     "random_windows",
     "sequential_windows",
     "split_documents",

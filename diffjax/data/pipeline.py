@@ -80,8 +80,14 @@ def _eos_id(config: DataConfig, tokenizer) -> int | None:
     return getattr(tokenizer, "eos_id", None) if config.append_eos else None
 
 
-def _packed(indices: grain.MapDataset, source, tokenizer, config: DataConfig, *, num_bins: int):
-    """Index dataset -> IterDataset of packed rows (dicts of int32 [seq_len])."""
+def pack_documents(source, document_indices, tokenizer, config: DataConfig, *, num_bins: int) -> grain.IterDataset:
+    """Packed rows (dicts of int32 [config.seq_len]) of the documents source[i] for i in document_indices, in order.
+
+    document_indices: a sequence or a grain.MapDataset of ints (finite or repeated). First-fit
+    packing into num_bins rows at a time: each document (+ eos) goes, in pieces of at most seq_len,
+    into the first row with room; when a piece fits nowhere the num_bins rows are emitted in order.
+    """
+    indices = document_indices if isinstance(document_indices, grain.MapDataset) else grain.MapDataset.source(document_indices)
     ds = indices.map(_TokenizeDocument(source, tokenizer, config.seq_len, _eos_id(config, tokenizer)))
     ds = grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(), _Pieces())
     ds = grain.experimental.FirstFitPackIterDataset(
@@ -131,7 +137,7 @@ def make_train_dataset(
     seed = seed % 2**32  # grain's shuffle seeds are uint32
     if config.shuffle:
         indices = indices.shuffle(seed)  # each epoch of the repeat below reshuffles (seed + epoch)
-    ds = _packed(indices.repeat(), source, tokenizer, config, num_bins=batch_size)
+    ds = pack_documents(source, indices.repeat(), tokenizer, config, num_bins=batch_size)
     if config.shuffle:
         window_rows = max(batch_size, ROW_SHUFFLE_TOKENS // config.seq_len)
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window_rows, seed=seed)
@@ -175,7 +181,7 @@ def make_eval_batches(
         return []
     source = open_documents(config) if source is None else source
     indices = _document_indices(config, source, "eval", shard_index, shard_count)
-    ds = _packed(indices, source, tokenizer, config, num_bins=batch_size)
+    ds = pack_documents(source, indices, tokenizer, config, num_bins=batch_size)
     batches = []
     for batch in ds.batch(batch_size, drop_remainder=False):
         if len(batches) == config.eval_batches:
