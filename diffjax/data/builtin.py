@@ -1,8 +1,11 @@
-"""A built-in training corpus and the numpy batching used by the first trainer.
+"""The built-in corpus: the Python standard library's own source, one document per file.
 
-The corpus is the Python standard library's own source: it exists wherever Python runs, needs no
-download, and is a few MB of real, structured text. The same interpreter always yields the same
-bytes (paths are sorted, and the budget cuts at a fixed point).
+It exists wherever Python runs, needs no download, and is a few MB of real, structured text. The
+same interpreter always yields the same documents (paths are sorted, and the byte budget cuts at a
+fixed point).
+
+`builtin_corpus`, `split_train_eval`, `random_windows` and `sequential_windows` serve the first
+(window-sampling) trainer and go when it does.
 """
 
 from __future__ import annotations
@@ -43,6 +46,32 @@ def stdlib_source_files(root: Path | None = None) -> list[Path]:
             if name.endswith(".py") and not name.startswith(SKIP_FILE_PREFIXES)
         )
     return sorted(found, key=lambda path: path.relative_to(root).as_posix())
+
+
+def builtin_documents(max_bytes: int = DEFAULT_CORPUS_BYTES, root: Path | None = None) -> list[str]:
+    """The stdlib `.py` files in sorted order, one str per file, `max_bytes` of UTF-8 in all (fewer if exhausted).
+
+    The file that crosses the budget is cut there. Unreadable and empty files are skipped; bytes that
+    are not UTF-8 become U+FFFD.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    documents, size = [], 0
+    for path in stdlib_source_files(root):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        data = data[: max_bytes - size]
+        if not data:
+            continue
+        documents.append(data.decode("utf-8", errors="replace"))
+        size += len(data)
+        if size >= max_bytes:
+            break
+    if not documents:
+        raise RuntimeError(f"found no readable .py files under {root or stdlib_dir()}")
+    return documents
 
 
 def builtin_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES, root: Path | None = None) -> bytes:
