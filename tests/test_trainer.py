@@ -26,7 +26,7 @@ from diffjax.train.config import CheckpointConfig
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=64",
-    "data.seq_len=32", "data.builtin_bytes=200000", "data.eval_batches=2",
+    "data.seq_len=32", "data.builtin_bytes=200000", "data.eval_batches=2", "data.eval_fraction=0.2",
     "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.sample_tokens=8",
     "train.progress=lines", "optim.warmup_steps=2",
 ]
@@ -53,8 +53,8 @@ def test_resume_is_exact(tmp_path):
 
     for run in ("straight", "resumed"):
         assert Checkpointer(tmp_path / run, CheckpointConfig()).latest_step() == 2 * n
-    a = Checkpointer(tmp_path / "straight", CheckpointConfig()).manager.restore(2 * n)
-    b = Checkpointer(tmp_path / "resumed", CheckpointConfig()).manager.restore(2 * n)
+    a = Checkpointer(tmp_path / "straight", CheckpointConfig()).read(2 * n)
+    b = Checkpointer(tmp_path / "resumed", CheckpointConfig()).read(2 * n)
     leaves_a, leaves_b = jax.tree.leaves(a["state"]), jax.tree.leaves(b["state"])
     assert len(leaves_a) == len(leaves_b) > 10
     for x, y in zip(leaves_a, leaves_b):

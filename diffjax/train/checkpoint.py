@@ -25,7 +25,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -45,6 +46,10 @@ class Checkpointer:
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
         )
         return restored["state"], restored["data"]
+
+    def read(self, step: int) -> dict:
+        """{"state": ..., "data": ...} of checkpoint `step` as saved (no target: host arrays), for inspection."""
+        return dict(self.manager.restore(step))
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

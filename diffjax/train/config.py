@@ -42,7 +42,7 @@ class TrainConfig:
     micro_batch_per_device: int | None = None  # None: the whole per-device batch at once
     seed: int = 0  # model init, data order and sampling
     run_dir: str = "runs/tiny"
-    log_every: int = 10  # steps between metric records (JSONL, TensorBoard, log lines)
+    log_every: int = 10  # steps between progress lines (every step is recorded in metrics.jsonl / TensorBoard)
     eval_every: int = 100  # steps between held-out evals; 0: only at the end
     progress: str = "auto"  # "bar" (tqdm), "lines", or "auto" (a bar on a terminal, else lines)
     tensorboard: bool = True

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diffjax.data import make_eval_batches, make_train_dataset
@@ -115,7 +115,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
         micro_batch_per_device=config.train.micro_batch_per_device,
     )
     seq_len = config.data.seq_len
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))  # data parallel; the sharding issue extends this
     replicated = NamedSharding(mesh, P())
     step_sharding = NamedSharding(mesh, P(None, "data"))  # [accum, batch, T]
     eval_sharding = NamedSharding(mesh, P("data"))
@@ -172,27 +172,32 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
         log(f"the run in {run_dir} is complete (step {start_step} of train.steps = {config.train.steps}); nothing to train")
     progress = Progress(config.train.progress, start_step, config.train.steps, tokens_per_step, log)
     pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
-    timer = {"start": None, "steps": 0, "paused": 0.0}
+    # Throughput over the steps since the last flush (the first step compiles and is not timed).
+    timer = {"since": None, "steps": 0, "paused": 0.0}
 
     def flush():
+        rate = None
+        if timer["steps"]:
+            jax.block_until_ready(pending[-1][1])
+            rate = timer["steps"] * tokens_per_step / (time.perf_counter() - timer["since"] - timer["paused"])
+            result.tokens_per_second = rate
         for step_done, metrics in pending:
             values = {key: float(value) for key, value in metrics.items() if key != "lambda"}
             if not math.isfinite(values["loss"]):
                 raise FloatingPointError(f"train loss became {values['loss']} at step {step_done}")
             if "lambda" in metrics:
                 values.update({f"lambda/layer_{i}": float(x) for i, x in enumerate(np.asarray(metrics["lambda"]))})
-            result.losses[step_done] = values["loss"]
-            if timer["steps"]:
-                elapsed = time.perf_counter() - timer["start"] - timer["paused"]
-                rate = timer["steps"] * tokens_per_step / elapsed
+            if rate is not None:
                 values["tokens_per_second"] = rate
                 values["tflops_per_device"] = rate * flops_per_token / plan.num_devices / 1e12
                 if peak:
                     values["mfu"] = rate * flops_per_token / plan.num_devices / peak
-                result.tokens_per_second = rate
+            result.losses[step_done] = values["loss"]
             metrics_writer.write(step_done, "train", values)
-            progress.update(step_done, values)
+        if pending:
+            progress.update(pending[-1][0], values)
         pending.clear()
+        timer.update(since=time.perf_counter(), steps=0, paused=0.0)
 
     step = start_step
     try:
@@ -202,12 +207,11 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                 state, metrics = train_step(state, batch)
                 step += 1
                 pending.append((step, metrics))
-                if timer["start"] is None:  # the first step compiles: time from its end
-                    jax.block_until_ready(metrics)
-                    timer["start"] = time.perf_counter()
+                if step == start_step + 1:  # compiled: time from here
+                    flush()
                 else:
                     timer["steps"] += 1
-                if step % config.train.log_every == 0 or step == config.train.steps or step == start_step + 1:
+                if step % config.train.log_every == 0 or step == config.train.steps:
                     flush()
                 pause = time.perf_counter()
                 if config.train.eval_every and step % config.train.eval_every == 0 and step < config.train.steps:
