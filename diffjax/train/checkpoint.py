@@ -59,6 +59,32 @@ class Checkpointer:
         self.manager.close()
 
 
+def restore_params(path: str | Path, abstract_state: Any) -> Any:
+    """The params of a checkpoint: `path` is a run directory, its checkpoints/ directory (newest step)
+    or one step's directory. `abstract_state` is this run's state, whose params must match in shape."""
+    path = Path(path).absolute()
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    step = int(path.name) if path.name.isdigit() else None
+    directory = path.parent if step is not None else path
+    if not directory.is_dir():
+        raise FileNotFoundError(f"train.init_from: {path} is not a run directory or checkpoint")
+    manager = ocp.CheckpointManager(directory, item_handlers={"state": ocp.StandardCheckpointHandler()},
+                                    options=ocp.CheckpointManagerOptions(read_only=True))
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"train.init_from: no checkpoint under {directory}")
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+    except (ValueError, KeyError) as error:
+        raise ValueError(
+            f"train.init_from: checkpoint {directory / str(step)} does not match this model and optimizer ({error})"
+        ) from None
+    finally:
+        manager.close()
+    return restored["state"]["params"]
+
+
 def abstract_like(tree):
     """ShapeDtypeStructs (with shardings) of a pytree of arrays, as a restore target."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)

@@ -42,6 +42,9 @@ class TrainConfig:
     micro_batch_per_device: int | None = None  # None: the whole per-device batch at once
     seed: int = 0  # model init, data order and sampling
     run_dir: str = "runs/tiny"
+    # A run directory or checkpoint to take the params from when this run starts fresh (for
+    # continued training such as the 64K extension); optimizer state and step start anew.
+    init_from: str | None = None
     log_every: int = 10  # steps between progress lines (every step is recorded in metrics.jsonl / TensorBoard)
     eval_every: int = 100  # steps between held-out evals; 0: only at the end
     progress: str = "auto"  # "bar" (tqdm), "lines", or "auto" (a bar on a terminal, else lines)

@@ -25,7 +25,7 @@ from diffjax.generate import sample
 from diffjax.model import TransformerLM
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
-from diffjax.train.checkpoint import Checkpointer, abstract_like
+from diffjax.train.checkpoint import Checkpointer, abstract_like, restore_params
 from diffjax.train.config import RunConfig, read_yaml, save_run_config
 from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, training_flops_per_token
 from diffjax.train.optimizer import make_optimizer
@@ -141,6 +141,9 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
         state, data_state = checkpointer.restore(start_step, abstract_like(state))
         data_iter.set_state(data_state)
         log(f"resumed from {checkpointer.directory / str(start_step)} (step {start_step})")
+    elif config.train.init_from:
+        state["params"] = restore_params(config.train.init_from, abstract_like(state))
+        log(f"initialized the params from {config.train.init_from}")
     save_run_config(config, run_dir / CONFIG_FILE)
 
     train_step = jax.jit(make_train_step(graphdef, tx, schedule, config.model), donate_argnums=0)
