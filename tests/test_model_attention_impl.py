@@ -39,6 +39,7 @@ def _rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["diff", "standard"])
 def test_model_loss_and_grads_pallas_equal_xla(attention, measured):
     rng = np.random.default_rng(0)
