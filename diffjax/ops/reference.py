@@ -2,7 +2,8 @@
 
 Numerics follow flash kernels (and unilm's recommended module): scores accumulate in float32 and
 are scaled in float32, softmax runs in float32, P is rounded to the value dtype for the P V matmul
-(float32 accumulation), and the output is cast back to the value dtype.
+(float32 accumulation), and the output is cast back to the value dtype. A fully masked query row
+(no key allowed) yields zeros, not NaN and not a uniform average.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_MASKED = jnp.finfo(jnp.float32).min  # finite, so a fully masked row gives a uniform map, not NaN
+_MASKED = jnp.finfo(jnp.float32).min  # finite, so no inf - inf; fully masked rows are zeroed below
 
 
 def attention_mask(T: int, S: int, *, causal: bool, segment_ids=None):
@@ -44,7 +45,11 @@ def _grouped_softmax_attention(q_BTKRMd, k_BSKMd, v_BSKv, mask_BTS, scale):
     s_BKRMTS = jnp.einsum("btkrmd,bskmd->bkrmts", q_BTKRMd, k_BSKMd, preferred_element_type=jnp.float32)
     s_BKRMTS = s_BKRMTS * jnp.float32(scale)
     s_BKRMTS = jnp.where(mask_BTS[:, None, None, None], s_BKRMTS, _MASKED)
-    p_BKRMTS = jax.nn.softmax(s_BKRMTS, axis=-1).astype(v_BSKv.dtype)
+    p_BKRMTS = jax.nn.softmax(s_BKRMTS, axis=-1)
+    # A query that may attend no key (a segment absent from the keys, or T > S under causal) gets
+    # o = 0 and zero gradients, as in flash kernels, instead of a uniform average of V.
+    any_allowed_BT1 = jnp.any(mask_BTS, axis=-1, keepdims=True)
+    p_BKRMTS = jnp.where(any_allowed_BT1[:, None, None, None], p_BKRMTS, 0.0).astype(v_BSKv.dtype)
     o_BTKRMv = jnp.einsum("bkrmts,bskv->btkrmv", p_BKRMTS, v_BSKv, preferred_element_type=jnp.float32)
     return o_BTKRMv.astype(v_BSKv.dtype)
 
