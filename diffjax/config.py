@@ -15,6 +15,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 ROPE_STYLES = ("interleaved", "rotate_half")
 ROPE_TYPES = ("default", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu", "splash", "cudnn")  # diffjax.ops dispatches on these
 MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
 
 
@@ -76,6 +77,10 @@ class ModelConfig:
         check(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         check(self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}")
         check(self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        check(
+            self.attention_impl in ATTENTION_IMPLS,
+            f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}",
+        )
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         check(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps!r}")

@@ -18,10 +18,11 @@ import logging
 
 import jax
 
+from diffjax.config import ATTENTION_IMPLS
 from diffjax.ops import compositions
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
 
-IMPLS = ("auto", "xla", "pallas_tpu", "splash", "cudnn")
+IMPLS = ATTENTION_IMPLS
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()
