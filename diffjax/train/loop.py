@@ -159,6 +159,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     )
     log(f"data: {config.data.source}, tokenizer {tokenizer.name}; batch {plan.describe(seq_len)}")
     log(f"run directory: {run_dir}")
+    if not eval_batches:
+        log(f"note: no held-out documents (data.eval_fraction = {config.data.eval_fraction}): no eval loss")
 
     def evaluate() -> float | None:
         if not eval_batches:
