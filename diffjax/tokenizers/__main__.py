@@ -3,27 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import glob
-import itertools
 import sys
 import time
 
 from diffjax.config import DATA_SOURCES, DataConfig
+from diffjax.data.sources import open_documents
 from diffjax.tokenizers.sentencepiece_tokenizer import train_sentencepiece
-
-
-def _open_documents(config: DataConfig):
-    try:
-        from diffjax.data.sources import open_documents
-    except ModuleNotFoundError as e:
-        if e.name not in ("diffjax.data.sources", "diffjax.data"):
-            raise
-        # TEMPORARY fallback until diffjax.data.sources lands: text files only, one file = one document.
-        if config.source != "text":
-            raise SystemExit(f"--source {config.source} needs diffjax.data.sources, which this checkout lacks") from None
-        paths = sorted({p for pattern in config.paths for p in glob.glob(pattern)})
-        return [open(p, encoding="utf-8").read() for p in paths]
-    return open_documents(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         config = DataConfig(source=args.source, paths=tuple(args.paths), text_field=args.text_field)
     except ValueError as e:
         parser.error(str(e))
-    documents = _open_documents(config)
+    try:
+        documents = open_documents(config)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     count = len(documents) if args.max_documents is None else min(args.max_documents, len(documents))
     start = time.perf_counter()
     try:
