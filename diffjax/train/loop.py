@@ -99,6 +99,14 @@ def _stack_micro_batches(batch: dict[str, np.ndarray], plan: BatchPlan) -> dict[
     return {key: value.reshape(plan.accum_steps, -1, value.shape[-1]) for key, value in batch.items()}
 
 
+def _sample_text(graphdef, state, tokenizer, config: RunConfig) -> str:
+    model = nnx.merge(graphdef, state["params"])
+    key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), 0)
+    ids = sample(model, tokenizer.encode(config.train.sample_prompt), config.train.sample_tokens, key=key,
+                 temperature=config.train.sample_temperature, window=config.data.seq_len)
+    return config.train.sample_prompt + tokenizer.decode(ids)
+
+
 def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResult:
     run_dir = Path(config.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -234,24 +242,20 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                     result.interrupted = stop.received
                     break
         flush()
+        result.step = step
+        if result.interrupted is None and step >= config.train.steps:
+            final_eval = evaluate()
+            if final_eval is not None:
+                result.eval_losses[step] = final_eval
+                metrics_writer.write(step, "eval", {"loss": final_eval})
+                progress.note(f"step {step}: eval loss {final_eval:.4f}")
+            if config.train.sample_tokens:
+                result.sample = _sample_text(graphdef, state, tokenizer, config)
+                progress.note(f"sample (temperature {config.train.sample_temperature}):\n{result.sample}")
     finally:
         progress.close()
         checkpointer.close()
-    result.step = step
-    if result.interrupted is None and step >= config.train.steps:
-        final_eval = evaluate()
-        if final_eval is not None:
-            result.eval_losses[step] = final_eval
-            metrics_writer.write(step, "eval", {"loss": final_eval})
-            log(f"step {step}: eval loss {final_eval:.4f}")
-        if config.train.sample_tokens:
-            model = nnx.merge(graphdef, state["params"])
-            prompt = tokenizer.encode(config.train.sample_prompt)
-            key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), 0)
-            ids = sample(model, prompt, config.train.sample_tokens, key=key, temperature=config.train.sample_temperature, window=seq_len)
-            result.sample = config.train.sample_prompt + tokenizer.decode(ids)
-            log(f"sample (temperature {config.train.sample_temperature}):\n{result.sample}")
-    metrics_writer.close()
+        metrics_writer.close()
     if result.tokens_per_second:
         log(f"done at step {step}: {result.tokens_per_second:,.0f} tokens/s")
     return result
