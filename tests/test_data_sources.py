@@ -12,7 +12,6 @@ from diffjax.config import DataConfig
 from diffjax.data import (
     JsonlSource,
     TextFileSource,
-    builtin_corpus,
     builtin_documents,
     expand_paths,
     is_eval_document,
@@ -106,8 +105,6 @@ def test_builtin_documents_are_files_within_the_budget():
     sizes = [len(text.encode("utf-8")) for text in texts]
     assert sum(sizes[:-1]) < budget <= sum(sizes) + 8  # the last file is cut at the budget (+ U+FFFD slack)
     assert texts == builtin_documents(budget)  # stable
-    # The old single-string corpus is the same files, in the same order.
-    assert builtin_corpus(budget).startswith(texts[0].encode("utf-8"))
 
 
 def test_split_is_disjoint_covering_stable_and_nested():

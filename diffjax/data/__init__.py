@@ -9,11 +9,7 @@
 
 from diffjax.data.builtin import (
     DEFAULT_CORPUS_BYTES,
-    builtin_corpus,
     builtin_documents,
-    random_windows,
-    sequential_windows,
-    split_train_eval,
     stdlib_source_files,
 )
 from diffjax.data.pipeline import BATCH_KEYS, make_eval_batches, make_train_dataset, pack_documents
@@ -27,7 +23,6 @@ __all__ = [
     "ListSource",
     "ParquetSource",
     "TextFileSource",
-    "builtin_corpus",
     "builtin_documents",
     "expand_paths",
     "is_eval_document",
@@ -35,9 +30,6 @@ __all__ = [
     "make_train_dataset",
     "open_documents",
     "pack_documents",
-    "random_windows",
-    "sequential_windows",
     "split_documents",
-    "split_train_eval",
     "stdlib_source_files",
 ]

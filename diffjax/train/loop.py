@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diffjax.data import make_eval_batches, make_train_dataset
+from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.model import TransformerLM
 from diffjax.tokenizers import make_tokenizer
@@ -133,15 +133,12 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     state = jax.device_put(init_state(model, tx, config.train.seed), replicated)
 
-    train_ds = make_train_dataset(
-        config.data, tokenizer, batch_size=plan.per_process_batch, seed=config.train.seed,
-        shard_index=jax.process_index(), shard_count=jax.process_count(),
-    )
+    documents = open_documents(config.data)
+    shard = {"shard_index": jax.process_index(), "shard_count": jax.process_count(), "source": documents}
+    train_ds = make_train_dataset(config.data, tokenizer, batch_size=plan.per_process_batch, seed=config.train.seed, **shard)
     data_iter = iter(train_ds)
     eval_rows = plan.micro_batch_per_device * plan.num_devices // plan.num_processes
-    eval_batches = make_eval_batches(
-        config.data, tokenizer, batch_size=eval_rows, shard_index=jax.process_index(), shard_count=jax.process_count()
-    )
+    eval_batches = make_eval_batches(config.data, tokenizer, batch_size=eval_rows, **shard)
 
     checkpointer = Checkpointer(run_dir, config.checkpoint)
     start_step = checkpointer.latest_step() or 0
