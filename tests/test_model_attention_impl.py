@@ -14,7 +14,7 @@ import diffjax
 from diffjax import ModelConfig
 from diffjax.losses import next_token_loss
 from diffjax.train import OptimizerConfig, make_optimizer
-from diffjax.train.loop import train_step
+from diffjax.train.step import init_state, make_train_step
 
 TINY = dict(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64)
 TOL = 1e-5
@@ -54,15 +54,22 @@ def test_model_loss_and_grads_pallas_equal_xla(attention, measured):
 
 
 def test_model_trains_with_pallas_tpu(measured):
-    """Three AdamW steps on one batch through diffjax.train's jitted train_step: identical loss trajectories."""
+    """Three AdamW steps on one packed batch through diffjax.train's jitted step: identical loss trajectories."""
     rng = np.random.default_rng(1)
-    batches = [jnp.asarray(rng.integers(0, TINY["vocab_size"], size=(2, 32)))] * 3
+    tokens = rng.integers(0, TINY["vocab_size"], size=(1, 2, 32)).astype(np.int32)  # [accum, batch, T]
+    segment_ids = np.where(np.arange(32) < 20, 1, 2).astype(np.int32)[None, None].repeat(2, axis=1)
+    positions = np.where(np.arange(32) < 20, np.arange(32), np.arange(32) - 20).astype(np.int32)[None, None].repeat(2, axis=1)
+    batch = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
     losses = {}
     for impl in ("xla", "pallas_tpu"):
         model = _model(impl)
-        tx, _ = make_optimizer(OptimizerConfig(peak_lr=1e-2, warmup_steps=0, total_steps=10))
-        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-        losses[impl] = [float(train_step(model, optimizer, tokens)["loss"]) for tokens in batches]
+        tx, schedule = make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0, decay="constant"), 10)
+        step = jax.jit(make_train_step(nnx.graphdef(model), tx, schedule, model.config))
+        state, losses[impl] = init_state(model, tx, 0), []
+        assert ("pallas_call" in str(jax.make_jaxpr(step)(state, batch))) == (impl == "pallas_tpu")
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            losses[impl].append(float(metrics["loss"]))
     assert losses["xla"][-1] < losses["xla"][0]  # it learns (memorising one batch)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses["pallas_tpu"], losses["xla"]))
     assert measured("loss trajectory rel err (3 steps)", worst, TOL) <= TOL
