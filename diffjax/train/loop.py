@@ -244,7 +244,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             final_eval = evaluate()
             if final_eval is not None:
                 result.eval_losses[step] = final_eval
-                metrics_writer.write(step, "eval", {"loss": final_eval})
+                if step > start_step:  # (a rerun of a finished run only reports it)
+                    metrics_writer.write(step, "eval", {"loss": final_eval})
                 progress.note(f"step {step}: eval loss {final_eval:.4f}")
             if config.train.sample_tokens:
                 result.sample = _sample_text(graphdef, state, tokenizer, config)
