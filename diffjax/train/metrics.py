@@ -37,12 +37,9 @@ PEAK_FLOPS = (
 
 def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the LM head counts even when tied)."""
-    counts = config.param_counts()
-    D, d, L = config.d_model, config.head_dim, config.num_layers
-    small = L * 2 * D + D  # block norms and the final norm
-    if config.attention == "diff":
-        small += L * (4 * d + 2 * d)  # lambda vectors and subln
-    return counts["layers"] + counts["final_norm"] - small + D * config.vocab_size
+    D, d = config.d_model, config.head_dim
+    vectors_per_layer = 2 * D + (6 * d if config.attention == "diff" else 0)  # norms; lambda vectors, subln
+    return config.param_counts()["layers"] - config.num_layers * vectors_per_layer + D * config.vocab_size
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
