@@ -93,8 +93,12 @@ def _mask(st: _Static, i, j):
     return mask
 
 
-def _and_seg(mask, q_seg_ref, kv_seg_ref):
-    same = q_seg_ref[...] == kv_seg_ref[...]  # [bq, 1] == [1, bk]
+def _block_mask(st: _Static, r, i, j):
+    """_mask, and also same-segment pairs only when segment ids are given (None: all allowed)."""
+    mask = _mask(st, i, j)
+    if not st.has_seg:
+        return mask
+    same = r["q_seg"][...] == r["kv_seg"][...]  # [bq, 1] == [1, bk]
     return same if mask is None else mask & same
 
 
@@ -163,9 +167,7 @@ def _fwd_kernel(*refs, st: _Static, nk: int, save_residuals: bool):
 
     @pl.when(_block_needed(st, i, j))
     def _body():
-        mask = _mask(st, i, j)
-        if st.has_seg:
-            mask = _and_seg(mask, r["q_seg"], r["kv_seg"])
+        mask = _block_mask(st, r, i, j)
         v = r["v"][...]
         for m in range(st.M):  # the V block is loaded once and used by every map
             s = _scores(st, r["q"], r["k"], m, mask)
@@ -307,9 +309,7 @@ def _dq_kernel(*refs, st: _Static, nk: int):
 
     @pl.when(_block_needed(st, i, j))
     def _body():
-        mask = _mask(st, i, j)
-        if st.has_seg:
-            mask = _and_seg(mask, r["q_seg"], r["kv_seg"])
+        mask = _block_mask(st, r, i, j)
         do = r["do"][...]
         dP = lax.dot_general(do, r["v"][...], _NT, preferred_element_type=jnp.float32)  # shared by both maps
         for m in range(st.M):
@@ -337,9 +337,7 @@ def _dkv_kernel(*refs, st: _Static, nq: int):
 
     @pl.when(_block_needed(st, i, j))
     def _body():
-        mask = _mask(st, i, j)
-        if st.has_seg:
-            mask = _and_seg(mask, r["q_seg"], r["kv_seg"])
+        mask = _block_mask(st, r, i, j)
         do = r["do"][...]
         dP = lax.dot_general(do, r["v"][...], _NT, preferred_element_type=jnp.float32)
         p_combined = None

@@ -138,7 +138,10 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     train_ds = make_train_dataset(config.data, tokenizer, batch_size=plan.per_process_batch, seed=config.train.seed, **shard)
     data_iter = iter(train_ds)
     eval_rows = plan.micro_batch_per_device * plan.num_devices // plan.num_processes
-    eval_batches = make_eval_batches(config.data, tokenizer, batch_size=eval_rows, **shard)
+    eval_batches = [  # fixed: on the devices once
+        _global_batch(batch, eval_sharding)
+        for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows, **shard)
+    ]
 
     checkpointer = Checkpointer(run_dir, config.checkpoint)
     start_step = checkpointer.latest_step() or 0
@@ -172,7 +175,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             return None
         total, count = 0.0, 0.0
         for batch in eval_batches:
-            loss_sum, tokens = eval_step(state["params"], _global_batch(batch, eval_sharding))
+            loss_sum, tokens = eval_step(state["params"], batch)
             total, count = total + float(loss_sum), count + float(tokens)
         return total / max(count, 1.0)
 
@@ -191,7 +194,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             jax.block_until_ready(pending[-1][1])
             rate = timer["steps"] * tokens_per_step / (time.perf_counter() - timer["since"] - timer["paused"])
             result.tokens_per_second = rate
-        for step_done, metrics in pending:
+        host_metrics = jax.device_get([metrics for _, metrics in pending])  # one transfer for the window
+        for (step_done, _), metrics in zip(pending, host_metrics):
             values = {key: float(value) for key, value in metrics.items() if key != "lambda"}
             if not math.isfinite(values["loss"]):
                 raise FloatingPointError(f"train loss became {values['loss']} at step {step_done}")
