@@ -198,3 +198,33 @@ def test_init_from_takes_the_params_of_another_run(tmp_path):
               log=lambda _: None)
     with pytest.raises(FileNotFoundError, match="init_from"):
         train(_config(tmp_path / "none", "train.steps=1", f"train.init_from={tmp_path / 'missing'}"), log=lambda _: None)
+
+
+def test_params_only_checkpoint_loads_trains_on_and_initializes(tmp_path):
+    """save_params (what the converter writes): load_model gives the same logits, train.py in that
+    run directory trains on from those params, and train.init_from takes them."""
+    from flax import nnx
+
+    from diffjax.model import TransformerLM
+    from diffjax.train.checkpoint import load_model, save_params
+
+    config = _config(tmp_path / "converted", "train.steps=1", "optim.lr=1e-12", "optim.min_lr=0",
+                     "optim.warmup_steps=0", "optim.weight_decay=0")
+    model = TransformerLM(config.model, rngs=nnx.Rngs(7))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    save_params(tmp_path / "converted", params, config.model)
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+        save_params(tmp_path / "converted", params, config.model)
+    tokens = np.arange(12, dtype=np.int32)[None] % config.model.vocab_size
+    np.testing.assert_array_equal(np.asarray(load_model(tmp_path / "converted")(tokens)), np.asarray(model(tokens)))
+
+    lines = []
+    result = train(config, log=lines.append)
+    assert result.step == 1 and any("params-only checkpoint" in line for line in lines), lines
+    trained = Checkpointer(tmp_path / "converted", CheckpointConfig()).read(1)["state"]["params"]
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(trained)):  # lr 1e-12: the same params
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-9)
+    with pytest.raises(ValueError, match="does not match"):
+        load_model_config = _config(tmp_path / "other", "train.steps=1", "model.d_model=64",
+                                    f"train.init_from={tmp_path / 'converted' / 'checkpoints' / '0'}")
+        train(load_model_config, log=lambda _: None)

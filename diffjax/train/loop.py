@@ -25,7 +25,7 @@ from diffjax.generate import sample
 from diffjax.model import TransformerLM
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
-from diffjax.train.checkpoint import Checkpointer, abstract_like, restore_params
+from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params, state_keys
 from diffjax.train.config import RunConfig, read_yaml, save_run_config
 from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, training_flops_per_token
 from diffjax.train.optimizer import make_optimizer
@@ -144,11 +144,17 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     ]
 
     checkpointer = Checkpointer(run_dir, config.checkpoint)
-    start_step = checkpointer.latest_step() or 0
-    if start_step:
-        state, data_state = checkpointer.restore(start_step, abstract_like(state))
-        data_iter.set_state(data_state)
-        log(f"resumed from {checkpointer.directory / str(start_step)} (step {start_step})")
+    latest_step, start_step = checkpointer.latest_step(), 0
+    if latest_step is not None:
+        step_dir = checkpointer.directory / str(latest_step)
+        if state_keys(step_dir) == {"params"}:  # a converted / exported model: train on from its params
+            state["params"] = load_params(step_dir, abstract_like(state["params"]))
+            log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
+        else:
+            start_step = latest_step
+            state, data_state = checkpointer.restore(start_step, abstract_like(state))
+            data_iter.set_state(data_state)
+            log(f"resumed from {step_dir} (step {start_step})")
     elif config.train.init_from:
         state["params"] = restore_params(config.train.init_from, abstract_like(state))
         log(f"initialized the params from {config.train.init_from}")
