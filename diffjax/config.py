@@ -16,6 +16,9 @@ ROPE_STYLES = ("interleaved", "rotate_half")
 ROPE_TYPES = ("default", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu", "splash", "cudnn")  # diffjax.ops dispatches on these
+REMAT_POLICIES = ("none", "minimal", "full")  # what a decoder block keeps for the backward pass
+# Fields that change how the model computes, not what it computes: a run may resume with others.
+RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")
 MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
 
 
@@ -54,6 +57,12 @@ class ModelConfig:
     param_dtype: str = "float32"
     init_std: float = 0.02
     attention_impl: str = "auto"  # passed to diffjax.ops.diff_attention / dot_product_attention
+    # Memory and compile time. remat: "none" keeps every activation for the backward pass; "minimal"
+    # keeps the projections' outputs and recomputes attention and elementwise ops; "full" keeps only
+    # each block's input. scan_layers compiles one block and scans it over the layers (compile time
+    # independent of depth); the parameters stay one entry per layer either way.
+    remat: str = "none"
+    scan_layers: bool = False
     # Names of the fields above that were None and derived in __post_init__ (re-derived by replace()).
     derived: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
@@ -81,6 +90,8 @@ class ModelConfig:
             self.attention_impl in ATTENTION_IMPLS,
             f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}",
         )
+        check(self.remat in REMAT_POLICIES, f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        check(isinstance(self.scan_layers, bool), f"scan_layers must be true or false, got {self.scan_layers!r}")
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         check(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps!r}")
@@ -232,3 +243,40 @@ class DataConfig:
                 raise ValueError(f"data.{name} must be a positive integer, got {getattr(self, name)!r}")
         if not (isinstance(self.worker_count, int) and self.worker_count >= 0):
             raise ValueError(f"data.worker_count must be an integer >= 0, got {self.worker_count!r}")
+
+
+# --- parallelism ------------------------------------------------------------------------------
+
+MESH_AXES = ("data", "fsdp", "tensor")
+DISTRIBUTED_MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The device mesh (axes data x fsdp x tensor; one of them may be -1: what the devices leave) and
+    multi-process start-up. See diffjax/parallel.py for which tensors each axis splits."""
+
+    data: int = -1  # batch split, params replicated
+    fsdp: int = 1  # batch split, params / optimizer state split too (gathered per layer)
+    tensor: int = 1  # heads and MLP width split (Megatron style)
+    # jax.distributed: "auto" initializes when coordinator_address is set or a cluster environment
+    # (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never.
+    distributed: str = "auto"
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self):
+        sizes = {name: getattr(self, name) for name in MESH_AXES}
+        for name, size in sizes.items():
+            if not (isinstance(size, int) and not isinstance(size, bool) and (size >= 1 or size == -1)):
+                raise ValueError(f"parallel.{name} must be a positive integer or -1 (fill), got {size!r}")
+        if list(sizes.values()).count(-1) > 1:
+            filled = [f"parallel.{name}" for name, size in sizes.items() if size == -1]
+            raise ValueError(f"only one mesh axis may be -1 (fill the remaining devices); got {', '.join(filled)}")
+        if self.distributed not in DISTRIBUTED_MODES:
+            raise ValueError(f"parallel.distributed must be one of {DISTRIBUTED_MODES}, got {self.distributed!r}")
+        for name in ("num_processes", "process_id"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= (1 if name == "num_processes" else 0)):
+                raise ValueError(f"parallel.{name} must be {'>= 1' if name == 'num_processes' else '>= 0'} or None, got {value!r}")

@@ -39,7 +39,7 @@ def test_overrides_are_typed_by_the_field():
     "overrides, message",
     [
         (["model.num_layer=3"], r"unknown config key model\.num_layer; valid keys under model: .*num_layers"),
-        (["training.steps=3"], r"unknown config key training; valid keys: checkpoint, data, model, optim, train"),
+        (["training.steps=3"], r"unknown config key training; valid keys: checkpoint, data, model, optim, parallel, train"),
         (["optim.lr=fast"], r"optim\.lr must be a number, got 'fast'"),
         (["model.d_model=1.5"], r"model\.d_model must be an integer"),
         (["train.steps=0"], r"train\.steps must be an integer >= 1"),
@@ -124,15 +124,15 @@ def test_paper_3b_and_64k_configs():
 def test_batch_tokens_resolve_to_devices_and_accumulation():
     config = load_run_config(PAPER / "diff-830m.yaml")
     assert config.global_batch_size == 128
-    one = plan_batch(128, num_devices=1, micro_batch_per_device=8)
-    assert (one.per_device_batch, one.micro_batch_per_device, one.accum_steps) == (128, 8, 16)
-    eight = plan_batch(128, num_devices=8, num_processes=2, micro_batch_per_device=8)
-    assert (eight.per_device_batch, eight.accum_steps, eight.per_process_batch) == (16, 2, 64)
-    assert plan_batch(128, num_devices=8).accum_steps == 1
-    with pytest.raises(ValueError, match=r"128 sequences does not split evenly over 3 devices"):
-        plan_batch(128, num_devices=3)
+    one = plan_batch(128, batch_shards=1, micro_batch_per_device=8)
+    assert (one.per_shard_batch, one.micro_batch_per_device, one.accum_steps) == (128, 8, 16)
+    eight = plan_batch(128, batch_shards=8, micro_batch_per_device=8)
+    assert (eight.per_shard_batch, eight.accum_steps) == (16, 2)
+    assert plan_batch(128, batch_shards=8).accum_steps == 1
+    with pytest.raises(ValueError, match=r"128 sequences does not split evenly over 3 batch shards"):
+        plan_batch(128, batch_shards=3)
     with pytest.raises(ValueError, match=r"micro_batch_per_device \(5\) must divide the per-device batch \(16"):
-        plan_batch(128, num_devices=8, micro_batch_per_device=5)
+        plan_batch(128, batch_shards=8, micro_batch_per_device=5)
 
 
 @pytest.mark.parametrize("attention", ["diff", "standard"])

@@ -14,6 +14,9 @@ from diffjax import ops
 from diffjax.config import ModelConfig
 from diffjax.model.layers import normal_param, ones_param, rms_normalize
 from diffjax.model.rope import apply_rope
+from diffjax.parallel import constrain
+
+BTD = ("batch", "length", "act_embed")
 
 
 class DiffAttention(nnx.Module):
@@ -33,7 +36,13 @@ class DiffAttention(nnx.Module):
             setattr(self, name, normal_param(rngs, (d,), config.lambda_std, pdt, ("head_dim",)))
         self.subln_scale = ones_param((2 * d,), pdt, ("head_dim",))
 
-    def lambda_full(self, dtype):
+    def layer_constants(self, dtype) -> dict:
+        """The depth-dependent constants, as arrays (a scan over layers carries them per layer):
+        lambda_init in the activation dtype and the output scale (1 - lambda_init) in float32, each
+        rounded once from the Python float (the roundings PyTorch applies, see lambda_full)."""
+        return {"lambda_init": jnp.asarray(self.lambda_init, dtype), "out_scale": jnp.float32(1.0 - self.lambda_init)}
+
+    def lambda_full(self, dtype, lambda_init=None):
         """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
 
         Products in the parameter dtype, sums and exp in float32, then the activation dtype
@@ -44,18 +53,23 @@ class DiffAttention(nnx.Module):
         dot1 = jnp.sum(self.lambda_q1[...] * self.lambda_k1[...], dtype=jnp.float32)
         dot2 = jnp.sum(self.lambda_q2[...] * self.lambda_k2[...], dtype=jnp.float32)
         lambda_1, lambda_2 = jnp.exp(dot1).astype(dtype), jnp.exp(dot2).astype(dtype)
-        return lambda_1 - lambda_2 + jnp.asarray(self.lambda_init, dtype)
+        lambda_init = jnp.asarray(self.lambda_init, dtype) if lambda_init is None else lambda_init
+        return lambda_1 - lambda_2 + lambda_init
 
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None):
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
         dtype = x_BTD.dtype
+        constants = constants or self.layer_constants(dtype)
         cos, sin = rope_cos_sin
         q_BTH2d = jnp.einsum("btD,DhGd->bthGd", x_BTD, self.q_kernel[...].astype(dtype))
         k_BSK2d = jnp.einsum("bsD,DkGd->bskGd", x_BTD, self.k_kernel[...].astype(dtype))
         v_BSKv = jnp.einsum("bsD,Dkv->bskv", x_BTD, self.v_kernel[...].astype(dtype))
+        q_BTH2d = constrain(q_BTH2d, ("batch", "length", "act_heads", None, None))
+        k_BSK2d = constrain(k_BSK2d, ("batch", "length", "act_kv_heads", None, None))
+        v_BSKv = constrain(v_BSKv, ("batch", "length", "act_kv_heads", None))
         q_BTH2d = apply_rope(q_BTH2d, cos, sin, self.config.rope_style)
         k_BSK2d = apply_rope(k_BSK2d, cos, sin, self.config.rope_style)
         o_BTHv = ops.diff_attention(
-            q_BTH2d, k_BSK2d, v_BSKv, self.lambda_full(dtype),
+            q_BTH2d, k_BSK2d, v_BSKv, self.lambda_full(dtype, constants["lambda_init"]),
             causal=True, segment_ids=segment_ids, impl=self.config.attention_impl,
         )
         # Per-head RMSNorm over 2d (one scale shared by all heads), then the fixed (1 - lambda_init).
@@ -63,8 +77,9 @@ class DiffAttention(nnx.Module):
         # PyTorch multiplies a bf16 tensor by a Python float in float32 without rounding the scalar to
         # bf16 first (one rounding at the end); rounding (1 - lambda_init) to bf16 would bias every output
         # (0.8 -> 0.80078 at depth 0). Exact no-op in float32.
-        o_BTHv = (o_BTHv.astype(jnp.float32) * jnp.float32(1.0 - self.lambda_init)).astype(dtype)
-        return jnp.einsum("bthv,hvD->btD", o_BTHv, self.o_kernel[...].astype(dtype))
+        o_BTHv = (o_BTHv.astype(jnp.float32) * constants["out_scale"]).astype(dtype)
+        o_BTHv = constrain(o_BTHv, ("batch", "length", "act_heads", None))
+        return constrain(jnp.einsum("bthv,hvD->btD", o_BTHv, self.o_kernel[...].astype(dtype)), BTD)
 
 
 class StandardAttention(nnx.Module):
@@ -80,15 +95,22 @@ class StandardAttention(nnx.Module):
         self.v_kernel = normal_param(rngs, (D, K, d), std, pdt, ("embed", "kv_heads", "head_dim"))
         self.o_kernel = normal_param(rngs, (N, d, D), std, pdt, ("heads", "head_dim", "embed"))
 
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None):
+    def layer_constants(self, dtype) -> dict:
+        return {}
+
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
         dtype = x_BTD.dtype
         cos, sin = rope_cos_sin
         q_BTNd = jnp.einsum("btD,Dnd->btnd", x_BTD, self.q_kernel[...].astype(dtype))
         k_BSKd = jnp.einsum("bsD,Dkd->bskd", x_BTD, self.k_kernel[...].astype(dtype))
         v_BSKd = jnp.einsum("bsD,Dkd->bskd", x_BTD, self.v_kernel[...].astype(dtype))
+        q_BTNd = constrain(q_BTNd, ("batch", "length", "act_heads", None))
+        k_BSKd = constrain(k_BSKd, ("batch", "length", "act_kv_heads", None))
+        v_BSKd = constrain(v_BSKd, ("batch", "length", "act_kv_heads", None))
         q_BTNd = apply_rope(q_BTNd, cos, sin, self.config.rope_style)
         k_BSKd = apply_rope(k_BSKd, cos, sin, self.config.rope_style)
         o_BTNd = ops.dot_product_attention(
             q_BTNd, k_BSKd, v_BSKd, causal=True, segment_ids=segment_ids, impl=self.config.attention_impl
         )
-        return jnp.einsum("btnd,ndD->btD", o_BTNd, self.o_kernel[...].astype(dtype))
+        o_BTNd = constrain(o_BTNd, ("batch", "length", "act_heads", None))
+        return constrain(jnp.einsum("btnd,ndD->btD", o_BTNd, self.o_kernel[...].astype(dtype)), BTD)

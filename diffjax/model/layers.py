@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 from diffjax.config import ModelConfig
+from diffjax.parallel import constrain
 
 
 def normal_param(rngs: nnx.Rngs, shape, std: float, dtype, axes) -> nnx.Param:
@@ -59,8 +60,8 @@ class GatedMLP(nnx.Module):
         dtype = x_BTD.dtype
         gate_BTF = x_BTD @ self.gate_kernel[...].astype(dtype)
         up_BTF = x_BTD @ self.up_kernel[...].astype(dtype)
-        hidden_BTF = _ACTIVATIONS[self.activation](gate_BTF) * up_BTF
-        return hidden_BTF @ self.down_kernel[...].astype(dtype)
+        hidden_BTF = constrain(_ACTIVATIONS[self.activation](gate_BTF) * up_BTF, ("batch", "length", "act_mlp"))
+        return constrain(hidden_BTF @ self.down_kernel[...].astype(dtype), ("batch", "length", "act_embed"))
 
 
 class Embedding(nnx.Module):
@@ -88,4 +89,5 @@ class Embedding(nnx.Module):
 
     def attend(self, x_BTD):
         """Logits against the embedding matrix (tied LM head), float32."""
-        return jnp.einsum("btd,vd->btv", x_BTD, self.embedding[...].astype(x_BTD.dtype), preferred_element_type=jnp.float32)
+        logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, self.embedding[...].astype(x_BTD.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits_BTV, ("batch", "length", "act_vocab"))

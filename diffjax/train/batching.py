@@ -1,4 +1,4 @@
-"""How a global batch splits over processes, devices and gradient-accumulation micro-batches."""
+"""How a global batch splits over the mesh's batch shards and gradient-accumulation micro-batches."""
 
 from __future__ import annotations
 
@@ -7,47 +7,43 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
-    global_batch: int  # sequences per optimizer step, over all devices
-    num_devices: int
-    num_processes: int
+    global_batch: int  # sequences per optimizer step
+    batch_shards: int  # devices the batch splits over: parallel.data x parallel.fsdp
     accum_steps: int  # micro-batches per optimizer step
 
     @property
-    def per_device_batch(self) -> int:
-        return self.global_batch // self.num_devices
+    def per_shard_batch(self) -> int:
+        return self.global_batch // self.batch_shards
 
     @property
     def micro_batch_per_device(self) -> int:
-        return self.per_device_batch // self.accum_steps
-
-    @property
-    def per_process_batch(self) -> int:
-        """Rows of each step's batch that one process loads."""
-        return self.global_batch // self.num_processes
+        return self.per_shard_batch // self.accum_steps
 
     def describe(self, seq_len: int) -> str:
         return (
             f"{self.global_batch} sequences x {seq_len} tokens = {self.global_batch * seq_len:,} tokens per step: "
-            f"{self.num_devices} device(s) x {self.micro_batch_per_device} sequences x {self.accum_steps} accumulation step(s)"
+            f"{self.batch_shards} batch shard(s) x {self.micro_batch_per_device} sequences x {self.accum_steps} "
+            "accumulation step(s)"
         )
 
 
-def plan_batch(global_batch: int, *, num_devices: int, num_processes: int = 1, micro_batch_per_device: int | None = None) -> BatchPlan:
+def plan_batch(global_batch: int, *, batch_shards: int, micro_batch_per_device: int | None = None) -> BatchPlan:
     """Split `global_batch` sequences; errors say which numbers do not divide and what would."""
-    if global_batch % num_devices:
+    if global_batch % batch_shards:
         raise ValueError(
-            f"the global batch of {global_batch} sequences does not split evenly over {num_devices} devices; "
-            f"use a multiple of {num_devices} (train.batch_size, or train.batch_tokens / data.seq_len)"
+            f"the global batch of {global_batch} sequences does not split evenly over {batch_shards} batch shards "
+            f"(parallel.data x parallel.fsdp); use a multiple of {batch_shards} (train.batch_size, or "
+            "train.batch_tokens / data.seq_len)"
         )
-    per_device = global_batch // num_devices
-    if micro_batch_per_device is None or micro_batch_per_device >= per_device:
+    per_shard = global_batch // batch_shards
+    if micro_batch_per_device is None or micro_batch_per_device >= per_shard:
         accum = 1
     else:
-        if per_device % micro_batch_per_device:
-            divisors = [n for n in range(1, per_device + 1) if per_device % n == 0]
+        if per_shard % micro_batch_per_device:
+            divisors = [n for n in range(1, per_shard + 1) if per_shard % n == 0]
             raise ValueError(
                 f"train.micro_batch_per_device ({micro_batch_per_device}) must divide the per-device batch "
-                f"({per_device} = {global_batch} sequences / {num_devices} devices); divisors: {divisors}"
+                f"({per_shard} = {global_batch} sequences / {batch_shards} batch shards); divisors: {divisors}"
             )
-        accum = per_device // micro_batch_per_device
-    return BatchPlan(global_batch=global_batch, num_devices=num_devices, num_processes=num_processes, accum_steps=accum)
+        accum = per_shard // micro_batch_per_device
+    return BatchPlan(global_batch=global_batch, batch_shards=batch_shards, accum_steps=accum)

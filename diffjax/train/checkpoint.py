@@ -17,6 +17,7 @@ from flax import nnx
 
 from diffjax.config import DataConfig, ModelConfig
 from diffjax.model import TransformerLM
+from diffjax.parallel import allgather_json
 from diffjax.train.config import CheckpointConfig, RunConfig, TrainConfig, read_yaml, save_run_config
 
 
@@ -36,20 +37,24 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, data_state: dict) -> None:
-        """Starts saving (in the background when async); the caller decides when to save."""
+        """Starts saving (in the background when async); every process calls it at the same step.
+        The data item holds every process's iterator state (each reads its own shard)."""
+        data = {"per_process": allgather_json(data_state)}
         self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
-            force=True,
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True
         )
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """(state, data_state) of checkpoint `step`; `abstract_state` gives structure, shapes, dtypes, shardings."""
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict | None]:
+        """(state, this process's data-iterator state) of checkpoint `step`. `abstract_state` gives structure,
+        shapes, dtypes and the shardings to restore onto (any mesh). The data state is None when the
+        checkpoint was written by a different number of processes (their positions do not map)."""
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
         )
-        return restored["state"], restored["data"]
+        per_process = restored["data"]["per_process"]
+        data_state = per_process[jax.process_index()] if len(per_process) == jax.process_count() else None
+        return restored["state"], data_state
 
     def read(self, step: int) -> dict:
         """{"state": ..., "data": ...} of checkpoint `step` as saved (no target: host arrays), for inspection."""

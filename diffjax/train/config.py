@@ -19,10 +19,11 @@ from typing import Any
 
 import yaml
 
-from diffjax.config import DataConfig, ModelConfig
+from diffjax.config import DataConfig, ModelConfig, ParallelConfig
 from diffjax.train.optimizer import OptimizerConfig
 
 PROGRESS_STYLES = ("auto", "bar", "lines")
+SECTIONS = ("model", "data", "optim", "train", "checkpoint", "parallel")
 
 
 def _check_int(config, name: str, *, minimum: int, section: str = "train"):
@@ -95,6 +96,7 @@ class RunConfig:
     optim: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):
         if self.train.batch_tokens is not None and self.train.batch_tokens % self.data.seq_len:
@@ -116,7 +118,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.to_dict(),
-            **{name: _plain(dataclasses.asdict(getattr(self, name))) for name in ("data", "optim", "train", "checkpoint")},
+            **{name: _plain(dataclasses.asdict(getattr(self, name))) for name in SECTIONS[1:]},
         }
 
 

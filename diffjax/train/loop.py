@@ -17,20 +17,21 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding
 
+from diffjax import parallel
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.model import TransformerLM
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params, state_keys
-from diffjax.train.config import RunConfig, read_yaml, save_run_config
+from diffjax.config import RUNTIME_FIELDS
+from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
 from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, training_flops_per_token
 from diffjax.train.optimizer import make_optimizer
 from diffjax.train.progress import Progress
-from diffjax.train.step import init_state, make_eval_step, make_train_step
+from diffjax.train.step import setup_sharded_state
 
 CONFIG_FILE = "config.yaml"
 
@@ -68,30 +69,36 @@ class StopSignals:
 
 
 def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
-    """A run directory belongs to one model: refuse to resume with a different model section."""
+    """A run directory belongs to one model: refuse to resume with a different model section (fields
+    that only change how it computes, such as remat or the attention kernel, may change)."""
     saved_path = run_dir / CONFIG_FILE
     if not saved_path.exists():
         return
     saved = read_yaml(saved_path)
     current = config.to_dict()
-    if saved.get("model") != current["model"]:
-        differing = sorted(
-            key for key in set(saved.get("model", {})) | set(current["model"])
-            if saved.get("model", {}).get(key) != current["model"].get(key)
-        )
+    saved_model, current_model = saved.get("model", {}), current["model"]
+    keys = set(saved_model) | set(current_model)
+    differing = sorted(k for k in keys - set(RUNTIME_FIELDS) if saved_model.get(k) != current_model.get(k))
+    if differing:
         raise ValueError(
             f"run directory {run_dir} holds a run of a different model (model.{', model.'.join(differing)} differ "
             f"from {saved_path}); choose another train.run_dir or restore those values"
         )
-    for section in ("data", "optim", "train", "checkpoint"):
-        if saved.get(section) != current[section]:
-            changed = sorted(k for k in current[section] if saved.get(section, {}).get(k) != current[section][k])
-            log(f"note: resuming with changed {', '.join(section + '.' + k for k in changed)}")
+    changed = [f"model.{k}" for k in sorted(keys) if saved_model.get(k) != current_model.get(k)]
+    for section in SECTIONS[1:]:
+        changed += [f"{section}.{k}" for k in current[section] if saved.get(section, {}).get(k) != current[section][k]]
+    if changed:
+        log(f"note: resuming with changed {', '.join(changed)}")
 
 
-def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """This process's rows -> one global array per key, split over the mesh's data axis."""
-    return {key: jax.make_array_from_process_local_data(sharding, value) for key, value in local.items()}
+def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, global_rows: int, batch_axis: int = 0) -> dict[str, jax.Array]:
+    """This process's rows -> one global array per key, split over the mesh's batch axes."""
+    def make(value):
+        shape = list(value.shape)
+        shape[batch_axis] = global_rows
+        return jax.make_array_from_process_local_data(sharding, value, tuple(shape))
+
+    return {key: make(value) for key, value in local.items()}
 
 
 def _stack_micro_batches(batch: dict[str, np.ndarray], plan: BatchPlan) -> dict[str, np.ndarray]:
@@ -108,6 +115,10 @@ def _sample_text(graphdef, state, tokenizer, config: RunConfig) -> str:
 
 
 def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResult:
+    parallel.initialize_distributed(config.parallel)
+    is_main_process = jax.process_index() == 0
+    if not is_main_process:  # one process speaks and writes metrics for all
+        log = lambda _: None  # noqa: E731
     run_dir = Path(config.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_resumable(run_dir, config, log)
@@ -118,29 +129,27 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
         )
-    plan = plan_batch(
-        config.global_batch_size, num_devices=jax.device_count(), num_processes=jax.process_count(),
-        micro_batch_per_device=config.train.micro_batch_per_device,
-    )
-    seq_len = config.data.seq_len
-    mesh = Mesh(np.asarray(jax.devices()), ("data",))  # data parallel; the sharding issue extends this
-    replicated = NamedSharding(mesh, P())
-    step_sharding = NamedSharding(mesh, P(None, "data"))  # [accum, batch, T]
-    eval_sharding = NamedSharding(mesh, P("data"))
-
-    model = TransformerLM(config.model, rngs=nnx.Rngs(config.train.seed))
-    graphdef = nnx.graphdef(model)
+    mesh = parallel.make_mesh(config.parallel)
     tx, schedule = make_optimizer(config.optim, config.train.steps)
-    state = jax.device_put(init_state(model, tx, config.train.seed), replicated)
-
+    training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
+    graphdef = training.graphdef
+    plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
+                      micro_batch_per_device=config.train.micro_batch_per_device)
+    seq_len = config.data.seq_len
+    micro_rows = plan.global_batch // plan.accum_steps
+    # Each process loads only the batch rows its devices hold.
+    shard_index, shard_count = parallel.process_batch_shard(
+        training.step_batch_sharding, (plan.accum_steps, micro_rows, seq_len), batch_axis=1
+    )
     documents = open_documents(config.data)
-    shard = {"shard_index": jax.process_index(), "shard_count": jax.process_count(), "source": documents}
-    train_ds = make_train_dataset(config.data, tokenizer, batch_size=plan.per_process_batch, seed=config.train.seed, **shard)
+    shard = {"shard_index": shard_index, "shard_count": shard_count, "source": documents}
+    train_ds = make_train_dataset(config.data, tokenizer, batch_size=plan.global_batch // shard_count,
+                                  seed=config.train.seed, **shard)
     data_iter = iter(train_ds)
-    eval_rows = plan.micro_batch_per_device * plan.num_devices // plan.num_processes
+    eval_rows = plan.micro_batch_per_device * plan.batch_shards
     eval_batches = [  # fixed: on the devices once
-        _global_batch(batch, eval_sharding)
-        for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows, **shard)
+        _global_batch(batch, training.eval_batch_sharding, eval_rows)
+        for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows // shard_count, **shard)
     ]
 
     checkpointer = Checkpointer(run_dir, config.checkpoint)
@@ -153,15 +162,20 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
         else:
             start_step = latest_step
             state, data_state = checkpointer.restore(start_step, abstract_like(state))
-            data_iter.set_state(data_state)
+            if data_state is None:
+                log(f"note: the checkpoint's data position was saved by a different number of processes; "
+                    "this run's data order starts afresh")
+            else:
+                data_iter.set_state(data_state)
             log(f"resumed from {step_dir} (step {start_step})")
     elif config.train.init_from:
         state["params"] = restore_params(config.train.init_from, abstract_like(state))
         log(f"initialized the params from {config.train.init_from}")
-    save_run_config(config, run_dir / CONFIG_FILE)
+    if is_main_process:
+        save_run_config(config, run_dir / CONFIG_FILE)
 
-    train_step = jax.jit(make_train_step(graphdef, tx, schedule, config.model), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(graphdef))
+    train_step = training.jit_train_step(tx, schedule, config.model)
+    eval_step = training.jit_eval_step()
     params_count = config.model.param_count()
     flops_per_token = training_flops_per_token(config.model, seq_len)
     peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)
@@ -171,6 +185,9 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
         f"{config.model.num_heads} heads of dim {config.model.head_dim}, {params_count:,} params; "
         f"{flops_per_token / 1e6:,.1f} MFLOP per trained token"
     )
+    log(f"mesh: {parallel.describe(mesh)} over {jax.process_count()} process(es)")
+    if training.unsharded:
+        log(f"note: kept whole because the mesh axes do not divide them: {'; '.join(training.unsharded)}")
     log(f"data: {config.data.source}, tokenizer {tokenizer.name}; batch {plan.describe(seq_len)}")
     log(f"run directory: {run_dir}")
     if not eval_batches:
@@ -185,11 +202,13 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             total, count = total + float(loss_sum), count + float(tokens)
         return total / max(count, 1.0)
 
-    metrics_writer = MetricsWriter(run_dir, tensorboard=config.train.tensorboard, resume_step=start_step)
+    metrics_writer = MetricsWriter(run_dir, tensorboard=config.train.tensorboard, resume_step=start_step,
+                                   enabled=is_main_process)
     result = TrainResult(step=start_step, losses={}, eval_losses={}, tokens_per_second=None, sample=None)
     if start_step >= config.train.steps:
         log(f"the run in {run_dir} is complete (step {start_step} of train.steps = {config.train.steps}); nothing to train")
-    progress = Progress(config.train.progress, start_step, config.train.steps, tokens_per_step, log)
+    progress = Progress(config.train.progress if is_main_process else "lines", start_step, config.train.steps,
+                        tokens_per_step, log)
     pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
     # Throughput over the steps since the last flush (the first step compiles and is not timed).
     timer = {"since": None, "steps": 0, "paused": 0.0}
@@ -209,9 +228,9 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                 values.update({f"lambda/layer_{i}": float(x) for i, x in enumerate(np.asarray(metrics["lambda"]))})
             if rate is not None:
                 values["tokens_per_second"] = rate
-                values["tflops_per_device"] = rate * flops_per_token / plan.num_devices / 1e12
+                values["tflops_per_device"] = rate * flops_per_token / mesh.size / 1e12
                 if peak:
-                    values["mfu"] = rate * flops_per_token / plan.num_devices / peak
+                    values["mfu"] = rate * flops_per_token / mesh.size / peak
             result.losses[step_done] = values["loss"]
             metrics_writer.write(step_done, "train", values)
         if pending:
@@ -223,7 +242,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     try:
         with StopSignals() as stop:
             while step < config.train.steps:
-                batch = _global_batch(_stack_micro_batches(next(data_iter), plan), step_sharding)
+                batch = _global_batch(_stack_micro_batches(next(data_iter), plan), training.step_batch_sharding,
+                                      micro_rows, batch_axis=1)
                 state, metrics = train_step(state, batch)
                 step += 1
                 pending.append((step, metrics))

@@ -81,7 +81,10 @@ class MetricsWriter:
     a run that then died) are dropped from the JSONL and TensorBoard purges them too.
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool, resume_step: int = 0):
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool, resume_step: int = 0, enabled: bool = True):
+        self.enabled = enabled  # False on all but the main process of a multi-process run
+        if not enabled:
+            return
         run_dir = Path(run_dir)
         self.jsonl_path = run_dir / "metrics.jsonl"
         if resume_step and self.jsonl_path.exists():
@@ -107,6 +110,8 @@ class MetricsWriter:
         self.jsonl_path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, step: int, kind: str, values: dict[str, float]):
+        if not self.enabled:
+            return
         clean = {key: (float(v) if v is not None and math.isfinite(float(v)) else None) for key, v in values.items()}
         self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
         if self._tensorboard is not None:
@@ -115,6 +120,8 @@ class MetricsWriter:
                     self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
 
     def close(self):
+        if not self.enabled:
+            return
         self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()

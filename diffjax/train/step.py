@@ -1,4 +1,4 @@
-"""The jitted train and eval steps over a pure-dict train state.
+"""The train state, created already sharded, and the train and eval steps jitted with explicit shardings.
 
 State: {"params": pure dict, "opt_state": optax state, "step": int32, "rng": uint32 key data}.
 A step's batch is [accum_steps, micro_batch, seq_len] per key; micro-batches are summed in a scan
@@ -7,13 +7,20 @@ and the loss is the token-weighted mean over all of them, so accumulation equals
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from diffjax import parallel
 from diffjax.config import ModelConfig
 from diffjax.losses import packed_loss_sum_and_count
+from diffjax.model import TransformerLM
 from diffjax.train.metrics import layer_lambdas
 
 
@@ -33,10 +40,16 @@ def _loss_sum_and_count(graphdef, params, batch):
     return packed_loss_sum_and_count(logits_BTV, batch["tokens"], batch["segment_ids"])
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, model_config: ModelConfig):
-    """step(state, batch) -> (state, metrics); jit it with the state donated."""
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, model_config: ModelConfig,
+                    mesh: Mesh | None = None):
+    """step(state, batch) -> (state, metrics); jit it with the state donated. With a mesh, the model's
+    activations are constrained by the logical-axis rules."""
 
     def train_step(state, batch):
+        with parallel.activation_sharding(mesh):
+            return _train_step(state, batch)
+
+    def _train_step(state, batch):
         params = state["params"]
         grad_fn = jax.value_and_grad(lambda p, micro: _loss_sum_and_count(graphdef, p, micro), has_aux=True)
 
@@ -68,10 +81,68 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     return train_step
 
 
-def make_eval_step(graphdef):
+def make_eval_step(graphdef, mesh: Mesh | None = None):
     """eval_step(params, batch[B, T]) -> (loss sum, counted tokens)."""
 
     def eval_step(params, batch):
-        return _loss_sum_and_count(graphdef, params, batch)
+        with parallel.activation_sharding(mesh):
+            return _loss_sum_and_count(graphdef, params, batch)
 
     return eval_step
+
+
+@dataclasses.dataclass
+class ShardedTraining:
+    """What the loop needs to step a model on a mesh."""
+
+    mesh: Mesh
+    graphdef: Any
+    state_shardings: dict  # like the state: a NamedSharding per leaf
+    step_batch_sharding: NamedSharding  # [accum, batch, T]
+    eval_batch_sharding: NamedSharding  # [batch, T]
+    unsharded: list  # parameter dims the mesh axes do not divide (kept whole)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def jit_train_step(self, tx, schedule, model_config: ModelConfig):
+        step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh)
+        return jax.jit(step, in_shardings=(self.state_shardings, self.step_batch_sharding),
+                       out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
+
+    def jit_eval_step(self):
+        return jax.jit(make_eval_step(self.graphdef, self.mesh),
+                       in_shardings=(self.state_shardings["params"], self.eval_batch_sharding),
+                       out_shardings=self.replicated)
+
+
+def setup_sharded_state(model_config: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh):
+    """(ShardedTraining, state): the train state initialized under jit straight into its shardings, so no
+    device ever holds a full copy of a sharded parameter or optimizer moment."""
+    parallel.check_model_fits_mesh(model_config, mesh)
+
+    def make_state():
+        return init_state(TransformerLM(model_config, rngs=nnx.Rngs(seed)), tx, seed)
+
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(seed)))
+    abstract_params = nnx.state(abstract_model, nnx.Param)
+    params_shardings = parallel.param_shardings(abstract_params, mesh)
+    abstract_state = jax.eval_shape(make_state)
+    replicated = NamedSharding(mesh, P())
+    state_shardings = {
+        "params": params_shardings,
+        "opt_state": parallel.shardings_like(abstract_state["opt_state"], abstract_state["params"], params_shardings, mesh),
+        "step": replicated,
+        "rng": replicated,
+    }
+    state = jax.jit(make_state, out_shardings=state_shardings)()
+    training = ShardedTraining(
+        mesh=mesh,
+        graphdef=nnx.graphdef(abstract_model),
+        state_shardings=state_shardings,
+        step_batch_sharding=parallel.batch_sharding(mesh, 3, batch_axis=1),
+        eval_batch_sharding=parallel.batch_sharding(mesh, 2),
+        unsharded=parallel.unsharded_dims(abstract_params, mesh),
+    )
+    return training, state

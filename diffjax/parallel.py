@@ -1,0 +1,313 @@
+"""Device meshes, the logical-axis rules, shardings of the train state and batches, multi-process start-up.
+
+Parameters and activations name their axes logically ("embed", "heads", "batch", ...); the one table
+LOGICAL_AXIS_RULES maps those names onto the mesh axes:
+
+  data    splits the batch; params replicated (data parallel)
+  fsdp    splits the batch and every parameter's "embed" axis, optimizer state included (ZeRO-3 /
+          FSDP: the compiler all-gathers a layer's weights where it is used)
+  tensor  splits heads, kv heads, the MLP width and the vocabulary (Megatron-style tensor parallel)
+
+The model never mentions mesh axes: it calls `constrain(x, logical_axes)`, which is a no-op unless
+the caller traces it inside `activation_sharding(mesh)` (the train and eval steps do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diffjax.config import MESH_AXES, ModelConfig, ParallelConfig
+
+log = logging.getLogger(__name__)
+
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    # activations
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+_RULES = dict(LOGICAL_AXIS_RULES)
+
+
+# --- meshes ------------------------------------------------------------------------------------
+
+
+def mesh_shape(config: ParallelConfig, num_devices: int) -> dict[str, int]:
+    """{axis: size} with a -1 axis filled; errors name the axes and the device count."""
+    sizes = {axis: getattr(config, axis) for axis in MESH_AXES}
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    described = " x ".join(f"{axis}={size}" for axis, size in sizes.items())
+    if num_devices % fixed:
+        raise ValueError(
+            f"the mesh {described} needs a multiple of {fixed} devices, but there are {num_devices}; "
+            f"choose parallel.data / parallel.fsdp / parallel.tensor whose product divides {num_devices}"
+        )
+    for axis, size in sizes.items():
+        if size == -1:
+            sizes[axis] = num_devices // fixed
+    return sizes
+
+
+def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh. With one process the mesh may use fewer devices than exist
+    (the first ones); across processes it must use them all (every process takes part in each step)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(config, len(devices))
+    count = math.prod(sizes.values())
+    if count < len(devices):
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"the mesh {sizes} uses {count} of {len(devices)} devices; a multi-process run must use all of "
+                "them: set one of parallel.data / parallel.fsdp / parallel.tensor to -1"
+            )
+        log.warning("the mesh %s uses %d of the %d devices", sizes, count, len(devices))
+        devices = devices[:count]
+    return Mesh(_device_grid(tuple(sizes[axis] for axis in MESH_AXES), devices), MESH_AXES)
+
+
+def _device_grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
+    """Devices arranged as the mesh: topology-aware on TPU / GPU (ICI rings, NVLink islands); on CPU
+    (no topology) in the given, process-major order."""
+    if devices[0].platform != "cpu":
+        from jax.experimental import mesh_utils
+
+        try:
+            return mesh_utils.create_device_mesh(shape, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass
+    return np.asarray(devices).reshape(shape)
+
+
+def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
+    """Tensor parallelism splits whole heads: parallel.tensor must divide the (kv) head counts."""
+    tensor = mesh.shape["tensor"]
+    for name in ("num_heads", "num_kv_heads"):
+        heads = getattr(config, name)
+        if heads % tensor:
+            divisors = [n for n in range(1, heads + 1) if heads % n == 0]
+            raise ValueError(
+                f"parallel.tensor ({tensor}) must divide model.{name} ({heads}): tensor parallelism splits whole "
+                f"heads; use parallel.tensor in {divisors}"
+            )
+
+
+def describe(mesh: Mesh) -> str:
+    return " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items()) + f" ({mesh.size} devices)"
+
+
+# --- logical axes -> shardings -------------------------------------------------------------------
+
+
+def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
+    """The PartitionSpec the rules give an array of `shape`; a dimension its mesh axes do not divide
+    stays whole (e.g. a vocabulary of 257 over tensor=2) rather than failing."""
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match the shape {tuple(shape)}")
+    spec, used = [], set()
+    for name, size in zip(logical_axes, shape):
+        if name is not None and name not in _RULES:
+            raise KeyError(f"no sharding rule for the logical axis {name!r}; rules exist for {sorted(_RULES)}")
+        mesh_axes = _RULES.get(name) if name is not None else None
+        axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        axes = tuple(axis for axis in axes if mesh.shape[axis] > 1 and axis not in used)
+        if not axes or size % math.prod(mesh.shape[axis] for axis in axes):
+            spec.append(None)
+            continue
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else axes)
+    return P(*spec)
+
+
+def param_shardings(abstract_params_state, mesh: Mesh) -> dict:
+    """NamedShardings (as an nnx pure dict) for an nnx State of Params carrying `logical_axes`."""
+    from flax import nnx
+
+    shardings = {}
+    for path, variable in nnx.to_flat_state(abstract_params_state):
+        axes = getattr(variable, "logical_axes", None) or (None,) * len(variable.shape)
+        node = shardings
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = NamedSharding(mesh, logical_spec(axes, variable.shape, mesh))
+    return shardings
+
+
+def unsharded_dims(abstract_params_state, mesh: Mesh) -> list[str]:
+    """Parameter dimensions the rules would split but whose size the mesh axes do not divide (for a log note)."""
+    from flax import nnx
+
+    notes = []
+    for path, variable in nnx.to_flat_state(abstract_params_state):
+        for name, size in zip(getattr(variable, "logical_axes", ()) or (), variable.shape):
+            axes = _RULES.get(name) if name else None
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            split = math.prod(mesh.shape[axis] for axis in axes)
+            if split > 1 and size % split:
+                notes.append(f"{'.'.join(map(str, path))} ({name} = {size}, {'x'.join(axes)} = {split})")
+    return notes
+
+
+def shardings_like(tree: Any, params: Any, params_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for a tree holding copies of the params (optimizer moments): a leaf whose key path ends
+    with a parameter's path and has its shape is sharded like it; everything else is replicated."""
+    by_path = {}
+    for path, (param, sharding) in _leaves_with_names(params, params_shardings):
+        by_path[path] = (tuple(param.shape), sharding)
+    replicated = NamedSharding(mesh, P())
+
+    def pick(key_path, leaf):
+        names = tuple(_key_name(k) for k in key_path)
+        for start in range(len(names)):
+            match = by_path.get(names[start:])
+            if match is not None and match[0] == tuple(np.shape(leaf)):
+                return match[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def _key_name(key) -> str:
+    for attribute in ("key", "name", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+def _leaves_with_names(params, shardings):
+    flat_params = jax.tree_util.tree_leaves_with_path(params)
+    flat_shardings = jax.tree.leaves(shardings)
+    for (key_path, param), sharding in zip(flat_params, flat_shardings, strict=True):
+        yield tuple(_key_name(k) for k in key_path), (param, sharding)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
+    """Batch rows split over the rules' "batch" mesh axes; every other dimension whole."""
+    spec = [None] * ndim
+    spec[batch_axis] = _RULES["batch"]
+    return NamedSharding(mesh, P(*spec))
+
+
+def process_batch_shard(sharding: NamedSharding, global_shape: Sequence[int], batch_axis: int = 0) -> tuple[int, int]:
+    """(shard index, shard count): which contiguous block of the global batch rows this process's
+    devices hold, so that each process loads only those rows (processes holding the same rows, as
+    when a tensor axis spans processes, get the same index and load the same data)."""
+    rows = sorted({
+        (index[batch_axis].start or 0, index[batch_axis].stop or global_shape[batch_axis])
+        for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values()
+    })
+    start, stop = rows[0][0], rows[-1][1]
+    size = stop - start
+    covered = sum(b - a for a, b in _merge_ranges(rows))
+    if covered != size or global_shape[batch_axis] % size or start % size:
+        raise ValueError(f"this process's devices hold batch rows {rows}, not one aligned contiguous block")
+    return start // size, global_shape[batch_axis] // size
+
+
+def _merge_ranges(ranges):
+    merged = []
+    for a, b in ranges:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+# --- activation sharding constraints ---------------------------------------------------------------
+
+_ACTIVE_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("diffjax_activation_mesh", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh | None) -> Iterator[None]:
+    """Within this context, functions traced apply `constrain` (model activations) on `mesh` (None: not at all)."""
+    token = _ACTIVE_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _ACTIVE_MESH.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's sharding by logical axis names (a no-op outside `activation_sharding`)."""
+    mesh = _ACTIVE_MESH.get()
+    if mesh is None or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_spec(logical_axes, x.shape, mesh)))
+
+
+# --- multi-process ---------------------------------------------------------------------------------
+
+
+def allgather_json(value: Any) -> list:
+    """Every process's JSON-serialisable `value`, in process order (a collective: all processes call it)."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    encoded = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(encoded))))
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(encoded)] = encoded
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:length]).decode()) for row, length in zip(rows, lengths)]
+
+
+# --- multi-process start-up ------------------------------------------------------------------------
+
+
+def _cluster_detected() -> str | None:
+    """The environment that announces a multi-process job, if any (jax.distributed reads it)."""
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and env.get("SLURM_JOB_ID"):
+        return "SLURM"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return "Open MPI"
+    if "," in env.get("TPU_WORKER_HOSTNAMES", ""):
+        return "multi-host TPU"
+    return None
+
+
+def initialize_distributed(config: ParallelConfig) -> bool:
+    """Start jax.distributed when the config or the environment asks for it; True if it is running.
+
+    Must run before anything touches a JAX backend. Explicit fields win over what jax detects.
+    """
+    if config.distributed == "off" or jax.distributed.is_initialized():
+        return jax.distributed.is_initialized()
+    detected = _cluster_detected()
+    if config.distributed == "auto" and config.coordinator_address is None and detected is None:
+        return False
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+    )
+    log.info("jax.distributed: process %d of %d (%s)", jax.process_index(), jax.process_count(),
+             detected or "parallel.coordinator_address")
+    return True
