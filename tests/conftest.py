@@ -4,8 +4,18 @@ tolerances) and prints them as one table at the end of the run, for closing note
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, shared with the trainer subprocesses: the same
+# small models are compiled again and again (a 2-layer model's random init alone takes ~8 s to
+# compile on 2 cores, ~0.5 s from the cache).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="diffjax-test-jax-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# 8 simulated CPU devices for the sharding tests (XLA reads this when jax starts; tests that want one
+# device use a mesh of one, e.g. parallel.data=1).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import pytest
 
