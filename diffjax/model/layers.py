@@ -84,7 +84,9 @@ class Embedding(nnx.Module):
             if low < 0 or high >= self.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        table = self.embedding[...].astype(dtype)
+        # Gather the table's fsdp shards first (as FSDP does for every weight): the lookup's output then
+        # follows the tokens' batch sharding instead of the table's embed sharding.
+        table = constrain(self.embedding[...].astype(dtype), ("vocab", None))
         return jnp.take(table, tokens_BT, axis=0, mode="fill", fill_value=jnp.nan)
 
     def attend(self, x_BTD):
