@@ -251,6 +251,21 @@ def activation_sharding(mesh: Mesh | None) -> Iterator[None]:
         _ACTIVE_MESH.reset(token)
 
 
+def active_mesh() -> Mesh | None:
+    """The mesh of the enclosing `activation_sharding` context (None outside one, or for one device)."""
+    mesh = _ACTIVE_MESH.get()
+    return mesh if mesh is not None and mesh.size > 1 else None
+
+
+def shard_map_by_logical_axes(f, mesh: Mesh, arrays_and_axes: Sequence[tuple[Any, Sequence[str | None]]], out_axes):
+    """f(*arrays) run per device under jax.shard_map, each array split as its logical axes say (() for a
+    scalar). For kernels the compiler cannot partition (Pallas): each device runs on its rows and heads."""
+    arrays = [array for array, _ in arrays_and_axes]
+    in_specs = tuple(logical_spec(axes, array.shape, mesh) for array, axes in arrays_and_axes)
+    out_spec = logical_spec(out_axes, jax.eval_shape(f, *arrays).shape, mesh)
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*arrays)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Pin an activation's sharding by logical axis names (a no-op outside `activation_sharding`)."""
     mesh = _ACTIVE_MESH.get()

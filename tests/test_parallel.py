@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -221,3 +222,40 @@ def test_a_vocabulary_the_tensor_axis_does_not_divide_stays_whole():
     assert shardings["embed"]["embedding"].spec == P(None, None)
     assert shardings["blocks"][0]["mlp"]["gate_kernel"].spec == P(None, "tensor")
     assert any(note.startswith("embed.embedding (vocab = 257") for note in parallel.unsharded_dims(abstract, mesh))
+
+
+@pytest.mark.parametrize("op", ["diff", "standard"])
+def test_pallas_kernels_run_per_device_under_a_mesh(op, measured):
+    """Pallas calls cannot be partitioned by XLA: on a mesh they run inside shard_map over batch and heads
+    (interpret mode here) and give the unsharded XLA reference's values and gradients."""
+    from diffjax import ops
+
+    rng = np.random.default_rng(0)
+    B, T, H, K, d = 4, 64, 4, 2, 16
+    q = rng.normal(size=(B, T, H, 2, d) if op == "diff" else (B, T, H, d)).astype(np.float32)
+    k = rng.normal(size=(B, T, K, 2, d) if op == "diff" else (B, T, K, d)).astype(np.float32)
+    v = rng.normal(size=(B, T, K, 2 * d if op == "diff" else d)).astype(np.float32)
+    segment_ids = np.where(np.arange(T) < 40, 1, 2)[None].repeat(B, 0).astype(np.int32)
+    lam = np.float32(0.3)
+
+    def loss(impl, q, k, v, lam):
+        if op == "diff":
+            o = ops.diff_attention(q, k, v, lam, segment_ids=segment_ids, impl=impl, block_sizes=(32, 32))
+        else:
+            o = ops.dot_product_attention(q, k, v, segment_ids=segment_ids, impl=impl, block_sizes=(32, 32)) * lam
+        return jnp.sum(o * np.cos(np.arange(o.size).reshape(o.shape)))
+
+    mesh = parallel.make_mesh(MESHES["data=2,fsdp=2,tensor=2"])
+
+    def sharded(q, k, v, lam):
+        with parallel.activation_sharding(mesh):
+            return jax.value_and_grad(lambda *a: loss("pallas_tpu", *a), argnums=(0, 1, 2, 3))(q, k, v, lam)
+
+    lowered = jax.jit(sharded).lower(q, k, v, lam)
+    assert "shard_map" in lowered.as_text() or "sdy.manual_computation" in lowered.as_text()
+    value, grads = lowered.compile()(q, k, v, lam)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3)))(q, k, v, lam)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-4)
+    worst = max(float(np.max(np.abs(np.asarray(g) - np.asarray(r)))) for g, r in zip(grads, ref_grads))
+    measured(f"{op} pallas under mesh: max |grad - xla|", worst, 1e-4)
+    assert worst < 1e-4

@@ -6,6 +6,8 @@ impl:
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
   "splash"      composition of JAX's splash attention (TPU; interpret mode elsewhere): one call per map.
+  Under diffjax.parallel.activation_sharding (the train step on a mesh) the Pallas impls run inside
+  jax.shard_map over the batch and head axes; cudnn and xla are partitioned by the compiler.
   "cudnn"       composition of jax.nn.dot_product_attention(implementation="cudnn") (GPU): V split
                 into d-wide pieces, both maps folded into the head axis.
   "auto"        TPU -> "pallas_tpu" (T >= 128), GPU -> "cudnn" when the call is supported, else
@@ -17,7 +19,9 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 
+from diffjax import parallel
 from diffjax.config import ATTENTION_IMPLS
 from diffjax.ops import compositions
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
@@ -75,6 +79,29 @@ def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
     return impl
 
 
+def _partitioned(kernel, q, k, v, lam, segment_ids):
+    """kernel(q, k, v, lam, segment_ids), under diffjax.parallel.activation_sharding run per device with
+    jax.shard_map over the batch and head axes: XLA cannot partition a Pallas call itself."""
+    mesh = parallel.active_mesh()
+    if mesh is None:
+        return kernel(q, k, v, lam, segment_ids)
+    heads = ("batch", "length", "act_heads", None, None)[: q.ndim]
+    kv_heads = ("batch", "length", "act_kv_heads", None, None)
+    arrays = [(q, heads), (k, kv_heads[: k.ndim]), (v, kv_heads[: v.ndim])]
+    if lam is not None:
+        arrays.append((lam, () if jnp.ndim(lam) == 0 else ("batch", "length", "act_heads")))
+    ids = () if segment_ids is None else (segment_ids if isinstance(segment_ids, tuple) else (segment_ids,))
+    arrays += [(jnp.asarray(x), ("batch", "length")) for x in ids]
+    n = 4 if lam is not None else 3
+
+    def per_device(*local):
+        local_ids = local[n:]
+        local_segments = None if not local_ids else (local_ids if isinstance(segment_ids, tuple) else local_ids[0])
+        return kernel(*local[:3], local[3] if lam is not None else None, local_segments)
+
+    return parallel.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None))
+
+
 def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
     """o[B, T, H, dv] = softmax(q1 k1^T scale) v - lam softmax(q2 k2^T scale) v.
 
@@ -88,11 +115,14 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import diff_attention_pallas
 
-        return diff_attention_pallas(q, k, v, lam, block_sizes=block_sizes, **kwargs)
+        return _partitioned(lambda q, k, v, lam, ids: diff_attention_pallas(
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, lam, segment_ids)
     if choice == "cudnn":
         return compositions.diff_attention_cudnn(q, k, v, lam, **kwargs)
     if choice == "splash":
-        return compositions.diff_attention_splash(q, k, v, lam, interpret=_platform() != "tpu", **kwargs)
+        return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_splash(
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "tpu"),
+            q, k, v, lam, segment_ids)
     return diff_attention_xla(q, k, v, lam, **kwargs)
 
 
@@ -107,11 +137,14 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import dot_product_attention_pallas
 
-        return dot_product_attention_pallas(q, k, v, block_sizes=block_sizes, **kwargs)
+        return _partitioned(lambda q, k, v, _, ids: dot_product_attention_pallas(
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, None, segment_ids)
     if choice == "cudnn":
         return compositions.dot_product_attention_cudnn(q, k, v, **kwargs)
     if choice == "splash":
-        return compositions.dot_product_attention_splash(q, k, v, interpret=_platform() != "tpu", **kwargs)
+        return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_splash(
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "tpu"),
+            q, k, v, None, segment_ids)
     return dot_product_attention_xla(q, k, v, **kwargs)
 
 
