@@ -51,13 +51,18 @@ def main(argv=None) -> int:
         return 0
 
     from diffjax.train import load_run_config, train
+    from diffjax.train.loop import SetupError
 
     try:
         config = load_run_config(args.config or DEFAULT_CONFIG, args.overrides)
     except (ValueError, FileNotFoundError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    result = train(config)
+    try:
+        result = train(config)
+    except SetupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if result.interrupted:
         return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(result.interrupted, 0)
     return 0

@@ -154,6 +154,13 @@ def test_config_errors_exit_cleanly(tmp_path):
     )
     assert result.returncode == 2
     assert "unknown config key model.num_layerz" in result.stderr and "num_layers" in result.stderr
+    # A setting that does not fit the devices: a one-line error too (the tiny model has 4 heads, 8 devices here).
+    result = subprocess.run(
+        [sys.executable, "train.py", "parallel.tensor=8", "parallel.data=1", f"train.run_dir={tmp_path}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: parallel.tensor (8) must divide model.num_heads (4)"), result.stderr
 
 
 def test_a_run_directory_refuses_a_different_model(tmp_path):

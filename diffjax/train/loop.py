@@ -7,6 +7,7 @@ SIGTERM / SIGINT finish the current step, save a checkpoint of it and exit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -114,63 +115,76 @@ def _sample_text(graphdef, state, tokenizer, config: RunConfig) -> str:
     return config.train.sample_prompt + tokenizer.decode(ids)
 
 
+class SetupError(ValueError):
+    """A run could not start: a setting does not fit the devices, data, tokenizer or checkpoints."""
+
+
+@contextlib.contextmanager
+def _setup_errors():
+    try:
+        yield
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        raise SetupError(str(error)) from error
+
+
 def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResult:
     parallel.initialize_distributed(config.parallel)
     is_main_process = jax.process_index() == 0
     if not is_main_process:  # one process speaks and writes metrics for all
         log = lambda _: None  # noqa: E731
-    run_dir = Path(config.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    check_resumable(run_dir, config, log)
+    with _setup_errors():  # bad settings found while setting up: a SetupError naming them
+        run_dir = Path(config.train.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        check_resumable(run_dir, config, log)
 
-    tokenizer = make_tokenizer(config.data.tokenizer)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(
-            f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
+        tokenizer = make_tokenizer(config.data.tokenizer)
+        if tokenizer.vocab_size > config.model.vocab_size:
+            raise ValueError(
+                f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
+            )
+        mesh = parallel.make_mesh(config.parallel)
+        tx, schedule = make_optimizer(config.optim, config.train.steps)
+        training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
+        graphdef = training.graphdef
+        plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
+                          micro_batch_per_device=config.train.micro_batch_per_device)
+        seq_len = config.data.seq_len
+        micro_rows = plan.global_batch // plan.accum_steps
+        # Each process loads only the batch rows its devices hold.
+        shard_index, shard_count = parallel.process_batch_shard(
+            training.step_batch_sharding, (plan.accum_steps, micro_rows, seq_len), batch_axis=1
         )
-    mesh = parallel.make_mesh(config.parallel)
-    tx, schedule = make_optimizer(config.optim, config.train.steps)
-    training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
-    graphdef = training.graphdef
-    plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
-                      micro_batch_per_device=config.train.micro_batch_per_device)
-    seq_len = config.data.seq_len
-    micro_rows = plan.global_batch // plan.accum_steps
-    # Each process loads only the batch rows its devices hold.
-    shard_index, shard_count = parallel.process_batch_shard(
-        training.step_batch_sharding, (plan.accum_steps, micro_rows, seq_len), batch_axis=1
-    )
-    documents = open_documents(config.data)
-    shard = {"shard_index": shard_index, "shard_count": shard_count, "source": documents}
-    train_ds = make_train_dataset(config.data, tokenizer, batch_size=plan.global_batch // shard_count,
-                                  seed=config.train.seed, **shard)
-    data_iter = iter(train_ds)
-    eval_rows = plan.micro_batch_per_device * plan.batch_shards
-    eval_batches = [  # fixed: on the devices once
-        _global_batch(batch, training.eval_batch_sharding, eval_rows)
-        for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows // shard_count, **shard)
-    ]
+        documents = open_documents(config.data)
+        shard = {"shard_index": shard_index, "shard_count": shard_count, "source": documents}
+        train_ds = make_train_dataset(config.data, tokenizer, batch_size=plan.global_batch // shard_count,
+                                      seed=config.train.seed, **shard)
+        data_iter = iter(train_ds)
+        eval_rows = plan.micro_batch_per_device * plan.batch_shards
+        eval_batches = [  # fixed: on the devices once
+            _global_batch(batch, training.eval_batch_sharding, eval_rows)
+            for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows // shard_count, **shard)
+        ]
 
-    checkpointer = Checkpointer(run_dir, config.checkpoint)
-    latest_step, start_step = checkpointer.latest_step(), 0
-    if latest_step is not None:
-        step_dir = checkpointer.directory / str(latest_step)
-        if state_keys(step_dir) == {"params"}:  # a converted / exported model: train on from its params
-            state["params"] = load_params(step_dir, abstract_like(state["params"]))
-            log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
-        else:
-            start_step = latest_step
-            state, data_state = checkpointer.restore(start_step, abstract_like(state))
-            if data_state is None:
-                log(f"note: the checkpoint's data position was saved by a different number of processes; "
-                    "this run's data order starts afresh")
+        checkpointer = Checkpointer(run_dir, config.checkpoint)
+        latest_step, start_step = checkpointer.latest_step(), 0
+        if latest_step is not None:
+            step_dir = checkpointer.directory / str(latest_step)
+            if state_keys(step_dir) == {"params"}:  # a converted / exported model: train on from its params
+                state["params"] = load_params(step_dir, abstract_like(state["params"]))
+                log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
             else:
-                data_iter.set_state(data_state)
-            log(f"resumed from {step_dir} (step {start_step})")
-    elif config.train.init_from:
-        state["params"] = restore_params(config.train.init_from, abstract_like(state))
-        log(f"initialized the params from {config.train.init_from}")
+                start_step = latest_step
+                state, data_state = checkpointer.restore(start_step, abstract_like(state))
+                if data_state is None:
+                    log(f"note: the checkpoint's data position was saved by a different number of processes; "
+                        "this run's data order starts afresh")
+                else:
+                    data_iter.set_state(data_state)
+                log(f"resumed from {step_dir} (step {start_step})")
+        elif config.train.init_from:
+            state["params"] = restore_params(config.train.init_from, abstract_like(state))
+            log(f"initialized the params from {config.train.init_from}")
     if is_main_process:
         save_run_config(config, run_dir / CONFIG_FILE)
 
