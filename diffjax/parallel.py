@@ -121,6 +121,17 @@ def describe(mesh: Mesh) -> str:
 # --- logical axes -> shardings -------------------------------------------------------------------
 
 
+def _mesh_axes(logical_name: str | None, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) the rules give a logical axis name."""
+    if logical_name is None:
+        return ()
+    if logical_name not in _RULES:
+        raise KeyError(f"no sharding rule for the logical axis {logical_name!r}; rules exist for {sorted(_RULES)}")
+    axes = _RULES[logical_name]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return tuple(axis for axis in axes if mesh.shape[axis] > 1)
+
+
 def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
     """The PartitionSpec the rules give an array of `shape`; a dimension its mesh axes do not divide
     stays whole (e.g. a vocabulary of 257 over tensor=2) rather than failing."""
@@ -128,11 +139,7 @@ def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh:
         raise ValueError(f"logical axes {tuple(logical_axes)} do not match the shape {tuple(shape)}")
     spec, used = [], set()
     for name, size in zip(logical_axes, shape):
-        if name is not None and name not in _RULES:
-            raise KeyError(f"no sharding rule for the logical axis {name!r}; rules exist for {sorted(_RULES)}")
-        mesh_axes = _RULES.get(name) if name is not None else None
-        axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
-        axes = tuple(axis for axis in axes if mesh.shape[axis] > 1 and axis not in used)
+        axes = tuple(axis for axis in _mesh_axes(name, mesh) if axis not in used)
         if not axes or size % math.prod(mesh.shape[axis] for axis in axes):
             spec.append(None)
             continue
@@ -141,32 +148,34 @@ def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh:
     return P(*spec)
 
 
-def param_shardings(abstract_params_state, mesh: Mesh) -> dict:
-    """NamedShardings (as an nnx pure dict) for an nnx State of Params carrying `logical_axes`."""
+def _params_axes(abstract_params_state):
+    """(path, logical axes, shape) of every parameter in an nnx State carrying `logical_axes` metadata."""
     from flax import nnx
 
-    shardings = {}
     for path, variable in nnx.to_flat_state(abstract_params_state):
         axes = getattr(variable, "logical_axes", None) or (None,) * len(variable.shape)
+        yield path, axes, variable.shape
+
+
+def param_shardings(abstract_params_state, mesh: Mesh) -> dict:
+    """NamedShardings (as an nnx pure dict) for an nnx State of Params carrying `logical_axes`."""
+    shardings = {}
+    for path, axes, shape in _params_axes(abstract_params_state):
         node = shardings
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = NamedSharding(mesh, logical_spec(axes, variable.shape, mesh))
+        node[path[-1]] = NamedSharding(mesh, logical_spec(axes, shape, mesh))
     return shardings
 
 
 def unsharded_dims(abstract_params_state, mesh: Mesh) -> list[str]:
     """Parameter dimensions the rules would split but whose size the mesh axes do not divide (for a log note)."""
-    from flax import nnx
-
     notes = []
-    for path, variable in nnx.to_flat_state(abstract_params_state):
-        for name, size in zip(getattr(variable, "logical_axes", ()) or (), variable.shape):
-            axes = _RULES.get(name) if name else None
-            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            split = math.prod(mesh.shape[axis] for axis in axes)
-            if split > 1 and size % split:
-                notes.append(f"{'.'.join(map(str, path))} ({name} = {size}, {'x'.join(axes)} = {split})")
+    for path, axes, shape in _params_axes(abstract_params_state):
+        for name, size in zip(axes, shape):
+            split = math.prod(mesh.shape[axis] for axis in _mesh_axes(name, mesh))
+            if size % split:
+                notes.append(f"{'.'.join(map(str, path))} ({name} = {size}, {'x'.join(_mesh_axes(name, mesh))} = {split})")
     return notes
 
 
@@ -214,26 +223,16 @@ def process_batch_shard(sharding: NamedSharding, global_shape: Sequence[int], ba
     """(shard index, shard count): which contiguous block of the global batch rows this process's
     devices hold, so that each process loads only those rows (processes holding the same rows, as
     when a tensor axis spans processes, get the same index and load the same data)."""
-    rows = sorted({
-        (index[batch_axis].start or 0, index[batch_axis].stop or global_shape[batch_axis])
+    rows = global_shape[batch_axis]
+    ranges = sorted({
+        (index[batch_axis].start or 0, rows if index[batch_axis].stop is None else index[batch_axis].stop)
         for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values()
     })
-    start, stop = rows[0][0], rows[-1][1]
-    size = stop - start
-    covered = sum(b - a for a, b in _merge_ranges(rows))
-    if covered != size or global_shape[batch_axis] % size or start % size:
-        raise ValueError(f"this process's devices hold batch rows {rows}, not one aligned contiguous block")
-    return start // size, global_shape[batch_axis] // size
-
-
-def _merge_ranges(ranges):
-    merged = []
-    for a, b in ranges:
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
+    start, stop = ranges[0][0], ranges[-1][1]
+    contiguous = all(previous[1] == following[0] for previous, following in zip(ranges, ranges[1:]))
+    if not contiguous or rows % (stop - start) or start % (stop - start):
+        raise ValueError(f"this process's devices hold batch rows {ranges}, not one aligned contiguous block")
+    return start // (stop - start), rows // (stop - start)
 
 
 # --- activation sharding constraints ---------------------------------------------------------------

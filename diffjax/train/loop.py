@@ -21,13 +21,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from diffjax import parallel
+from diffjax.config import RUNTIME_FIELDS
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.model import TransformerLM
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params, state_keys
-from diffjax.config import RUNTIME_FIELDS
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
 from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, training_flops_per_token
 from diffjax.train.optimizer import make_optimizer
@@ -144,11 +144,11 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                 f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
             )
         mesh = parallel.make_mesh(config.parallel)
+        plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
+                          micro_batch_per_device=config.train.micro_batch_per_device)
         tx, schedule = make_optimizer(config.optim, config.train.steps)
         training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
         graphdef = training.graphdef
-        plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
-                          micro_batch_per_device=config.train.micro_batch_per_device)
         seq_len = config.data.seq_len
         micro_rows = plan.global_batch // plan.accum_steps
         # Each process loads only the batch rows its devices hold.
