@@ -53,7 +53,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    from diffjax.convert import checkpoint, verify  # noqa: F401  (imports jax and orbax before the baseline)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on formats it is not using
+    # Import jax, orbax and the trainer's checkpoint code before taking the memory baseline.
+    import orbax.checkpoint  # noqa: F401
+
+    import diffjax.train.checkpoint  # noqa: F401
+    from diffjax.convert import checkpoint, verify  # noqa: F401
     from diffjax.convert.common import ConversionError
 
     start, base_rss = time.time(), _peak_rss_mb()

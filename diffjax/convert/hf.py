@@ -39,7 +39,10 @@ def _rope_fields(hf: dict) -> dict:
     scaling = dict(hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     merged = {**params, **scaling}
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    types = {form: d.get("rope_type", d.get("type")) for form, d in (("rope_parameters", params), ("rope_scaling", scaling))}
+    if None not in types.values() and len(set(types.values())) > 1:
+        raise ConversionError(f"config.json: rope_parameters and rope_scaling disagree on rope_type ({types})")
+    rope_type = types["rope_scaling"] or types["rope_parameters"] or "default"
     if rope_type not in ("default", "llama3"):
         raise ConversionError(f"config.json: rope_type {rope_type!r} is not supported; supported: 'default', 'llama3'")
     partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))

@@ -12,7 +12,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -142,10 +141,14 @@ def load_diffjax_as(path, dtype: str) -> TransformerLM:
     return build_module(lambda: TransformerLM(config, rngs=nnx.Rngs(0)), params, config.param_dtype, consume=True)
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)  # float64, so that the KL measures the logits, not its own rounding
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
 def _kl_and_top1(reference: np.ndarray, ours: np.ndarray) -> tuple[float, float, float]:
-    log_p = jax.nn.log_softmax(jnp.asarray(reference, jnp.float32), axis=-1)
-    log_q = jax.nn.log_softmax(jnp.asarray(ours, jnp.float32), axis=-1)
-    log_p, log_q = np.asarray(log_p, np.float64), np.asarray(log_q, np.float64)
+    log_p, log_q = _log_softmax(reference), _log_softmax(ours)
     kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
     top1 = float(np.mean(reference.argmax(-1) == ours.argmax(-1)))
     return float(kl.mean()), float(kl.max()), top1
