@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from diffjax.config import DataConfig, ModelConfig
-from diffjax.convert.common import ConversionError, flatten, nested, prepare_output_dir
+from diffjax.convert.common import ConversionError, nested, prepare_output_dir
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
 
@@ -91,13 +92,58 @@ def read_run_config(src) -> tuple[Path, Path, ModelConfig]:
     return run_dir, step_dir, ModelConfig.from_dict(model)
 
 
+class CheckpointParams(Mapping):
+    """The params of a diffjax checkpoint (trainer-written or converted) as a read-only mapping
+    {path: numpy array} that reads one array from disk per access and keeps nothing: an export
+    then holds one tensor at a time instead of the whole model."""
+
+    def __init__(self, step_dir: str | os.PathLike):
+        import jax
+        import orbax.checkpoint as ocp
+
+        self._directory = Path(step_dir) / "state"
+        self._checkpointer = ocp.PyTreeCheckpointer()
+        saved = self._checkpointer.metadata(self._directory).item_metadata.get("params")
+        if saved is None:
+            raise ConversionError(f"checkpoint {step_dir} holds no params")
+        self._stored, self.shapes, self.dtypes = {}, {}, {}
+        for key_path, meta in jax.tree_util.tree_leaves_with_path(saved):
+            stored = tuple(str(getattr(k, "key", k)) for k in key_path)
+            path = tuple(int(k) if k.isdigit() else k for k in stored)  # Orbax stores layer indices as strings
+            self._stored[path], self.shapes[path], self.dtypes[path] = stored, tuple(meta.shape), np.dtype(meta.dtype)
+
+    def __getitem__(self, path) -> np.ndarray:
+        import orbax.checkpoint as ocp
+
+        stored = self._stored[path]
+        item = np.empty(self.shapes[path], self.dtypes[path])
+        for key in reversed(stored):
+            item = {key: item}
+        restore_args = {"params": _map_leaves(item, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))}
+        restored = self._checkpointer.restore(
+            self._directory, args=ocp.args.PyTreeRestore({"params": item}, restore_args=restore_args, partial_restore=True)
+        )["params"]
+        for key in stored:
+            restored = restored[key]
+        return restored
+
+    def __iter__(self):
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
+def _map_leaves(tree, fn):
+    return {k: _map_leaves(v, fn) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
+
+
 def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", overwrite: bool = False,
                   progress=None) -> Path:
-    """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory."""
-    from diffjax.train.checkpoint import load_params
-
+    """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory,
+    reading and writing one tensor at a time."""
     run_dir, step_dir, config = read_run_config(src)
-    params = flatten(load_params(step_dir))
+    params = CheckpointParams(step_dir)
     side = run_dir / "hf"
     base = read_hf_config(side) if (side / "config.json").exists() else None
     extra = [f for f in sorted(side.iterdir()) if f.is_file()] if side.is_dir() else []

@@ -179,21 +179,24 @@ def _inverse(config: ModelConfig, path: tuple, params: Mapping):
 def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tuple[str, tuple, np.dtype, object]]:
     """[(HF key, shape, dtype, produce())] for every tensor of the HF checkpoint, in HF's order.
 
-    params: {diffjax path: array} (flat, as from `flatten`). Missing or mis-shaped params raise ConversionError.
+    params: {diffjax path: array} (flat, as from `flatten`), or a lazy mapping with `shapes` and
+    `dtypes` attributes that reads an array only when asked (then nothing is read here).
+    Missing, unexpected or mis-shaped params raise ConversionError.
     """
-    table = _weight_table(config)
-    expected = {path: tuple(s) for path, s in _diffjax_shapes(config).items()}
-    problems = [f"missing parameter {path_name(p)} {s}" for p, s in expected.items() if p not in params]
-    problems += [f"unexpected parameter {path_name(p)} {tuple(np.shape(v))}" for p, v in params.items() if p not in expected]
+    shapes = getattr(params, "shapes", None) or {p: tuple(np.shape(v)) for p, v in params.items()}
+    dtypes = getattr(params, "dtypes", None) or {p: np.asarray(v).dtype for p, v in params.items()}
+    expected = _diffjax_shapes(config)
+    problems = [f"missing parameter {path_name(p)} {s}" for p, s in expected.items() if p not in shapes]
+    problems += [f"unexpected parameter {path_name(p)} {s}" for p, s in shapes.items() if p not in expected]
     problems += [
-        f"parameter {path_name(p)} has shape {tuple(np.shape(params[p]))}, expected {s}"
-        for p, s in expected.items() if p in params and tuple(np.shape(params[p])) != s
+        f"parameter {path_name(p)} has shape {shapes[p]}, expected {s}"
+        for p, s in expected.items() if p in shapes and tuple(shapes[p]) != s
     ]
     if problems:
         raise ConversionError("params do not match the model config: " + "; ".join(problems))
     plan = []
-    for key, shape, path, _ in table:
-        out_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.asarray(params[path]).dtype
+    for key, shape, path, _ in _weight_table(config):
+        out_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(dtypes[path])
         produce = _inverse(config, path, params)
         plan.append((key, shape, out_dtype, lambda produce=produce, out_dtype=out_dtype: np.asarray(produce()).astype(out_dtype, copy=False)))
     return plan
@@ -245,7 +248,8 @@ def save_hf(
     """Write a diffjax model as a Hugging Face directory: config.json and safetensors, sharded past
     `max_shard_size` (model-0000k-of-0000n.safetensors + model.safetensors.index.json).
 
-    model_or_params: a TransformerLM, or its params (an nnx pure dict, nested or flat by path) with `config`.
+    model_or_params: a TransformerLM, or its params (an nnx pure dict, nested or flat by path, or a
+      lazy `diffjax.convert.checkpoint.CheckpointParams`) with `config`.
     dtype: "float32" / "bfloat16" / "float16" for the saved tensors (None: the params' dtype).
     base_config: an original config.json (dict) whose non-structural fields (token ids, ...) are kept.
     extra_files: files copied alongside (tokenizer, generation_config.json).
@@ -258,8 +262,10 @@ def save_hf(
         config = model_or_params.config
     if isinstance(model_or_params, nnx.Module):
         params = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model_or_params, nnx.Param))}
+    elif hasattr(model_or_params, "shapes") or all(isinstance(k, tuple) for k in model_or_params):
+        params = model_or_params  # flat by path (possibly lazy: CheckpointParams)
     else:
-        params = dict(model_or_params) if all(isinstance(k, tuple) for k in model_or_params) else flatten(model_or_params)
+        params = flatten(model_or_params)
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise ConversionError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}")
     plan = hf_tensor_plan(config, params, dtype)  # checks params before touching the directory
