@@ -16,7 +16,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work; never 
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """Peak resident memory of this process, MiB. Linux: VmHWM, which (unlike ru_maxrss, inherited
+    across fork + exec) starts afresh in a new program."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform.startswith("linux") else 2**20)
 
 
 def _progress(name: str, index: int, count: int) -> None:
@@ -83,8 +92,9 @@ def main(argv=None) -> int:
         # ValueError also covers ModelConfig's validation of a run directory's config.yaml
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"{time.time() - start:.1f} s, peak memory {_peak_rss_mb():.0f} MB "
-          f"({_peak_rss_mb() - base_rss:.0f} MB above the {base_rss:.0f} MB at start)", file=sys.stderr)
+    peak = _peak_rss_mb()
+    print(f"{time.time() - start:.1f} s, peak memory {peak:.0f} MiB ({peak - base_rss:.0f} MiB above the "
+          f"{base_rss:.0f} MiB after start-up)", file=sys.stderr)
     return 0
 
 

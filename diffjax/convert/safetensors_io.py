@@ -41,12 +41,14 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
 
 
 def read_tensor(path: str | os.PathLike, info: dict, data_start: int) -> np.ndarray:
-    """One tensor as a fresh (writable, not memory-mapped) numpy array."""
+    """One tensor, memory-mapped read-only on its own: its pages leave memory when the array is
+    dropped (a heap copy would leave the allocator holding freed buffers between tensors)."""
     start, end = info["data_offsets"]
-    raw = np.fromfile(path, dtype=np.uint8, count=end - start, offset=data_start + start)
-    if raw.size != end - start:
+    if data_start + end > os.path.getsize(path):
         raise ValueError(f"{path}: truncated file (tensor data ends before byte {data_start + end})")
-    return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    if end == start:
+        return np.zeros(info["shape"], _DTYPES[info["dtype"]])
+    return np.memmap(path, dtype=_DTYPES[info["dtype"]], mode="r", offset=data_start + start, shape=tuple(info["shape"]))
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
