@@ -167,19 +167,28 @@ def test_unexpressible_settings_are_named(tmp_path):
     diffjax.save_hf(one_layer, tmp_path / "one")
 
 
-def test_converted_run_directory_trains_on(tmp_path):
-    """train.py's loop continues from a converted checkpoint (fresh optimizer, step 0)."""
+def test_converted_run_directory_trains_on_and_the_result_exports(tmp_path, measured):
+    """train.py's loop continues from a converted checkpoint (fresh optimizer, step 0); its own
+    checkpoint (full train state, OCDBT) then exports to HF like a converted one."""
     from diffjax.train import load_run_config, train
 
     make_hf_model("llama", vocab_size=260, num_hidden_layers=1).save_pretrained(tmp_path / "hf")  # >= the byte tokenizer's 257
     hf_to_diffjax(tmp_path / "hf", tmp_path / "run")
-    overrides = ["train.steps=1", "train.batch_size=2", "data.seq_len=16", "data.builtin_bytes=50000", "data.eval_batches=1",
+    overrides = ["train.steps=1", "optim.warmup_steps=0", "train.batch_size=2", "data.seq_len=16", "data.builtin_bytes=50000", "data.eval_batches=1",
                  "train.eval_every=0", "train.sample_tokens=0", "train.progress=lines", "train.tensorboard=false",
                  f"train.run_dir={tmp_path / 'run'}"]
     lines = []
     result = train(load_run_config(tmp_path / "run" / "config.yaml", overrides), log=lines.append)
     assert result.step == 1
     assert any("params-only checkpoint" in line for line in lines), lines
+
+    diffjax_to_hf(tmp_path / "run", tmp_path / "trained")  # the newest step: the trainer's step 1
+    tokens = random_tokens(260)
+    trained = load_model(tmp_path / "run" / "checkpoints" / "1")
+    err = max_relative_error(trained(jnp.asarray(tokens)), torch_logits(from_pretrained(tmp_path / "trained"), tokens))
+    assert measured("trainer checkpoint vs transformers(export), max rel", err, 1e-5) <= 1e-5
+    converted = load_model(tmp_path / "run" / "checkpoints" / "0")
+    assert not np.array_equal(np.asarray(converted.blocks[0].mlp.up_kernel[...]), np.asarray(trained.blocks[0].mlp.up_kernel[...]))
 
 
 def test_existing_destination_is_refused(tmp_path):
