@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx

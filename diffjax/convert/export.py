@@ -11,7 +11,6 @@ Settings HF cannot express raise ConversionError naming the setting.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -24,11 +23,9 @@ from flax import nnx
 
 from diffjax.config import ModelConfig, lambda_init_for_depth
 from diffjax.convert.common import ConversionError, flatten, path_name, prepare_output_dir
-from diffjax.convert.hf import _weight_table
+from diffjax.convert.hf import weight_table
 from diffjax.convert.safetensors_io import write_safetensors
 from diffjax.model.rope import interleaved_from_rotate_half
-
-log = logging.getLogger(__name__)
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 # Files an export writes (and --overwrite may replace); anything else in the directory is left alone.
@@ -195,7 +192,7 @@ def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tup
     if problems:
         raise ConversionError("params do not match the model config: " + "; ".join(problems))
     plan = []
-    for key, shape, path, _ in _weight_table(config):
+    for key, shape, path, _ in weight_table(config):
         out_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(dtypes[path])
         produce = _inverse(config, path, params)
         plan.append((key, shape, out_dtype, lambda produce=produce, out_dtype=out_dtype: np.asarray(produce()).astype(out_dtype, copy=False)))

@@ -1,4 +1,5 @@
-"""Hugging Face DiffLlama / Llama directories -> diffjax models (SEMANTICS.md sections 4 and 5).
+"""Hugging Face DiffLlama / Llama directories -> diffjax models (SEMANTICS.md sections 4 and 5);
+the inverse is diffjax.convert.export.
 
 HF orders the two maps of a differential head as halves (sub-heads j and j + nH/2) and uses
 rotate_half RoPE; diffjax keeps unilm's interleaved layout. Loading regroups the heads and
@@ -151,7 +152,7 @@ def _heads_from_hf(w, n_heads, d, permute):
     return w.transpose(2, 0, 1)
 
 
-def _weight_table(config: ModelConfig):
+def weight_table(config: ModelConfig):
     """[(hf key, expected hf shape, diffjax path, transform)] for every parameter."""
     D, V, F = config.d_model, config.vocab_size, config.mlp_dim
     H, K, d = config.num_heads, config.num_kv_heads, config.head_dim
@@ -205,7 +206,7 @@ def _listed(keys: list[str], limit: int = 20) -> str:
 def check_checkpoint(shapes: dict[str, tuple], config: ModelConfig) -> None:
     """Raise ConversionError listing every missing, unexpected and mis-shaped key of a checkpoint
     (name -> shape, already in DiffLlamaForCausalLM naming) against `config`."""
-    table = _weight_table(config)
+    table = weight_table(config)
     expected = {key: shape for key, shape, *_ in table}
     problems = []
     if missing := [key for key in expected if key not in shapes]:
@@ -247,7 +248,7 @@ class _Converter:
 
     def __init__(self, config: ModelConfig, dtype: np.dtype | None):
         self.config, self.dtype = config, dtype
-        self.table = {key: (path, transform) for key, _, path, transform in _weight_table(config)}
+        self.table = {key: (path, transform) for key, _, path, transform in weight_table(config)}
         self.params: dict = {}
 
     def add(self, key: str, value) -> None:
@@ -255,10 +256,8 @@ class _Converter:
             return  # ignored buffer, or a tied model's lm_head
         path, transform = self.table[key]
         array = to_numpy(value)
-        array = transform(array) if transform else array
-        if self.dtype is not None and array.dtype != self.dtype:
-            array = array.astype(self.dtype)
-        self.params[path] = np.array(array, order="C", copy=True)
+        array = transform(array) if transform else array  # a view where it can be: one copy below
+        self.params[path] = np.array(array, dtype=self.dtype or array.dtype, order="C", copy=True)
 
     def finish(self) -> dict:
         if self.config.attention == "diff":  # HF DiffLlama's per-head norm has no weight: the subln scale is ones
