@@ -138,3 +138,16 @@ def test_shard_size_and_export_dtype_are_checked(tmp_path):
         diffjax.save_hf(model, tmp_path / "a", max_shard_size="5 parsecs")
     with pytest.raises(ConversionError, match="dtype must be one of float32, bfloat16, float16, got 'int8'"):
         diffjax.save_hf(model, tmp_path / "b", dtype="int8")
+
+
+def test_training_only_setting_is_named_and_dropped(checkpoint, tmp_path, caplog):
+    """attention_dropout changes nothing at inference: the import says so, the export writes 0
+    (transformers 5 refuses DiffLlama with attention_dropout > 0)."""
+    from diffjax.convert import diffjax_to_hf
+
+    edit_config(checkpoint, attention_dropout=0.1)
+    with caplog.at_level("WARNING"):
+        hf_to_diffjax(checkpoint, tmp_path / "diffjax")
+    assert "attention_dropout=0.1" in caplog.text
+    diffjax_to_hf(tmp_path / "diffjax", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["attention_dropout"] == 0.0

@@ -37,7 +37,7 @@ _DERIVED_FIELDS = {
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
     "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_parameters", "rope_theta",
-    "rope_scaling", "dtype", "torch_dtype", "lambda_std_dev", "transformers_version",
+    "rope_scaling", "dtype", "torch_dtype", "lambda_std_dev", "transformers_version", "attention_dropout",
 }
 
 
@@ -81,7 +81,6 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
     heads = 2 if diff else 1  # HF counts DiffLlama's sub-heads
     values = {k: v for k, v in (base or {}).items() if k not in _DERIVED_FIELDS} if (base or {}).get("model_type") == model_type else {}
     values.setdefault("initializer_range", float(config.init_std))
-    values.setdefault("attention_dropout", 0.0)
     values.setdefault("use_cache", True)
     dtype = dtype or config.param_dtype
     values.update(
@@ -99,6 +98,7 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
         rms_norm_eps=float(config.norm_eps),
         tie_word_embeddings=bool(config.tie_embeddings),
         attention_bias=False,
+        attention_dropout=0.0,  # diffjax has none (and transformers 5 refuses it for DiffLlama)
         dtype=dtype,
         torch_dtype=dtype,
         **_rope_config(config),
