@@ -51,17 +51,6 @@ def read_tensor(path: str | os.PathLike, info: dict, data_start: int) -> np.ndar
     return np.memmap(path, dtype=_DTYPES[info["dtype"]], mode="r", offset=data_start + start, shape=tuple(info["shape"]))
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """name -> array (read-only, memory-mapped) for every tensor in one .safetensors file."""
-    header, data_start = read_header(path)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
-    tensors = {}
-    for name, info in header.items():
-        start, end = info["data_offsets"]
-        tensors[name] = data[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return tensors
-
-
 def write_safetensors(
     path: str | os.PathLike,
     entries: Iterable[tuple[str, tuple[int, ...], np.dtype]],
