@@ -1,7 +1,7 @@
 """diffjax: the Differential Transformer in JAX / Flax NNX."""
 
 from diffjax.config import ModelConfig, lambda_init_for_depth
-from diffjax.convert.hf import load_hf
+from diffjax.convert import load_hf, save_hf
 from diffjax.losses import next_token_loss
 from diffjax.model import DiffAttention, StandardAttention, TransformerLM
 from diffjax.ops import diff_attention, dot_product_attention
@@ -17,5 +17,6 @@ __all__ = [
     "lambda_init_for_depth",
     "load_hf",
     "next_token_loss",
+    "save_hf",
 ]
 __version__ = "0.1.0"

@@ -1,6 +1,16 @@
-"""Weight converters between diffjax and the PyTorch references (see SEMANTICS.md sections 2, 4 and 5)."""
+"""Weight converters between diffjax and the PyTorch references (see SEMANTICS.md sections 2, 4 and 5).
 
+Command line: `python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, verify}` (README, "Convert").
+"""
+
+from diffjax.convert.checkpoint import diffjax_to_hf, hf_to_diffjax
+from diffjax.convert.common import ConversionError
+from diffjax.convert.export import hf_config, save_hf
 from diffjax.convert.hf import config_from_hf, load_hf, params_from_hf
 from diffjax.convert.unilm import load_unilm_attention, unilm_attention_state_dict
+from diffjax.convert.verify import verify
 
-__all__ = ["config_from_hf", "load_hf", "load_unilm_attention", "params_from_hf", "unilm_attention_state_dict"]
+__all__ = [
+    "ConversionError", "config_from_hf", "diffjax_to_hf", "hf_config", "hf_to_diffjax", "load_hf",
+    "load_unilm_attention", "params_from_hf", "save_hf", "unilm_attention_state_dict", "verify",
+]

@@ -1,8 +1,11 @@
-"""Shared pieces of the converters: tensors to numpy, and assembling a model from named arrays."""
+"""Shared pieces of the converters: errors, tensors to numpy, output directories, and
+assembling a model (or an nnx pure dict) from named arrays."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path as FsPath
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -10,6 +13,10 @@ import numpy as np
 from flax import nnx
 
 Path = tuple  # a parameter path in the NNX state, e.g. ("blocks", 0, "attn", "q_kernel")
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config that cannot be converted; the message says what and what is allowed."""
 
 
 def to_numpy(x) -> np.ndarray:
@@ -26,19 +33,59 @@ def path_name(path: Path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def build_module(make_module, params: Mapping[Path, np.ndarray], dtype):
+def build_module(make_module, params: Mapping[Path, np.ndarray], dtype, *, consume: bool = False):
     """Instantiate `make_module()` abstractly and fill it with `params` (cast to `dtype`).
 
     Every parameter of the module must be given with exactly its shape: the converters check
     checkpoint keys and shapes first, so a mismatch here is a converter bug and says which path.
+    consume: pop each array from `params` once it is on the device (peak memory ~1x the model, not 2x).
     """
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make_module))
     leaves = []
     for path, variable in nnx.to_flat_state(abstract_state):
         if path not in params:
             raise ValueError(f"no value for parameter {path_name(path)} {variable.shape}")
-        value = params[path]
+        value = params.pop(path) if consume else params[path]
         if tuple(value.shape) != tuple(variable.shape):
             raise ValueError(f"parameter {path_name(path)} has shape {tuple(value.shape)}, expected {tuple(variable.shape)}")
         leaves.append((path, variable.replace(jnp.asarray(value, dtype=dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def nested(flat: Mapping[Path, np.ndarray]) -> dict:
+    """{("blocks", 0, "attn", "q_kernel"): x} -> {"blocks": {0: {"attn": {"q_kernel": x}}}} (an nnx pure dict)."""
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def flatten(tree: Mapping, prefix: Path = ()) -> dict[Path, object]:
+    """The inverse of `nested`; digit-string keys (as Orbax stores layer indices) become ints."""
+    flat = {}
+    for key, value in tree.items():
+        key = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, prefix + (key,)))
+        else:
+            flat[prefix + (key,)] = value
+    return flat
+
+
+def prepare_output_dir(directory, *, overwrite: bool, owned: Iterable[str]) -> FsPath:
+    """Create `directory`, or accept it when empty. A non-empty one is refused unless `overwrite`,
+    which removes only the entries a conversion writes (`owned`: names or glob patterns)."""
+    directory = FsPath(directory)
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"{directory} exists and is not a directory")
+    if directory.is_dir() and any(directory.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{directory} is not empty; choose an empty or new directory, or pass --overwrite")
+        for pattern in owned:
+            for entry in directory.glob(pattern):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory

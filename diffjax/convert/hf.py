@@ -1,4 +1,5 @@
-"""Hugging Face DiffLlama / Llama directories -> diffjax models (SEMANTICS.md sections 4 and 5).
+"""Hugging Face DiffLlama / Llama directories -> diffjax models (SEMANTICS.md sections 4 and 5);
+the inverse is diffjax.convert.export.
 
 HF orders the two maps of a differential head as halves (sub-heads j and j + nH/2) and uses
 rotate_half RoPE; diffjax keeps unilm's interleaved layout. Loading regroups the heads and
@@ -13,12 +14,13 @@ import logging
 import os
 from pathlib import Path as FsPath
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from diffjax.config import ModelConfig
-from diffjax.convert.common import build_module, to_numpy
-from diffjax.convert.safetensors_io import read_safetensors
+from diffjax.convert.common import ConversionError, build_module, to_numpy
+from diffjax.convert.hf_files import HFWeights
 from diffjax.model.rope import interleaved_from_rotate_half
 from diffjax.model.transformer import TransformerLM
 
@@ -38,9 +40,15 @@ def _rope_fields(hf: dict) -> dict:
     scaling = dict(hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     merged = {**params, **scaling}
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    types = {form: d.get("rope_type", d.get("type")) for form, d in (("rope_parameters", params), ("rope_scaling", scaling))}
+    if None not in types.values() and len(set(types.values())) > 1:
+        raise ConversionError(f"config.json: rope_parameters and rope_scaling disagree on rope_type ({types})")
+    rope_type = types["rope_scaling"] or types["rope_parameters"] or "default"
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"config.json: rope_type {rope_type!r} is not supported; supported: 'default', 'llama3'")
+        raise ConversionError(f"config.json: rope_type {rope_type!r} is not supported; supported: 'default', 'llama3'")
+    partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConversionError(f"config.json: partial_rotary_factor={partial} is not supported (diffjax rotates every q/k channel)")
     fields = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "llama3":
         try:
@@ -51,52 +59,67 @@ def _rope_fields(hf: dict) -> dict:
                 rope_original_max_len=int(merged["original_max_position_embeddings"]),
             )
         except KeyError as missing:
-            raise ValueError(f"config.json: llama3 rope scaling is missing {missing}") from None
+            raise ConversionError(f"config.json: llama3 rope scaling is missing {missing}") from None
     return fields
 
 
 def config_from_hf(hf: dict, *, dtype=None, param_dtype=None) -> ModelConfig:
-    """ModelConfig for an HF config.json dict. dtype None: the checkpoint's own dtype."""
+    """ModelConfig for an HF config.json dict. dtype None: the checkpoint's own dtype.
+
+    Settings diffjax cannot express raise ConversionError naming the setting and what is allowed.
+    """
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"config.json: model_type {model_type!r} is not supported; supported: {MODEL_TYPES}")
+        raise ConversionError(f"config.json: model_type {model_type!r} is not supported; supported: {MODEL_TYPES}")
     missing = [key for key in _REQUIRED if key not in hf]
     if missing:
-        raise ValueError(f"config.json: missing required key(s) {missing}")
+        raise ConversionError(f"config.json: missing required key(s) {missing}")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise ValueError(f"config.json: {flag}=true is not supported (diffjax layers have no biases)")
+            raise ConversionError(f"config.json: {flag}=true is not supported (diffjax layers have no biases)")
     act = hf.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
-        raise ValueError(f"config.json: hidden_act {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+        raise ConversionError(f"config.json: hidden_act {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+    if hf.get("attention_dropout"):
+        log.warning("config.json: attention_dropout=%s is a training setting diffjax does not have; the weights "
+                    "convert exactly and inference is unaffected", hf["attention_dropout"])
     n_heads = hf["num_attention_heads"]
     n_kv = hf.get("num_key_value_heads") or n_heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    extra = {}
     if model_type == "diffllama":
         if n_heads % 2 or n_kv % 2:
-            raise ValueError(
+            raise ConversionError(
                 f"config.json: DiffLlama needs even num_attention_heads and num_key_value_heads "
                 f"(sub-heads come in pairs), got {n_heads} and {n_kv}"
             )
         n_heads, n_kv = n_heads // 2, n_kv // 2
+        if hf.get("lambda_std_dev") is not None:
+            extra["lambda_std"] = float(hf["lambda_std_dev"])
+    if hf.get("initializer_range") is not None:
+        extra["init_std"] = float(hf["initializer_range"])
     dtype = _dtype_name(dtype) if dtype is not None else _dtype_name(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=n_heads,
-        num_kv_heads=n_kv,
-        head_dim=head_dim,
-        mlp_dim=hf["intermediate_size"],
-        attention="diff" if model_type == "diffllama" else "standard",
-        activation=_ACTIVATIONS[act],
-        norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_EPS[model_type])),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        dtype=dtype,
-        param_dtype=_dtype_name(param_dtype) if param_dtype is not None else dtype,
-        **_rope_fields(hf),
-    )
+    try:
+        return ModelConfig(
+            vocab_size=hf["vocab_size"],
+            d_model=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=n_heads,
+            num_kv_heads=n_kv,
+            head_dim=head_dim,
+            mlp_dim=hf["intermediate_size"],
+            attention="diff" if model_type == "diffllama" else "standard",
+            activation=_ACTIVATIONS[act],
+            norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_EPS[model_type])),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+            dtype=dtype,
+            param_dtype=_dtype_name(param_dtype) if param_dtype is not None else dtype,
+            **_rope_fields(hf),
+            **extra,
+        )
+    except ValueError as error:  # ModelConfig's own validation, e.g. num_heads not divisible by num_kv_heads
+        raise ConversionError(f"config.json describes a model diffjax cannot build: {error}") from None
 
 
 def _dtype_name(dtype) -> str:
@@ -129,7 +152,7 @@ def _heads_from_hf(w, n_heads, d, permute):
     return w.transpose(2, 0, 1)
 
 
-def _weight_table(config: ModelConfig):
+def weight_table(config: ModelConfig):
     """[(hf key, expected hf shape, diffjax path, transform)] for every parameter."""
     D, V, F = config.d_model, config.vocab_size, config.mlp_dim
     H, K, d = config.num_heads, config.num_kv_heads, config.head_dim
@@ -167,66 +190,128 @@ def _weight_table(config: ModelConfig):
     return table
 
 
-def params_from_hf(tensors, config: ModelConfig) -> dict:
+def _canonical_names(names) -> dict[str, str]:
+    """checkpoint name -> DiffLlamaForCausalLM name. A bare DiffLlamaModel / LlamaModel checkpoint
+    has no "model." prefix (and no head)."""
+    names = list(names)
+    if "embed_tokens.weight" in names and "model.embed_tokens.weight" not in names:
+        return {n: n if n.startswith("lm_head") else "model." + n for n in names}
+    return {n: n for n in names}
+
+
+def _listed(keys: list[str], limit: int = 20) -> str:
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def check_checkpoint(shapes: dict[str, tuple], config: ModelConfig) -> None:
+    """Raise ConversionError listing every missing, unexpected and mis-shaped key of a checkpoint
+    (name -> shape, already in DiffLlamaForCausalLM naming) against `config`."""
+    table = weight_table(config)
+    expected = {key: shape for key, shape, *_ in table}
+    problems = []
+    if missing := [key for key in expected if key not in shapes]:
+        problems.append(f"checkpoint is missing {len(missing)} key(s): {_listed(missing)}")
+    allowed = set(expected) | {"lm_head.weight"}  # a tied model's file may still carry the head
+    if unexpected := sorted(k for k in shapes if k not in allowed and not k.endswith(_IGNORED_SUFFIXES)):
+        problems.append(
+            f"checkpoint has {len(unexpected)} unexpected key(s) that a {config.attention!r}-attention "
+            f"CausalLM of this config does not have: {_listed(unexpected)}"
+        )
+    for key, shape in expected.items():
+        if key in shapes and tuple(shapes[key]) != shape:
+            problems.append(f"checkpoint key {key!r} has shape {tuple(shapes[key])}, expected {shape} for this config")
+    if problems:
+        raise ConversionError("; ".join(problems))
+
+
+def _np_dtype(name) -> np.dtype | None:
+    return None if name is None else np.dtype(jnp.dtype(name))
+
+
+def params_from_hf(tensors, config: ModelConfig, dtype=None) -> dict:
     """HF state dict (name -> tensor or array) -> {diffjax path: numpy array} in the canonical layout.
 
-    Missing or mis-shaped keys raise ValueError naming the key; unexpected keys are logged.
+    Missing, unexpected and mis-shaped keys raise ConversionError naming them. dtype: cast to it (None: keep).
     """
-    if "embed_tokens.weight" in tensors and "model.embed_tokens.weight" not in tensors:
-        # A bare DiffLlamaModel / LlamaModel checkpoint (no "model." prefix, no head).
-        tensors = {("model." + k if not k.startswith("lm_head") else k): v for k, v in tensors.items()}
-    table = _weight_table(config)
-    missing = [key for key, *_ in table if key not in tensors]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint is missing {len(missing)} key(s): {shown}")
-    params = {}
-    for key, shape, path, transform in table:
-        array = to_numpy(tensors[key])
-        if tuple(array.shape) != shape:
-            raise ValueError(f"checkpoint key {key!r} has shape {tuple(array.shape)}, expected {shape} for this config")
-        params[path] = transform(array) if transform else array
-    expected = {key for key, *_ in table} | {"lm_head.weight"}
-    unexpected = sorted(k for k in tensors if k not in expected and not k.endswith(_IGNORED_SUFFIXES))
-    if unexpected:
-        log.warning("ignoring %d checkpoint key(s) diffjax does not use: %s", len(unexpected), unexpected[:5])
-    if config.attention == "diff":  # HF DiffLlama's per-head norm has no weight: the subln scale is ones
-        for i in range(config.num_layers):
-            params[("blocks", i, "attn", "subln_scale")] = np.ones((2 * config.head_dim,), np.float32)
-    return params
+    names = _canonical_names(tensors)
+    renamed = {names[k]: v for k, v in tensors.items()}
+    check_checkpoint({k: tuple(v.shape) for k, v in renamed.items()}, config)
+    converter = _Converter(config, _np_dtype(dtype))
+    for key, value in renamed.items():
+        converter.add(key, value)
+    return converter.finish()
+
+
+class _Converter:
+    """Turns HF tensors, fed one at a time in any order, into diffjax params (contiguous copies,
+    so that nothing keeps the source buffers alive)."""
+
+    def __init__(self, config: ModelConfig, dtype: np.dtype | None):
+        self.config, self.dtype = config, dtype
+        self.table = {key: (path, transform) for key, _, path, transform in weight_table(config)}
+        self.params: dict = {}
+
+    def add(self, key: str, value) -> None:
+        if key not in self.table:
+            return  # ignored buffer, or a tied model's lm_head
+        path, transform = self.table[key]
+        array = to_numpy(value)
+        array = transform(array) if transform else array  # a view where it can be: one copy below
+        self.params[path] = np.array(array, dtype=self.dtype or array.dtype, order="C", copy=True)
+
+    def finish(self) -> dict:
+        if self.config.attention == "diff":  # HF DiffLlama's per-head norm has no weight: the subln scale is ones
+            dtype = self.dtype or np.dtype(np.float32)
+            for i in range(self.config.num_layers):
+                self.params[("blocks", i, "attn", "subln_scale")] = np.ones((2 * self.config.head_dim,), dtype)
+        return self.params
+
+
+def params_from_hf_dir(directory: str | os.PathLike, config: ModelConfig, dtype=None, *, progress=None) -> dict:
+    """The params of an HF directory, read one weight file and one tensor at a time.
+
+    Keys and shapes are checked from the file headers before any tensor is read. Peak memory is
+    the converted params plus one tensor (safetensors) or one memory-mapped file (.bin).
+    progress: called with (file name, index, count) before each file.
+    """
+    weights = HFWeights(directory)
+    names = _canonical_names(weights.shapes())
+    check_checkpoint({names[k]: s for k, s in weights.shapes().items()}, config)
+    converter = _Converter(config, _np_dtype(dtype))
+    for index, file in enumerate(weights.files):
+        if progress:
+            progress(file.name, index, len(weights.files))
+        for name, array in weights.tensors(file):
+            converter.add(names[name], array)
+            del array
+    return converter.finish()
 
 
 def read_hf_tensors(directory: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Every tensor of the safetensors files of an HF directory (single file, sharded index or a set of shards)."""
-    directory = FsPath(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no .safetensors files in {directory}; diffjax reads safetensors only "
-            "(re-save a pytorch_model.bin checkpoint with save_pretrained(..., safe_serialization=True))"
-        )
-    tensors = {}
-    for name in files:
-        tensors.update(read_safetensors(directory / name))
-    return tensors
+    """Every tensor of an HF directory's weight files (safetensors, or .bin with weights_only=True)."""
+    weights = HFWeights(directory)
+    return {name: array for file in weights.files for name, array in weights.tensors(file)}
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    path = FsPath(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: {config_file} does not exist")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{config_file}: not valid JSON ({error})") from None
 
 
 def load_hf(path: str | os.PathLike, dtype=None, *, param_dtype=None, rope_style: str = "interleaved") -> TransformerLM:
-    """Load a local HF directory (config.json + safetensors) of model_type diffllama or llama.
+    """Load a local HF directory (config.json + safetensors, or PyTorch .bin files) of model_type diffllama or llama.
 
     dtype: compute dtype (and parameter dtype unless param_dtype is given); None keeps the
     checkpoint's dtype. The returned model's `model.config` is its ModelConfig.
     rope_style: "interleaved" (canonical; q/k channels permuted at load) or "rotate_half" (HF order kept).
     """
-    path = FsPath(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"{path} is not a Hugging Face model directory: {config_file} does not exist")
-    config = config_from_hf(json.loads(config_file.read_text()), dtype=dtype, param_dtype=param_dtype)
+    config = config_from_hf(read_hf_config(path), dtype=dtype, param_dtype=param_dtype)
     config = config.replace(rope_style=rope_style)
-    params = params_from_hf(read_hf_tensors(path), config)
-    return build_module(lambda: TransformerLM(config, rngs=nnx.Rngs(0)), params, config.param_dtype)
+    params = params_from_hf_dir(path, config, config.param_dtype)
+    return build_module(lambda: TransformerLM(config, rngs=nnx.Rngs(0)), params, config.param_dtype, consume=True)

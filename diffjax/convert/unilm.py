@@ -220,9 +220,13 @@ def load_unilm_attention(
     return build_module(lambda: DiffAttention(config, int(depth), rngs=nnx.Rngs(0)), params, _NP_DTYPES[param_dtype])
 
 
-def unilm_attention_state_dict(layer: DiffAttention, *, prefix: str = "") -> dict[str, np.ndarray]:
+def unilm_attention_state_dict(layer: DiffAttention, *, prefix: str = "", subln: bool = True) -> dict[str, np.ndarray]:
     """The inverse of `load_unilm_attention`: unilm state_dict entries (numpy, in the parameter dtype;
-    bfloat16 as ml_dtypes.bfloat16), `subln.weight` always included.
+    bfloat16 as ml_dtypes.bfloat16).
+
+    subln: True (modules since 2024-10-25) writes `subln.weight`; False is for older modules whose
+    per-head norm has no weight: the scale is folded into out_proj's columns instead (exact when it
+    is ones, as for every layer loaded from such a module; equal up to rounding otherwise).
 
     Load into PyTorch with e.g. `torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)` for bf16.
     unilm recomputes lambda_init from the module's depth, so a layer built with a lambda_init override
@@ -241,12 +245,17 @@ def unilm_attention_state_dict(layer: DiffAttention, *, prefix: str = "") -> dic
     def get(name):
         return np.asarray(getattr(layer, name)[...])
 
+    o_H2dE, scale = get("o_kernel"), get("subln_scale")
+    if not subln and not np.all(scale == 1):
+        # out_proj column h*2d + c multiplies head h's normed channel c: fold scale[c] into it.
+        o_H2dE = (o_H2dE.astype(np.float32) * scale.astype(np.float32)[None, :, None]).astype(o_H2dE.dtype)
     out = {
         "q_proj.weight": get("q_kernel").reshape(E, 2 * H * d).T,
         "k_proj.weight": get("k_kernel").reshape(E, 2 * K * d).T,
         "v_proj.weight": get("v_kernel").reshape(E, 2 * K * d).T,
-        "out_proj.weight": get("o_kernel").reshape(2 * H * d, E).T,
+        "out_proj.weight": o_H2dE.reshape(2 * H * d, E).T,
         **{name: get(name) for name in LAMBDA_KEYS},
-        "subln.weight": get("subln_scale"),
     }
+    if subln:
+        out["subln.weight"] = scale
     return {prefix + key: np.ascontiguousarray(value) for key, value in out.items()}

@@ -1,0 +1,102 @@
+"""python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, verify} ...
+
+Exit status: 0 done (verify: within tolerance), 1 verify past tolerance, 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work; never grab an accelerator
+
+
+def _peak_rss_mb() -> float:
+    """Peak resident memory of this process, MiB. Linux: VmHWM, which (unlike ru_maxrss, inherited
+    across fork + exec) starts afresh in a new program."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform.startswith("linux") else 2**20)
+
+
+def _progress(name: str, index: int, count: int) -> None:
+    print(f"  [{index + 1}/{count}] {name}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffjax.convert", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("hf-to-diffjax", help="HF directory (diffllama / llama) -> diffjax run directory")
+    p.add_argument("src", help="local HF directory: config.json + safetensors (or pytorch_model*.bin)")
+    p.add_argument("dst", help="new or empty directory for the diffjax run directory (config.yaml + Orbax checkpoint)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="parameter dtype (default: the checkpoint's)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing conversion in DST")
+
+    p = commands.add_parser("diffjax-to-hf", help="diffjax run directory or checkpoint -> HF directory")
+    p.add_argument("src", help="diffjax run directory, its checkpoints/ directory, or a step directory")
+    p.add_argument("dst", help="new or empty directory for the HF model")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="saved tensor dtype (default: the params')")
+    p.add_argument("--shard-size", default="5GB", help="largest safetensors shard (e.g. 5GB, 500MB; default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export in DST")
+
+    p = commands.add_parser("verify", help="compare transformers and diffjax on the same prompts")
+    p.add_argument("src", help="local HF directory")
+    p.add_argument("--diffjax", metavar="DIR", help="a converted diffjax run directory to check (default: convert SRC in memory)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--prompts", type=int, default=4, help="number of random prompts (default 4)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per prompt (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on formats it is not using
+    # Import jax, orbax and the trainer's checkpoint code before taking the memory baseline.
+    import orbax.checkpoint  # noqa: F401
+
+    import diffjax.train.checkpoint  # noqa: F401
+    from diffjax.convert import checkpoint, verify  # noqa: F401
+    from diffjax.convert.common import ConversionError
+
+    start, base_rss = time.time(), _peak_rss_mb()
+    try:
+        if args.command == "hf-to-diffjax":
+            from diffjax.convert.checkpoint import hf_to_diffjax
+            step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress)
+            print(f"wrote {step_dir} (run directory {args.dst}: train on with "
+                  f"`python train.py --config {os.path.join(args.dst, 'config.yaml')} train.run_dir={args.dst}`)")
+        elif args.command == "diffjax-to-hf":
+            from diffjax.convert.checkpoint import diffjax_to_hf
+            out = diffjax_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_size=args.shard_size,
+                                overwrite=args.overwrite, progress=_progress)
+            print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+        else:
+            from diffjax.convert.verify import verify
+            result = verify(args.src, diffjax_path=args.diffjax, dtype=args.dtype, prompts=args.prompts,
+                            seq_len=args.seq_len, seed=args.seed)
+            print(result.report())
+            return 0 if result.passed else 1
+    except (ConversionError, ValueError, FileNotFoundError, FileExistsError) as error:
+        # ValueError also covers ModelConfig's validation of a run directory's config.yaml
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    peak = _peak_rss_mb()
+    print(f"{time.time() - start:.1f} s, peak memory {peak:.0f} MiB ({peak - base_rss:.0f} MiB above the "
+          f"{base_rss:.0f} MiB after start-up)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""HF directories <-> diffjax run directories (the checkpoints train.py resumes from and load_model loads).
+
+A converted run directory has the layout of `diffjax.train.checkpoint.save_params`:
+
+    DST/config.yaml                     a run config whose `model` section is the converted ModelConfig
+    DST/checkpoints/0/state             Orbax, {"params": nnx pure dict}
+    DST/hf/                             the source's config.json, tokenizer and generation files, kept
+                                        so that diffjax-to-hf restores token ids and the tokenizer
+
+It is written without OCDBT and without Orbax's defensive copy of host arrays: save_params (OCDBT)
+holds the encoded checkpoint in memory until it commits, ~1.7x the model on top of the params,
+where this writer adds a bounded amount (tests/test_convert_streaming.py measures it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from diffjax.config import DataConfig, ModelConfig
+from diffjax.convert.common import ConversionError, nested, prepare_output_dir
+from diffjax.convert.export import save_hf
+from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
+
+DIFFJAX_OUTPUT_FILES = ("config.yaml", "checkpoints", "hf")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+
+
+def write_params(run_dir: str | os.PathLike, params: dict, model_config: ModelConfig, *, step: int = 0) -> Path:
+    """save_params' layout and contract (config.yaml + checkpoints/<step>/state = {"params": params}),
+    with peak memory ~ the params alone. `params`: an nnx pure dict of numpy arrays."""
+    import orbax.checkpoint as ocp
+
+    from diffjax.train.config import RunConfig, TrainConfig, save_run_config
+
+    run_dir = Path(run_dir).absolute()
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))  # the save is synchronous
+    )
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1, type_handler_registry=registry)
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    manager = ocp.CheckpointManager(run_dir / "checkpoints", item_handlers={"state": handler}, options=options)
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params})), force=True)
+    manager.wait_until_finished()
+    manager.close()
+    data = DataConfig(seq_len=min(DataConfig.seq_len, model_config.max_seq_len))
+    run = RunConfig(model=model_config, data=data, train=TrainConfig(run_dir=str(run_dir)))
+    save_run_config(run, run_dir / "config.yaml")
+    return run_dir / "checkpoints" / str(step)
+
+
+def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False, progress=None) -> Path:
+    """Convert the HF directory `src` (diffllama or llama; safetensors or .bin) into the diffjax run
+    directory `dst`, streaming one weight file at a time. dtype: parameter (and compute) dtype,
+    None keeps the checkpoint's. Returns the step directory."""
+    src, dst = Path(src), Path(dst)
+    config = config_from_hf(read_hf_config(src), dtype=dtype)
+    created = not dst.exists()
+    dst = prepare_output_dir(dst, overwrite=overwrite, owned=DIFFJAX_OUTPUT_FILES)
+    try:
+        params = params_from_hf_dir(src, config, config.param_dtype, progress=progress)
+        (dst / "hf").mkdir()
+        for file in sorted(src.iterdir()):  # config.json, tokenizer, generation config: everything but weights
+            if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copy2(file, dst / "hf" / file.name)
+        tree = nested(params)
+        del params
+        return write_params(dst, tree, config)
+    except BaseException:
+        if created:  # leave no half-written directory behind
+            shutil.rmtree(dst, ignore_errors=True)
+        raise
+
+
+def read_run_config(src) -> tuple[Path, Path, ModelConfig]:
+    """(run dir, step dir, ModelConfig) of a diffjax run directory, checkpoints/ dir or step dir."""
+    from diffjax.train.checkpoint import resolve_checkpoint
+    from diffjax.train.config import read_yaml
+
+    step_dir = resolve_checkpoint(src)
+    run_dir = step_dir.parent.parent
+    config_path = run_dir / "config.yaml"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} is missing: cannot tell which model {step_dir} holds")
+    model = read_yaml(config_path).get("model")
+    if not isinstance(model, dict):
+        raise ConversionError(f"{config_path} has no `model` section")
+    return run_dir, step_dir, ModelConfig.from_dict(model)
+
+
+class CheckpointParams(Mapping):
+    """The params of a diffjax checkpoint (trainer-written or converted) as a read-only mapping
+    {path: numpy array} that reads one array from disk per access and keeps nothing: an export
+    then holds one tensor at a time instead of the whole model."""
+
+    def __init__(self, step_dir: str | os.PathLike):
+        import jax
+        import orbax.checkpoint as ocp
+
+        self._directory = Path(step_dir) / "state"
+        self._checkpointer = ocp.PyTreeCheckpointer()
+        saved = self._checkpointer.metadata(self._directory).item_metadata.get("params")
+        if saved is None:
+            raise ConversionError(f"checkpoint {step_dir} holds no params")
+        self._stored, self.shapes, self.dtypes = {}, {}, {}
+        for key_path, meta in jax.tree_util.tree_leaves_with_path(saved):
+            stored = tuple(str(getattr(k, "key", k)) for k in key_path)
+            path = tuple(int(k) if k.isdigit() else k for k in stored)  # Orbax stores layer indices as strings
+            self._stored[path], self.shapes[path], self.dtypes[path] = stored, tuple(meta.shape), np.dtype(meta.dtype)
+
+    def __getitem__(self, path) -> np.ndarray:
+        import orbax.checkpoint as ocp
+
+        stored = self._stored[path]
+        item = np.empty(self.shapes[path], self.dtypes[path])
+        for key in reversed(stored):
+            item = {key: item}
+        restore_args = {"params": _map_leaves(item, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))}
+        restored = self._checkpointer.restore(
+            self._directory, args=ocp.args.PyTreeRestore({"params": item}, restore_args=restore_args, partial_restore=True)
+        )["params"]
+        for key in stored:
+            restored = restored[key]
+        return restored
+
+    def __iter__(self):
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
+def _map_leaves(tree, fn):
+    return {k: _map_leaves(v, fn) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
+
+
+def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", overwrite: bool = False,
+                  progress=None) -> Path:
+    """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory,
+    reading and writing one tensor at a time."""
+    run_dir, step_dir, config = read_run_config(src)
+    params = CheckpointParams(step_dir)
+    side = run_dir / "hf"
+    base = read_hf_config(side) if (side / "config.json").exists() else None
+    extra = [f for f in sorted(side.iterdir()) if f.is_file()] if side.is_dir() else []
+    return save_hf(params, dst, config, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                   base_config=base, extra_files=extra, progress=progress)

@@ -1,0 +1,197 @@
+"""Golden-logit check: an HF directory run by transformers (PyTorch) against its diffjax conversion.
+
+Both models see the same random prompts. Reported per stage (embeddings, each layer's output, the
+final norm): max |diff| and max |diff| / max |reference|; then the logits' differences, the KL
+divergence of the next-token distributions KL(torch || diffjax) and top-1 agreement. The check
+passes when logits, KL and top-1 agreement are within the tolerance for the dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from diffjax.convert.common import ConversionError, build_module, flatten
+from diffjax.convert.hf import load_hf, read_hf_config
+from diffjax.model.rope import inv_frequencies, rope_tables
+from diffjax.model.transformer import TransformerLM
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    logits_rel: float  # max |diff| / max |logit|
+    kl_max: float  # max over positions of KL(torch || diffjax), nats
+    top1: float  # minimum fraction of positions with the same argmax
+
+
+# float32: both sides compute the same function; differences are summation order (~1e-6 relative).
+# bfloat16: 8 mantissa bits, and diffjax rounds where flash kernels do while HF eager rounds the scores
+# first (tests/test_hf_equivalence.py), so the two bf16 runs differ by about a bf16 ulp of the logits.
+TOLERANCES = {
+    "float32": Tolerance(logits_rel=1e-4, kl_max=1e-6, top1=0.99),
+    "bfloat16": Tolerance(logits_rel=6e-2, kl_max=1e-2, top1=0.90),
+}
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    source: str
+    dtype: str
+    shape: tuple[int, int]
+    stages: list[tuple[str, float, float]]  # (name, max abs diff, max rel diff)
+    logits_abs: float
+    logits_rel: float
+    kl_mean: float
+    kl_max: float
+    top1: float
+    tolerance: Tolerance
+
+    @property
+    def failures(self) -> list[str]:
+        tol, out = self.tolerance, []
+        if not self.logits_rel <= tol.logits_rel:  # `not <=` also catches NaN
+            out.append(f"logits max rel diff {self.logits_rel:.3e} > {tol.logits_rel:.1e}")
+        if not self.kl_max <= tol.kl_max:
+            out.append(f"max KL {self.kl_max:.3e} > {tol.kl_max:.1e}")
+        if not self.top1 >= tol.top1:
+            out.append(f"top-1 agreement {self.top1:.2%} < {tol.top1:.0%}")
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def report(self) -> str:
+        tol = self.tolerance
+        lines = [
+            f"verify {self.source}: transformers (PyTorch, eager) vs diffjax, {self.dtype}, "
+            f"{self.shape[0]} prompts x {self.shape[1]} tokens",
+            f"{'stage':<14} {'max abs diff':>13} {'max rel diff':>13}",
+        ]
+        lines += [f"{name:<14} {abs_diff:>13.3e} {rel_diff:>13.3e}" for name, abs_diff, rel_diff in self.stages]
+        lines += [
+            f"{'logits':<14} {self.logits_abs:>13.3e} {self.logits_rel:>13.3e}   (tolerance: rel {tol.logits_rel:.1e})",
+            f"KL(torch || diffjax) of next-token distributions: mean {self.kl_mean:.3e}, max {self.kl_max:.3e} nats"
+            f"   (tolerance: max {tol.kl_max:.1e})",
+            f"top-1 agreement: {self.top1:.2%}   (tolerance: >= {tol.top1:.0%})",
+            "PASS" if self.passed else "FAIL: " + "; ".join(self.failures),
+        ]
+        return "\n".join(lines)
+
+
+def _diff(ours, reference) -> tuple[float, float]:
+    ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
+    abs_diff = float(np.abs(ours - reference).max())
+    return abs_diff, abs_diff / max(float(np.abs(reference).max()), 1e-30)
+
+
+def _torch_run(src: Path, dtype: str, tokens: np.ndarray):
+    """Hidden states after the embedding, each decoder layer and the final norm, and the logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
+    captured: list[np.ndarray] = []
+
+    def keep(_module, _inputs, output):
+        output = output[0] if isinstance(output, tuple) else output
+        captured.append(output.detach().float().numpy())
+
+    base = model.model
+    hooks = [base.embed_tokens.register_forward_hook(keep)]
+    hooks += [layer.register_forward_hook(keep) for layer in base.layers]
+    hooks.append(base.norm.register_forward_hook(keep))
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    for hook in hooks:
+        hook.remove()
+    return captured, logits
+
+
+def _diffjax_run(model: TransformerLM, tokens: np.ndarray):
+    """The same stages as _torch_run, taken from the model's own modules in its own order."""
+    config = model.config
+    dtype = jnp.dtype(config.dtype)
+    tokens_BT = jnp.asarray(tokens)
+    positions_BT = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens_BT.shape)
+    rope = rope_tables(positions_BT, inv_frequencies(config), dtype)
+    x_BTD = model.embed(tokens_BT, dtype)
+    stages = [np.asarray(x_BTD.astype(jnp.float32))]
+    for block in model.blocks:
+        x_BTD = block(x_BTD, rope)
+        stages.append(np.asarray(x_BTD.astype(jnp.float32)))
+    stages.append(np.asarray(model.final_norm(x_BTD).astype(jnp.float32)))
+    logits = np.asarray(model(tokens_BT), np.float32)
+    return stages, logits
+
+
+def load_diffjax_as(path, dtype: str) -> TransformerLM:
+    """A diffjax run directory / checkpoint as a model whose params and compute are `dtype`."""
+    from diffjax.convert.checkpoint import read_run_config
+    from diffjax.train.checkpoint import load_params
+
+    _, step_dir, config = read_run_config(path)
+    config = config.replace(dtype=dtype, param_dtype=dtype)
+    params = flatten(load_params(step_dir))
+    return build_module(lambda: TransformerLM(config, rngs=nnx.Rngs(0)), params, config.param_dtype, consume=True)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)  # float64, so that the KL measures the logits, not its own rounding
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _kl_and_top1(reference: np.ndarray, ours: np.ndarray) -> tuple[float, float, float]:
+    log_p, log_q = _log_softmax(reference), _log_softmax(ours)
+    kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+    top1 = float(np.mean(reference.argmax(-1) == ours.argmax(-1)))
+    return float(kl.mean()), float(kl.max()), top1
+
+
+def verify(
+    src: str | os.PathLike,
+    *,
+    diffjax_path: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    prompts: int = 4,
+    seq_len: int = 64,
+    seed: int = 0,
+    model: TransformerLM | None = None,
+) -> VerifyResult:
+    """Compare the HF directory `src` under transformers with diffjax on random prompts.
+
+    The diffjax side is `model` if given, else the run directory / checkpoint `diffjax_path`
+    (e.g. the output of hf-to-diffjax), else `src` converted in memory by load_hf. Both run in `dtype`.
+    """
+    if dtype not in TOLERANCES:
+        raise ConversionError(f"verify: dtype must be one of {tuple(TOLERANCES)}, got {dtype!r}")
+    if prompts < 1 or seq_len < 1:
+        raise ConversionError(f"verify: prompts and seq_len must be >= 1, got {prompts} and {seq_len}")
+    src = Path(src)
+    hf = read_hf_config(src)
+    if model is None:
+        model = load_diffjax_as(diffjax_path, dtype) if diffjax_path is not None else load_hf(src, dtype=dtype)
+    config = model.config
+    if config.vocab_size != hf.get("vocab_size") or config.num_layers != hf.get("num_hidden_layers"):
+        raise ConversionError(
+            f"verify: the diffjax model (vocab_size {config.vocab_size}, {config.num_layers} layers) is not a "
+            f"conversion of {src} (vocab_size {hf.get('vocab_size')}, {hf.get('num_hidden_layers')} layers)"
+        )
+    seq_len = min(seq_len, config.max_seq_len, int(hf.get("max_position_embeddings", seq_len)))
+    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (prompts, seq_len), dtype=np.int32)
+    ref_stages, ref_logits = _torch_run(src, dtype, tokens)
+    our_stages, our_logits = _diffjax_run(model, tokens)
+    names = ["embeddings"] + [f"layer {i}" for i in range(config.num_layers)] + ["final norm"]
+    stages = [(name, *_diff(ours, ref)) for name, ours, ref in zip(names, our_stages, ref_stages)]
+    kl_mean, kl_max, top1 = _kl_and_top1(ref_logits, our_logits)
+    return VerifyResult(
+        source=str(src), dtype=dtype, shape=tokens.shape, stages=stages,
+        logits_abs=_diff(our_logits, ref_logits)[0], logits_rel=_diff(our_logits, ref_logits)[1],
+        kl_mean=kl_mean, kl_max=kl_max, top1=top1, tolerance=TOLERANCES[dtype],
+    )
