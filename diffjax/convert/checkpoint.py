@@ -1,15 +1,14 @@
 """HF directories <-> diffjax run directories (the checkpoints train.py resumes from and load_model loads).
 
-A converted run directory has the layout of `diffjax.train.checkpoint.save_params`:
+A converted run directory is written by `diffjax.train.checkpoint.save_params`:
 
     DST/config.yaml                     a run config whose `model` section is the converted ModelConfig
     DST/checkpoints/0/state             Orbax, {"params": nnx pure dict}
     DST/hf/                             the source's config.json, tokenizer and generation files, kept
                                         so that diffjax-to-hf restores token ids and the tokenizer
 
-It is written without OCDBT and without Orbax's defensive copy of host arrays: save_params (OCDBT)
-holds the encoded checkpoint in memory until it commits, ~1.7x the model on top of the params,
-where this writer adds a bounded amount (tests/test_convert_streaming.py measures it).
+save_params writes without OCDBT and without Orbax's defensive copy of host arrays, so it adds a
+bounded amount of memory to the params (tests/test_convert_streaming.py measures it).
 """
 
 from __future__ import annotations
@@ -21,36 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from diffjax.config import DataConfig, ModelConfig
+from diffjax.config import ModelConfig
 from diffjax.convert.common import ConversionError, nested, prepare_output_dir
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
+from diffjax.train.checkpoint import save_params
 
 DIFFJAX_OUTPUT_FILES = ("config.yaml", "checkpoints", "hf")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
-
-
-def write_params(run_dir: str | os.PathLike, params: dict, model_config: ModelConfig, *, step: int = 0) -> Path:
-    """save_params' layout and contract (config.yaml + checkpoints/<step>/state = {"params": params}),
-    with peak memory ~ the params alone. `params`: an nnx pure dict of numpy arrays."""
-    import orbax.checkpoint as ocp
-
-    from diffjax.train.config import RunConfig, TrainConfig, save_run_config
-
-    run_dir = Path(run_dir).absolute()
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))  # the save is synchronous
-    )
-    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1, type_handler_registry=registry)
-    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-    manager = ocp.CheckpointManager(run_dir / "checkpoints", item_handlers={"state": handler}, options=options)
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params})), force=True)
-    manager.wait_until_finished()
-    manager.close()
-    data = DataConfig(seq_len=min(DataConfig.seq_len, model_config.max_seq_len))
-    run = RunConfig(model=model_config, data=data, train=TrainConfig(run_dir=str(run_dir)))
-    save_run_config(run, run_dir / "config.yaml")
-    return run_dir / "checkpoints" / str(step)
 
 
 def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False, progress=None) -> Path:
@@ -69,7 +46,7 @@ def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False
                 shutil.copy2(file, dst / "hf" / file.name)
         tree = nested(params)
         del params
-        return write_params(dst, tree, config)
+        return save_params(dst, tree, config)
     except BaseException:
         if created:  # leave no half-written directory behind
             shutil.rmtree(dst, ignore_errors=True)

@@ -159,12 +159,19 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
         raise FileExistsError(f"{run_dir / 'checkpoints'} already holds checkpoints; choose an empty directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     data = DataConfig(seq_len=min(DataConfig.seq_len, model_config.max_seq_len))
-    save_run_config(RunConfig(model=model_config, data=data, train=TrainConfig(run_dir=str(run_dir))), run_dir / "config.yaml")
-    manager = ocp.CheckpointManager(run_dir / "checkpoints", item_handlers={"state": ocp.StandardCheckpointHandler()},
+    # Peak memory ~ the params alone (the converter streams models larger than half the machine's memory):
+    # OCDBT would hold the whole encoded checkpoint until it commits, and the default numpy handler copies
+    # every array (needed only for asynchronous saves; this one is synchronous).
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+    )
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1, type_handler_registry=registry)
+    manager = ocp.CheckpointManager(run_dir / "checkpoints", item_handlers={"state": handler},
                                     options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params})), force=True)
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params})), force=True)
     manager.wait_until_finished()
     manager.close()
+    save_run_config(RunConfig(model=model_config, data=data, train=TrainConfig(run_dir=str(run_dir))), run_dir / "config.yaml")
     return run_dir / "checkpoints" / str(step)
 
 
