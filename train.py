@@ -51,7 +51,6 @@ def main(argv=None) -> int:
         return 0
 
     from diffjax.train import load_run_config, train
-    from diffjax.train.loop import SetupError
 
     try:
         config = load_run_config(args.config or DEFAULT_CONFIG, args.overrides)
@@ -60,7 +59,9 @@ def main(argv=None) -> int:
         return 2
     try:
         result = train(config)
-    except SetupError as error:
+    except (ValueError, OSError) as error:
+        if not getattr(error, "during_setup", False):
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 2
     if result.interrupted:

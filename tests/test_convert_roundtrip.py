@@ -173,7 +173,7 @@ def test_converted_run_directory_trains_on_and_the_result_exports(tmp_path, meas
 
     make_hf_model("llama", vocab_size=260, num_hidden_layers=1).save_pretrained(tmp_path / "hf")  # >= the byte tokenizer's 257
     hf_to_diffjax(tmp_path / "hf", tmp_path / "run")
-    overrides = ["train.steps=1", "optim.warmup_steps=0", "train.batch_size=2", "data.seq_len=16", "data.builtin_bytes=50000", "data.eval_batches=1",
+    overrides = ["train.steps=1", "parallel.data=1", "optim.warmup_steps=0", "train.batch_size=2", "data.seq_len=16", "data.builtin_bytes=50000", "data.eval_batches=1",
                  "train.eval_every=0", "train.sample_tokens=0", "train.progress=lines", "train.tensorboard=false",
                  f"train.run_dir={tmp_path / 'run'}"]
     lines = []

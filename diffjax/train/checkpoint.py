@@ -168,6 +168,7 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1, type_handler_registry=registry)
     manager = ocp.CheckpointManager(run_dir / "checkpoints", item_handlers={"state": handler},
                                     options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
+    params = jax.tree.map(np.asarray, params)  # jax arrays to host numpy (numpy arrays: no copy)
     manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params})), force=True)
     manager.wait_until_finished()
     manager.close()

@@ -115,16 +115,15 @@ def _sample_text(graphdef, state, tokenizer, config: RunConfig) -> str:
     return config.train.sample_prompt + tokenizer.decode(ids)
 
 
-class SetupError(ValueError):
-    """A run could not start: a setting does not fit the devices, data, tokenizer or checkpoints."""
-
-
 @contextlib.contextmanager
 def _setup_errors():
+    """Marks the errors raised while a run is set up (a setting that does not fit the devices, data,
+    tokenizer or checkpoints), so train.py can print them as one line instead of a traceback."""
     try:
         yield
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
-        raise SetupError(str(error)) from error
+    except (ValueError, OSError) as error:
+        error.during_setup = True
+        raise
 
 
 def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResult:
@@ -132,7 +131,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     is_main_process = jax.process_index() == 0
     if not is_main_process:  # one process speaks and writes metrics for all
         log = lambda _: None  # noqa: E731
-    with _setup_errors():  # bad settings found while setting up: a SetupError naming them
+    with _setup_errors():
         run_dir = Path(config.train.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         check_resumable(run_dir, config, log)
