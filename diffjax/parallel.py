@@ -179,16 +179,25 @@ def unsharded_dims(abstract_params_state, mesh: Mesh) -> list[str]:
     return notes
 
 
+def key_names(key_path) -> tuple[str, ...]:
+    """('blocks', '3', 'attn', 'q_kernel') for a pytree key path (dict keys, attributes, sequence indices)."""
+    names = []
+    for key in key_path:
+        attribute = next((a for a in ("key", "name", "idx") if hasattr(key, a)), None)
+        names.append(str(getattr(key, attribute)) if attribute else str(key))
+    return tuple(names)
+
+
 def shardings_like(tree: Any, params: Any, params_shardings: Any, mesh: Mesh) -> Any:
     """Shardings for a tree holding copies of the params (optimizer moments): a leaf whose key path ends
     with a parameter's path and has its shape is sharded like it; everything else is replicated."""
-    by_path = {}
-    for path, (param, sharding) in _leaves_with_names(params, params_shardings):
-        by_path[path] = (tuple(param.shape), sharding)
+    flat_params = jax.tree_util.tree_leaves_with_path(params)
+    by_path = {key_names(path): (tuple(param.shape), sharding)
+               for (path, param), sharding in zip(flat_params, jax.tree.leaves(params_shardings), strict=True)}
     replicated = NamedSharding(mesh, P())
 
     def pick(key_path, leaf):
-        names = tuple(_key_name(k) for k in key_path)
+        names = key_names(key_path)
         for start in range(len(names)):
             match = by_path.get(names[start:])
             if match is not None and match[0] == tuple(np.shape(leaf)):
@@ -196,20 +205,6 @@ def shardings_like(tree: Any, params: Any, params_shardings: Any, mesh: Mesh) ->
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, tree)
-
-
-def _key_name(key) -> str:
-    for attribute in ("key", "name", "idx"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
-
-
-def _leaves_with_names(params, shardings):
-    flat_params = jax.tree_util.tree_leaves_with_path(params)
-    flat_shardings = jax.tree.leaves(shardings)
-    for (key_path, param), sharding in zip(flat_params, flat_shardings, strict=True):
-        yield tuple(_key_name(k) for k in key_path), (param, sharding)
 
 
 def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:

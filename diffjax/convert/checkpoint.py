@@ -24,7 +24,7 @@ from diffjax.config import ModelConfig
 from diffjax.convert.common import ConversionError, nested, prepare_output_dir
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
-from diffjax.train.checkpoint import save_params
+from diffjax.train.checkpoint import resolve_checkpoint, save_params, saved_model_config
 
 DIFFJAX_OUTPUT_FILES = ("config.yaml", "checkpoints", "hf")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
@@ -55,18 +55,8 @@ def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False
 
 def read_run_config(src) -> tuple[Path, Path, ModelConfig]:
     """(run dir, step dir, ModelConfig) of a diffjax run directory, checkpoints/ dir or step dir."""
-    from diffjax.train.checkpoint import resolve_checkpoint
-    from diffjax.train.config import read_yaml
-
     step_dir = resolve_checkpoint(src)
-    run_dir = step_dir.parent.parent
-    config_path = run_dir / "config.yaml"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} is missing: cannot tell which model {step_dir} holds")
-    model = read_yaml(config_path).get("model")
-    if not isinstance(model, dict):
-        raise ConversionError(f"{config_path} has no `model` section")
-    return run_dir, step_dir, ModelConfig.from_dict(model)
+    return step_dir.parent.parent, step_dir, saved_model_config(step_dir)
 
 
 class CheckpointParams(Mapping):

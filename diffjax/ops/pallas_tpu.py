@@ -204,6 +204,21 @@ def _fwd_kernel(*refs, st: _Static, nk: int, save_residuals: bool):
             res_refs[-1][...] = jnp.concatenate(lses, axis=1) if st.M == 2 else lses[0]
 
 
+def _query_major_index_maps(st: _Static, nk: int):
+    """Block index maps for a (B, H, q blocks, kv blocks) grid; causal grids re-use the last needed kv
+    block past the diagonal (so skipped steps fetch nothing new)."""
+
+    def q_index(b, h, i, j):
+        return b, h, i
+
+    def kv_index(b, h, i, j):
+        if st.causal:
+            j = jnp.minimum(j, _last_kv_block(st, i, nk))
+        return b, h // st.R, j
+
+    return q_index, kv_index
+
+
 def _specs(st: _Static, d: int, dv: int, q_index, kv_index, row_index):
     """BlockSpecs for q, k, v, lam, segment ids given index maps returning (b, h, q_blk), (b, kh, kv_blk)."""
 
@@ -241,14 +256,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
     K, Sp, dv = k.shape[1], k.shape[3], v.shape[-1]
     nq, nk = Tp // st.bq, Sp // st.bk
 
-    def q_index(b, h, i, j):
-        return b, h, i
-
-    def kv_index(b, h, i, j):
-        if st.causal:
-            j = jnp.minimum(j, _last_kv_block(st, i, nk))
-        return b, h // st.R, j
-
+    q_index, kv_index = _query_major_index_maps(st, nk)
     sp = _specs(st, d, dv, q_index, kv_index, None)
     names = _in_names(st)
     args = {"q": q, "k": k, "v": v, "lam": lam, "q_seg": q_seg, "kv_seg": kv_seg}
@@ -376,14 +384,7 @@ def _backward(st: _Static, q, k, v, lam, q_seg, kv_seg, o, o2, lse, do):
     args = {"q": q, "k": k, "v": v, "lam": lam, "q_seg": q_seg, "kv_seg": kv_seg, "do": do, "lse": lse, "D": D}
 
     # dQ: grid (B, H, q blocks, kv blocks)
-    def q_index(b, h, i, j):
-        return b, h, i
-
-    def kv_index(b, h, i, j):
-        if st.causal:
-            j = jnp.minimum(j, _last_kv_block(st, i, nk))
-        return b, h // st.R, j
-
+    q_index, kv_index = _query_major_index_maps(st, nk)
     sp = _specs(st, d, dv, q_index, kv_index, None)
     in_specs = {**sp, "do": sp["row_dv"], "lse": sp["row_M"], "D": sp["row_M"]}
     dq = pl.pallas_call(

@@ -19,6 +19,7 @@ from diffjax.config import DataConfig, ModelConfig
 from diffjax.model import TransformerLM
 from diffjax.parallel import allgather_json
 from diffjax.train.config import CheckpointConfig, RunConfig, TrainConfig, read_yaml, save_run_config
+from diffjax.train.optimizer import path_name
 
 
 class Checkpointer:
@@ -126,7 +127,7 @@ def _int_keys(tree: Any) -> Any:
 def _check_same_params(saved: Any, expected: Any, message: str) -> None:
     """Raise ValueError(message + the missing, unexpected and mis-shaped parameter paths)."""
     def shapes(tree):  # Orbax stores the int keys of layer lists as strings: compare dotted names
-        return {".".join(str(getattr(k, "key", k)) for k in path): tuple(x.shape)
+        return {path_name(path): tuple(x.shape)
                 for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
     saved_shapes, expected_shapes = shapes(saved), shapes(expected)
@@ -176,13 +177,21 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     return run_dir / "checkpoints" / str(step)
 
 
+def saved_model_config(step_dir: Path, *, what: str = "checkpoint") -> ModelConfig:
+    """The ModelConfig of a checkpoint: the `model` section of its run directory's config.yaml."""
+    config_path = Path(step_dir).parent.parent / "config.yaml"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{what}: {config_path} is missing: cannot tell which model {step_dir} holds")
+    model = read_yaml(config_path).get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"{what}: {config_path} has no `model` section")
+    return ModelConfig.from_dict(model)
+
+
 def load_model(path: str | Path, *, what: str = "checkpoint") -> TransformerLM:
     """The model of a run directory or checkpoint (its config.yaml's model section, its saved params)."""
     step_dir = resolve_checkpoint(path, what)
-    config_path = step_dir.parent.parent / "config.yaml"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{what}: {config_path} is missing: cannot tell which model {step_dir} holds")
-    model_config = ModelConfig.from_dict(read_yaml(config_path)["model"])
+    model_config = saved_model_config(step_dir, what=what)
     abstract_model = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -19,6 +19,8 @@ import re
 import jax
 import optax
 
+from diffjax.parallel import key_names
+
 DECAYS = ("linear", "cosine", "constant")
 # Parameter paths that get no weight decay by default: RMSNorm scales, the per-head subln scale
 # and differential attention's lambda vectors (decaying lambda_q/k would pull lambda to lambda_init).
@@ -86,15 +88,7 @@ def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
 
 def path_name(path) -> str:
     """'blocks.3.attn.lambda_q1' for a pytree key path."""
-    parts = []
-    for key in path:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(key, attribute):
-                parts.append(str(getattr(key, attribute)))
-                break
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
+    return ".".join(key_names(path))
 
 
 def weight_decay_mask(params, no_decay=DEFAULT_NO_DECAY):
