@@ -1,0 +1,476 @@
+"""Fused differential flash attention for Hopper GPUs in Pallas Mosaic GPU (impl="pallas_gpu").
+
+Forward, one CTA per (batch, head, 64-row query block), three warpgroups:
+  producer   TMA-loads the query tiles once, then each K/V step into a ring of `stages` SMEM slots.
+  consumer g computes map g (g = 0, 1) for the same query rows: S_g = q_g k_g^T on the tensor cores
+             (wgmma), its own online softmax in base 2, O_g += P_g V. Both maps read the same V slot,
+             so every K and V tile is loaded once for both maps; a slot is refilled once both consumers
+             have released it.
+  epilogue   consumer 1 hands its normalised O_2 (fp32) to consumer 0 through SMEM, d columns at a
+             time; consumer 0 writes o = O_1 - lam O_2 through the query tiles' SMEM and TMA.
+Why one map per warpgroup: with d = 128, dv = 256 one warpgroup cannot hold both maps' 64 x 256 fp32
+accumulators (256 registers a thread); split this way each consumer holds one (128 registers).
+
+Backward (custom VJP), with G the cotangent of o (the same algebra as diffjax.ops.pallas_tpu):
+    dP = G V^T (shared by both maps), D_m = rowsum(G * O_m), P_m = exp2(S_m - lse_m)
+    dS_1 = P_1 (dP - D_1),  dS_2 = -lam P_2 (dP - D_2),  dV = (P_1 - lam P_2)^T G
+    dQ_m = scale dS_m K_m,  dK_m = scale dS_m^T Q_m,  dlam = -D_2
+Two kernels, each with a producer and one consumer per map. dP's contraction over dv is split in two
+halves, one per consumer, and the halves are exchanged through SMEM (no duplicated matmul):
+  dk/dv   one CTA per (batch, kv head, 64-row kv block); streams (query head of the group, q block)
+          tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
+  dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
+
+Conventions: bottom-right aligned causal masking (query t sits at key S - T + t); kv steps above the
+diagonal are never loaded; unmasked steps run without mask arithmetic. T and S are zero-padded to
+the block sizes outside the kernels (no copy when they divide); padded keys are masked in the
+forward and contribute nothing to the backward (their K and V rows are zero). A fully masked query
+row gives o = 0 and zero gradients, like the reference.
+
+Off GPU the same kernels run in Mosaic GPU interpret mode (`interpret=True`, for tests): the
+primitives that have no interpreter rule (wgmma, layout casts, layout-aware loads) go through
+`_Ops`, which uses plain jnp equivalents there; everything else (TMA copies, barriers, the
+warpgroup schedule, masking, softmax, exchange) is the same code on both paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+SMEM_BYTES = 227 * 1024  # Hopper: dynamic shared memory a CTA may use
+_LOAD_TAKES_IDX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty  # jax 0.10
+
+
+class BlockSizes(NamedTuple):
+    """Tile sizes. block_q = 64 (one wgmma row tile per consumer); the others are tunable."""
+
+    block_q: int = 64
+    block_k: int = 64  # forward and dq kernel: keys per streamed step
+    block_q_bwd: int = 64  # dk/dv kernel: query rows per streamed step
+    stages: int = 2  # ring slots for streamed tiles
+
+
+# ------------------------------------------------------------------------------ interpret shims
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ops:
+    """The few primitives whose compiled form (wgmma, register layouts) has no interpreter rule."""
+
+    interpret: bool
+
+    def cast(self, x, layout):
+        return x if self.interpret else plgpu.layout_cast(x, layout)
+
+    def full(self, shape, value, dtype=jnp.float32, layout=None):
+        x = jnp.full(shape, value, dtype)
+        return x if self.interpret else plgpu.layout_cast(x, layout or plgpu.Layout.WGMMA)
+
+    def load(self, ref, layout):
+        """ref's whole contents in `layout` (row vectors: WGMMA.reduce(1), column vectors: .reduce(0))."""
+        if self.interpret:
+            return ref[...]
+        return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_IDX else plgpu.load(ref, layout=layout)
+
+    def iota(self, shape, dim):
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    def matmul(self, a, b_ref, shape, *, transpose_b=False, acc=None, after_issue=None):
+        """acc + a @ b (fp32), a: an SMEM ref or a 16-bit register tile, b: an SMEM ref; b_ref^T if
+        transpose_b. `after_issue` runs between issuing the wgmma and waiting for it."""
+        if self.interpret:
+            a_val = a[...] if hasattr(a, "at") else a
+            b_val = b_ref[...]
+            out = jnp.dot(a_val, b_val.T if transpose_b else b_val, preferred_element_type=jnp.float32)
+            if after_issue is not None:
+                after_issue()
+            return out if acc is None else acc + out
+        b = _transposed(b_ref) if transpose_b else b_ref
+
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            if after_issue is not None:
+                after_issue()
+            return acc_ref[...]
+
+        if acc is None:
+            return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+        return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
+
+
+def _transposed(ref):
+    if "transpose_ref" in vars(plgpu):  # jax 0.10; 0.11 deprecates it for ref.transpose
+        return plgpu.transpose_ref(ref, (1, 0))
+    return ref.transpose((1, 0))
+
+
+def _tiled(minor: int, dtype):
+    """SMEM transforms for a wgmma / TMA operand whose minor dimension has `minor` elements."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, minor * itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _drain(free_barriers, steps, stages):
+    """Wait for the releases of the last `stages` steps, which the producer's loop did not wait for:
+    every thread that waits on a barrier observes all of its phases."""
+
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _(step):
+        plgpu.barrier_wait(free_barriers.at[lax.rem(step, jnp.int32(stages))])
+
+
+def _rendezvous(barrier):
+    """Both consumers arrive, then both wait: everything either wrote to SMEM before is visible."""
+    plgpu.barrier_arrive(barrier)
+    plgpu.barrier_wait(barrier)
+
+
+# ------------------------------------------------------------------------------ static config
+
+
+class _Static(NamedTuple):
+    """What the kernels specialise on (hashable: a nondiff custom_vjp argument)."""
+
+    G: int  # key groups: 2, or 1 when both maps share keys
+    R: int  # query heads per kv head
+    T: int  # true lengths
+    S: int
+    bq: int
+    bk: int
+    bq_bwd: int
+    stages: int
+    causal: bool
+    scale: float
+    has_seg: bool
+    interpret: bool
+
+    @property
+    def offset(self):  # key position of query 0 (bottom-right aligned causal)
+        return self.S - self.T
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _kv_steps(st: _Static, t0, nk):
+    """(unmasked steps, all steps) for the query rows [t0, t0 + bq): kv blocks past the causal
+    diagonal are skipped; the first `unmasked` need no mask at all."""
+    if st.causal:
+        last = t0 + st.bq + st.offset  # one past the last key the block's last row sees
+        steps = jnp.clip(_cdiv_dyn(last, st.bk), 0, nk)
+        unmasked = jnp.clip(jnp.maximum(t0 + st.offset + 1, 0) // st.bk, 0, steps)
+    else:
+        steps = jnp.int32(nk)
+        unmasked = steps
+    if st.has_seg:
+        unmasked = jnp.int32(0)
+    elif st.S % st.bk:
+        unmasked = jnp.minimum(unmasked, nk - 1)  # the last block holds padded keys
+    return unmasked, steps
+
+
+def _cdiv_dyn(a, b):
+    return lax.div(jnp.maximum(a, 0) + (b - 1), jnp.int32(b))
+
+
+def _score_mask(ops, st: _Static, shape, q0, k0, q_seg=None, kv_seg=None, *, transposed=False, pad=True):
+    """Boolean mask (True = allowed) for a tile whose rows are queries q0.. and columns keys k0..
+    (or the transpose). Segment ids are row/column vectors already in the matching layouts."""
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    q_pos = ops.iota(shape, q_dim) + q0
+    k_pos = ops.iota(shape, k_dim) + k0
+    mask = None
+    if st.causal:
+        mask = q_pos + st.offset >= k_pos
+    if pad and st.S % st.bk:
+        valid = k_pos < st.S
+        mask = valid if mask is None else mask & valid
+    if st.has_seg:
+        same = lax.broadcast_in_dim(q_seg, shape, [q_dim]) == lax.broadcast_in_dim(kv_seg, shape, [k_dim])
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+# ------------------------------------------------------------------------------ forward
+
+
+def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
+    """o [B, Tp, H, dv]; with residuals also o2 [B, Tp, H, dv] f32 and lse [B, H, 2, Tp] f32 (base 2)."""
+    B, Tp, H, _, d = q.shape
+    Sp, K, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = q.dtype
+    bq, bk, stages, G = st.bq, st.bk, st.stages, st.G
+    nk = Sp // bk
+    chunks = dv // d  # the output leaves SMEM in d-wide chunks staged in the query tiles
+    ops = _Ops(st.interpret)
+    wgmma_layout = plgpu.Layout.WGMMA
+    scale2 = st.scale * LOG2E
+    has_seg = st.has_seg
+
+    def kernel(*refs):
+        it = iter(refs)
+        q_ref, k_ref, v_ref, lam_ref = next(it), next(it), next(it), next(it)
+        qseg_ref, kvseg_ref = (next(it), next(it)) if has_seg else (None, None)
+        o_ref = next(it)
+        o2_ref, lse_ref = (next(it), next(it)) if save_residuals else (None, None)
+        q_smem, k_smem, v_smem, lam_smem, qseg_smem, kvseg_smem, o2_smem, lse_smem = next(it)
+        q_ready, kv_ready, kv_free, o2_ready, o2_free = next(it)
+
+        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_blocks")
+        kh = lax.div(h, jnp.int32(st.R))
+        t0 = i * bq
+        wg = lax.axis_index("wg")
+        unmasked, steps = _kv_steps(st, t0, nk)
+
+        @pl.when(wg == 2)
+        def _producer():
+            if not st.interpret:
+                plgpu.set_max_registers(40, action="decrease")
+            rows = pl.ds(t0, bq)
+            for m in range(2):
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[m], q_ready)
+            plgpu.copy_gmem_to_smem(lam_ref.at[b, h, rows], lam_smem, q_ready)
+            if has_seg:
+                plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem, q_ready)
+
+            @pl.loop(0, steps)
+            def _load(step):
+                slot = lax.rem(step, jnp.int32(stages))
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(kv_free.at[slot])
+
+                keys = pl.ds(step * bk, bk)
+                for g in range(G):
+                    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[slot, g], kv_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[slot], kv_ready.at[slot])
+                if has_seg:
+                    plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], kv_ready.at[slot])
+
+            _drain(kv_free, steps, stages)
+
+        def consumer(g: int):
+            if not st.interpret:
+                plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_ready)
+            q_g = q_smem.at[g]
+            q_seg = ops.load(qseg_smem, wgmma_layout.reduce(1)) if has_seg else None
+            carry = (
+                ops.full((bq,), -jnp.inf, layout=wgmma_layout.reduce(1)),  # running max (base 2)
+                ops.full((bq,), 0.0, layout=wgmma_layout.reduce(1)),  # running sum
+                ops.full((bq, dv), 0.0),  # O_g accumulator
+            )
+
+            def step_body(step, carry, *, masked: bool):
+                m_i, l_i, acc = carry
+                slot = lax.rem(step, jnp.int32(stages))
+                plgpu.barrier_wait(kv_ready.at[slot])
+                s = ops.matmul(q_g, k_smem.at[slot, g if G == 2 else 0], (bq, bk), transpose_b=True) * scale2
+                if masked:
+                    kv_seg = ops.load(kvseg_smem.at[slot], wgmma_layout.reduce(0)) if has_seg else None
+                    mask = _score_mask(ops, st, (bq, bk), t0, step * bk, q_seg, kv_seg)
+                    if mask is not None:
+                        s = jnp.where(mask, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+                alpha = jnp.exp2(m_i - m_safe)
+                p = jnp.exp2(s - _rows(m_safe, (bq, bk)))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * _rows(alpha, (bq, dv))
+                acc = ops.matmul(p.astype(dtype), v_smem.at[slot], (bq, dv), acc=acc)
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return m_new, l_i, acc
+
+            carry = lax.fori_loop(0, unmasked, functools.partial(step_body, masked=False), carry)
+            m_i, l_i, acc = lax.fori_loop(unmasked, steps, functools.partial(step_body, masked=True), carry)
+
+            empty = l_i == 0.0  # fully masked rows: o = 0, lse = +inf (so the backward's P is 0)
+            l_safe = jnp.where(empty, 1.0, l_i)
+            o_g = acc * _rows(1.0 / l_safe, (bq, dv))
+            rows = pl.ds(t0, bq)
+            if save_residuals:
+                lse_smem.at[g][...] = jnp.where(empty, jnp.inf, m_i + jnp.log2(l_safe))
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(lse_smem.at[g], lse_ref.at[b, h, g, rows])
+            if g == 1:  # hand O_2 to consumer 0, d columns at a time; also the fp32 residual
+                for c in range(chunks):
+                    if c:
+                        plgpu.barrier_wait(o2_free)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o2_smem[...] = o_g[:, c * d : (c + 1) * d]
+                    if save_residuals:
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o2_smem, o2_ref.at[b, rows, h, pl.ds(c * d, d)])
+                    plgpu.barrier_arrive(o2_ready)
+                plgpu.barrier_wait(o2_free)  # every waiter observes every phase (the interpreter checks)
+            else:
+                lam_row = ops.load(lam_smem, wgmma_layout.reduce(1))
+                for c in range(chunks):
+                    plgpu.barrier_wait(o2_ready)
+                    o2_c = ops.load(o2_smem, wgmma_layout)
+                    out_c = o_g[:, c * d : (c + 1) * d] - _rows(lam_row, (bq, d)) * o2_c
+                    plgpu.barrier_arrive(o2_free)
+                    q_smem.at[c][...] = out_c.astype(dtype)  # consumer 1 is past its last q_2 read
+                plgpu.commit_smem()
+                for c in range(chunks):
+                    plgpu.copy_smem_to_gmem(q_smem.at[c], o_ref.at[b, rows, h, pl.ds(c * d, d)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.when(wg == 0)(lambda: consumer(0))
+        pl.when(wg == 1)(lambda: consumer(1))
+
+    qk_tf, v_tf = _tiled(d, dtype), _tiled(dv, dtype)
+    smem = (
+        plgpu.SMEM((2, bq, d), dtype, transforms=qk_tf),
+        plgpu.SMEM((stages, G, bk, d), dtype, transforms=qk_tf),
+        plgpu.SMEM((stages, bk, dv), dtype, transforms=v_tf),
+        plgpu.SMEM((bq,), jnp.float32),
+        plgpu.SMEM((bq,), jnp.int32) if has_seg else None,
+        plgpu.SMEM((stages, bk), jnp.int32) if has_seg else None,
+        plgpu.SMEM((bq, d), jnp.float32, transforms=_tiled(d, jnp.float32)),
+        plgpu.SMEM((2, bq), jnp.float32) if save_residuals else None,
+    )
+    barriers = (
+        plgpu.Barrier(num_arrivals=3 + has_seg),
+        plgpu.Barrier(num_arrivals=G + 1 + has_seg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=1),
+    )
+    out_type = [jax.ShapeDtypeStruct((B, Tp, H, dv), dtype)]
+    if save_residuals:
+        out_type += [jax.ShapeDtypeStruct((B, Tp, H, dv), jnp.float32), jax.ShapeDtypeStruct((B, H, 2, Tp), jnp.float32)]
+    args = [q, k, v, lam] + ([q_seg, kv_seg] if has_seg else [])
+    return _launch(st, kernel, out_type, (smem, barriers), (H, Tp // bq, B), ("heads", "q_blocks", "batch"), "diffjax_mgpu_fwd")(*args)
+
+
+def _launch(st, kernel, out_type, scratch, grid, grid_names, name):
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params() if st.interpret else None,
+        kernel_name=name,
+    )
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret import params  # public as plgpu.InterpretGPUParams from jax 0.11
+
+    return params.InterpretGPUParams()
+
+
+# ------------------------------------------------------------------------------ public
+
+
+def _round_up(x: int, m: int) -> int:
+    return _cdiv(x, m) * m
+
+
+def _pad_axis(x, axis, size):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def unsupported(q, k, v, block_sizes=None) -> str | None:
+    """Why impl="pallas_gpu" cannot run these shapes (None when it can)."""
+    B, T, H, two, d = q.shape
+    _, S, K, G, dk = k.shape
+    dv = v.shape[-1]
+    if two != 2 or G not in (1, 2):
+        return f"needs q [B, T, H, 2, d] and k [B, S, Hkv, 1 or 2, d], got {q.shape} and {k.shape}"
+    if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"needs q, k, v in one of bfloat16 / float16, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if d != dk or d not in (64, 128):
+        return f"needs the q and k head dim d in (64, 128), got {d} and {dk}"
+    if dv not in (d, 2 * d):
+        return f"needs dv = d or 2d, got dv = {dv} with d = {d}"
+    if H % K:
+        return f"needs query heads ({H}) to be a multiple of kv heads ({K})"
+    bs = BlockSizes() if block_sizes is None else BlockSizes(*block_sizes)
+    if bs.block_q != 64 or bs.block_k % 16 or bs.block_q_bwd % 16 or bs.stages < 2:
+        return f"needs block_q = 64, block_k and block_q_bwd multiples of 16 and stages >= 2, got {bs}"
+    need = max(_smem_bytes(d, dv, G, bs, q.dtype).values())
+    if need > SMEM_BYTES:
+        return f"needs {need} bytes of shared memory with blocks {bs}, more than the {SMEM_BYTES} a Hopper CTA has; use smaller block_k / block_q_bwd or fewer stages"
+    return None
+
+
+def _smem_bytes(d, dv, G, bs: BlockSizes, dtype):
+    """Shared memory each kernel allocates (tiles and exchange buffers; barriers are negligible)."""
+    e = jnp.dtype(dtype).itemsize
+    bq, bk, bqb, n = bs.block_q, bs.block_k, bs.block_q_bwd, bs.stages
+    return {
+        "forward": 2 * bq * d * e + n * bk * (G * d + dv) * e + bq * d * 4 + n * bk * 4 + 3 * bq * 4,
+        "dq": (2 * d + dv) * bq * e + n * bk * (G * d + dv) * e + 2 * bq * bk * 4 + n * bk * 4 + 6 * bq * 4,
+        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 2 * 64 * bqb * (4 + e) + n * bqb * 24 + 64 * 4,
+    }
+
+
+def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, block_sizes=None, interpret=None):
+    """Fused differential attention on Hopper; same contract as diffjax.ops.diff_attention."""
+    B, T, H, _, d = q_BTH2d.shape
+    _, S, K, G, _ = k_BSKGd.shape
+    why_not = unsupported(q_BTH2d, k_BSKGd, v_BSKv, block_sizes)
+    if why_not:
+        raise ValueError(f"diff_attention: impl='pallas_gpu' {why_not}")
+    bs = BlockSizes() if block_sizes is None else BlockSizes(*block_sizes)
+    Tp, Sp = _round_up(T, math.lcm(bs.block_q, bs.block_q_bwd)), _round_up(S, max(bs.block_k, 64))
+    # lam rounded to the value dtype like the reference, then fp32; broadcasting to [B, T, H] makes
+    # autodiff sum dlam for a scalar lambda.
+    lam_BTH = jnp.broadcast_to(jnp.asarray(lam).astype(v_BSKv.dtype).astype(jnp.float32), (B, T, H))
+    lam_BHT = _pad_axis(lam_BTH.transpose(0, 2, 1), 2, Tp)
+    q_seg = kv_seg = None
+    if segment_ids is not None:
+        q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+        if q_ids.shape != (B, T) or kv_ids.shape != (B, S):
+            raise ValueError(f"diff_attention: segment_ids shapes {q_ids.shape} / {kv_ids.shape} do not match (B, T) = {(B, T)} and (B, S) = {(B, S)}")
+        q_seg, kv_seg = _pad_axis(q_ids.astype(jnp.int32), 1, Tp), _pad_axis(kv_ids.astype(jnp.int32), 1, Sp)
+    st = _Static(
+        G=G, R=H // K, T=T, S=S, bq=bs.block_q, bk=bs.block_k, bq_bwd=bs.block_q_bwd, stages=bs.stages,
+        causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
+        interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret),
+    )
+    q = _pad_axis(q_BTH2d, 1, Tp)
+    k = _pad_axis(k_BSKGd, 1, Sp)
+    v = _pad_axis(v_BSKv, 1, Sp)
+    o_BTHv = _flash(st, q, k, v, lam_BHT, q_seg, kv_seg)
+    return o_BTHv[:, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg):
+    return _forward(st, q, k, v, lam, q_seg, kv_seg, save_residuals=False)[0]
