@@ -149,6 +149,7 @@ class _Static(NamedTuple):
     R: int  # query heads per kv head
     T: int  # true lengths
     S: int
+    Sp: int  # padded key length (a multiple of every kv block size)
     bq: int
     bk: int
     bq_bwd: int
@@ -179,8 +180,8 @@ def _kv_steps(st: _Static, t0, nk):
         unmasked = steps
     if st.has_seg:
         unmasked = jnp.int32(0)
-    elif st.S % st.bk:
-        unmasked = jnp.minimum(unmasked, nk - 1)  # the last block holds padded keys
+    elif st.Sp != st.S:
+        unmasked = jnp.minimum(unmasked, st.S // st.bk)  # blocks from here on hold padded keys
     return unmasked, steps
 
 
@@ -197,7 +198,7 @@ def _score_mask(ops, st: _Static, shape, q0, k0, q_seg=None, kv_seg=None, *, tra
     mask = None
     if st.causal:
         mask = q_pos + st.offset >= k_pos
-    if pad and st.S % st.bk:
+    if pad and st.Sp != st.S:
         valid = k_pos < st.S
         mask = valid if mask is None else mask & valid
     if st.has_seg:
@@ -368,6 +369,300 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
     return _launch(st, kernel, out_type, (smem, barriers), (H, Tp // bq, B), ("heads", "q_blocks", "batch"), "diffjax_mgpu_fwd")(*args)
 
 
+# ------------------------------------------------------------------------------ backward
+
+
+def _exchange(ops, x_smem, g, mine, barrier):
+    """mine + the other consumer's tile: each writes its fp32 tile to x_smem[g], both meet, each reads
+    the other's, both meet again (so the next step may overwrite)."""
+    x_smem.at[g][...] = mine
+    _rendezvous(barrier)
+    total = mine + ops.load(x_smem.at[1 - g], plgpu.Layout.WGMMA)
+    _rendezvous(barrier)
+    return total
+
+
+def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
+    """dq [B, Tp, H, 2, d]: one CTA per (batch, head, q block); consumer g accumulates dQ_g."""
+    B, Tp, H, _, d = q.shape
+    Sp, K, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = q.dtype
+    bq, bk, stages, G = st.bq, st.bk, st.stages, st.G
+    dvh = dv // 2
+    nk = Sp // bk
+    ops = _Ops(st.interpret)
+    lay = plgpu.Layout.WGMMA
+    scale2 = st.scale * LOG2E
+    has_seg = st.has_seg
+
+    def kernel(*refs):
+        it = iter(refs)
+        q_ref, k_ref, v_ref, lam_ref = next(it), next(it), next(it), next(it)
+        qseg_ref, kvseg_ref = (next(it), next(it)) if has_seg else (None, None)
+        do_ref, lse_ref, D_ref, dq_ref = next(it), next(it), next(it), next(it)
+        q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, k_smem, v_smem, kvseg_smem, x_smem = next(it)
+        q_ready, kv_ready, kv_free, xbar = next(it)
+
+        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_blocks")
+        kh = lax.div(h, jnp.int32(st.R))
+        t0 = i * bq
+        wg = lax.axis_index("wg")
+        unmasked, steps = _kv_steps(st, t0, nk)
+
+        @pl.when(wg == 2)
+        def _producer():
+            if not st.interpret:
+                plgpu.set_max_registers(40, action="decrease")
+            rows = pl.ds(t0, bq)
+            for m in range(2):
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[m], q_ready)
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, pl.ds(m * dvh, dvh)], do_smem.at[m], q_ready)
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, m, rows], lse_smem.at[m], q_ready)
+                plgpu.copy_gmem_to_smem(D_ref.at[b, h, m, rows], D_smem.at[m], q_ready)
+            plgpu.copy_gmem_to_smem(lam_ref.at[b, h, rows], lam_smem, q_ready)
+            if has_seg:
+                plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem, q_ready)
+
+            @pl.loop(0, steps)
+            def _load(step):
+                slot = lax.rem(step, jnp.int32(stages))
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(kv_free.at[slot])
+
+                keys = pl.ds(step * bk, bk)
+                for g in range(G):
+                    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[slot, g], kv_ready.at[slot])
+                for c in range(2):
+                    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh, pl.ds(c * dvh, dvh)], v_smem.at[slot, c], kv_ready.at[slot])
+                if has_seg:
+                    plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], kv_ready.at[slot])
+
+            _drain(kv_free, steps, stages)
+
+        def consumer(g: int):
+            if not st.interpret:
+                plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_ready)
+            lse_g = ops.load(lse_smem.at[g], lay.reduce(1))
+            D_g = ops.load(D_smem.at[g], lay.reduce(1))
+            lam_row = ops.load(lam_smem, lay.reduce(1))
+            q_seg = ops.load(qseg_smem, lay.reduce(1)) if has_seg else None
+
+            def step_body(step, dq_acc, *, masked: bool):
+                slot = lax.rem(step, jnp.int32(stages))
+                plgpu.barrier_wait(kv_ready.at[slot])
+                k_g = k_smem.at[slot, g if G == 2 else 0]
+                s = ops.matmul(q_smem.at[g], k_g, (bq, bk), transpose_b=True) * scale2
+                if masked:
+                    kv_seg = ops.load(kvseg_smem.at[slot], lay.reduce(0)) if has_seg else None
+                    mask = _score_mask(ops, st, (bq, bk), t0, step * bk, q_seg, kv_seg)
+                    if mask is not None:
+                        s = jnp.where(mask, s, -jnp.inf)
+                p = jnp.exp2(s - _rows(lse_g, (bq, bk)))
+                dp_half = ops.matmul(do_smem.at[g], v_smem.at[slot, g], (bq, bk), transpose_b=True)
+                dp = _exchange(ops, x_smem, g, dp_half, xbar)
+                ds = p * (dp - _rows(D_g, (bq, bk)))
+                if g == 1:
+                    ds = ds * _rows(-lam_row, (bq, bk))
+                dq_acc = ops.matmul(ds.astype(dtype), k_g, (bq, d), acc=dq_acc)
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return dq_acc
+
+            dq_acc = lax.fori_loop(0, unmasked, functools.partial(step_body, masked=False), ops.full((bq, d), 0.0))
+            dq_acc = lax.fori_loop(unmasked, steps, functools.partial(step_body, masked=True), dq_acc)
+            q_smem.at[g][...] = (dq_acc * st.scale).astype(dtype)  # only this consumer reads q_g
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[g], dq_ref.at[b, pl.ds(t0, bq), h, g])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.when(wg == 0)(lambda: consumer(0))
+        pl.when(wg == 1)(lambda: consumer(1))
+
+    qk_tf, vh_tf = _tiled(d, dtype), _tiled(dvh, dtype)
+    smem = (
+        plgpu.SMEM((2, bq, d), dtype, transforms=qk_tf),
+        plgpu.SMEM((2, bq, dvh), dtype, transforms=vh_tf),
+        plgpu.SMEM((2, bq), jnp.float32),
+        plgpu.SMEM((2, bq), jnp.float32),
+        plgpu.SMEM((bq,), jnp.float32),
+        plgpu.SMEM((bq,), jnp.int32) if has_seg else None,
+        plgpu.SMEM((stages, G, bk, d), dtype, transforms=qk_tf),
+        plgpu.SMEM((stages, 2, bk, dvh), dtype, transforms=vh_tf),
+        plgpu.SMEM((stages, bk), jnp.int32) if has_seg else None,
+        plgpu.SMEM((2, bq, bk), jnp.float32, transforms=_tiled(bk, jnp.float32)),
+    )
+    barriers = (
+        plgpu.Barrier(num_arrivals=9 + has_seg),
+        plgpu.Barrier(num_arrivals=G + 2 + has_seg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+    )
+    args = [q, k, v, lam] + ([q_seg, kv_seg] if has_seg else []) + [do, lse, D]
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    return _launch(st, kernel, out_type, (smem, barriers), (H, Tp // bq, B), ("heads", "q_blocks", "batch"), "diffjax_mgpu_bwd_dq")(*args)
+
+
+def _q_steps(st: _Static, j, nq):
+    """For kv block j of the dk/dv kernel: (first q block, first q block that needs no mask, q blocks)."""
+    bk, bqb = 64, st.bq_bwd
+    k0 = j * bk
+    if st.causal:
+        first = jnp.clip(jnp.maximum(k0 - st.offset, 0) // bqb, 0, nq)
+        full = jnp.clip(_cdiv_dyn(k0 + bk - 1 - st.offset, bqb), first, nq)
+    else:
+        first, full = jnp.int32(0), jnp.int32(0)
+    if st.has_seg:
+        full = jnp.int32(nq)
+    elif st.Sp != st.S:
+        full = jnp.where(k0 + bk > st.S, nq, full)  # this block holds padded keys
+    return first, full
+
+
+def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
+    """dk [B, Sp, K, 2, d] (one slice per map) and dv [B, Sp, K, dv]: one CTA per (batch, kv head,
+    64-row kv block), streaming (query head of the group, q block) tiles; consumer g accumulates dK_g
+    and the g-th column half of dV."""
+    B, Tp, H, _, d = q.shape
+    Sp, K, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dtype = q.dtype
+    bk, bqb, stages, G, R = 64, st.bq_bwd, st.stages, st.G, st.R
+    dvh = dv // 2
+    nq = Tp // bqb
+    ops = _Ops(st.interpret)
+    lay = plgpu.Layout.WGMMA
+    scale2 = st.scale * LOG2E
+    has_seg = st.has_seg
+    bst = st._replace(bk=bk, bq=bqb)  # masks in this kernel: kv rows of 64, q columns of bqb
+
+    def kernel(*refs):
+        it = iter(refs)
+        q_ref, k_ref, v_ref, lam_ref = next(it), next(it), next(it), next(it)
+        qseg_ref, kvseg_ref = (next(it), next(it)) if has_seg else (None, None)
+        do_ref, lse_ref, D_ref, dk_ref, dv_ref = next(it), next(it), next(it), next(it), next(it)
+        k_smem, v_smem, kvseg_smem, q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, x_dp, x_p = next(it)
+        kv_ready, q_ready, q_free, xbar = next(it)
+
+        b, kh, j = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_blocks")
+        k0 = j * bk
+        wg = lax.axis_index("wg")
+        first, full = _q_steps(st, j, nq)
+        per_rep = nq - first
+        steps = R * per_rep
+
+        @pl.when(wg == 2)
+        def _producer():
+            if not st.interpret:
+                plgpu.set_max_registers(40, action="decrease")
+            keys = pl.ds(k0, bk)
+            for g in range(G):
+                plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[g], kv_ready)
+            for c in range(2):
+                plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh, pl.ds(c * dvh, dvh)], v_smem.at[c], kv_ready)
+            if has_seg:
+                plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem, kv_ready)
+
+            @pl.loop(0, steps)
+            def _load(step):
+                slot = lax.rem(step, jnp.int32(stages))
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(q_free.at[slot])
+
+                h = kh * R + lax.div(step, per_rep)
+                rows = pl.ds((first + lax.rem(step, per_rep)) * bqb, bqb)
+                for m in range(2):
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[slot, m], q_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, pl.ds(m * dvh, dvh)], do_smem.at[slot, m], q_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(lse_ref.at[b, h, m, rows], lse_smem.at[slot, m], q_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(D_ref.at[b, h, m, rows], D_smem.at[slot, m], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lam_ref.at[b, h, rows], lam_smem.at[slot], q_ready.at[slot])
+                if has_seg:
+                    plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem.at[slot], q_ready.at[slot])
+
+            _drain(q_free, steps, stages)
+
+        def consumer(g: int):
+            if not st.interpret:
+                plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(kv_ready)
+            k_g = k_smem.at[g if G == 2 else 0]
+            kv_seg = ops.load(kvseg_smem, lay.reduce(1)) if has_seg else None
+
+            def step_body(i, carry, *, rep, masked: bool):
+                dk_acc, dv_acc = carry
+                step = rep * per_rep + i - first
+                slot = lax.rem(step, jnp.int32(stages))
+                plgpu.barrier_wait(q_ready.at[slot])
+                cols = lambda ref: ops.load(ref, lay.reduce(0))  # noqa: E731  (per-query vectors)
+                lse_g, D_g, lam_col = cols(lse_smem.at[slot, g]), cols(D_smem.at[slot, g]), cols(lam_smem.at[slot])
+                sT = ops.matmul(k_g, q_smem.at[slot, g], (bk, bqb), transpose_b=True) * scale2
+                if masked:
+                    q_seg = cols(qseg_smem.at[slot]) if has_seg else None
+                    mask = _score_mask(ops, bst, (bk, bqb), i * bqb, k0, q_seg, kv_seg, transposed=True)
+                    if mask is not None:
+                        sT = jnp.where(mask, sT, -jnp.inf)
+                pT = jnp.exp2(sT - _cols(lse_g, (bk, bqb)))
+                neg_lam = _cols(-lam_col, (bk, bqb))
+                cpT = pT if g == 0 else pT * neg_lam  # this map's share of P_1 - lam P_2
+                dpT_half = ops.matmul(v_smem.at[g], do_smem.at[slot, g], (bk, bqb), transpose_b=True)
+                x_p.at[g][...] = cpT
+                dpT = _exchange(ops, x_dp, g, dpT_half, xbar)  # its first meeting also publishes x_p
+                pcT = cpT + ops.load(x_p.at[1 - g], lay)
+                _rendezvous(xbar)
+                dsT = pT * (dpT - _cols(D_g, (bk, bqb)))
+                if g == 1:
+                    dsT = dsT * neg_lam
+                dk_acc = ops.matmul(dsT.astype(dtype), q_smem.at[slot, g], (bk, d), acc=dk_acc)
+                dv_acc = ops.matmul(pcT.astype(dtype), do_smem.at[slot, g], (bk, dvh), acc=dv_acc)
+                plgpu.barrier_arrive(q_free.at[slot])
+                return dk_acc, dv_acc
+
+            def rep_body(rep, carry):
+                carry = lax.fori_loop(first, full, functools.partial(step_body, rep=rep, masked=True), carry)
+                return lax.fori_loop(full, nq, functools.partial(step_body, rep=rep, masked=False), carry)
+
+            dk_acc, dv_acc = lax.fori_loop(0, R, rep_body, (ops.full((bk, d), 0.0), ops.full((bk, dvh), 0.0)))
+            _rendezvous(xbar)  # both consumers are done with k and v: stage the results there
+            k_smem.at[g][...] = (dk_acc * st.scale).astype(dtype)
+            v_smem.at[g][...] = dv_acc.astype(dtype)
+            plgpu.commit_smem()
+            keys = pl.ds(k0, bk)
+            plgpu.copy_smem_to_gmem(k_smem.at[g], dk_ref.at[b, keys, kh, g])
+            plgpu.copy_smem_to_gmem(v_smem.at[g], dv_ref.at[b, keys, kh, pl.ds(g * dvh, dvh)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.when(wg == 0)(lambda: consumer(0))
+        pl.when(wg == 1)(lambda: consumer(1))
+
+    qk_tf, vh_tf = _tiled(d, dtype), _tiled(dvh, dtype)
+    x_tf = _tiled(bqb, jnp.float32)
+    smem = (
+        plgpu.SMEM((2, bk, d), dtype, transforms=qk_tf),
+        plgpu.SMEM((2, bk, dvh), dtype, transforms=vh_tf),
+        plgpu.SMEM((bk,), jnp.int32) if has_seg else None,
+        plgpu.SMEM((stages, 2, bqb, d), dtype, transforms=qk_tf),
+        plgpu.SMEM((stages, 2, bqb, dvh), dtype, transforms=vh_tf),
+        plgpu.SMEM((stages, 2, bqb), jnp.float32),
+        plgpu.SMEM((stages, 2, bqb), jnp.float32),
+        plgpu.SMEM((stages, bqb), jnp.float32),
+        plgpu.SMEM((stages, bqb), jnp.int32) if has_seg else None,
+        plgpu.SMEM((2, bk, bqb), jnp.float32, transforms=x_tf),
+        plgpu.SMEM((2, bk, bqb), jnp.float32, transforms=x_tf),
+    )
+    barriers = (
+        plgpu.Barrier(num_arrivals=G + 2 + has_seg),
+        plgpu.Barrier(num_arrivals=9 + has_seg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+    )
+    args = [q, k, v, lam] + ([q_seg, kv_seg] if has_seg else []) + [do, lse, D]
+    out_type = [jax.ShapeDtypeStruct((B, Sp, K, 2, d), dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    return _launch(st, kernel, out_type, (smem, barriers), (K, Sp // bk, B), ("kv_heads", "kv_blocks", "batch"), "diffjax_mgpu_bwd_dkdv")(*args)
+
+
 def _launch(st, kernel, out_type, scratch, grid, grid_names, name):
     return plgpu.kernel(
         kernel,
@@ -448,7 +743,7 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
     if why_not:
         raise ValueError(f"diff_attention: impl='pallas_gpu' {why_not}")
     bs = BlockSizes() if block_sizes is None else BlockSizes(*block_sizes)
-    Tp, Sp = _round_up(T, math.lcm(bs.block_q, bs.block_q_bwd)), _round_up(S, max(bs.block_k, 64))
+    Tp, Sp = _round_up(T, math.lcm(bs.block_q, bs.block_q_bwd)), _round_up(S, math.lcm(bs.block_k, 64))
     # lam rounded to the value dtype like the reference, then fp32; broadcasting to [B, T, H] makes
     # autodiff sum dlam for a scalar lambda.
     lam_BTH = jnp.broadcast_to(jnp.asarray(lam).astype(v_BSKv.dtype).astype(jnp.float32), (B, T, H))
@@ -460,7 +755,7 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
             raise ValueError(f"diff_attention: segment_ids shapes {q_ids.shape} / {kv_ids.shape} do not match (B, T) = {(B, T)} and (B, S) = {(B, S)}")
         q_seg, kv_seg = _pad_axis(q_ids.astype(jnp.int32), 1, Tp), _pad_axis(kv_ids.astype(jnp.int32), 1, Sp)
     st = _Static(
-        G=G, R=H // K, T=T, S=S, bq=bs.block_q, bk=bs.block_k, bq_bwd=bs.block_q_bwd, stages=bs.stages,
+        G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bq_bwd=bs.block_q_bwd, stages=bs.stages,
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
         interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret),
     )
@@ -474,3 +769,25 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg):
     return _forward(st, q, k, v, lam, q_seg, kv_seg, save_residuals=False)[0]
+
+
+def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg):
+    o, o2, lse = _forward(st, q, k, v, lam, q_seg, kv_seg, save_residuals=True)
+    return o, (q, k, v, lam, q_seg, kv_seg, o, o2, lse)
+
+
+def _flash_bwd(st, res, do):
+    q, k, v, lam, q_seg, kv_seg, o, o2, lse = res
+    do = do.astype(q.dtype)
+    do32 = do.astype(jnp.float32)
+    lam_BTH1 = lam.transpose(0, 2, 1)[..., None]
+    o1 = o.astype(jnp.float32) + lam_BTH1 * o2  # the un-mixed first map, from the rounded output
+    D_BHMT = jnp.stack([jnp.einsum("bthv,bthv->bht", do32, o1), jnp.einsum("bthv,bthv->bht", do32, o2)], axis=2)
+    dq = _dq(st, q, k, v, lam, q_seg, kv_seg, do, lse, D_BHMT)
+    dk_BSK2d, dv = _dkdv(st, q, k, v, lam, q_seg, kv_seg, do, lse, D_BHMT)
+    dk = dk_BSK2d if st.G == 2 else dk_BSK2d.astype(jnp.float32).sum(axis=3, keepdims=True).astype(k.dtype)
+    dlam = -D_BHMT[:, :, 1]
+    return dq, dk, dv, dlam, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
