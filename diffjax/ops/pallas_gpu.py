@@ -49,14 +49,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LOG2E = math.log2(math.e)
 SMEM_BYTES = 227 * 1024  # Hopper: dynamic shared memory a CTA may use
+SMEM_MARGIN = 2048  # barriers, alignment padding
 _LOAD_TAKES_IDX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty  # jax 0.10
 
 
 class BlockSizes(NamedTuple):
-    """Tile sizes. block_q = 64 (one wgmma row tile per consumer); the others are tunable."""
+    """Tile sizes. block_q = 64 (one wgmma row tile per consumer); the others are tunable, and by
+    default the larger of 128 / 64 whose tiles fit in shared memory (`default_blocks`)."""
 
     block_q: int = 64
-    block_k: int = 64  # forward and dq kernel: keys per streamed step
+    block_k: int = 64  # forward: keys per streamed step
+    block_k_dq: int = 64  # dq kernel: keys per streamed step
     block_q_bwd: int = 64  # dk/dv kernel: query rows per streamed step
     stages: int = 2  # ring slots for streamed tiles
 
@@ -152,6 +155,7 @@ class _Static(NamedTuple):
     Sp: int  # padded key length (a multiple of every kv block size)
     bq: int
     bk: int
+    bk_dq: int
     bq_bwd: int
     stages: int
     causal: bool
@@ -372,18 +376,29 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
 # ------------------------------------------------------------------------------ backward
 
 
-def _exchange(ops, x_smem, g, mine, barrier):
-    """mine + the other consumer's tile: each writes its fp32 tile to x_smem[g], both meet, each reads
-    the other's, both meet again (so the next step may overwrite)."""
-    x_smem.at[g][...] = mine
+def _exchange_sum(ops, g, pairs, barrier):
+    """[mine + the other consumer's tile for (buffer, mine) in pairs], through one SMEM buffer per
+    tile (summed in fp32, rounded to the buffer's dtype): consumer 0 writes, both meet, consumer 1 adds its own and writes the sum back, both
+    meet, consumer 0 reads the sum. Consumer 0's next write follows its read, and consumer 1's next
+    read-modify-write waits for that write's meeting, so two meetings a step suffice."""
+    if g == 0:
+        for buf, mine in pairs:
+            buf[...] = mine.astype(buf.dtype)
     _rendezvous(barrier)
-    total = mine + ops.load(x_smem.at[1 - g], plgpu.Layout.WGMMA)
+    if g == 1:
+        totals = [mine + ops.load(buf, plgpu.Layout.WGMMA).astype(jnp.float32) for buf, mine in pairs]
+        for (buf, _), total in zip(pairs, totals):
+            buf[...] = total.astype(buf.dtype)
+        totals = [total.astype(buf.dtype).astype(jnp.float32) for (buf, _), total in zip(pairs, totals)]
     _rendezvous(barrier)
-    return total
+    if g == 0:
+        totals = [ops.load(buf, plgpu.Layout.WGMMA).astype(jnp.float32) for buf, _ in pairs]
+    return totals
 
 
 def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
     """dq [B, Tp, H, 2, d]: one CTA per (batch, head, q block); consumer g accumulates dQ_g."""
+    st = st._replace(bk=st.bk_dq)
     B, Tp, H, _, d = q.shape
     Sp, K, dv = k.shape[1], k.shape[2], v.shape[-1]
     dtype = q.dtype
@@ -462,7 +477,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                         s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp2(s - _rows(lse_g, (bq, bk)))
                 dp_half = ops.matmul(do_smem.at[g], v_smem.at[slot, g], (bq, bk), transpose_b=True)
-                dp = _exchange(ops, x_smem, g, dp_half, xbar)
+                (dp,) = _exchange_sum(ops, g, [(x_smem, dp_half)], xbar)
                 ds = p * (dp - _rows(D_g, (bq, bk)))
                 if g == 1:
                     ds = ds * _rows(-lam_row, (bq, bk))
@@ -491,7 +506,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
         plgpu.SMEM((stages, G, bk, d), dtype, transforms=qk_tf),
         plgpu.SMEM((stages, 2, bk, dvh), dtype, transforms=vh_tf),
         plgpu.SMEM((stages, bk), jnp.int32) if has_seg else None,
-        plgpu.SMEM((2, bq, bk), jnp.float32, transforms=_tiled(bk, jnp.float32)),
+        plgpu.SMEM((bq, bk), jnp.float32, transforms=_tiled(bk, jnp.float32)),
     )
     barriers = (
         plgpu.Barrier(num_arrivals=9 + has_seg),
@@ -608,10 +623,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 neg_lam = _cols(-lam_col, (bk, bqb))
                 cpT = pT if g == 0 else pT * neg_lam  # this map's share of P_1 - lam P_2
                 dpT_half = ops.matmul(v_smem.at[g], do_smem.at[slot, g], (bk, bqb), transpose_b=True)
-                x_p.at[g][...] = cpT
-                dpT = _exchange(ops, x_dp, g, dpT_half, xbar)  # its first meeting also publishes x_p
-                pcT = cpT + ops.load(x_p.at[1 - g], lay)
-                _rendezvous(xbar)
+                dpT, pcT = _exchange_sum(ops, g, [(x_dp, dpT_half), (x_p, cpT)], xbar)
                 dsT = pT * (dpT - _cols(D_g, (bk, bqb)))
                 if g == 1:
                     dsT = dsT * neg_lam
@@ -649,8 +661,8 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
         plgpu.SMEM((stages, 2, bqb), jnp.float32),
         plgpu.SMEM((stages, bqb), jnp.float32),
         plgpu.SMEM((stages, bqb), jnp.int32) if has_seg else None,
-        plgpu.SMEM((2, bk, bqb), jnp.float32, transforms=x_tf),
-        plgpu.SMEM((2, bk, bqb), jnp.float32, transforms=x_tf),
+        plgpu.SMEM((bk, bqb), jnp.float32, transforms=x_tf),
+        plgpu.SMEM((bk, bqb), dtype, transforms=_tiled(bqb, dtype)),  # P shares: rounded for the dV wgmma anyway
     )
     barriers = (
         plgpu.Barrier(num_arrivals=G + 2 + has_seg),
@@ -715,23 +727,38 @@ def unsupported(q, k, v, block_sizes=None) -> str | None:
         return f"needs dv = d or 2d, got dv = {dv} with d = {d}"
     if H % K:
         return f"needs query heads ({H}) to be a multiple of kv heads ({K})"
-    bs = BlockSizes() if block_sizes is None else BlockSizes(*block_sizes)
-    if bs.block_q != 64 or bs.block_k % 16 or bs.block_q_bwd % 16 or bs.stages < 2:
-        return f"needs block_q = 64, block_k and block_q_bwd multiples of 16 and stages >= 2, got {bs}"
-    need = max(_smem_bytes(d, dv, G, bs, q.dtype).values())
-    if need > SMEM_BYTES:
-        return f"needs {need} bytes of shared memory with blocks {bs}, more than the {SMEM_BYTES} a Hopper CTA has; use smaller block_k / block_q_bwd or fewer stages"
+    bs = default_blocks(d, dv, G, q.dtype) if block_sizes is None else BlockSizes(*block_sizes)
+    if bs.block_q != 64 or any(b not in (64, 128) for b in bs[1:4]) or bs.stages < 2:
+        # 64: a wgmma row tile per consumer; the others are contraction sizes of 16-bit wgmmas with a
+        # 128-byte swizzle, which must be multiples of 64
+        return f"needs block_q = 64, block_k / block_k_dq / block_q_bwd in (64, 128) and stages >= 2, got {bs}"
+    need = _smem_bytes(d, dv, G, bs, q.dtype)
+    over = {kernel: n for kernel, n in need.items() if n + SMEM_MARGIN > SMEM_BYTES}
+    if over:
+        return f"needs {over} bytes of shared memory with {bs}, more than the {SMEM_BYTES - SMEM_MARGIN} a Hopper CTA has for tiles; use smaller blocks or fewer stages"
     return None
+
+
+def default_blocks(d, dv, G, dtype) -> BlockSizes:
+    """The largest block of each kernel (128 or 64) whose shared memory fits, with 2 stages."""
+    chosen = {}
+    for field, kernel in (("block_k", "forward"), ("block_k_dq", "dq"), ("block_q_bwd", "dkdv")):
+        for size in (128, 64):
+            bs = BlockSizes(**{**chosen, field: size})
+            if _smem_bytes(d, dv, G, bs, dtype)[kernel] + SMEM_MARGIN <= SMEM_BYTES:
+                break
+        chosen[field] = size
+    return BlockSizes(**chosen)
 
 
 def _smem_bytes(d, dv, G, bs: BlockSizes, dtype):
     """Shared memory each kernel allocates (tiles and exchange buffers; barriers are negligible)."""
     e = jnp.dtype(dtype).itemsize
-    bq, bk, bqb, n = bs.block_q, bs.block_k, bs.block_q_bwd, bs.stages
+    bq, bk, bkq, bqb, n = bs.block_q, bs.block_k, bs.block_k_dq, bs.block_q_bwd, bs.stages
     return {
         "forward": 2 * bq * d * e + n * bk * (G * d + dv) * e + bq * d * 4 + n * bk * 4 + 3 * bq * 4,
-        "dq": (2 * d + dv) * bq * e + n * bk * (G * d + dv) * e + 2 * bq * bk * 4 + n * bk * 4 + 6 * bq * 4,
-        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 2 * 64 * bqb * (4 + e) + n * bqb * 24 + 64 * 4,
+        "dq": (2 * d + dv) * bq * e + n * bkq * (G * d + dv) * e + bq * bkq * 4 + n * bkq * 4 + 6 * bq * 4,
+        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 64 * bqb * (4 + e) + n * bqb * 24 + 64 * 4,
     }
 
 
@@ -742,8 +769,8 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
     why_not = unsupported(q_BTH2d, k_BSKGd, v_BSKv, block_sizes)
     if why_not:
         raise ValueError(f"diff_attention: impl='pallas_gpu' {why_not}")
-    bs = BlockSizes() if block_sizes is None else BlockSizes(*block_sizes)
-    Tp, Sp = _round_up(T, math.lcm(bs.block_q, bs.block_q_bwd)), _round_up(S, math.lcm(bs.block_k, 64))
+    bs = default_blocks(d, v_BSKv.shape[-1], G, q_BTH2d.dtype) if block_sizes is None else BlockSizes(*block_sizes)
+    Tp, Sp = _round_up(T, math.lcm(bs.block_q, bs.block_q_bwd)), _round_up(S, math.lcm(bs.block_k, bs.block_k_dq, 64))
     # lam rounded to the value dtype like the reference, then fp32; broadcasting to [B, T, H] makes
     # autodiff sum dlam for a scalar lambda.
     lam_BTH = jnp.broadcast_to(jnp.asarray(lam).astype(v_BSKv.dtype).astype(jnp.float32), (B, T, H))
@@ -755,7 +782,7 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
             raise ValueError(f"diff_attention: segment_ids shapes {q_ids.shape} / {kv_ids.shape} do not match (B, T) = {(B, T)} and (B, S) = {(B, S)}")
         q_seg, kv_seg = _pad_axis(q_ids.astype(jnp.int32), 1, Tp), _pad_axis(kv_ids.astype(jnp.int32), 1, Sp)
     st = _Static(
-        G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bq_bwd=bs.block_q_bwd, stages=bs.stages,
+        G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages,
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
         interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret),
     )
