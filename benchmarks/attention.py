@@ -3,14 +3,17 @@
     python benchmarks/attention.py            # GPU/TPU: T in 2k..16k;  CPU: T in 256..1024
     python benchmarks/attention.py --quick    # fewer lengths and repeats
 
-For every available impl (cpu: xla, pallas_tpu in interpret mode for small T; gpu: xla, cudnn;
-tpu: xla, pallas_tpu, splash), d = 128, dv = 256, bfloat16, causal and not, forward and forward+backward:
+For every available impl (cpu: xla, pallas_tpu in interpret mode for small T; gpu: xla, cudnn,
+pallas_gpu; tpu: xla, pallas_tpu, splash), d = 128, dv = 256, bfloat16, causal and not, forward and
+forward+backward:
 
   diff      ops.diff_attention (H differential heads)
   baseline  ops.dot_product_attention, 2H heads of width d (dv = d): the paper's equal-parameter
             Transformer, same impl family (flash vs flash)
   two-call  two ops.dot_product_attention calls with dv = 2d (one per map) and o1 - lam o2: what
             diff costs without a fused kernel
+  (pallas_gpu is a differential kernel only: its baseline and two-call rows run cudnn, the
+  issue's yardstick: fwd TFLOP/s >= cuDNN's, fwd+bwd >= 0.9x, >= 1.3x faster than two-call cuDNN)
 
 FLOP convention (nominal, FlashAttention-style): a matmul (m x k)(k x n) is 2mkn.
   diff forward     = B H (2 maps) (2 T S d + 2 T S dv) = 12 B H T S d for dv = 2d
@@ -46,7 +49,7 @@ D, DV = 128, 256
 
 
 def impls_for(platform: str) -> list[str]:
-    return {"cpu": ["xla", "pallas_tpu"], "gpu": ["xla", "cudnn"], "tpu": ["xla", "pallas_tpu", "splash"]}.get(platform, ["xla"])
+    return {"cpu": ["xla", "pallas_tpu"], "gpu": ["xla", "cudnn", "pallas_gpu"], "tpu": ["xla", "pallas_tpu", "splash"]}.get(platform, ["xla"])
 
 
 def flops_diff(B, H, T, S, causal):
@@ -75,12 +78,14 @@ def make_fns(impl, causal, B, T, H):
     def diff(q, k, v, lam):
         return ops.diff_attention(q, k, v, lam, causal=causal, impl=impl)
 
+    standard_impl = "cudnn" if impl == "pallas_gpu" else impl
+
     def baseline(q, k, v):
-        return ops.dot_product_attention(q, k, v, causal=causal, impl=impl)
+        return ops.dot_product_attention(q, k, v, causal=causal, impl=standard_impl)
 
     def two_call(q, k, v, lam):
-        o1 = ops.dot_product_attention(q[:, :, :, 0], k[:, :, :, 0], v, causal=causal, impl=impl)
-        o2 = ops.dot_product_attention(q[:, :, :, 1], k[:, :, :, 1], v, causal=causal, impl=impl)
+        o1 = ops.dot_product_attention(q[:, :, :, 0], k[:, :, :, 0], v, causal=causal, impl=standard_impl)
+        o2 = ops.dot_product_attention(q[:, :, :, 1], k[:, :, :, 1], v, causal=causal, impl=standard_impl)
         return o1 - lam[..., None].astype(o1.dtype) * o2
 
     def fwd_bwd(fn, nargs):
@@ -166,6 +171,26 @@ def oom_probe(impl, lengths, B, H):
     return results
 
 
+def issue6_targets(records, T=8192):
+    """The fused GPU kernel against cuDNN in the same run: fwd TFLOP/s >= standard attention's,
+    fwd+bwd >= 0.9x, and >= 1.3x faster than the two-call cuDNN composition (both passes)."""
+    rows = {r["pass"]: r for r in records if r["impl"] == "pallas_gpu" and r["T"] == T and r["causal"] and "diff_s" in r}
+    if not rows:
+        return None
+    out = {"lines": []}
+    for mode, need in (("fwd", 1.0), ("fwd+bwd", 0.9)):
+        if mode in rows:
+            r = rows[mode]
+            ratio = r["diff_tflops"] / r["baseline_tflops"]
+            speedup = r["two-call_s"] / r["diff_s"]
+            out[mode] = {"tflops_ratio_vs_cudnn": ratio, "need": need, "speedup_vs_two_call": speedup, "need_speedup": 1.3}
+            out["lines"].append(
+                f"{mode:>8}: {r['diff_tflops']:.0f} vs cuDNN {r['baseline_tflops']:.0f} TFLOP/s = {ratio:.2f}x (target >= {need}), "
+                f"{speedup:.2f}x faster than two-call cuDNN (target >= 1.3)"
+            )
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer lengths and repeats")
@@ -231,10 +256,16 @@ def main():
                         + ("   (interpret mode)" if rec["interpret"] else "")
                     )
 
+    targets = issue6_targets(records)
+    if targets:
+        print("\npallas_gpu against the issue's targets (T = 8192, causal, d = 128, dv = 256, bf16):")
+        for line in targets["lines"]:
+            print("  " + line)
+
     # Memory against T.
     if platform == "gpu":
         budget = int(device.memory_stats().get("bytes_limit", 80 * 2**30)) if hasattr(device, "memory_stats") and device.memory_stats() else 80 * 2**30
-        mem_impls = ["xla", "cudnn"]
+        mem_impls = ["xla", "cudnn", "pallas_gpu"]
         mem_lengths = [4096, 8192, 16384, 32768]
         mem_B, mem_H = 1, 8
     elif platform == "tpu":
@@ -265,6 +296,7 @@ def main():
         "ratios": "wall-time ratios in this run: diff_s / baseline_s and diff_s / two-call_s (>1: diff slower)",
         "timing": f"median of {repeats} after {warmup} warmup calls, jax.block_until_ready",
         "records": records,
+        "targets": targets,
         "memory": memory,
     }
     out = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"attention_{platform}.json"

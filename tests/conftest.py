@@ -38,6 +38,18 @@ def measured(request):
     return record
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run only where JAX's default backend is a GPU (JAX_PLATFORMS=cuda pytest -m gpu)."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _FIGURES:
         return

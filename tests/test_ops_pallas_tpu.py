@@ -178,7 +178,7 @@ def test_unknown_and_unsupported_impls_raise_clear_errors():
     q = jnp.zeros((1, 8, 2, 2, 8))
     k = jnp.zeros((1, 8, 2, 2, 8))
     v = jnp.zeros((1, 8, 2, 16))
-    with pytest.raises(ValueError, match=r"must be one of \('auto', 'xla', 'pallas_tpu', 'splash', 'cudnn'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"must be one of \('auto', 'xla', 'pallas_tpu', 'pallas_gpu', 'splash', 'cudnn'\), got 'flash'"):
         ops.diff_attention(q, k, v, 0.5, impl="flash")
     with pytest.raises(ValueError, match="impl='cudnn' needs a CUDA GPU"):
         ops.diff_attention(q, k, v, 0.5, impl="cudnn")

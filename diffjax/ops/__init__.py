@@ -5,13 +5,17 @@ impl:
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
+  "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu), differential attention
+                only; Mosaic GPU interpret mode off GPU (for tests).
   "splash"      composition of JAX's splash attention (TPU; interpret mode elsewhere): one call per map.
   Under diffjax.parallel.activation_sharding (the train step on a mesh) the Pallas impls run inside
   jax.shard_map over the batch and head axes; cudnn and xla are partitioned by the compiler.
   "cudnn"       composition of jax.nn.dot_product_attention(implementation="cudnn") (GPU): V split
                 into d-wide pieces, both maps folded into the head axis.
-  "auto"        TPU -> "pallas_tpu" (T >= 128), GPU -> "cudnn" when the call is supported, else
-                "xla"; the choice and its reason are logged once per (op, platform, choice, reason).
+  "auto"        TPU -> "pallas_tpu" (T >= 128); GPU -> "pallas_gpu" on Hopper for the shapes where
+                benchmarks measured it fastest (PALLAS_GPU_FASTEST), else "cudnn" when the call is
+                supported, else "xla"; the choice and its reason are logged once per (op, platform,
+                choice, reason).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from diffjax.ops import compositions
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
 
 IMPLS = ATTENTION_IMPLS
+# (d, dv, causal) where benchmarks/attention.py measured pallas_gpu faster than the cuDNN composition on
+# Hopper (fwd+bwd, bf16, T = 8k); "auto" picks pallas_gpu only for these. Empty until measured on an H100.
+PALLAS_GPU_FASTEST: frozenset[tuple[int, int, bool]] = frozenset()
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()
@@ -42,6 +49,17 @@ def _platform() -> str:
     return jax.default_backend()
 
 
+def _is_hopper() -> bool:
+    kind = jax.devices()[0].device_kind
+    return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
+
+
+def _pallas_gpu_unsupported(q, k, v, block_sizes=None):
+    from diffjax.ops.pallas_gpu import unsupported
+
+    return unsupported(q, k, v, block_sizes)
+
+
 def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
     """The impl to run, or a ValueError naming the impl, the platform/shape and what is allowed."""
     if impl not in IMPLS:
@@ -53,6 +71,8 @@ def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
             choice, reason = "pallas_tpu", "fused Pallas TPU kernel"
         elif platform == "tpu":
             choice, reason = "xla", f"T={T} < 128 is below one kernel block"
+        elif platform == "gpu" and _fastest_on_hopper(op, q, k, v, causal):
+            choice, reason = "pallas_gpu", "fused Mosaic GPU kernel, measured fastest for this shape"
         elif platform == "gpu":
             why_not = compositions.cudnn_unsupported(q, k, v, causal, segment_ids, platform)
             choice, reason = ("cudnn", "cuDNN flash composition") if why_not is None else ("xla", f"cudnn {why_not}")
@@ -74,9 +94,21 @@ def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
             raise ValueError(f"{op}: impl='splash' {why_not}; shapes q {q.shape}, k {k.shape}. Use impl='pallas_tpu' or 'xla'.")
         if platform != "tpu":
             _log_once(logging.WARNING, (op, platform, "splash"), f"{op}: impl='splash' on {platform} runs in Pallas interpret mode (slow)")
+    if impl == "pallas_gpu":
+        why_not = "is the fused differential kernel; use 'cudnn' for standard attention" if op != "diff_attention" else _pallas_gpu_unsupported(q, k, v)
+        if why_not:
+            raise ValueError(f"{op}: impl='pallas_gpu' {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}, dtype {q.dtype}.")
+        if platform != "gpu":
+            _log_once(logging.WARNING, (op, platform, "pallas_gpu"), f"{op}: impl='pallas_gpu' on {platform} runs in Mosaic GPU interpret mode (very slow)")
     if impl == "pallas_tpu" and platform != "tpu":
         _log_once(logging.INFO, (op, platform, "pallas_tpu"), f"{op}: impl='pallas_tpu' on {platform} runs in Pallas interpret mode (slow)")
     return impl
+
+
+def _fastest_on_hopper(op, q, k, v, causal) -> bool:
+    if op != "diff_attention" or not PALLAS_GPU_FASTEST or not _is_hopper():
+        return False
+    return (q.shape[-1], v.shape[-1], bool(causal)) in PALLAS_GPU_FASTEST and _pallas_gpu_unsupported(q, k, v) is None
 
 
 def _partitioned(kernel, q, k, v, lam, segment_ids):
@@ -108,7 +140,8 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
     q: [B, T, H, 2, d]; k: [B, S, Hkv, G, d] (G = 2, or 1 when both maps share keys);
     v: [B, S, Hkv, dv]; lam: scalar or [B, T, H]; scale defaults to d ** -0.5.
     segment_ids: None, [B, T] (T == S) or a pair (q ids [B, T], kv ids [B, S]).
-    block_sizes: (block_q, block_k) for impl="pallas_tpu" (default 128, 128).
+    block_sizes: (block_q, block_k) for impl="pallas_tpu" (default 128, 128); a
+    diffjax.ops.pallas_gpu.BlockSizes for impl="pallas_gpu" (default: the largest that fit).
     """
     choice = _resolve("diff_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
@@ -116,6 +149,11 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
         from diffjax.ops.pallas_tpu import diff_attention_pallas
 
         return _partitioned(lambda q, k, v, lam, ids: diff_attention_pallas(
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, lam, segment_ids)
+    if choice == "pallas_gpu":
+        from diffjax.ops.pallas_gpu import diff_attention_pallas_gpu
+
+        return _partitioned(lambda q, k, v, lam, ids: diff_attention_pallas_gpu(
             q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, lam, segment_ids)
     if choice == "cudnn":
         return compositions.diff_attention_cudnn(q, k, v, lam, **kwargs)
