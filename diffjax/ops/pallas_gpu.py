@@ -189,6 +189,13 @@ def _kv_steps(st: _Static, t0, nk):
     return unmasked, steps
 
 
+def _q_block(st: _Static, nq):
+    """This CTA's query block. Causal: the last (longest) blocks are launched first, so the short ones
+    fill the tail of the grid."""
+    i = lax.axis_index("q_blocks")
+    return nq - 1 - i if st.causal else i
+
+
 def _cdiv_dyn(a, b):
     return lax.div(jnp.maximum(a, 0) + (b - 1), jnp.int32(b))
 
@@ -242,13 +249,17 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
         o_ref = next(it)
         o2_ref, lse_ref = (next(it), next(it)) if save_residuals else (None, None)
         q_smem, k_smem, v_smem, lam_smem, qseg_smem, kvseg_smem, o2_smem, lse_smem = next(it)
-        q_ready, kv_ready, kv_free, o2_ready, o2_free = next(it)
+        q_ready, kv_ready, kv_free, o2_ready, o2_free, sched = next(it)
 
-        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_blocks")
+        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), _q_block(st, Tp // bq)
         kh = lax.div(h, jnp.int32(st.R))
         t0 = i * bq
         wg = lax.axis_index("wg")
         unmasked, steps = _kv_steps(st, t0, nk)
+
+        def schedule():  # pingpong: one consumer's softmax overlaps the other's wgmmas
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
 
         @pl.when(wg == 2)
         def _producer():
@@ -294,7 +305,8 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                 m_i, l_i, acc = carry
                 slot = lax.rem(step, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
-                s = ops.matmul(q_g, k_smem.at[slot, g if G == 2 else 0], (bq, bk), transpose_b=True) * scale2
+                k_g = k_smem.at[slot, g if G == 2 else 0]
+                s = ops.matmul(q_g, k_g, (bq, bk), transpose_b=True, after_issue=schedule) * scale2
                 if masked:
                     kv_seg = ops.load(kvseg_smem.at[slot], wgmma_layout.reduce(0)) if has_seg else None
                     mask = _score_mask(ops, st, (bq, bk), t0, step * bk, q_seg, kv_seg)
@@ -306,12 +318,17 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                 p = jnp.exp2(s - _rows(m_safe, (bq, bk)))
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * _rows(alpha, (bq, dv))
+                schedule()
                 acc = ops.matmul(p.astype(dtype), v_smem.at[slot], (bq, dv), acc=acc)
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return m_new, l_i, acc
 
+            if g == 1:
+                schedule()  # consumer 1 starts half a step behind consumer 0
             carry = lax.fori_loop(0, unmasked, functools.partial(step_body, masked=False), carry)
             m_i, l_i, acc = lax.fori_loop(unmasked, steps, functools.partial(step_body, masked=True), carry)
+            if g == 0:
+                schedule()
 
             empty = l_i == 0.0  # fully masked rows: o = 0, lse = +inf (so the backward's P is 0)
             l_safe = jnp.where(empty, 1.0, l_i)
@@ -365,6 +382,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=2),
     )
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, dv), dtype)]
     if save_residuals:
@@ -418,7 +436,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
         q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, k_smem, v_smem, kvseg_smem, x_smem = next(it)
         q_ready, kv_ready, kv_free, xbar = next(it)
 
-        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_blocks")
+        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), _q_block(st, Tp // bq)
         kh = lax.div(h, jnp.int32(st.R))
         t0 = i * bq
         wg = lax.axis_index("wg")
