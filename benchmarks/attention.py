@@ -191,12 +191,39 @@ def issue6_targets(records, T=8192):
     return out
 
 
+def run_memory_section(platform, device):
+    """Memory against T (compiles per impl and T; on a GPU also real out-of-memory probes)."""
+    if platform == "gpu":
+        budget = int(device.memory_stats().get("bytes_limit", 80 * 2**30)) if hasattr(device, "memory_stats") and device.memory_stats() else 80 * 2**30
+        mem_impls = ["xla", "cudnn", "pallas_gpu"]
+        mem_lengths = [4096, 8192, 16384, 32768]
+        mem_B, mem_H = 1, 8
+    elif platform == "tpu":
+        budget, mem_impls, mem_lengths, mem_B, mem_H = 16 * 2**30, ["xla", "pallas_tpu"], [4096, 8192, 16384, 32768], 1, 8
+    else:
+        budget, mem_impls, mem_lengths, mem_B, mem_H = 16 * 2**30, ["xla", "pallas_tpu"], [1024, 2048, 4096, 8192], 1, 8
+    memory = memory_section(platform, mem_impls, mem_lengths, budget, mem_B, mem_H)
+    print(f"\npeak compiled temp memory, diff fwd+bwd causal, B={mem_B}, H={mem_H}, bf16 (budget {budget / 2**30:.0f} GiB):")
+    for row in memory["rows"]:
+        print(f"  T={row['T']:>6}  " + "  ".join(f"{i}: {row[i] / 2**20:9.1f} MiB" if isinstance(row[i], int) else f"{i}: {row[i]}" for i in mem_impls))
+    for impl, v in memory["extrapolation"].items():
+        print(f"  {impl}: temp ~ T^{v['growth_exponent']:.2f}; first T (doubling) over budget: {v['first_T_over_budget']}")
+    if platform == "gpu":
+        memory["oom_probe_xla"] = oom_probe("xla", [16384, 32768, 65536, 131072], 1, 8)
+        memory["oom_probe_cudnn"] = oom_probe("cudnn", [16384, 32768, 65536, 131072], 1, 8)
+        print("  real OOM probe (xla):", memory["oom_probe_xla"])
+        print("  real OOM probe (cudnn):", memory["oom_probe_cudnn"])
+
+    return memory
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer lengths and repeats")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/attention_<platform>.json)")
     parser.add_argument("--impls", default=None, help="comma-separated subset of impls")
     parser.add_argument("--lengths", default=None, help="comma-separated T values")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory section (compiles and OOM probes)")
     args = parser.parse_args()
 
     platform = jax.default_backend()
@@ -262,27 +289,7 @@ def main():
         for line in targets["lines"]:
             print("  " + line)
 
-    # Memory against T.
-    if platform == "gpu":
-        budget = int(device.memory_stats().get("bytes_limit", 80 * 2**30)) if hasattr(device, "memory_stats") and device.memory_stats() else 80 * 2**30
-        mem_impls = ["xla", "cudnn", "pallas_gpu"]
-        mem_lengths = [4096, 8192, 16384, 32768]
-        mem_B, mem_H = 1, 8
-    elif platform == "tpu":
-        budget, mem_impls, mem_lengths, mem_B, mem_H = 16 * 2**30, ["xla", "pallas_tpu"], [4096, 8192, 16384, 32768], 1, 8
-    else:
-        budget, mem_impls, mem_lengths, mem_B, mem_H = 16 * 2**30, ["xla", "pallas_tpu"], [1024, 2048, 4096, 8192], 1, 8
-    memory = memory_section(platform, mem_impls, mem_lengths, budget, mem_B, mem_H)
-    print(f"\npeak compiled temp memory, diff fwd+bwd causal, B={mem_B}, H={mem_H}, bf16 (budget {budget / 2**30:.0f} GiB):")
-    for row in memory["rows"]:
-        print(f"  T={row['T']:>6}  " + "  ".join(f"{i}: {row[i] / 2**20:9.1f} MiB" if isinstance(row[i], int) else f"{i}: {row[i]}" for i in mem_impls))
-    for impl, v in memory["extrapolation"].items():
-        print(f"  {impl}: temp ~ T^{v['growth_exponent']:.2f}; first T (doubling) over budget: {v['first_T_over_budget']}")
-    if platform == "gpu":
-        memory["oom_probe_xla"] = oom_probe("xla", [16384, 32768, 65536, 131072], 1, 8)
-        memory["oom_probe_cudnn"] = oom_probe("cudnn", [16384, 32768, 65536, 131072], 1, 8)
-        print("  real OOM probe (xla):", memory["oom_probe_xla"])
-        print("  real OOM probe (cudnn):", memory["oom_probe_cudnn"])
+    memory = None if args.no_memory else run_memory_section(platform, device)
 
     result = {
         "device": {"platform": platform, "kind": device.device_kind, "count": jax.device_count()},
