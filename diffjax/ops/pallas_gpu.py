@@ -73,9 +73,6 @@ class _Ops:
 
     interpret: bool
 
-    def cast(self, x, layout):
-        return x if self.interpret else plgpu.layout_cast(x, layout)
-
     def full(self, shape, value, dtype=jnp.float32, layout=None):
         x = jnp.full(shape, value, dtype)
         return x if self.interpret else plgpu.layout_cast(x, layout or plgpu.Layout.WGMMA)
@@ -111,6 +108,7 @@ class _Ops:
 
         if acc is None:
             return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+        assert after_issue is None, "accumulating wgmmas run to completion inside run_state"
         return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
 
 
@@ -200,7 +198,7 @@ def _cdiv_dyn(a, b):
     return lax.div(jnp.maximum(a, 0) + (b - 1), jnp.int32(b))
 
 
-def _score_mask(ops, st: _Static, shape, q0, k0, q_seg=None, kv_seg=None, *, transposed=False, pad=True):
+def _score_mask(ops, st: _Static, shape, q0, k0, q_seg=None, kv_seg=None, *, transposed=False):
     """Boolean mask (True = allowed) for a tile whose rows are queries q0.. and columns keys k0..
     (or the transpose). Segment ids are row/column vectors already in the matching layouts."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
@@ -209,7 +207,7 @@ def _score_mask(ops, st: _Static, shape, q0, k0, q_seg=None, kv_seg=None, *, tra
     mask = None
     if st.causal:
         mask = q_pos + st.offset >= k_pos
-    if pad and st.Sp != st.S:
+    if st.Sp != st.S:
         valid = k_pos < st.S
         mask = valid if mask is None else mask & valid
     if st.has_seg:
@@ -709,7 +707,9 @@ def _launch(st, kernel, out_type, scratch, grid, grid_names, name):
 
 
 def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret import params  # public as plgpu.InterpretGPUParams from jax 0.11
+    if hasattr(plgpu, "InterpretGPUParams"):  # jax >= 0.11
+        return plgpu.InterpretGPUParams()
+    from jax._src.pallas.mosaic_gpu.interpret import params
 
     return params.InterpretGPUParams()
 
