@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from diffjax import ops
-from diffjax.ops.pallas_gpu import default_blocks, diff_attention_pallas_gpu, unsupported
+from diffjax.ops.pallas_gpu import default_tuning, diff_attention_pallas_gpu, unsupported
 from diffjax.ops.reference import diff_attention_xla
 from test_ops_pallas_tpu import BF16_SLACK, _rel, _segments
 
@@ -62,10 +62,10 @@ def _value_and_grads(fn, q, k, v, lam, ct):
     return (o, *vjp(ct.astype(o.dtype)))
 
 
-def _check_against_reference(case, measured, *, interpret):
+def _check_against_reference(case, measured, *, interpret, tuning=None):
     causal = case[8]
     q, k, v, lam, ct, seg = _inputs(case)
-    fused = jax.jit(lambda q, k, v, lam: diff_attention_pallas_gpu(q, k, v, lam, causal=causal, segment_ids=seg, interpret=interpret))
+    fused = jax.jit(lambda q, k, v, lam: diff_attention_pallas_gpu(q, k, v, lam, causal=causal, segment_ids=seg, tuning=tuning, interpret=interpret))
     xla = jax.jit(lambda q, k, v, lam: diff_attention_xla(q, k, v, lam, causal=causal, segment_ids=seg))
     got = _value_and_grads(fused, q, k, v, lam, ct)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
@@ -93,6 +93,17 @@ def test_pallas_gpu_compiled_forward_and_grads(name, measured):
     _check_against_reference(GPU_CASES[name], measured, interpret=False)
 
 
+OTHER_TUNINGS = [dict(pingpong=False), dict(stages=3, block_k=64, block_k_dq=64, block_q_bwd=64), dict(block_k=64, block_k_dq=64, block_q_bwd=64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", OTHER_TUNINGS)
+def test_pallas_gpu_compiled_other_tunings(change, measured):
+    """The settings benchmarks/pallas_gpu_sweep.py tries compute the same function (d = 64, where all fit)."""
+    case = GPU_CASES["causal-T<S-rep2-pairseg"]
+    _check_against_reference(case, measured, interpret=False, tuning=default_tuning(64, 128, 2, jnp.bfloat16)._replace(**change))
+
+
 @pytest.mark.gpu
 def test_pallas_gpu_through_ops_dispatch_and_shard_map(measured):
     """impl="pallas_gpu" through diffjax.ops, also under a one-device mesh (the per-device shard_map path)."""
@@ -115,6 +126,15 @@ def test_pallas_gpu_interpret_forward_and_grads(name, measured):
 @pytest.mark.parametrize("d, dv, G", [(128, 256, 2), (64, 128, 2), (128, 128, 1), (64, 64, 1)])
 @pytest.mark.parametrize("variant", ["causal-seg-bf16", "full-f16"])
 def test_pallas_gpu_lowers_for_cuda(d, dv, G, variant):
+    _lower_for_cuda(d, dv, G, variant, None)
+
+
+@pytest.mark.parametrize("change", OTHER_TUNINGS)
+def test_pallas_gpu_other_tunings_lower_for_cuda(change):
+    _lower_for_cuda(64, 128, 2, "causal-seg-bf16", default_tuning(64, 128, 2, jnp.bfloat16)._replace(**change))
+
+
+def _lower_for_cuda(d, dv, G, variant, tuning):
     causal = variant.startswith("causal")
     dtype = jnp.bfloat16 if variant.endswith("bf16") else jnp.float16
     B, T, H, K = 1, 320, 4, 2
@@ -123,13 +143,13 @@ def test_pallas_gpu_lowers_for_cuda(d, dv, G, variant):
     seg = jnp.zeros((B, T), jnp.int32) if causal else None
 
     def loss(q, k, v, lam):
-        o = diff_attention_pallas_gpu(q, k, v, lam, causal=causal, segment_ids=seg, interpret=False)
+        o = diff_attention_pallas_gpu(q, k, v, lam, causal=causal, segment_ids=seg, tuning=tuning, interpret=False)
         return jnp.sum(o.astype(jnp.float32))
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, lam).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     for kernel in ("diffjax_mgpu_fwd", "diffjax_mgpu_bwd_dq", "diffjax_mgpu_bwd_dkdv"):
-        assert kernel in text, f"{kernel} missing from the lowered module (blocks {default_blocks(d, dv, G, dtype)})"
+        assert kernel in text, f"{kernel} missing from the lowered module ({tuning or default_tuning(d, dv, G, dtype)})"
 
 
 def test_pallas_gpu_rejects_what_it_cannot_run():
@@ -140,7 +160,7 @@ def test_pallas_gpu_rejects_what_it_cannot_run():
     assert "d in (64, 128), got 32" in unsupported(*arrays(d=32, dv=64))
     assert "dv = d or 2d, got dv = 192" in unsupported(*arrays(dv=192))
     assert "bfloat16 / float16, got float32" in unsupported(*arrays(dtype=jnp.float32))
-    assert "shared memory" in unsupported(*arrays(d=128, dv=256), block_sizes=(64, 128, 128, 128, 3))
+    assert "shared memory" in unsupported(*arrays(d=128, dv=256), tuning=(64, 128, 128, 128, 3))
     with pytest.raises(ValueError, match=r"impl='pallas_gpu' needs the q and k head dim d in \(64, 128\), got 32"):
         ops.diff_attention(*arrays(d=32, dv=64), 0.5, impl="pallas_gpu")
     q, k, v = arrays()

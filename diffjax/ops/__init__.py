@@ -54,10 +54,10 @@ def _is_hopper() -> bool:
     return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
 
 
-def _pallas_gpu_unsupported(q, k, v, block_sizes=None):
+def _pallas_gpu_unsupported(q, k, v, tuning=None):
     from diffjax.ops.pallas_gpu import unsupported
 
-    return unsupported(q, k, v, block_sizes)
+    return unsupported(q, k, v, tuning)
 
 
 def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
@@ -141,7 +141,7 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
     v: [B, S, Hkv, dv]; lam: scalar or [B, T, H]; scale defaults to d ** -0.5.
     segment_ids: None, [B, T] (T == S) or a pair (q ids [B, T], kv ids [B, S]).
     block_sizes: (block_q, block_k) for impl="pallas_tpu" (default 128, 128); a
-    diffjax.ops.pallas_gpu.BlockSizes for impl="pallas_gpu" (default: the largest that fit).
+    diffjax.ops.pallas_gpu.Tuning for impl="pallas_gpu" (default: pallas_gpu.default_tuning).
     """
     choice = _resolve("diff_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
@@ -154,7 +154,7 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
         from diffjax.ops.pallas_gpu import diff_attention_pallas_gpu
 
         return _partitioned(lambda q, k, v, lam, ids: diff_attention_pallas_gpu(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, lam, segment_ids)
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes), q, k, v, lam, segment_ids)
     if choice == "cudnn":
         return compositions.diff_attention_cudnn(q, k, v, lam, **kwargs)
     if choice == "splash":

@@ -53,15 +53,16 @@ SMEM_MARGIN = 2048  # barriers, alignment padding
 _LOAD_TAKES_IDX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty  # jax 0.10
 
 
-class BlockSizes(NamedTuple):
-    """Tile sizes. block_q = 64 (one wgmma row tile per consumer); the others are tunable, and by
-    default the larger of 128 / 64 whose tiles fit in shared memory (`default_blocks`)."""
+class Tuning(NamedTuple):
+    """Kernel settings. block_q = 64 (one wgmma row tile per consumer); the block sizes default to
+    the larger of 128 / 64 whose tiles fit in shared memory (`default_tuning`)."""
 
     block_q: int = 64
     block_k: int = 64  # forward: keys per streamed step
     block_k_dq: int = 64  # dq kernel: keys per streamed step
     block_q_bwd: int = 64  # dk/dv kernel: query rows per streamed step
     stages: int = 2  # ring slots for streamed tiles
+    pingpong: bool = True  # forward: alternate the consumers' softmax and wgmmas (FA3)
 
 
 # ------------------------------------------------------------------------------ interpret shims
@@ -156,6 +157,7 @@ class _Static(NamedTuple):
     bk_dq: int
     bq_bwd: int
     stages: int
+    pingpong: bool
     causal: bool
     scale: float
     has_seg: bool
@@ -256,8 +258,9 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
         unmasked, steps = _kv_steps(st, t0, nk)
 
         def schedule():  # pingpong: one consumer's softmax overlaps the other's wgmmas
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+            if st.pingpong:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
 
         @pl.when(wg == 2)
         def _producer():
@@ -730,7 +733,7 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, widths)
 
 
-def unsupported(q, k, v, block_sizes=None) -> str | None:
+def unsupported(q, k, v, tuning=None) -> str | None:
     """Why impl="pallas_gpu" cannot run these shapes (None when it can)."""
     B, T, H, two, d = q.shape
     _, S, K, G, dk = k.shape
@@ -745,7 +748,7 @@ def unsupported(q, k, v, block_sizes=None) -> str | None:
         return f"needs dv = d or 2d, got dv = {dv} with d = {d}"
     if H % K:
         return f"needs query heads ({H}) to be a multiple of kv heads ({K})"
-    bs = default_blocks(d, dv, G, q.dtype) if block_sizes is None else BlockSizes(*block_sizes)
+    bs = default_tuning(d, dv, G, q.dtype) if tuning is None else Tuning(*tuning)
     if bs.block_q != 64 or any(b not in (64, 128) for b in bs[1:4]) or bs.stages < 2:
         # 64: a wgmma row tile per consumer; the others are contraction sizes of 16-bit wgmmas with a
         # 128-byte swizzle, which must be multiples of 64
@@ -757,19 +760,19 @@ def unsupported(q, k, v, block_sizes=None) -> str | None:
     return None
 
 
-def default_blocks(d, dv, G, dtype) -> BlockSizes:
+def default_tuning(d, dv, G, dtype) -> Tuning:
     """The largest block of each kernel (128 or 64) whose shared memory fits, with 2 stages."""
     chosen = {}
     for field, kernel in (("block_k", "forward"), ("block_k_dq", "dq"), ("block_q_bwd", "dkdv")):
         for size in (128, 64):
-            bs = BlockSizes(**{**chosen, field: size})
+            bs = Tuning(**{**chosen, field: size})
             if _smem_bytes(d, dv, G, bs, dtype)[kernel] + SMEM_MARGIN <= SMEM_BYTES:
                 break
         chosen[field] = size
-    return BlockSizes(**chosen)
+    return Tuning(**chosen)
 
 
-def _smem_bytes(d, dv, G, bs: BlockSizes, dtype):
+def _smem_bytes(d, dv, G, bs: Tuning, dtype):
     """Shared memory each kernel allocates (tiles and exchange buffers; barriers are negligible)."""
     e = jnp.dtype(dtype).itemsize
     bq, bk, bkq, bqb, n = bs.block_q, bs.block_k, bs.block_k_dq, bs.block_q_bwd, bs.stages
@@ -780,14 +783,15 @@ def _smem_bytes(d, dv, G, bs: BlockSizes, dtype):
     }
 
 
-def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, block_sizes=None, interpret=None):
-    """Fused differential attention on Hopper; same contract as diffjax.ops.diff_attention."""
+def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, tuning=None, interpret=None):
+    """Fused differential attention on Hopper; same contract as diffjax.ops.diff_attention.
+    tuning: a Tuning (or a tuple of its fields); default `default_tuning` for the shape."""
     B, T, H, _, d = q_BTH2d.shape
     _, S, K, G, _ = k_BSKGd.shape
-    why_not = unsupported(q_BTH2d, k_BSKGd, v_BSKv, block_sizes)
+    why_not = unsupported(q_BTH2d, k_BSKGd, v_BSKv, tuning)
     if why_not:
         raise ValueError(f"diff_attention: impl='pallas_gpu' {why_not}")
-    bs = default_blocks(d, v_BSKv.shape[-1], G, q_BTH2d.dtype) if block_sizes is None else BlockSizes(*block_sizes)
+    bs = default_tuning(d, v_BSKv.shape[-1], G, q_BTH2d.dtype) if tuning is None else Tuning(*tuning)
     Tp, Sp = _round_up(T, math.lcm(bs.block_q, bs.block_q_bwd)), _round_up(S, math.lcm(bs.block_k, bs.block_k_dq, 64))
     # lam rounded to the value dtype like the reference, then fp32; broadcasting to [B, T, H] makes
     # autodiff sum dlam for a scalar lambda.
@@ -800,7 +804,7 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
             raise ValueError(f"diff_attention: segment_ids shapes {q_ids.shape} / {kv_ids.shape} do not match (B, T) = {(B, T)} and (B, S) = {(B, S)}")
         q_seg, kv_seg = _pad_axis(q_ids.astype(jnp.int32), 1, Tp), _pad_axis(kv_ids.astype(jnp.int32), 1, Sp)
     st = _Static(
-        G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages,
+        G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages, pingpong=bool(bs.pingpong),
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
         interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret),
     )
