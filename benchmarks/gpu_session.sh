@@ -22,7 +22,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT
 for phase in $phases; do
   case $phase in
     tests)
-      timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_pallas_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+      timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_pallas_gpu.py tests/test_model_attention_impl.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     bench)
       timeout 280 $PY benchmarks/attention.py --impls cudnn,pallas_gpu --lengths 8192 --no-memory \
         --out "$OUT/attention_gpu.json" 2>&1 | tee "$OUT/bench.log" ;;
