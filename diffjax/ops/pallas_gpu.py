@@ -126,13 +126,31 @@ def _tiled(minor: int, dtype):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _drain(free_barriers, steps, stages):
-    """Wait for the releases of the last `stages` steps, which the producer's loop did not wait for:
-    every thread that waits on a barrier observes all of its phases."""
+def _producer_loop(steps, stages, free, load):
+    """The producer's ring of `stages` SMEM slots: before refilling a slot, wait until both consumers
+    released it, then `load(step, slot)` issues the step's TMA copies. Ends by waiting for the last
+    releases too: every thread that waits on a barrier observes all of its phases (the interpreter
+    checks, and hardware parity tracking needs it)."""
+
+    @pl.loop(0, steps)
+    def _(step):
+        slot = lax.rem(step, jnp.int32(stages))
+
+        @pl.when(step >= stages)
+        def _():
+            plgpu.barrier_wait(free.at[slot])
+
+        load(step, slot)
 
     @pl.loop(jnp.maximum(steps - stages, 0), steps)
     def _(step):
-        plgpu.barrier_wait(free_barriers.at[lax.rem(step, jnp.int32(stages))])
+        plgpu.barrier_wait(free.at[lax.rem(step, jnp.int32(stages))])
+
+
+def _set_registers(st: _Static, producer: bool):
+    """Hand the producer's registers to the consumers (setmaxnreg; 2 x 232 + 40 per thread fits)."""
+    if not st.interpret:
+        plgpu.set_max_registers(40 if producer else 232, action="decrease" if producer else "increase")
 
 
 def _rendezvous(barrier):
@@ -238,7 +256,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
     nk = Sp // bk
     chunks = dv // d  # the output leaves SMEM in d-wide chunks staged in the query tiles
     ops = _Ops(st.interpret)
-    wgmma_layout = plgpu.Layout.WGMMA
+    lay = plgpu.Layout.WGMMA
     scale2 = st.scale * LOG2E
     has_seg = st.has_seg
 
@@ -264,8 +282,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
 
         @pl.when(wg == 2)
         def _producer():
-            if not st.interpret:
-                plgpu.set_max_registers(40, action="decrease")
+            _set_registers(st, producer=True)
             rows = pl.ds(t0, bq)
             for m in range(2):
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[m], q_ready)
@@ -273,14 +290,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
             if has_seg:
                 plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem, q_ready)
 
-            @pl.loop(0, steps)
-            def _load(step):
-                slot = lax.rem(step, jnp.int32(stages))
-
-                @pl.when(step >= stages)
-                def _():
-                    plgpu.barrier_wait(kv_free.at[slot])
-
+            def load(step, slot):
                 keys = pl.ds(step * bk, bk)
                 for g in range(G):
                     plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[slot, g], kv_ready.at[slot])
@@ -288,17 +298,16 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                 if has_seg:
                     plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], kv_ready.at[slot])
 
-            _drain(kv_free, steps, stages)
+            _producer_loop(steps, stages, kv_free, load)
 
         def consumer(g: int):
-            if not st.interpret:
-                plgpu.set_max_registers(232, action="increase")
+            _set_registers(st, producer=False)
             plgpu.barrier_wait(q_ready)
             q_g = q_smem.at[g]
-            q_seg = ops.load(qseg_smem, wgmma_layout.reduce(1)) if has_seg else None
+            q_seg = ops.load(qseg_smem, lay.reduce(1)) if has_seg else None
             carry = (
-                ops.full((bq,), -jnp.inf, layout=wgmma_layout.reduce(1)),  # running max (base 2)
-                ops.full((bq,), 0.0, layout=wgmma_layout.reduce(1)),  # running sum
+                ops.full((bq,), -jnp.inf, layout=lay.reduce(1)),  # running max (base 2)
+                ops.full((bq,), 0.0, layout=lay.reduce(1)),  # running sum
                 ops.full((bq, dv), 0.0),  # O_g accumulator
             )
 
@@ -309,7 +318,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                 k_g = k_smem.at[slot, g if G == 2 else 0]
                 s = ops.matmul(q_g, k_g, (bq, bk), transpose_b=True, after_issue=schedule) * scale2
                 if masked:
-                    kv_seg = ops.load(kvseg_smem.at[slot], wgmma_layout.reduce(0)) if has_seg else None
+                    kv_seg = ops.load(kvseg_smem.at[slot], lay.reduce(0)) if has_seg else None
                     mask = _score_mask(ops, st, (bq, bk), t0, step * bk, q_seg, kv_seg)
                     if mask is not None:
                         s = jnp.where(mask, s, -jnp.inf)
@@ -351,10 +360,10 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                     plgpu.barrier_arrive(o2_ready)
                 plgpu.barrier_wait(o2_free)  # every waiter observes every phase (the interpreter checks)
             else:
-                lam_row = ops.load(lam_smem, wgmma_layout.reduce(1))
+                lam_row = ops.load(lam_smem, lay.reduce(1))
                 for c in range(chunks):
                     plgpu.barrier_wait(o2_ready)
-                    o2_c = ops.load(o2_smem, wgmma_layout)
+                    o2_c = ops.load(o2_smem, lay)
                     out_c = o_g[:, c * d : (c + 1) * d] - _rows(lam_row, (bq, d)) * o2_c
                     plgpu.barrier_arrive(o2_free)
                     q_smem.at[c][...] = out_c.astype(dtype)  # consumer 1 is past its last q_2 read
@@ -415,6 +424,22 @@ def _exchange_sum(ops, g, pairs, barrier):
     return totals
 
 
+def _copy_query_rows(srcs, dsts, b, h, rows, barrier):
+    """TMA copies of one block of query rows for the backward kernels: q for both maps, dO in two
+    column halves, lse and D per map, lambda, and the query segment ids when present."""
+    q_ref, do_ref, lse_ref, D_ref, lam_ref, qseg_ref = srcs
+    q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem = dsts
+    dvh = do_ref.shape[-1] // 2
+    for m in range(2):
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[m], barrier)
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, pl.ds(m * dvh, dvh)], do_smem.at[m], barrier)
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, m, rows], lse_smem.at[m], barrier)
+        plgpu.copy_gmem_to_smem(D_ref.at[b, h, m, rows], D_smem.at[m], barrier)
+    plgpu.copy_gmem_to_smem(lam_ref.at[b, h, rows], lam_smem, barrier)
+    if qseg_ref is not None:
+        plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem, barrier)
+
+
 def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
     """dq [B, Tp, H, 2, d]: one CTA per (batch, head, q block); consumer g accumulates dQ_g."""
     st = st._replace(bk=st.bk_dq)
@@ -445,26 +470,13 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
 
         @pl.when(wg == 2)
         def _producer():
-            if not st.interpret:
-                plgpu.set_max_registers(40, action="decrease")
-            rows = pl.ds(t0, bq)
-            for m in range(2):
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[m], q_ready)
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, pl.ds(m * dvh, dvh)], do_smem.at[m], q_ready)
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, m, rows], lse_smem.at[m], q_ready)
-                plgpu.copy_gmem_to_smem(D_ref.at[b, h, m, rows], D_smem.at[m], q_ready)
-            plgpu.copy_gmem_to_smem(lam_ref.at[b, h, rows], lam_smem, q_ready)
-            if has_seg:
-                plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem, q_ready)
+            _set_registers(st, producer=True)
+            _copy_query_rows(
+                (q_ref, do_ref, lse_ref, D_ref, lam_ref, qseg_ref), (q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem),
+                b, h, pl.ds(t0, bq), q_ready,
+            )
 
-            @pl.loop(0, steps)
-            def _load(step):
-                slot = lax.rem(step, jnp.int32(stages))
-
-                @pl.when(step >= stages)
-                def _():
-                    plgpu.barrier_wait(kv_free.at[slot])
-
+            def load(step, slot):
                 keys = pl.ds(step * bk, bk)
                 for g in range(G):
                     plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[slot, g], kv_ready.at[slot])
@@ -473,11 +485,10 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 if has_seg:
                     plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], kv_ready.at[slot])
 
-            _drain(kv_free, steps, stages)
+            _producer_loop(steps, stages, kv_free, load)
 
         def consumer(g: int):
-            if not st.interpret:
-                plgpu.set_max_registers(232, action="increase")
+            _set_registers(st, producer=False)
             plgpu.barrier_wait(q_ready)
             lse_g = ops.load(lse_smem.at[g], lay.reduce(1))
             D_g = ops.load(D_smem.at[g], lay.reduce(1))
@@ -587,8 +598,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
 
         @pl.when(wg == 2)
         def _producer():
-            if not st.interpret:
-                plgpu.set_max_registers(40, action="decrease")
+            _set_registers(st, producer=True)
             keys = pl.ds(k0, bk)
             for g in range(G):
                 plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[g], kv_ready)
@@ -597,30 +607,16 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
             if has_seg:
                 plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem, kv_ready)
 
-            @pl.loop(0, steps)
-            def _load(step):
-                slot = lax.rem(step, jnp.int32(stages))
-
-                @pl.when(step >= stages)
-                def _():
-                    plgpu.barrier_wait(q_free.at[slot])
-
+            def load(step, slot):
                 h = kh * R + lax.div(step, per_rep)
                 rows = pl.ds((first + lax.rem(step, per_rep)) * bqb, bqb)
-                for m in range(2):
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[slot, m], q_ready.at[slot])
-                    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, pl.ds(m * dvh, dvh)], do_smem.at[slot, m], q_ready.at[slot])
-                    plgpu.copy_gmem_to_smem(lse_ref.at[b, h, m, rows], lse_smem.at[slot, m], q_ready.at[slot])
-                    plgpu.copy_gmem_to_smem(D_ref.at[b, h, m, rows], D_smem.at[slot, m], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lam_ref.at[b, h, rows], lam_smem.at[slot], q_ready.at[slot])
-                if has_seg:
-                    plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem.at[slot], q_ready.at[slot])
+                slots = [None if ref is None else ref.at[slot] for ref in (q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem)]
+                _copy_query_rows((q_ref, do_ref, lse_ref, D_ref, lam_ref, qseg_ref), slots, b, h, rows, q_ready.at[slot])
 
-            _drain(q_free, steps, stages)
+            _producer_loop(steps, stages, q_free, load)
 
         def consumer(g: int):
-            if not st.interpret:
-                plgpu.set_max_registers(232, action="increase")
+            _set_registers(st, producer=False)
             plgpu.barrier_wait(kv_ready)
             k_g = k_smem.at[g if G == 2 else 0]
             kv_seg = ops.load(kvseg_smem, lay.reduce(1)) if has_seg else None
