@@ -52,14 +52,23 @@ def impls_for(platform: str) -> list[str]:
     return {"cpu": ["xla", "pallas_tpu"], "gpu": ["xla", "cudnn", "pallas_gpu"], "tpu": ["xla", "pallas_tpu", "splash"]}.get(platform, ["xla"])
 
 
-def flops_diff(B, H, T, S, causal):
-    f = B * H * 2 * (2 * T * S * D + 2 * T * S * DV)
+def flops_diff(B, H, T, S, causal, d=D, dv=DV):
+    f = B * H * 2 * (2 * T * S * d + 2 * T * S * dv)
     return f / 2 if causal else f
 
 
-def flops_baseline(B, H, T, S, causal):
-    f = B * (2 * H) * (2 * T * S * D + 2 * T * S * D)
+def flops_baseline(B, H, T, S, causal, d=D):
+    f = B * (2 * H) * (2 * T * S * d + 2 * T * S * d)
     return f / 2 if causal else f
+
+
+def fwd_bwd(fn, nargs):
+    """jitted gradient of sum(fn(...)) with respect to its first nargs arguments."""
+
+    def loss(*a):
+        return jnp.sum(fn(*a).astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=tuple(range(nargs))))
 
 
 def make_fns(impl, causal, B, T, H):
@@ -88,12 +97,6 @@ def make_fns(impl, causal, B, T, H):
         o2 = ops.dot_product_attention(q[:, :, :, 1], k[:, :, :, 1], v, causal=causal, impl=standard_impl)
         return o1 - lam[..., None].astype(o1.dtype) * o2
 
-    def fwd_bwd(fn, nargs):
-        def loss(*a):
-            return jnp.sum(fn(*a).astype(jnp.float32))
-
-        return jax.grad(loss, argnums=tuple(range(nargs)))
-
     variants = {
         "diff": (diff, (q, k, v, lam)),
         "baseline": (baseline, (qb, kb, vb)),
@@ -102,7 +105,7 @@ def make_fns(impl, causal, B, T, H):
     out = {}
     for name, (fn, args) in variants.items():
         out[name, "fwd"] = (jax.jit(fn), args)
-        out[name, "fwd+bwd"] = (jax.jit(fwd_bwd(fn, 3 if name == "baseline" else 4)), args)
+        out[name, "fwd+bwd"] = (fwd_bwd(fn, 3 if name == "baseline" else 4), args)
     return out
 
 

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import time_fn  # noqa: E402
+from attention import flops_baseline, flops_diff, fwd_bwd, time_fn  # noqa: E402
 
 from diffjax import ops  # noqa: E402
-from diffjax.ops.pallas_gpu import Tuning, default_tuning  # noqa: E402
+from diffjax.ops.pallas_gpu import default_tuning  # noqa: E402
 
 
 def candidates(d, dv, dtype):
@@ -55,12 +55,8 @@ def main():
     v = jax.random.normal(ks[2], (B, T, H, dv), bf)
     lam = jnp.full((B, T, H), 0.5, jnp.float32)
     qb, kb, vb = (jax.random.normal(ks[3 + i], (B, T, 2 * H, d), bf) for i in range(3))
-    causal_factor = 0.5 if causal else 1.0
-    flops_diff = causal_factor * B * H * 2 * (2 * T * T * d + 2 * T * T * dv)
-    flops_base = causal_factor * B * 2 * H * 4 * T * T * d
-
-    def grad_of(fn, n):
-        return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=tuple(range(n))))
+    diff_flops = flops_diff(B, H, T, T, causal, d, dv)
+    base_flops = flops_baseline(B, H, T, T, causal, d)
 
     def two_call(q, k, v, lam):
         o1 = ops.dot_product_attention(q[:, :, :, 0], k[:, :, :, 0], v, causal=causal, impl="cudnn")
@@ -72,10 +68,10 @@ def main():
 
     ref = {}
     for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
-        b_fn = jax.jit(base) if mode == "fwd" else grad_of(base, 3)
-        t_fn = jax.jit(two_call) if mode == "fwd" else grad_of(two_call, 4)
+        b_fn = jax.jit(base) if mode == "fwd" else fwd_bwd(base, 3)
+        t_fn = jax.jit(two_call) if mode == "fwd" else fwd_bwd(two_call, 4)
         ref[mode] = {"cudnn_s": time_fn(b_fn, (qb, kb, vb), 2, 10), "two_call_s": time_fn(t_fn, (q, k, v, lam), 2, 10)}
-        ref[mode]["cudnn_tflops"] = mult * flops_base / ref[mode]["cudnn_s"] / 1e12
+        ref[mode]["cudnn_tflops"] = mult * base_flops / ref[mode]["cudnn_s"] / 1e12
     print(f"{jax.devices()[0].device_kind}, T={T} B={B} H={H} d={d} dv={dv} causal={causal} bf16")
     for mode in ref:
         print(f"  cuDNN standard {mode}: {ref[mode]['cudnn_tflops']:.0f} TFLOP/s; two-call cuDNN {1e3 * ref[mode]['two_call_s']:.2f} ms")
@@ -88,14 +84,14 @@ def main():
 
             row = {"tuning": tuning._asdict(), "mode": mode}
             try:
-                fn = jax.jit(diff) if mode == "fwd" else grad_of(diff, 4)
+                fn = jax.jit(diff) if mode == "fwd" else fwd_bwd(diff, 4)
                 row["s"] = time_fn(fn, (q, k, v, lam), 2, 10)
             except Exception as e:  # noqa: BLE001 (a config that does not fit is a result)
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 print(f"{str(tuning):<72} {mode:>8} error {row['error'][:60]}")
                 rows.append(row)
                 continue
-            row["tflops"] = mult * flops_diff / row["s"] / 1e12
+            row["tflops"] = mult * diff_flops / row["s"] / 1e12
             row["tflops_vs_cudnn"] = row["tflops"] / ref[mode]["cudnn_tflops"]
             row["speedup_vs_two_call"] = ref[mode]["two_call_s"] / row["s"]
             rows.append(row)

@@ -26,7 +26,7 @@ import pytest
 from diffjax import ops
 from diffjax.ops.pallas_gpu import default_tuning, diff_attention_pallas_gpu, unsupported
 from diffjax.ops.reference import diff_attention_xla
-from test_ops_pallas_tpu import BF16_SLACK, _rel, _segments
+from test_ops_pallas_tpu import BF16_SLACK, _fully_masked_rows, _rel, _segments
 
 LABELS = ("o", "dq", "dk", "dv", "dlambda")
 
@@ -76,12 +76,7 @@ def _check_against_reference(case, measured, *, interpret, tuning=None):
         tol = 2 * _rel(r, e) + BF16_SLACK
         assert measured(f"{label} rel err vs f32 ref", _rel(g, e), tol) <= tol, label
     assert got[0].dtype == q.dtype
-    B, T, S = case[:3]
-    dead_BT = np.zeros((B, T), bool)  # a q segment with no keys; rows before the first key when T > S
-    if isinstance(seg, tuple):
-        dead_BT |= np.asarray(seg[0]) == 3
-    if causal and T > S:
-        dead_BT[:, : T - S] = True
+    dead_BT = _fully_masked_rows(*case[:3], causal, seg)
     if dead_BT.any():
         worst = max(float(jnp.abs(got[0][dead_BT]).max()), float(jnp.abs(got[1][dead_BT]).max()))
         assert measured("max |o|, |dq| on fully masked rows", worst, 0.0) == 0.0

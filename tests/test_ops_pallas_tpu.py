@@ -69,6 +69,17 @@ def _inputs(case, seed=0):
     return (cast(q), cast(k), cast(v), jnp.asarray(lam, jnp.float32), cast(ct), _segments(rng, B, T, S, seg))
 
 
+def _fully_masked_rows(B, T, S, causal, seg):
+    """[B, T] True where a query may attend no key: a q segment with no keys (id 3 in "pair"
+    segments), or, under causal with T > S, the rows before the first key."""
+    dead_BT = np.zeros((B, T), bool)
+    if isinstance(seg, tuple):
+        dead_BT |= np.asarray(seg[0]) == 3
+    if causal and T > S:
+        dead_BT[:, : T - S] = True
+    return dead_BT
+
+
 def _value_and_grads(fn, q, k, v, lam, ct):
     o, vjp = jax.vjp(fn, q, k, v, lam)
     return (o, *vjp(ct))
@@ -106,13 +117,8 @@ def test_diff_attention_pallas_forward_and_grads(name, measured):
             assert measured(f"{label} rel err bf16 vs f32 ref", _rel(g, e), tol) <= tol, label
             measured(f"{label} rel err bf16 vs bf16 ref", _rel(g, r))
     assert got[0].dtype == q.dtype
-    # Fully masked rows (a q segment with no keys; rows before the first key when T > S): o = 0, dq = 0.
-    B, T, S = case[:3]
-    dead_BT = np.zeros((B, T), bool)
-    if isinstance(seg, tuple):
-        dead_BT |= np.asarray(seg[0]) == 3
-    if causal and T > S:
-        dead_BT[:, : T - S] = True
+    # Fully masked rows: o = 0, dq = 0.
+    dead_BT = _fully_masked_rows(*case[:3], causal, seg)
     if dead_BT.any():
         assert measured("max |o|, |dq| on fully masked rows", max(float(jnp.abs(got[0][dead_BT]).max()), float(jnp.abs(got[1][dead_BT]).max())), 0.0) == 0.0
 

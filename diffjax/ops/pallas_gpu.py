@@ -47,7 +47,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from diffjax.ops.reference import split_segment_ids
+
 LOG2E = math.log2(math.e)
+WGMMA = plgpu.Layout.WGMMA  # the register layout of wgmma accumulators; .reduce(1) rows, .reduce(0) columns
 SMEM_BYTES = 227 * 1024  # Hopper: dynamic shared memory a CTA may use
 SMEM_MARGIN = 2048  # barriers, alignment padding
 _LOAD_TAKES_IDX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty  # jax 0.10
@@ -76,7 +79,7 @@ class _Ops:
 
     def full(self, shape, value, dtype=jnp.float32, layout=None):
         x = jnp.full(shape, value, dtype)
-        return x if self.interpret else plgpu.layout_cast(x, layout or plgpu.Layout.WGMMA)
+        return x if self.interpret else plgpu.layout_cast(x, layout or WGMMA)
 
     def load(self, ref, layout):
         """ref's whole contents in `layout` (row vectors: WGMMA.reduce(1), column vectors: .reduce(0))."""
@@ -87,7 +90,7 @@ class _Ops:
     def iota(self, shape, dim):
         if self.interpret:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
-        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 
     def matmul(self, a, b_ref, shape, *, transpose_b=False, acc=None, after_issue=None):
         """acc + a @ b (fp32), a: an SMEM ref or a 16-bit register tile, b: an SMEM ref; b_ref^T if
@@ -185,6 +188,10 @@ class _Static(NamedTuple):
     def offset(self):  # key position of query 0 (bottom-right aligned causal)
         return self.S - self.T
 
+    @property
+    def scale2(self):  # scores in base 2: exp2(s scale log2 e) = exp(s scale)
+        return self.scale * LOG2E
+
 
 def _cdiv(a, b):
     return -(-a // b)
@@ -250,20 +257,17 @@ def _cols(x, shape):
 def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
     """o [B, Tp, H, dv]; with residuals also o2 [B, Tp, H, dv] f32 and lse [B, H, 2, Tp] f32 (base 2)."""
     B, Tp, H, _, d = q.shape
-    Sp, K, dv = k.shape[1], k.shape[2], v.shape[-1]
+    Sp, dv = k.shape[1], v.shape[-1]
     dtype = q.dtype
     bq, bk, stages, G = st.bq, st.bk, st.stages, st.G
     nk = Sp // bk
     chunks = dv // d  # the output leaves SMEM in d-wide chunks staged in the query tiles
     ops = _Ops(st.interpret)
-    lay = plgpu.Layout.WGMMA
-    scale2 = st.scale * LOG2E
-    has_seg = st.has_seg
 
     def kernel(*refs):
         it = iter(refs)
         q_ref, k_ref, v_ref, lam_ref = next(it), next(it), next(it), next(it)
-        qseg_ref, kvseg_ref = (next(it), next(it)) if has_seg else (None, None)
+        qseg_ref, kvseg_ref = (next(it), next(it)) if st.has_seg else (None, None)
         o_ref = next(it)
         o2_ref, lse_ref = (next(it), next(it)) if save_residuals else (None, None)
         q_smem, k_smem, v_smem, lam_smem, qseg_smem, kvseg_smem, o2_smem, lse_smem = next(it)
@@ -287,7 +291,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
             for m in range(2):
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[m], q_ready)
             plgpu.copy_gmem_to_smem(lam_ref.at[b, h, rows], lam_smem, q_ready)
-            if has_seg:
+            if st.has_seg:
                 plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem, q_ready)
 
             def load(step, slot):
@@ -295,7 +299,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                 for g in range(G):
                     plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[slot, g], kv_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[slot], kv_ready.at[slot])
-                if has_seg:
+                if st.has_seg:
                     plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], kv_ready.at[slot])
 
             _producer_loop(steps, stages, kv_free, load)
@@ -304,10 +308,10 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(q_ready)
             q_g = q_smem.at[g]
-            q_seg = ops.load(qseg_smem, lay.reduce(1)) if has_seg else None
+            q_seg = ops.load(qseg_smem, WGMMA.reduce(1)) if st.has_seg else None
             carry = (
-                ops.full((bq,), -jnp.inf, layout=lay.reduce(1)),  # running max (base 2)
-                ops.full((bq,), 0.0, layout=lay.reduce(1)),  # running sum
+                ops.full((bq,), -jnp.inf, layout=WGMMA.reduce(1)),  # running max (base 2)
+                ops.full((bq,), 0.0, layout=WGMMA.reduce(1)),  # running sum
                 ops.full((bq, dv), 0.0),  # O_g accumulator
             )
 
@@ -316,9 +320,9 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                 slot = lax.rem(step, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
                 k_g = k_smem.at[slot, g if G == 2 else 0]
-                s = ops.matmul(q_g, k_g, (bq, bk), transpose_b=True, after_issue=schedule) * scale2
+                s = ops.matmul(q_g, k_g, (bq, bk), transpose_b=True, after_issue=schedule) * st.scale2
                 if masked:
-                    kv_seg = ops.load(kvseg_smem.at[slot], lay.reduce(0)) if has_seg else None
+                    kv_seg = ops.load(kvseg_smem.at[slot], WGMMA.reduce(0)) if st.has_seg else None
                     mask = _score_mask(ops, st, (bq, bk), t0, step * bk, q_seg, kv_seg)
                     if mask is not None:
                         s = jnp.where(mask, s, -jnp.inf)
@@ -360,10 +364,10 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                     plgpu.barrier_arrive(o2_ready)
                 plgpu.barrier_wait(o2_free)  # every waiter observes every phase (the interpreter checks)
             else:
-                lam_row = ops.load(lam_smem, lay.reduce(1))
+                lam_row = ops.load(lam_smem, WGMMA.reduce(1))
                 for c in range(chunks):
                     plgpu.barrier_wait(o2_ready)
-                    o2_c = ops.load(o2_smem, lay)
+                    o2_c = ops.load(o2_smem, WGMMA)
                     out_c = o_g[:, c * d : (c + 1) * d] - _rows(lam_row, (bq, d)) * o2_c
                     plgpu.barrier_arrive(o2_free)
                     q_smem.at[c][...] = out_c.astype(dtype)  # consumer 1 is past its last q_2 read
@@ -381,14 +385,14 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
         plgpu.SMEM((stages, G, bk, d), dtype, transforms=qk_tf),
         plgpu.SMEM((stages, bk, dv), dtype, transforms=v_tf),
         plgpu.SMEM((bq,), jnp.float32),
-        plgpu.SMEM((bq,), jnp.int32) if has_seg else None,
-        plgpu.SMEM((stages, bk), jnp.int32) if has_seg else None,
+        plgpu.SMEM((bq,), jnp.int32) if st.has_seg else None,
+        plgpu.SMEM((stages, bk), jnp.int32) if st.has_seg else None,
         plgpu.SMEM((bq, d), jnp.float32, transforms=_tiled(d, jnp.float32)),
         plgpu.SMEM((2, bq), jnp.float32) if save_residuals else None,
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=3 + has_seg),
-        plgpu.Barrier(num_arrivals=G + 1 + has_seg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=3 + st.has_seg),
+        plgpu.Barrier(num_arrivals=G + 1 + st.has_seg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=1),
@@ -397,7 +401,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, dv), dtype)]
     if save_residuals:
         out_type += [jax.ShapeDtypeStruct((B, Tp, H, dv), jnp.float32), jax.ShapeDtypeStruct((B, H, 2, Tp), jnp.float32)]
-    args = [q, k, v, lam] + ([q_seg, kv_seg] if has_seg else [])
+    args = [q, k, v, lam] + ([q_seg, kv_seg] if st.has_seg else [])
     return _launch(st, kernel, out_type, (smem, barriers), (H, Tp // bq, B), ("heads", "q_blocks", "batch"), "diffjax_mgpu_fwd")(*args)
 
 
@@ -414,13 +418,13 @@ def _exchange_sum(ops, g, pairs, barrier):
             buf[...] = mine.astype(buf.dtype)
     _rendezvous(barrier)
     if g == 1:
-        totals = [mine + ops.load(buf, plgpu.Layout.WGMMA).astype(jnp.float32) for buf, mine in pairs]
+        totals = [mine + ops.load(buf, WGMMA).astype(jnp.float32) for buf, mine in pairs]
         for (buf, _), total in zip(pairs, totals):
             buf[...] = total.astype(buf.dtype)
         totals = [total.astype(buf.dtype).astype(jnp.float32) for (buf, _), total in zip(pairs, totals)]
     _rendezvous(barrier)
     if g == 0:
-        totals = [ops.load(buf, plgpu.Layout.WGMMA).astype(jnp.float32) for buf, _ in pairs]
+        totals = [ops.load(buf, WGMMA).astype(jnp.float32) for buf, _ in pairs]
     return totals
 
 
@@ -444,20 +448,17 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
     """dq [B, Tp, H, 2, d]: one CTA per (batch, head, q block); consumer g accumulates dQ_g."""
     st = st._replace(bk=st.bk_dq)
     B, Tp, H, _, d = q.shape
-    Sp, K, dv = k.shape[1], k.shape[2], v.shape[-1]
+    Sp, dv = k.shape[1], v.shape[-1]
     dtype = q.dtype
     bq, bk, stages, G = st.bq, st.bk, st.stages, st.G
     dvh = dv // 2
     nk = Sp // bk
     ops = _Ops(st.interpret)
-    lay = plgpu.Layout.WGMMA
-    scale2 = st.scale * LOG2E
-    has_seg = st.has_seg
 
     def kernel(*refs):
         it = iter(refs)
         q_ref, k_ref, v_ref, lam_ref = next(it), next(it), next(it), next(it)
-        qseg_ref, kvseg_ref = (next(it), next(it)) if has_seg else (None, None)
+        qseg_ref, kvseg_ref = (next(it), next(it)) if st.has_seg else (None, None)
         do_ref, lse_ref, D_ref, dq_ref = next(it), next(it), next(it), next(it)
         q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, k_smem, v_smem, kvseg_smem, x_smem = next(it)
         q_ready, kv_ready, kv_free, xbar = next(it)
@@ -482,7 +483,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                     plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[slot, g], kv_ready.at[slot])
                 for c in range(2):
                     plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh, pl.ds(c * dvh, dvh)], v_smem.at[slot, c], kv_ready.at[slot])
-                if has_seg:
+                if st.has_seg:
                     plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], kv_ready.at[slot])
 
             _producer_loop(steps, stages, kv_free, load)
@@ -490,18 +491,18 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
         def consumer(g: int):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(q_ready)
-            lse_g = ops.load(lse_smem.at[g], lay.reduce(1))
-            D_g = ops.load(D_smem.at[g], lay.reduce(1))
-            lam_row = ops.load(lam_smem, lay.reduce(1))
-            q_seg = ops.load(qseg_smem, lay.reduce(1)) if has_seg else None
+            lse_g = ops.load(lse_smem.at[g], WGMMA.reduce(1))
+            D_g = ops.load(D_smem.at[g], WGMMA.reduce(1))
+            lam_row = ops.load(lam_smem, WGMMA.reduce(1))
+            q_seg = ops.load(qseg_smem, WGMMA.reduce(1)) if st.has_seg else None
 
             def step_body(step, dq_acc, *, masked: bool):
                 slot = lax.rem(step, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
                 k_g = k_smem.at[slot, g if G == 2 else 0]
-                s = ops.matmul(q_smem.at[g], k_g, (bq, bk), transpose_b=True) * scale2
+                s = ops.matmul(q_smem.at[g], k_g, (bq, bk), transpose_b=True) * st.scale2
                 if masked:
-                    kv_seg = ops.load(kvseg_smem.at[slot], lay.reduce(0)) if has_seg else None
+                    kv_seg = ops.load(kvseg_smem.at[slot], WGMMA.reduce(0)) if st.has_seg else None
                     mask = _score_mask(ops, st, (bq, bk), t0, step * bk, q_seg, kv_seg)
                     if mask is not None:
                         s = jnp.where(mask, s, -jnp.inf)
@@ -532,19 +533,19 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
         plgpu.SMEM((2, bq), jnp.float32),
         plgpu.SMEM((2, bq), jnp.float32),
         plgpu.SMEM((bq,), jnp.float32),
-        plgpu.SMEM((bq,), jnp.int32) if has_seg else None,
+        plgpu.SMEM((bq,), jnp.int32) if st.has_seg else None,
         plgpu.SMEM((stages, G, bk, d), dtype, transforms=qk_tf),
         plgpu.SMEM((stages, 2, bk, dvh), dtype, transforms=vh_tf),
-        plgpu.SMEM((stages, bk), jnp.int32) if has_seg else None,
+        plgpu.SMEM((stages, bk), jnp.int32) if st.has_seg else None,
         plgpu.SMEM((bq, bk), jnp.float32, transforms=_tiled(bk, jnp.float32)),
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=9 + has_seg),
-        plgpu.Barrier(num_arrivals=G + 2 + has_seg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=9 + st.has_seg),
+        plgpu.Barrier(num_arrivals=G + 2 + st.has_seg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
     )
-    args = [q, k, v, lam] + ([q_seg, kv_seg] if has_seg else []) + [do, lse, D]
+    args = [q, k, v, lam] + ([q_seg, kv_seg] if st.has_seg else []) + [do, lse, D]
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     return _launch(st, kernel, out_type, (smem, barriers), (H, Tp // bq, B), ("heads", "q_blocks", "batch"), "diffjax_mgpu_bwd_dq")(*args)
 
@@ -576,15 +577,12 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
     dvh = dv // 2
     nq = Tp // bqb
     ops = _Ops(st.interpret)
-    lay = plgpu.Layout.WGMMA
-    scale2 = st.scale * LOG2E
-    has_seg = st.has_seg
     bst = st._replace(bk=bk, bq=bqb)  # masks in this kernel: kv rows of 64, q columns of bqb
 
     def kernel(*refs):
         it = iter(refs)
         q_ref, k_ref, v_ref, lam_ref = next(it), next(it), next(it), next(it)
-        qseg_ref, kvseg_ref = (next(it), next(it)) if has_seg else (None, None)
+        qseg_ref, kvseg_ref = (next(it), next(it)) if st.has_seg else (None, None)
         do_ref, lse_ref, D_ref, dk_ref, dv_ref = next(it), next(it), next(it), next(it), next(it)
         k_smem, v_smem, kvseg_smem, q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, x_dp, x_p = next(it)
         kv_ready, q_ready, q_free, xbar = next(it)
@@ -604,7 +602,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[g], kv_ready)
             for c in range(2):
                 plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh, pl.ds(c * dvh, dvh)], v_smem.at[c], kv_ready)
-            if has_seg:
+            if st.has_seg:
                 plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem, kv_ready)
 
             def load(step, slot):
@@ -619,18 +617,18 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(kv_ready)
             k_g = k_smem.at[g if G == 2 else 0]
-            kv_seg = ops.load(kvseg_smem, lay.reduce(1)) if has_seg else None
+            kv_seg = ops.load(kvseg_smem, WGMMA.reduce(1)) if st.has_seg else None
 
             def step_body(i, carry, *, rep, masked: bool):
                 dk_acc, dv_acc = carry
                 step = rep * per_rep + i - first
                 slot = lax.rem(step, jnp.int32(stages))
                 plgpu.barrier_wait(q_ready.at[slot])
-                cols = lambda ref: ops.load(ref, lay.reduce(0))  # noqa: E731  (per-query vectors)
+                cols = lambda ref: ops.load(ref, WGMMA.reduce(0))  # noqa: E731  (per-query vectors)
                 lse_g, D_g, lam_col = cols(lse_smem.at[slot, g]), cols(D_smem.at[slot, g]), cols(lam_smem.at[slot])
-                sT = ops.matmul(k_g, q_smem.at[slot, g], (bk, bqb), transpose_b=True) * scale2
+                sT = ops.matmul(k_g, q_smem.at[slot, g], (bk, bqb), transpose_b=True) * st.scale2
                 if masked:
-                    q_seg = cols(qseg_smem.at[slot]) if has_seg else None
+                    q_seg = cols(qseg_smem.at[slot]) if st.has_seg else None
                     mask = _score_mask(ops, bst, (bk, bqb), i * bqb, k0, q_seg, kv_seg, transposed=True)
                     if mask is not None:
                         sT = jnp.where(mask, sT, -jnp.inf)
@@ -669,23 +667,23 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
     smem = (
         plgpu.SMEM((2, bk, d), dtype, transforms=qk_tf),
         plgpu.SMEM((2, bk, dvh), dtype, transforms=vh_tf),
-        plgpu.SMEM((bk,), jnp.int32) if has_seg else None,
+        plgpu.SMEM((bk,), jnp.int32) if st.has_seg else None,
         plgpu.SMEM((stages, 2, bqb, d), dtype, transforms=qk_tf),
         plgpu.SMEM((stages, 2, bqb, dvh), dtype, transforms=vh_tf),
         plgpu.SMEM((stages, 2, bqb), jnp.float32),
         plgpu.SMEM((stages, 2, bqb), jnp.float32),
         plgpu.SMEM((stages, bqb), jnp.float32),
-        plgpu.SMEM((stages, bqb), jnp.int32) if has_seg else None,
+        plgpu.SMEM((stages, bqb), jnp.int32) if st.has_seg else None,
         plgpu.SMEM((bk, bqb), jnp.float32, transforms=x_tf),
         plgpu.SMEM((bk, bqb), dtype, transforms=_tiled(bqb, dtype)),  # P shares: rounded for the dV wgmma anyway
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=G + 2 + has_seg),
-        plgpu.Barrier(num_arrivals=9 + has_seg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=G + 2 + st.has_seg),
+        plgpu.Barrier(num_arrivals=9 + st.has_seg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
     )
-    args = [q, k, v, lam] + ([q_seg, kv_seg] if has_seg else []) + [do, lse, D]
+    args = [q, k, v, lam] + ([q_seg, kv_seg] if st.has_seg else []) + [do, lse, D]
     out_type = [jax.ShapeDtypeStruct((B, Sp, K, 2, d), dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     return _launch(st, kernel, out_type, (smem, barriers), (K, Sp // bk, B), ("kv_heads", "kv_blocks", "batch"), "diffjax_mgpu_bwd_dkdv")(*args)
 
@@ -795,9 +793,7 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
     lam_BHT = _pad_axis(lam_BTH.transpose(0, 2, 1), 2, Tp)
     q_seg = kv_seg = None
     if segment_ids is not None:
-        q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
-        if q_ids.shape != (B, T) or kv_ids.shape != (B, S):
-            raise ValueError(f"diff_attention: segment_ids shapes {q_ids.shape} / {kv_ids.shape} do not match (B, T) = {(B, T)} and (B, S) = {(B, S)}")
+        q_ids, kv_ids = split_segment_ids(segment_ids, B, T, S)
         q_seg, kv_seg = _pad_axis(q_ids.astype(jnp.int32), 1, Tp), _pad_axis(kv_ids.astype(jnp.int32), 1, Sp)
     st = _Static(
         G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages, pingpong=bool(bs.pingpong),

@@ -39,6 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from diffjax.ops.reference import split_segment_ids
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - MASK) = 1, no inf - inf
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -253,7 +255,7 @@ def _specs(st: _Static, d: int, dv: int, q_index, kv_index, row_index):
 
 def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
     B, H, M, Tp, d = q.shape
-    K, Sp, dv = k.shape[1], k.shape[3], v.shape[-1]
+    Sp, dv = k.shape[3], v.shape[-1]
     nq, nk = Tp // st.bq, Sp // st.bk
 
     q_index, kv_index = _query_major_index_maps(st, nk)
@@ -454,9 +456,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def _segments(segment_ids, B, T, S, Tp, Sp):
     if segment_ids is None:
         return None, None
-    q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
-    if q_ids.shape != (B, T) or kv_ids.shape != (B, S):
-        raise ValueError(f"segment_ids shapes {q_ids.shape} / {kv_ids.shape} do not match (B, T) = {(B, T)} and (B, S) = {(B, S)}")
+    q_ids, kv_ids = split_segment_ids(segment_ids, B, T, S)
     q_ids = jnp.pad(q_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)))[:, :, None]
     kv_ids = jnp.pad(kv_ids.astype(jnp.int32), ((0, 0), (0, Sp - S)))[:, None, :]
     return q_ids, kv_ids
@@ -484,7 +484,6 @@ def diff_attention_pallas(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment
     if two != 2 or G not in (1, 2):
         raise ValueError(f"diff_attention (impl='pallas_tpu'): q must be [B, T, H, 2, d] and k [B, S, Hkv, 1 or 2, d], got {q_BTH2d.shape} and {k_BSKGd.shape}")
     _check("diff_attention", q_BTH2d, k_BSKGd, v_BSKv, d, dk_, H, K)
-    dv = v_BSKv.shape[-1]
     bq, bk = _blocks(block_sizes, T, S, q_BTH2d.dtype)
     Tp, Sp = _round_up(T, bq), _round_up(S, bk)
     # lam rounded to the value dtype like the reference, then fp32 in the kernel; broadcasting it to

@@ -36,6 +36,14 @@ def attention_mask(T: int, S: int, *, causal: bool, segment_ids=None):
     return mask_BTS
 
 
+def split_segment_ids(segment_ids, B: int, T: int, S: int):
+    """(q ids [B, T], kv ids [B, S]) from a [B, T] array (self-attention) or a pair, checked."""
+    q_ids, kv_ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+    if q_ids.shape != (B, T) or kv_ids.shape != (B, S):
+        raise ValueError(f"segment_ids shapes {q_ids.shape} / {kv_ids.shape} do not match (B, T) = {(B, T)} and (B, S) = {(B, S)}")
+    return q_ids, kv_ids
+
+
 def _grouped_softmax_attention(q_BTKRMd, k_BSKMd, v_BSKv, mask_BTS, scale):
     """Softmax attention for M maps at once, with GQA groups explicit.
 
