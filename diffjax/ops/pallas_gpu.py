@@ -150,6 +150,23 @@ def _producer_loop(steps, stages, free, load):
         plgpu.barrier_wait(free.at[lax.rem(step, jnp.int32(stages))])
 
 
+def _copy_kv_rows(srcs, dsts, slot, b, kh, keys, barrier):
+    """TMA copies of one kv step into ring slot `slot`: K for each key group, V (whole, or in two
+    column halves when the slot holds [2, rows, dv / 2]), and the key segment ids when present."""
+    k_ref, v_ref, kvseg_ref = srcs
+    k_smem, v_smem, kvseg_smem = dsts
+    for g in range(k_smem.shape[1]):
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[slot, g], barrier)
+    if v_smem.ndim == 3:
+        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[slot], barrier)
+    else:
+        dvh = v_smem.shape[-1]
+        for c in range(2):
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh, pl.ds(c * dvh, dvh)], v_smem.at[slot, c], barrier)
+    if kvseg_ref is not None:
+        plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], barrier)
+
+
 def _set_registers(st: _Static, producer: bool):
     """Hand the producer's registers to the consumers (setmaxnreg; 2 x 232 + 40 per thread fits)."""
     if not st.interpret:
@@ -295,12 +312,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                 plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem, q_ready)
 
             def load(step, slot):
-                keys = pl.ds(step * bk, bk)
-                for g in range(G):
-                    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[slot, g], kv_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[slot], kv_ready.at[slot])
-                if st.has_seg:
-                    plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], kv_ready.at[slot])
+                _copy_kv_rows((k_ref, v_ref, kvseg_ref), (k_smem, v_smem, kvseg_smem), slot, b, kh, pl.ds(step * bk, bk), kv_ready.at[slot])
 
             _producer_loop(steps, stages, kv_free, load)
 
@@ -478,13 +490,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
             )
 
             def load(step, slot):
-                keys = pl.ds(step * bk, bk)
-                for g in range(G):
-                    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[slot, g], kv_ready.at[slot])
-                for c in range(2):
-                    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh, pl.ds(c * dvh, dvh)], v_smem.at[slot, c], kv_ready.at[slot])
-                if st.has_seg:
-                    plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], kv_ready.at[slot])
+                _copy_kv_rows((k_ref, v_ref, kvseg_ref), (k_smem, v_smem, kvseg_smem), slot, b, kh, pl.ds(step * bk, bk), kv_ready.at[slot])
 
             _producer_loop(steps, stages, kv_free, load)
 
