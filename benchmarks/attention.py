@@ -4,7 +4,7 @@
     python benchmarks/attention.py --quick    # fewer lengths and repeats
 
 For every available impl (cpu: xla, pallas_tpu in interpret mode for small T; gpu: xla, cudnn,
-pallas_gpu; tpu: xla, pallas_tpu, splash), d = 128, dv = 256, bfloat16, causal and not, forward and
+triton, pallas_gpu; tpu: xla, pallas_tpu, splash), d = 128, dv = 256, bfloat16, causal and not, forward and
 forward+backward:
 
   diff      ops.diff_attention (H differential heads)
@@ -49,7 +49,7 @@ D, DV = 128, 256
 
 
 def impls_for(platform: str) -> list[str]:
-    return {"cpu": ["xla", "pallas_tpu"], "gpu": ["xla", "cudnn", "pallas_gpu"], "tpu": ["xla", "pallas_tpu", "splash"]}.get(platform, ["xla"])
+    return {"cpu": ["xla", "pallas_tpu"], "gpu": ["xla", "cudnn", "triton", "pallas_gpu"], "tpu": ["xla", "pallas_tpu", "splash"]}.get(platform, ["xla"])
 
 
 def flops_diff(B, H, T, S, causal, d=D, dv=DV):

@@ -15,7 +15,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 ROPE_STYLES = ("interleaved", "rotate_half")
 ROPE_TYPES = ("default", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "splash", "cudnn")  # diffjax.ops dispatches on these
+ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "splash", "cudnn", "triton")  # diffjax.ops dispatches on these
 REMAT_POLICIES = ("none", "minimal", "full")  # what a decoder block keeps for the backward pass
 # Fields that change how the model computes, not what it computes: a run may resume with others.
 RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")

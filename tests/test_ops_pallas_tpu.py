@@ -184,7 +184,7 @@ def test_unknown_and_unsupported_impls_raise_clear_errors():
     q = jnp.zeros((1, 8, 2, 2, 8))
     k = jnp.zeros((1, 8, 2, 2, 8))
     v = jnp.zeros((1, 8, 2, 16))
-    with pytest.raises(ValueError, match=r"must be one of \('auto', 'xla', 'pallas_tpu', 'pallas_gpu', 'splash', 'cudnn'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"must be one of \('auto', 'xla', 'pallas_tpu', 'pallas_gpu', 'splash', 'cudnn', 'triton'\), got 'flash'"):
         ops.diff_attention(q, k, v, 0.5, impl="flash")
     with pytest.raises(ValueError, match="impl='cudnn' needs a CUDA GPU"):
         ops.diff_attention(q, k, v, 0.5, impl="cudnn")
@@ -203,4 +203,4 @@ def test_auto_logs_its_choice_once(caplog):
         ops.diff_attention(q, k, v, 0.5)
         ops.diff_attention(q, k, v, 0.5)
     chosen = [r.getMessage() for r in caplog.records if "impl='auto'" in r.getMessage()]
-    assert chosen == ["diff_attention: impl='auto' on cpu chose 'xla' (platform 'cpu' has no compiled flash kernel (pallas_tpu would run interpreted))"]
+    assert chosen == ["diff_attention: impl='auto' on cpu chose 'xla' (platform 'cpu' has no compiled flash kernel (the Pallas impls would run interpreted))"]

@@ -8,14 +8,18 @@ impl:
   "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu), differential attention
                 only; Mosaic GPU interpret mode off GPU (for tests).
   "splash"      composition of JAX's splash attention (TPU; interpret mode elsewhere): one call per map.
-  Under diffjax.parallel.activation_sharding (the train step on a mesh) the Pallas impls run inside
+  "triton"      composition of JAX's Pallas Triton flash attention (any CUDA GPU; interpret mode elsewhere),
+                which takes segment ids: packed batches' flash path on GPUs without the fused kernel.
+  Under diffjax.parallel.activation_sharding (the train step on a mesh) the Pallas impls (triton too) run inside
   jax.shard_map over the batch and head axes; cudnn and xla are partitioned by the compiler.
   "cudnn"       composition of jax.nn.dot_product_attention(implementation="cudnn") (GPU): V split
                 into d-wide pieces, both maps folded into the head axis.
-  "auto"        TPU -> "pallas_tpu" (T >= 128); GPU -> "pallas_gpu" on Hopper for the shapes where
-                benchmarks measured it fastest (PALLAS_GPU_FASTEST), else "cudnn" when the call is
-                supported, else "xla"; the choice and its reason are logged once per (op, platform,
-                choice, reason).
+  "auto"        TPU -> "pallas_tpu" (T >= 128). GPU -> "pallas_gpu" on Hopper for every shape it runs,
+                with or without segment ids, except where cuDNN was measured faster on a call cuDNN
+                takes (CUDNN_FASTER_ON_HOPPER); else "cudnn" when it takes the call (no segment ids);
+                else "triton" (segment ids, any CUDA GPU); "xla" only when none of them runs. The
+                choice and its reason are logged once per (op, platform, choice, reason); "xla" on an
+                accelerator is a warning.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from diffjax.ops import compositions
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
 
 IMPLS = ATTENTION_IMPLS
-# (d, dv, causal) where benchmarks/attention.py measured pallas_gpu faster than the cuDNN composition on
-# Hopper (fwd+bwd, bf16, T = 8k); "auto" picks pallas_gpu only for these. Empty until measured on an H100.
-PALLAS_GPU_FASTEST: frozenset[tuple[int, int, bool]] = frozenset()
+# (op, d, dv, causal) where the cuDNN composition was measured faster than pallas_gpu on Hopper (fwd+bwd,
+# bf16, T = 8192): for these "auto" takes cuDNN when cuDNN takes the call (no segment ids). Measured on an
+# H100 with jax 0.11.2 (NOTES.md, GPU results): diff, d 128, dv 256, causal: pallas_gpu 377 TFLOP/s vs 468.
+CUDNN_FASTER_ON_HOPPER: frozenset[tuple[str, int, int, bool]] = frozenset({("diff_attention", 128, 256, True)})
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()
@@ -54,7 +59,9 @@ def _is_hopper() -> bool:
     return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
 
 
-def _pallas_gpu_unsupported(q, k, v, tuning=None):
+def _pallas_gpu_unsupported(op, q, k, v, tuning=None):
+    if op != "diff_attention":
+        return "is the fused differential kernel; use 'cudnn' or 'triton' for standard attention"
     from diffjax.ops.pallas_gpu import unsupported
 
     return unsupported(q, k, v, tuning)
@@ -65,19 +72,8 @@ def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
     if impl not in IMPLS:
         raise ValueError(f"{op}: attention impl must be one of {IMPLS}, got {impl!r}")
     platform = _platform()
-    T = q.shape[1]
     if impl == "auto":
-        if platform == "tpu" and T >= 128:
-            choice, reason = "pallas_tpu", "fused Pallas TPU kernel"
-        elif platform == "tpu":
-            choice, reason = "xla", f"T={T} < 128 is below one kernel block"
-        elif platform == "gpu" and _fastest_on_hopper(op, q, k, v, causal):
-            choice, reason = "pallas_gpu", "fused Mosaic GPU kernel, measured fastest for this shape"
-        elif platform == "gpu":
-            why_not = compositions.cudnn_unsupported(q, k, v, causal, segment_ids, platform)
-            choice, reason = ("cudnn", "cuDNN flash composition") if why_not is None else ("xla", f"cudnn {why_not}")
-        else:
-            choice, reason = "xla", f"platform {platform!r} has no compiled flash kernel (pallas_tpu would run interpreted)"
+        choice, reason = _auto(op, platform, q, k, v, causal, segment_ids)
         level = logging.WARNING if (platform in ("tpu", "gpu") and choice == "xla") else logging.INFO
         _log_once(level, (op, platform, choice, reason), f"{op}: impl='auto' on {platform} chose {choice!r} ({reason})")
         return choice
@@ -94,8 +90,14 @@ def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
             raise ValueError(f"{op}: impl='splash' {why_not}; shapes q {q.shape}, k {k.shape}. Use impl='pallas_tpu' or 'xla'.")
         if platform != "tpu":
             _log_once(logging.WARNING, (op, platform, "splash"), f"{op}: impl='splash' on {platform} runs in Pallas interpret mode (slow)")
+    if impl == "triton":
+        why_not = compositions.triton_unsupported(q, k, v, causal, segment_ids, platform, interpret=True)
+        if why_not:
+            raise ValueError(f"{op}: impl='triton' {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}. Use impl='xla'.")
+        if platform != "gpu":
+            _log_once(logging.WARNING, (op, platform, "triton"), f"{op}: impl='triton' on {platform} runs in Pallas interpret mode (slow)")
     if impl == "pallas_gpu":
-        why_not = "is the fused differential kernel; use 'cudnn' for standard attention" if op != "diff_attention" else _pallas_gpu_unsupported(q, k, v)
+        why_not = _pallas_gpu_unsupported(op, q, k, v)
         if why_not:
             raise ValueError(f"{op}: impl='pallas_gpu' {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}, dtype {q.dtype}.")
         if platform != "gpu":
@@ -105,10 +107,27 @@ def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
     return impl
 
 
-def _fastest_on_hopper(op, q, k, v, causal) -> bool:
-    if op != "diff_attention" or not PALLAS_GPU_FASTEST or not _is_hopper():
-        return False
-    return (q.shape[-1], v.shape[-1], bool(causal)) in PALLAS_GPU_FASTEST and _pallas_gpu_unsupported(q, k, v) is None
+def _auto(op, platform, q, k, v, causal, segment_ids) -> tuple[str, str]:
+    """(impl, why) for impl="auto"."""
+    T = q.shape[1]
+    if platform == "tpu":
+        return ("pallas_tpu", "fused Pallas TPU kernel") if T >= 128 else ("xla", f"T={T} < 128 is below one kernel block")
+    if platform != "gpu":
+        return "xla", f"platform {platform!r} has no compiled flash kernel (the Pallas impls would run interpreted)"
+    why_not = {
+        "pallas_gpu": _pallas_gpu_unsupported(op, q, k, v) if _is_hopper() else "needs a Hopper GPU",
+        "cudnn": compositions.cudnn_unsupported(q, k, v, causal, segment_ids, platform),
+    }
+    if why_not["pallas_gpu"] is None:
+        if why_not["cudnn"] is None and (op, q.shape[-1], v.shape[-1], bool(causal)) in CUDNN_FASTER_ON_HOPPER:
+            return "cudnn", "cuDNN flash composition, measured faster than pallas_gpu for this shape"
+        return "pallas_gpu", "fused Mosaic GPU kernel"
+    if why_not["cudnn"] is None:
+        return "cudnn", "cuDNN flash composition"
+    why_not["triton"] = compositions.triton_unsupported(q, k, v, causal, segment_ids, platform)
+    if why_not["triton"] is None:
+        return "triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"
+    return "xla", "; ".join(f"{name} {why}" for name, why in why_not.items())
 
 
 def _partitioned(kernel, q, k, v, lam, segment_ids):
@@ -157,6 +176,9 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
             q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes), q, k, v, lam, segment_ids)
     if choice == "cudnn":
         return compositions.diff_attention_cudnn(q, k, v, lam, **kwargs)
+    if choice == "triton":
+        return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_triton(
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "gpu"), q, k, v, lam, segment_ids)
     if choice == "splash":
         return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_splash(
             q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "tpu"),
@@ -179,6 +201,9 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
             q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, None, segment_ids)
     if choice == "cudnn":
         return compositions.dot_product_attention_cudnn(q, k, v, **kwargs)
+    if choice == "triton":
+        return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_triton(
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "gpu"), q, k, v, None, segment_ids)
     if choice == "splash":
         return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_splash(
             q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "tpu"),

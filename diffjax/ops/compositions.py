@@ -7,6 +7,13 @@ appendix A / unilm multihead_flashdiff_2 recipe). The two maps are folded into t
 so jax's GQA pairing n // n_rep sends map m of head h to map m of kv head h // n_rep: one call
 per V half serves both maps. o = o1 - lam o2 is an XLA epilogue.
 
+triton (GPU, any generation): JAX's Pallas Triton flash attention
+(jax.experimental.pallas.ops.gpu.attention.mha), which takes segment ids, so packed batches get a
+flash path where cuDNN has none. It needs q, k and v of one head dim and as many kv heads as query
+heads, so the maps are folded into the head axis as for cudnn, K/V are repeated over each GQA group,
+and V is split into d-wide pieces (one call per piece). Its causal mask is top-left aligned (equal
+to ours for T == S) and it takes one segment-id array for queries and keys (self-attention only).
+
 splash (TPU): splash attention accepts a value head dim different from q/k's, so each map is one
 MQA splash call per kv head (vmapped over batch and kv heads: no repeated K/V), 2 calls in all.
 """
@@ -52,31 +59,97 @@ def _cudnn_call(q, k, v, causal, scale):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
 
 
-def diff_attention_cudnn(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None):
+def _fold_maps(q_BTH2d, k_BSKGd, v_BSKv, lam, call):
+    """Both maps in one call per d-wide V piece: query heads map-major [q1 heads..., q2 heads...], kv heads
+    [k1 heads..., k2 heads...], so GQA's pairing n // n_rep sends map m of head h to map m of kv head
+    h // n_rep. call(q_BTNd, k_BSNd, v_BSNd) is one flash call; o = o1 - lam o2 is an XLA epilogue."""
     B, T, H, _, d = q_BTH2d.shape
     _, S, K, G, _ = k_BSKGd.shape
     dv = v_BSKv.shape[-1]
-    scale = d**-0.5 if scale is None else scale
-    q_BTNd = q_BTH2d.transpose(0, 1, 3, 2, 4).reshape(B, T, 2 * H, d)  # map-major heads
+    q_BTNd = q_BTH2d.transpose(0, 1, 3, 2, 4).reshape(B, T, 2 * H, d)
     k_BS2Kd = jnp.broadcast_to(k_BSKGd.transpose(0, 1, 3, 2, 4), (B, S, 2, K, d)) if G == 1 else k_BSKGd.transpose(0, 1, 3, 2, 4)
     k_BSNd = k_BS2Kd.reshape(B, S, 2 * K, d)
-    halves = []
+    pieces = []
     for c in range(dv // d):  # V split in width-d pieces, tiled for the two maps' kv heads
         v_BSKd = v_BSKv[..., c * d : (c + 1) * d]
-        v_BSNd = jnp.concatenate([v_BSKd, v_BSKd], axis=2)
-        halves.append(_cudnn_call(q_BTNd, k_BSNd, v_BSNd, causal, scale))
-    o_BTNv = jnp.concatenate(halves, axis=-1)
-    o_BTH2v = o_BTNv.reshape(B, T, 2, H, dv).transpose(0, 1, 3, 2, 4)
+        pieces.append(call(q_BTNd, k_BSNd, jnp.concatenate([v_BSKd, v_BSKd], axis=2)))
+    o_BTH2v = jnp.concatenate(pieces, axis=-1).reshape(B, T, 2, H, dv).transpose(0, 1, 3, 2, 4)
     return _lam_epilogue(o_BTH2v, lam, v_BSKv.dtype)
 
 
-def dot_product_attention_cudnn(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None):
+def _split_values(q_BTNd, k_BSKd, v_BSKv, call):
+    """Single-map attention with dv a multiple of d: one call per d-wide V piece."""
     d, dv = q_BTNd.shape[-1], v_BSKv.shape[-1]
-    scale = d**-0.5 if scale is None else scale
     if dv == d:
-        return _cudnn_call(q_BTNd, k_BSKd, v_BSKv, causal, scale)
-    pieces = [_cudnn_call(q_BTNd, k_BSKd, v_BSKv[..., c * d : (c + 1) * d], causal, scale) for c in range(dv // d)]
-    return jnp.concatenate(pieces, axis=-1)
+        return call(q_BTNd, k_BSKd, v_BSKv)
+    return jnp.concatenate([call(q_BTNd, k_BSKd, v_BSKv[..., c * d : (c + 1) * d]) for c in range(dv // d)], axis=-1)
+
+
+def diff_attention_cudnn(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None):
+    scale = q_BTH2d.shape[-1] ** -0.5 if scale is None else scale
+    return _fold_maps(q_BTH2d, k_BSKGd, v_BSKv, lam, lambda q, k, v: _cudnn_call(q, k, v, causal, scale))
+
+
+def dot_product_attention_cudnn(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None):
+    scale = q_BTNd.shape[-1] ** -0.5 if scale is None else scale
+    return _split_values(q_BTNd, k_BSKd, v_BSKv, lambda q, k, v: _cudnn_call(q, k, v, causal, scale))
+
+
+# ------------------------------------------------------------------------------------------ triton
+
+TRITON_BLOCK = 128  # the kernel's default q / kv block; T is zero-padded to a multiple of it
+
+
+def triton_unsupported(q, k, v, causal, segment_ids, platform, *, interpret=False) -> str | None:
+    """Why the Pallas Triton composition cannot run this call (None when it can)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    T, S = q.shape[1], k.shape[1]
+    if platform != "gpu" and not interpret:
+        return f"needs a CUDA GPU (platform is {platform!r})"
+    if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return f"needs float16, bfloat16 or float32 inputs (got {q.dtype})"
+    if d % 16 or d > 128:  # the kernel pads d to a power of two (masked), so d = 96 runs as 128
+        return f"needs a head dim that is a multiple of 16 and at most 128 (got {d})"
+    if dv % d:
+        return f"needs the value width ({dv}) to be a multiple of the q/k head dim ({d}) to split V"
+    if T != S:
+        return f"needs T == S (self-attention; got T={T}, S={S})"
+    if isinstance(segment_ids, (tuple, list)):
+        return "takes one segment-id array for queries and keys, not a (q ids, kv ids) pair"
+    return None
+
+
+def _triton_call(q_BTNd, k_BSKd, v_BSKd, segment_ids_BT, causal, scale, interpret):
+    """One Pallas Triton flash call: K/V repeated to the query heads, T padded to a block multiple.
+    Padded keys get a segment id no real one equals; with causal masking and no segment ids they sit
+    after every real query and need none."""
+    from jax.experimental.pallas.ops.gpu import attention
+
+    B, T, N, d = q_BTNd.shape
+    n_rep = N // k_BSKd.shape[2]
+    k_BSNd, v_BSNd = (jnp.repeat(x, n_rep, axis=2) if n_rep > 1 else x for x in (k_BSKd, v_BSKd))
+    Tp = max(16, 1 << (T - 1).bit_length()) if T < TRITON_BLOCK else -(-T // TRITON_BLOCK) * TRITON_BLOCK
+    if Tp != T:
+        if segment_ids_BT is None and not causal:
+            segment_ids_BT = jnp.zeros((B, T), jnp.int32)
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))  # noqa: E731
+        q_BTNd, k_BSNd, v_BSNd = pad(q_BTNd), pad(k_BSNd), pad(v_BSNd)
+        if segment_ids_BT is not None:
+            pad_id = jnp.iinfo(jnp.int32).min
+            segment_ids_BT = jnp.pad(segment_ids_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=pad_id)
+    o_BTNd = attention.mha(q_BTNd, k_BSNd, v_BSNd, segment_ids_BT, sm_scale=scale, causal=causal, interpret=interpret)
+    return o_BTNd[:, :T]
+
+
+def diff_attention_triton(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, interpret=False):
+    scale = q_BTH2d.shape[-1] ** -0.5 if scale is None else scale
+    return _fold_maps(q_BTH2d, k_BSKGd, v_BSKv, lam,
+                      lambda q, k, v: _triton_call(q, k, v, segment_ids, causal, scale, interpret))
+
+
+def dot_product_attention_triton(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, interpret=False):
+    scale = q_BTNd.shape[-1] ** -0.5 if scale is None else scale
+    return _split_values(q_BTNd, k_BSKd, v_BSKv, lambda q, k, v: _triton_call(q, k, v, segment_ids, causal, scale, interpret))
 
 
 # ------------------------------------------------------------------------------------------ splash
