@@ -7,6 +7,7 @@ v (D, Hkv, 2d), o (H, 2d, D). A unilm state_dict therefore loads by transpose an
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -17,6 +18,15 @@ from diffjax.model.rope import apply_rope
 from diffjax.parallel import constrain
 
 BTD = ("batch", "length", "act_embed")
+
+
+def _softmax_maps(q_BTNd, k_BSNd, segment_ids):
+    """Causal softmax(q k^T / sqrt(d)) per head, float32 [B, N, T, S]; rows with no allowed key are 0."""
+    T, S, d = q_BTNd.shape[1], k_BSNd.shape[1], q_BTNd.shape[-1]
+    s_BNTS = jnp.einsum("btnd,bsnd->bnts", q_BTNd, k_BSNd, preferred_element_type=jnp.float32) * jnp.float32(d**-0.5)
+    mask_B1TS = ops.attention_mask(T, S, causal=True, segment_ids=segment_ids)[:, None]
+    p_BNTS = jax.nn.softmax(jnp.where(mask_B1TS, s_BNTS, jnp.finfo(jnp.float32).min), axis=-1)
+    return jnp.where(jnp.any(mask_B1TS, axis=-1, keepdims=True), p_BNTS, 0.0)
 
 
 class DiffAttention(nnx.Module):
@@ -55,6 +65,18 @@ class DiffAttention(nnx.Module):
         lambda_1, lambda_2 = jnp.exp(dot1).astype(dtype), jnp.exp(dot2).astype(dtype)
         lambda_init = jnp.asarray(self.lambda_init, dtype) if lambda_init is None else lambda_init
         return lambda_1 - lambda_2 + lambda_init
+
+    def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None):
+        """The two softmax maps (A1, A2) this layer computes on its (normalized) input x, each float32
+        [B, H, T, S] (GQA's kv heads repeated per query head): the attention output, before the per-head
+        RMSNorm, is (A1 - lambda_full A2) @ v. For plots and analysis; the layer never materialises them.
+        """
+        dtype, (cos, sin), H, K = x_BTD.dtype, rope_cos_sin, self.config.num_heads, self.config.num_kv_heads
+        q_BTH2d = jnp.einsum("btD,DhGd->bthGd", x_BTD, self.q_kernel[...].astype(dtype))
+        k_BSK2d = jnp.einsum("bsD,DkGd->bskGd", x_BTD, self.k_kernel[...].astype(dtype))
+        q_BTH2d = apply_rope(q_BTH2d, cos, sin, self.config.rope_style)
+        k_BSH2d = jnp.repeat(apply_rope(k_BSK2d, cos, sin, self.config.rope_style), H // K, axis=2)
+        return tuple(_softmax_maps(q_BTH2d[..., m, :], k_BSH2d[..., m, :], segment_ids) for m in (0, 1))
 
     def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
         dtype = x_BTD.dtype
@@ -97,6 +119,16 @@ class StandardAttention(nnx.Module):
 
     def layer_constants(self, dtype) -> dict:
         return {}
+
+    def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None):
+        """The softmax map this layer computes on its (normalized) input x, float32 [B, N, T, S] (GQA's kv
+        heads repeated per query head): the attention output is map @ v. For plots and analysis."""
+        dtype, (cos, sin), N, K = x_BTD.dtype, rope_cos_sin, self.config.num_heads, self.config.num_kv_heads
+        q_BTNd = jnp.einsum("btD,Dnd->btnd", x_BTD, self.q_kernel[...].astype(dtype))
+        k_BSKd = jnp.einsum("bsD,Dkd->bskd", x_BTD, self.k_kernel[...].astype(dtype))
+        q_BTNd = apply_rope(q_BTNd, cos, sin, self.config.rope_style)
+        k_BSNd = jnp.repeat(apply_rope(k_BSKd, cos, sin, self.config.rope_style), N // K, axis=2)
+        return _softmax_maps(q_BTNd, k_BSNd, segment_ids)
 
     def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
         dtype = x_BTD.dtype
