@@ -2,10 +2,14 @@
 # Issue 6 on a lent Hopper GPU. Each device call runs at most 600 s, so the work comes in phases:
 #   run(command="bash benchmarks/gpu_session.sh tests bench", timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh sweep ncu", timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh train", timeout_s=600, carry=[".whl"])
 # tests  the compiled kernels' forward and gradients against XLA (pytest -m gpu)    -> gpu_tests.log
 # bench  benchmarks/attention.py at T = 8k: cudnn and pallas_gpu, the issue's targets -> attention_gpu.json, bench.log
 # sweep  benchmarks/pallas_gpu_sweep.py: block sizes, stages, pingpong at T = 8k       -> pallas_gpu_sweep.json, sweep.log
 # ncu    Nsight Compute: registers, occupancy, throughput of each kernel once          -> ncu.txt
+# train  train.py end to end: the 1.4B DIFF config and its Transformer twin, seq 4096, micro-batch 1,
+#        bf16, the paper's 100,288 vocabulary, attention_impl=$IMPL (default auto)    -> train_*.log, train_*.jsonl
+#        (the trainer needs grain & co., which the image lacks: make .whl/ with the wheels first, see NOTES.md)
 # Everything lands in $OUT, which the device tool brings back (gpu.txt says what ran where). Commit
 # the JSON to benchmarks/results/ and the figures to NOTES.md. The device image has jax (CUDA),
 # flax, optax, orbax, pyyaml and pytest: nothing is installed here.
@@ -15,6 +19,10 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
 phases=${*:-tests bench}
+if [ -d .whl ]; then  # wheels the device image lacks (the trainer's data and logging packages)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/gpu.txt"
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
@@ -22,7 +30,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT
 for phase in $phases; do
   case $phase in
     tests)
-      timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_pallas_gpu.py tests/test_model_attention_impl.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+      timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_ops_pallas_gpu.py tests/test_ops_gpu_paths.py tests/test_model_attention_impl.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     bench)
       timeout 280 $PY benchmarks/attention.py --impls cudnn,pallas_gpu --lengths 8192 --no-memory \
         --out "$OUT/attention_gpu.json" 2>&1 | tee "$OUT/bench.log" ;;
@@ -34,6 +42,17 @@ for phase in $phases; do
         $PY benchmarks/attention.py --impls pallas_gpu --lengths 8192 --quick --no-memory --out /tmp/ncu_run.json \
         > "$OUT/ncu.txt" 2>&1
       grep -E "diffjax_mgpu|Registers Per Thread|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|Duration" "$OUT/ncu.txt" | head -40 ;;
-    *) echo "unknown phase $phase (tests, bench, sweep, ncu)"; exit 2 ;;
+    train)
+      for model in diff-1.4b transformer-1.4b; do
+        rm -rf "/tmp/run-$model"
+        timeout 280 $PY train.py --config "configs/paper/$model.yaml" train.run_dir="/tmp/run-$model" \
+          model.attention_impl="${IMPL:-auto}" model.dtype=bfloat16 model.remat=minimal model.scan_layers=true \
+          model.vocab_size=100288 data.seq_len=4096 train.batch_size=1 train.steps=40 train.log_every=10 \
+          train.eval_every=0 train.sample_tokens=0 train.tensorboard=false train.progress=lines \
+          checkpoint.every=100000 checkpoint.keep=1 2>&1 | tee "$OUT/train_$model.log"
+        cp "/tmp/run-$model/metrics.jsonl" "$OUT/train_$model.jsonl" 2>/dev/null
+        rm -rf "/tmp/run-$model"
+      done ;;
+    *) echo "unknown phase $phase (tests, bench, sweep, ncu, train)"; exit 2 ;;
   esac
 done
