@@ -19,6 +19,7 @@ Tolerances as in test_ops_pallas_tpu: against the float32 reference on the same 
 from __future__ import annotations
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -175,3 +176,32 @@ def test_auto_picks_pallas_gpu_only_where_measured_fastest_on_hopper(monkeypatch
     assert ops._resolve("dot_product_attention", "auto", q[:, :, :, 0], k[:, :, :, 0], v, True, None) == "cudnn"
     monkeypatch.setattr(ops, "_is_hopper", lambda: False)  # Ampere and others: the composition
     assert ops._resolve("diff_attention", "auto", q, k, v, True, None) == "cudnn"
+
+
+def _run_state_operands(jaxpr):
+    """Every operand of every run_state equation in jaxpr and its sub-jaxprs (kernel bodies, loops)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "run_state":
+            yield from eqn.invars
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _run_state_operands(sub)
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_pallas_gpu_run_state_takes_no_literal_operands(G):
+    """jax 0.11's Mosaic GPU lowering rejects a literal run_state operand: a static ref index (the map
+    in `k_smem.at[slot, g]`) closed over by an accumulating wgmma must be a jaxpr variable."""
+    B, T, H, K, d, dv = 1, 128, 2, 1, 64, 128
+    q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, T, H, 2, d), (B, T, K, G, d), (B, T, K, dv)))
+    lam = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
+
+    def loss(q, k, v, lam):
+        return jnp.sum(diff_attention_pallas_gpu(q, k, v, lam, causal=True, interpret=False).astype(jnp.float32))
+
+    operands = list(_run_state_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lam).jaxpr))
+    assert operands, "no run_state found: the test no longer sees the accumulating wgmmas"
+    literals = [x for x in operands if isinstance(x, jex_core.Literal)]
+    assert not literals, f"literal run_state operands: {literals}"

@@ -113,7 +113,23 @@ class _Ops:
         if acc is None:
             return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
         assert after_issue is None, "accumulating wgmmas run to completion inside run_state"
+        b = _traced_indices(b)  # b is closed over by run_state: its indices become run_state operands
         return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
+
+
+def _traced_indices(ref):
+    """ref with every scalar index (e.g. the map g in `k_smem.at[slot, g]`) passed through an add, so
+    that it is a variable of the jaxpr. A constant index of a ref that run_state closes over becomes a
+    literal operand of run_state, which jax 0.11's Mosaic GPU lowering rejects ("Shaped arrays must be
+    represented by ir.Values"); an int32 conversion alone is not enough (scalar constants are inlined as literals)."""
+
+    def trace(transform):
+        if not hasattr(transform, "int_indexer_shape"):  # not an indexer (tiling, swizzle, transpose)
+            return transform
+        scalar = lambda i: isinstance(i, int) or (hasattr(i, "shape") and i.shape == ())  # noqa: E731  (not a Slice)
+        return dataclasses.replace(transform, indices=tuple(lax.add(jnp.int32(i), jnp.int32(0)) if scalar(i) else i for i in transform.indices))
+
+    return dataclasses.replace(ref, transforms=tuple(map(trace, ref.transforms)))
 
 
 def _transposed(ref):
