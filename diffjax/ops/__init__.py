@@ -5,8 +5,8 @@ impl:
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
-  "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu), differential attention
-                only; Mosaic GPU interpret mode off GPU (for tests).
+  "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu); standard attention runs
+                their single-map mode (dv == d, segment ids too). Mosaic GPU interpret mode off GPU (for tests).
   "splash"      composition of JAX's splash attention (TPU; interpret mode elsewhere): one call per map.
   Under diffjax.parallel.activation_sharding (the train step on a mesh) the Pallas impls run inside
   jax.shard_map over the batch and head axes; cudnn and xla are partitioned by the compiler.
@@ -95,7 +95,7 @@ def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
         if platform != "tpu":
             _log_once(logging.WARNING, (op, platform, "splash"), f"{op}: impl='splash' on {platform} runs in Pallas interpret mode (slow)")
     if impl == "pallas_gpu":
-        why_not = "is the fused differential kernel; use 'cudnn' for standard attention" if op != "diff_attention" else _pallas_gpu_unsupported(q, k, v)
+        why_not = _pallas_gpu_unsupported(q, k, v)
         if why_not:
             raise ValueError(f"{op}: impl='pallas_gpu' {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}, dtype {q.dtype}.")
         if platform != "gpu":
@@ -167,8 +167,9 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
 def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
     """o[B, T, N, dv] = softmax(q k^T scale) v with q: [B, T, N, d], k: [B, S, K, d], v: [B, S, K, dv].
 
-    The baseline Transformer's op; every impl name works ("pallas_tpu" runs the single-map mode of
-    the fused kernel, "cudnn" calls jax.nn.dot_product_attention directly).
+    The baseline Transformer's op; every impl name works ("pallas_tpu" and "pallas_gpu" run the
+    single-map mode of the fused kernels, "cudnn" calls jax.nn.dot_product_attention directly).
+    block_sizes: as for diff_attention.
     """
     choice = _resolve("dot_product_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
@@ -177,6 +178,11 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
 
         return _partitioned(lambda q, k, v, _, ids: dot_product_attention_pallas(
             q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, None, segment_ids)
+    if choice == "pallas_gpu":
+        from diffjax.ops.pallas_gpu import dot_product_attention_pallas_gpu
+
+        return _partitioned(lambda q, k, v, _, ids: dot_product_attention_pallas_gpu(
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes), q, k, v, None, segment_ids)
     if choice == "cudnn":
         return compositions.dot_product_attention_cudnn(q, k, v, **kwargs)
     if choice == "splash":
