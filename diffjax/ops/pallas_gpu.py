@@ -21,6 +21,13 @@ halves, one per consumer, and the halves are exchanged through SMEM (no duplicat
           tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
   dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
 
+Single-map mode (standard attention, `dot_product_attention_pallas_gpu`, dv == d; FA3's layout): the
+same kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
+different 64-row tiles of one 128-row block and share every streamed tile: forward and dq, two query
+tiles (own online softmax / full dP, own output rows, no O_2 hand-off, no exchange); dk/dv, two kv
+tiles streaming the same q / dO tiles. Both consumers run the CTA's step range; each masks with its
+own rows (`_q_tile`), so the diagonal step may be fully masked for one of them.
+
 Conventions: bottom-right aligned causal masking (query t sits at key S - T + t); kv steps above the
 diagonal are never loaded; unmasked steps run without mask arithmetic. T and S are zero-padded to
 the block sizes outside the kernels (no copy when they divide); padded keys are masked in the
