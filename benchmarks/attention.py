@@ -12,8 +12,9 @@ forward+backward:
             Transformer, same impl family (flash vs flash)
   two-call  two ops.dot_product_attention calls with dv = 2d (one per map) and o1 - lam o2: what
             diff costs without a fused kernel
-  (pallas_gpu is a differential kernel only: its baseline and two-call rows run cudnn, the
-  issue's yardstick: fwd TFLOP/s >= cuDNN's, fwd+bwd >= 0.9x, >= 1.3x faster than two-call cuDNN)
+  (pallas_gpu's baseline rows run its single-map mode; its two-call rows run cudnn, since the
+  single-map mode needs dv = d. Targets, against the cudnn rows of the same run: diff fwd TFLOP/s
+  >= 1.1x the cuDNN baseline's, fwd+bwd >= 1.0x, and >= 1.3x faster than two-call cuDNN)
 
 FLOP convention (nominal, FlashAttention-style): a matmul (m x k)(k x n) is 2mkn.
   diff forward     = B H (2 maps) (2 T S d + 2 T S dv) = 12 B H T S d for dv = 2d
@@ -87,14 +88,14 @@ def make_fns(impl, causal, B, T, H):
     def diff(q, k, v, lam):
         return ops.diff_attention(q, k, v, lam, causal=causal, impl=impl)
 
-    standard_impl = "cudnn" if impl == "pallas_gpu" else impl
+    two_call_impl = "cudnn" if impl == "pallas_gpu" else impl  # its single-map mode needs dv = d
 
     def baseline(q, k, v):
-        return ops.dot_product_attention(q, k, v, causal=causal, impl=standard_impl)
+        return ops.dot_product_attention(q, k, v, causal=causal, impl=impl)
 
     def two_call(q, k, v, lam):
-        o1 = ops.dot_product_attention(q[:, :, :, 0], k[:, :, :, 0], v, causal=causal, impl=standard_impl)
-        o2 = ops.dot_product_attention(q[:, :, :, 1], k[:, :, :, 1], v, causal=causal, impl=standard_impl)
+        o1 = ops.dot_product_attention(q[:, :, :, 0], k[:, :, :, 0], v, causal=causal, impl=two_call_impl)
+        o2 = ops.dot_product_attention(q[:, :, :, 1], k[:, :, :, 1], v, causal=causal, impl=two_call_impl)
         return o1 - lam[..., None].astype(o1.dtype) * o2
 
     variants = {
@@ -174,24 +175,27 @@ def oom_probe(impl, lengths, B, H):
     return results
 
 
-def issue6_targets(records, T=8192):
-    """The fused GPU kernel against cuDNN in the same run: fwd TFLOP/s >= standard attention's,
-    fwd+bwd >= 0.9x, and >= 1.3x faster than the two-call cuDNN composition (both passes)."""
-    rows = {r["pass"]: r for r in records if r["impl"] == "pallas_gpu" and r["T"] == T and r["causal"] and "diff_s" in r}
-    if not rows:
-        return None
+def kernel_targets(records, T=8192):
+    """The fused GPU kernel against cuDNN in the same run (causal, T = 8192): diff TFLOP/s >= 1.1x the
+    cuDNN baseline's forward and >= 1.0x forward+backward, and >= 1.3x faster than two-call cuDNN."""
+    def rows(impl):
+        return {r["pass"]: r for r in records if r["impl"] == impl and r["T"] == T and r["causal"] and "diff_s" in r}
+
+    fused, cudnn = rows("pallas_gpu"), rows("cudnn")
     out = {"lines": []}
-    for mode, need in (("fwd", 1.0), ("fwd+bwd", 0.9)):
-        if mode in rows:
-            r = rows[mode]
-            ratio = r["diff_tflops"] / r["baseline_tflops"]
+    for mode, need in (("fwd", 1.1), ("fwd+bwd", 1.0)):
+        if mode in fused and mode in cudnn:
+            r, c = fused[mode], cudnn[mode]
+            ratio = r["diff_tflops"] / c["baseline_tflops"]
             speedup = r["two-call_s"] / r["diff_s"]
-            out[mode] = {"tflops_ratio_vs_cudnn": ratio, "need": need, "speedup_vs_two_call": speedup, "need_speedup": 1.3}
+            out[mode] = {"tflops_ratio_vs_cudnn": ratio, "need": need, "speedup_vs_two_call": speedup, "need_speedup": 1.3,
+                         "single_map_over_cudnn_baseline": r["baseline_tflops"] / c["baseline_tflops"]}
             out["lines"].append(
-                f"{mode:>8}: {r['diff_tflops']:.0f} vs cuDNN {r['baseline_tflops']:.0f} TFLOP/s = {ratio:.2f}x (target >= {need}), "
-                f"{speedup:.2f}x faster than two-call cuDNN (target >= 1.3)"
+                f"{mode:>8}: {r['diff_tflops']:.0f} vs cuDNN baseline {c['baseline_tflops']:.0f} TFLOP/s = {ratio:.2f}x "
+                f"(target >= {need}), {speedup:.2f}x faster than two-call cuDNN (target >= 1.3); single-map mode "
+                f"{r['baseline_tflops']:.0f} TFLOP/s"
             )
-    return out
+    return out if out["lines"] else None
 
 
 def run_memory_section(platform, device):
@@ -286,7 +290,7 @@ def main():
                         + ("   (interpret mode)" if rec["interpret"] else "")
                     )
 
-    targets = issue6_targets(records)
+    targets = kernel_targets(records)
     if targets:
         print("\npallas_gpu against the issue's targets (T = 8192, causal, d = 128, dv = 256, bf16):")
         for line in targets["lines"]:

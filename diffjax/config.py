@@ -91,10 +91,9 @@ class ModelConfig:
             f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}",
         )
         check(
-            self.attention_impl != "pallas_gpu" or (self.attention == "diff" and self.dtype in ("bfloat16", "float16")),
-            f"attention_impl 'pallas_gpu' is the fused differential kernel for bfloat16 / float16: it needs attention "
-            f"'diff' and dtype bfloat16 or float16, got attention {self.attention!r}, dtype {self.dtype!r} "
-            f"(use 'cudnn' or 'auto' otherwise)",
+            self.attention_impl != "pallas_gpu" or self.dtype in ("bfloat16", "float16"),
+            f"attention_impl 'pallas_gpu' (the fused Mosaic GPU kernels) needs dtype bfloat16 or float16, got "
+            f"dtype {self.dtype!r} (use 'cudnn', 'xla' or 'auto' otherwise)",
         )
         check(self.remat in REMAT_POLICIES, f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         check(isinstance(self.scan_layers, bool), f"scan_layers must be true or false, got {self.scan_layers!r}")

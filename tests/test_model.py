@@ -29,13 +29,17 @@ TINY = dict(vocab_size=50, d_model=32, num_layers=2, num_heads=2)
         (dict(rope_type="yarn"), "rope_type must be one of"),
         (dict(rope_type="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0), "rope_low_freq_factor < rope_high_freq_factor"),
         (dict(head_dim=7), "head_dim must be even"),
-        (dict(attention_impl="pallas_gpu"), "attention_impl 'pallas_gpu' is the fused differential kernel for bfloat16 / float16"),
-        (dict(attention_impl="pallas_gpu", attention="standard", dtype="bfloat16"), "got attention 'standard', dtype 'bfloat16'"),
+        (dict(attention_impl="pallas_gpu", attention="standard"), "attention_impl 'pallas_gpu' (the fused Mosaic GPU kernels) needs dtype bfloat16 or float16"),
     ],
 )
 def test_config_errors_name_the_problem(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
         ModelConfig(**{**TINY, **fields})
+
+
+def test_config_takes_pallas_gpu_for_both_attentions_in_16_bit():
+    for attention in ("diff", "standard"):
+        assert ModelConfig(**{**TINY, "attention_impl": "pallas_gpu", "attention": attention, "dtype": "bfloat16"}).attention == attention
 
 
 def test_config_derives_sizes_and_rederives_on_replace():

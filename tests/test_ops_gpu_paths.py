@@ -118,6 +118,10 @@ def test_auto_on_hopper_picks_the_fused_kernel_for_packed_batches(on_gpu):
     assert ops._resolve("diff_attention", "auto", q, k, v, True, None) == "cudnn"
     # Unpacked and not measured slower (non-causal): the fused kernel.
     assert ops._resolve("diff_attention", "auto", q, k, v, False, None) == "pallas_gpu"
+    # The baseline twin (2H heads of d, dv = d): the kernel's single-map mode, packed or not.
+    qs, ks, vs = q[:, :, :, 0], k[:, :, :, 0], v[..., :128]
+    assert ops._resolve("dot_product_attention", "auto", qs, ks, vs, True, packed) == "pallas_gpu"
+    assert ops._resolve("dot_product_attention", "auto", qs, ks, vs, True, None) == "pallas_gpu"
     # A head dim the fused kernel does not take (96, the 830M config's): cuDNN without segment ids, triton with.
     q96, k96, v96 = _shapes(96, 192)
     assert ops._resolve("diff_attention", "auto", q96, k96, v96, True, None) == "cudnn"

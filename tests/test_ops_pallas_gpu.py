@@ -19,13 +19,14 @@ Tolerances as in test_ops_pallas_tpu: against the float32 reference on the same 
 from __future__ import annotations
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from diffjax import ops
-from diffjax.ops.pallas_gpu import default_tuning, diff_attention_pallas_gpu, unsupported
-from diffjax.ops.reference import diff_attention_xla
+from diffjax.ops.pallas_gpu import Tuning, default_tuning, diff_attention_pallas_gpu, dot_product_attention_pallas_gpu, unsupported
+from diffjax.ops.reference import diff_attention_xla, dot_product_attention_xla
 from test_ops_pallas_tpu import BF16_SLACK, _fully_masked_rows, _rel, _segments
 
 LABELS = ("o", "dq", "dk", "dv", "dlambda")
@@ -46,6 +47,19 @@ INTERPRET_CASES = {
     "causal-T>S-rep2-G1-f16": (1, 96, 64, 2, 1, 1, 64, 64, True, False, None, "float16"),
     "causal-rep2-pairseg-bf16": (1, 64, 128, 2, 1, 2, 64, 128, True, True, "pair", "bfloat16"),
 }
+# Single-map (standard attention) mode. name: (B, T, S, N, K, d, causal, segments, dtype)
+SINGLE_GPU_CASES = {
+    "causal-gqa2-seg-d128": (2, 1024, 1024, 4, 2, 128, True, "same", "bfloat16"),
+    "causal-T<S-pairseg-d64-f16": (1, 300, 520, 4, 1, 64, True, "pair", "float16"),
+    "full-T>S-d128": (1, 520, 264, 2, 2, 128, False, None, "bfloat16"),
+    "causal-long-d128": (1, 4096, 4096, 2, 1, 128, True, None, "bfloat16"),
+}
+# 64-row steps, so that each kernel streams several tiles through its 2-slot ring on tiny shapes.
+SMALL_STEPS = Tuning(block_k=64, block_k_dq=64, block_q_bwd=64)
+SINGLE_INTERPRET_CASES = {
+    "causal-gqa2-seg-bf16": (1, 128, 128, 2, 1, 64, True, "same", "bfloat16"),
+    "full-T<S-f16": (1, 64, 192, 1, 1, 64, False, None, "float16"),
+}
 
 
 def _inputs(case, seed=0):
@@ -57,9 +71,25 @@ def _inputs(case, seed=0):
     return q, k, v, lam, ct, _segments(rng, B, T, S, seg)
 
 
-def _value_and_grads(fn, q, k, v, lam, ct):
-    o, vjp = jax.vjp(fn, q, k, v, lam)
+def _value_and_grads(fn, ct, *args):
+    o, vjp = jax.vjp(fn, *args)
     return (o, *vjp(ct.astype(o.dtype)))
+
+
+def _compare(measured, fused, xla, ct, args, dead_BT):
+    """Output and every gradient of `fused` (16-bit q, k, v) against `xla` on the same inputs in
+    float32; fully masked query rows (dead_BT) must give exactly zero output and dq."""
+    got = _value_and_grads(fused, ct, *args)
+    exact = _value_and_grads(xla, ct, *(a.astype(jnp.float32) for a in args))
+    ref16 = _value_and_grads(xla, ct, *args)
+    for label, g, r, e, x in zip(LABELS, got, ref16, exact, (ct, *args)):
+        assert g.shape == x.shape and np.all(np.isfinite(np.asarray(g, np.float32))), label
+        tol = 2 * _rel(r, e) + BF16_SLACK
+        assert measured(f"{label} rel err vs f32 ref", _rel(g, e), tol) <= tol, label
+    assert got[0].dtype == args[0].dtype
+    if dead_BT.any():
+        worst = max(float(jnp.abs(got[0][dead_BT]).max()), float(jnp.abs(got[1][dead_BT]).max()))
+        assert measured("max |o|, |dq| on fully masked rows", worst, 0.0) == 0.0
 
 
 def _check_against_reference(case, measured, *, interpret, tuning=None):
@@ -67,19 +97,18 @@ def _check_against_reference(case, measured, *, interpret, tuning=None):
     q, k, v, lam, ct, seg = _inputs(case)
     fused = jax.jit(lambda q, k, v, lam: diff_attention_pallas_gpu(q, k, v, lam, causal=causal, segment_ids=seg, tuning=tuning, interpret=interpret))
     xla = jax.jit(lambda q, k, v, lam: diff_attention_xla(q, k, v, lam, causal=causal, segment_ids=seg))
-    got = _value_and_grads(fused, q, k, v, lam, ct)
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    exact = _value_and_grads(xla, f32(q), f32(k), f32(v), lam, ct)
-    ref16 = _value_and_grads(xla, q, k, v, lam, ct)
-    for label, g, r, e, x in zip(LABELS, got, ref16, exact, (ct, q, k, v, lam)):
-        assert g.shape == x.shape and np.all(np.isfinite(np.asarray(g, np.float32))), label
-        tol = 2 * _rel(r, e) + BF16_SLACK
-        assert measured(f"{label} rel err vs f32 ref", _rel(g, e), tol) <= tol, label
-    assert got[0].dtype == q.dtype
-    dead_BT = _fully_masked_rows(*case[:3], causal, seg)
-    if dead_BT.any():
-        worst = max(float(jnp.abs(got[0][dead_BT]).max()), float(jnp.abs(got[1][dead_BT]).max()))
-        assert measured("max |o|, |dq| on fully masked rows", worst, 0.0) == 0.0
+    _compare(measured, fused, xla, ct, (q, k, v, lam), _fully_masked_rows(*case[:3], causal, seg))
+
+
+def _check_single_against_reference(case, measured, *, interpret, tuning=None):
+    """The single-map (standard attention) mode against dot_product_attention_xla."""
+    B, T, S, N, K, d, causal, seg_kind, dtype = case
+    rng = np.random.default_rng(1)
+    q, k, v, ct = (jnp.asarray(rng.normal(size=s), jnp.dtype(dtype)) for s in ((B, T, N, d), (B, S, K, d), (B, S, K, d), (B, T, N, d)))
+    seg = _segments(rng, B, T, S, seg_kind)
+    fused = jax.jit(lambda q, k, v: dot_product_attention_pallas_gpu(q, k, v, causal=causal, segment_ids=seg, tuning=tuning, interpret=interpret))
+    xla = jax.jit(lambda q, k, v: dot_product_attention_xla(q, k, v, causal=causal, segment_ids=seg))
+    _compare(measured, fused, xla, ct, (q, k, v), _fully_masked_rows(B, T, S, causal, seg))
 
 
 @pytest.mark.gpu
@@ -116,6 +145,32 @@ def test_pallas_gpu_through_ops_dispatch_and_shard_map(measured):
 @pytest.mark.parametrize("name", list(INTERPRET_CASES))
 def test_pallas_gpu_interpret_forward_and_grads(name, measured):
     _check_against_reference(INTERPRET_CASES[name], measured, interpret=True)
+
+
+@pytest.mark.parametrize("name", list(SINGLE_INTERPRET_CASES))
+def test_pallas_gpu_single_interpret_forward_and_grads(name, measured):
+    _check_single_against_reference(SINGLE_INTERPRET_CASES[name], measured, interpret=True, tuning=SMALL_STEPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(SINGLE_GPU_CASES))
+def test_pallas_gpu_single_compiled_forward_and_grads(name, measured):
+    _check_single_against_reference(SINGLE_GPU_CASES[name], measured, interpret=False)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_pallas_gpu_single_lowers_for_cuda(d):
+    """Standard attention (dv = d), causal with segment ids, at the default blocks."""
+    B, T, N, K = 1, 320, 4, 2
+    q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, T, N, d), (B, T, K, d), (B, T, K, d)))
+    seg = jnp.zeros((B, T), jnp.int32)
+
+    def loss(q, k, v):
+        return jnp.sum(dot_product_attention_pallas_gpu(q, k, v, causal=True, segment_ids=seg, interpret=False).astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    for kernel in ("diffjax_mgpu_single_fwd", "diffjax_mgpu_single_bwd_dq", "diffjax_mgpu_single_bwd_dkdv"):
+        assert kernel in text, f"{kernel} missing from the lowered module ({default_tuning(d, d, 1, jnp.bfloat16, single=True)})"
 
 
 @pytest.mark.parametrize("d, dv, G", [(128, 256, 2), (64, 128, 2), (128, 128, 1), (64, 64, 1)])
@@ -158,6 +213,36 @@ def test_pallas_gpu_rejects_what_it_cannot_run():
     assert "shared memory" in unsupported(*arrays(d=128, dv=256), tuning=(64, 128, 128, 128, 3))
     with pytest.raises(ValueError, match=r"impl='pallas_gpu' needs the q and k head dim d in \(64, 128\), got 32"):
         ops.diff_attention(*arrays(d=32, dv=64), 0.5, impl="pallas_gpu")
-    q, k, v = arrays()
-    with pytest.raises(ValueError, match="dot_product_attention: impl='pallas_gpu' is the fused differential kernel; use 'cudnn' or 'triton'"):
+    q, k, v = arrays()  # standard attention (4-D q, k): the single-map mode needs dv == d
+    assert unsupported(q[:, :, :, 0], k[:, :, :, 0], v[..., :64]) is None
+    with pytest.raises(ValueError, match=r"dot_product_attention: impl='pallas_gpu' needs dv = d for standard attention, got dv = 128 with d = 64 \(bfloat16\)"):
         ops.dot_product_attention(q[:, :, :, 0], k[:, :, :, 0], v, impl="pallas_gpu")
+
+
+def _run_state_operands(jaxpr):
+    """Every operand of every run_state equation in jaxpr and its sub-jaxprs (kernel bodies, loops)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "run_state":
+            yield from eqn.invars
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _run_state_operands(sub)
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_pallas_gpu_run_state_takes_no_literal_operands(G):
+    """jax 0.11's Mosaic GPU lowering rejects a literal run_state operand: a static ref index (the map
+    in `k_smem.at[slot, g]`) closed over by an accumulating wgmma must be a jaxpr variable."""
+    B, T, H, K, d, dv = 1, 128, 2, 1, 64, 128
+    q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, T, H, 2, d), (B, T, K, G, d), (B, T, K, dv)))
+    lam = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
+
+    def loss(q, k, v, lam):
+        return jnp.sum(diff_attention_pallas_gpu(q, k, v, lam, causal=True, interpret=False).astype(jnp.float32))
+
+    operands = list(_run_state_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lam).jaxpr))
+    assert operands, "no run_state found: the test no longer sees the accumulating wgmmas"
+    literals = [x for x in operands if isinstance(x, jex_core.Literal)]
+    assert not literals, f"literal run_state operands: {literals}"

@@ -5,8 +5,8 @@ impl:
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
-  "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu), differential attention
-                only; Mosaic GPU interpret mode off GPU (for tests).
+  "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu); standard attention runs
+                their single-map mode (dv == d, segment ids too). Mosaic GPU interpret mode off GPU (for tests).
   "splash"      composition of JAX's splash attention (TPU; interpret mode elsewhere): one call per map.
   "triton"      composition of JAX's Pallas Triton flash attention (any CUDA GPU; interpret mode elsewhere),
                 which takes segment ids: packed batches' flash path on GPUs without the fused kernel.
@@ -59,9 +59,7 @@ def _is_hopper() -> bool:
     return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
 
 
-def _pallas_gpu_unsupported(op, q, k, v, tuning=None):
-    if op != "diff_attention":
-        return "is the fused differential kernel; use 'cudnn' or 'triton' for standard attention"
+def _pallas_gpu_unsupported(q, k, v, tuning=None):
     from diffjax.ops.pallas_gpu import unsupported
 
     return unsupported(q, k, v, tuning)
@@ -97,7 +95,7 @@ def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
         if platform != "gpu":
             _log_once(logging.WARNING, (op, platform, "triton"), f"{op}: impl='triton' on {platform} runs in Pallas interpret mode (slow)")
     if impl == "pallas_gpu":
-        why_not = _pallas_gpu_unsupported(op, q, k, v)
+        why_not = _pallas_gpu_unsupported(q, k, v)
         if why_not:
             raise ValueError(f"{op}: impl='pallas_gpu' {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}, dtype {q.dtype}.")
         if platform != "gpu":
@@ -115,7 +113,7 @@ def _auto(op, platform, q, k, v, causal, segment_ids) -> tuple[str, str]:
     if platform != "gpu":
         return "xla", f"platform {platform!r} has no compiled flash kernel (the Pallas impls would run interpreted)"
     why_not = {
-        "pallas_gpu": _pallas_gpu_unsupported(op, q, k, v) if _is_hopper() else "needs a Hopper GPU",
+        "pallas_gpu": _pallas_gpu_unsupported(q, k, v) if _is_hopper() else "needs a Hopper GPU",
         "cudnn": compositions.cudnn_unsupported(q, k, v, causal, segment_ids, platform),
     }
     if why_not["pallas_gpu"] is None:
@@ -189,8 +187,9 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
 def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
     """o[B, T, N, dv] = softmax(q k^T scale) v with q: [B, T, N, d], k: [B, S, K, d], v: [B, S, K, dv].
 
-    The baseline Transformer's op; every impl name works ("pallas_tpu" runs the single-map mode of
-    the fused kernel, "cudnn" calls jax.nn.dot_product_attention directly).
+    The baseline Transformer's op; every impl name works ("pallas_tpu" and "pallas_gpu" run the
+    single-map mode of the fused kernels, "cudnn" calls jax.nn.dot_product_attention directly).
+    block_sizes: as for diff_attention.
     """
     choice = _resolve("dot_product_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
@@ -199,6 +198,11 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
 
         return _partitioned(lambda q, k, v, _, ids: dot_product_attention_pallas(
             q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, None, segment_ids)
+    if choice == "pallas_gpu":
+        from diffjax.ops.pallas_gpu import dot_product_attention_pallas_gpu
+
+        return _partitioned(lambda q, k, v, _, ids: dot_product_attention_pallas_gpu(
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes), q, k, v, None, segment_ids)
     if choice == "cudnn":
         return compositions.dot_product_attention_cudnn(q, k, v, **kwargs)
     if choice == "triton":

@@ -21,6 +21,13 @@ halves, one per consumer, and the halves are exchanged through SMEM (no duplicat
           tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
   dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
 
+Single-map mode (standard attention, `dot_product_attention_pallas_gpu`, dv == d; FA3's layout): the
+same kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
+different 64-row tiles of one 128-row block and share every streamed tile: forward and dq, two query
+tiles (own online softmax / full dP, own output rows, no O_2 hand-off, no exchange); dk/dv, two kv
+tiles streaming the same q / dO tiles. Both consumers run the CTA's step range; each masks with its
+own rows (`_q_tile`), so the diagonal step may be fully masked for one of them.
+
 Conventions: bottom-right aligned causal masking (query t sits at key S - T + t); kv steps above the
 diagonal are never loaded; unmasked steps run without mask arithmetic. T and S are zero-padded to
 the block sizes outside the kernels (no copy when they divide); padded keys are masked in the
@@ -113,7 +120,23 @@ class _Ops:
         if acc is None:
             return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
         assert after_issue is None, "accumulating wgmmas run to completion inside run_state"
+        b = _traced_indices(b)  # b is closed over by run_state: its indices become run_state operands
         return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
+
+
+def _traced_indices(ref):
+    """ref with every scalar index (e.g. the map g in `k_smem.at[slot, g]`) passed through an add, so
+    that it is a variable of the jaxpr. A constant index of a ref that run_state closes over becomes a
+    literal operand of run_state, which jax 0.11's Mosaic GPU lowering rejects ("Shaped arrays must be
+    represented by ir.Values"); an int32 conversion alone is not enough (scalar constants are inlined as literals)."""
+
+    def trace(transform):
+        if not hasattr(transform, "int_indexer_shape"):  # not an indexer (tiling, swizzle, transpose)
+            return transform
+        scalar = lambda i: isinstance(i, int) or (hasattr(i, "shape") and i.shape == ())  # noqa: E731  (not a Slice)
+        return dataclasses.replace(transform, indices=tuple(lax.add(jnp.int32(i), jnp.int32(0)) if scalar(i) else i for i in transform.indices))
+
+    return dataclasses.replace(ref, transforms=tuple(map(trace, ref.transforms)))
 
 
 def _transposed(ref):
@@ -200,6 +223,19 @@ class _Static(NamedTuple):
     scale: float
     has_seg: bool
     interpret: bool
+    single: bool = False  # standard attention: one map, the consumers on different rows
+
+    @property
+    def M(self):  # maps: lse / D / dq / dk carry a map axis of this size
+        return 1 if self.single else 2
+
+    @property
+    def cta_q(self):  # query rows of a forward / dq CTA: a 64-row tile per consumer in the single mode
+        return 2 * self.bq if self.single else self.bq
+
+    @property
+    def cta_kv(self):  # kv rows of a dk/dv CTA
+        return 128 if self.single else 64
 
     @property
     def offset(self):  # key position of query 0 (bottom-right aligned causal)
@@ -214,11 +250,17 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def _kv_steps(st: _Static, t0, nk):
-    """(unmasked steps, all steps) for the query rows [t0, t0 + bq): kv blocks past the causal
+def _q_tile(st: _Static, g: int, r0, rows: int):
+    """(map, first row) of consumer g's query tile in a block of query rows starting at r0: both maps
+    of the same rows (differential), or the g-th `rows`-row tile (single)."""
+    return (0, r0 + g * rows) if st.single else (g, r0)
+
+
+def _kv_steps(st: _Static, t0, rows, nk):
+    """(unmasked steps, all steps) for the query rows [t0, t0 + rows): kv blocks past the causal
     diagonal are skipped; the first `unmasked` need no mask at all."""
     if st.causal:
-        last = t0 + st.bq + st.offset  # one past the last key the block's last row sees
+        last = t0 + rows + st.offset  # one past the last key the block's last row sees
         steps = jnp.clip(_cdiv_dyn(last, st.bk), 0, nk)
         unmasked = jnp.clip(jnp.maximum(t0 + st.offset + 1, 0) // st.bk, 0, steps)
     else:
@@ -272,7 +314,8 @@ def _cols(x, shape):
 
 
 def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
-    """o [B, Tp, H, dv]; with residuals also o2 [B, Tp, H, dv] f32 and lse [B, H, 2, Tp] f32 (base 2)."""
+    """[o [B, Tp, H, dv]]; with residuals also lse [B, H, M, Tp] f32 (base 2) and, differential only,
+    o2 [B, Tp, H, dv] f32."""
     B, Tp, H, _, d = q.shape
     Sp, dv = k.shape[1], v.shape[-1]
     dtype = q.dtype
@@ -283,18 +326,18 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
 
     def kernel(*refs):
         it = iter(refs)
-        q_ref, k_ref, v_ref, lam_ref = next(it), next(it), next(it), next(it)
-        qseg_ref, kvseg_ref = (next(it), next(it)) if st.has_seg else (None, None)
+        q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref = _in_refs(st, it)
         o_ref = next(it)
-        o2_ref, lse_ref = (next(it), next(it)) if save_residuals else (None, None)
+        lse_ref = next(it) if save_residuals else None
+        o2_ref = next(it) if save_residuals and not st.single else None
         q_smem, k_smem, v_smem, lam_smem, qseg_smem, kvseg_smem, o2_smem, lse_smem = next(it)
         q_ready, kv_ready, kv_free, o2_ready, o2_free, sched = next(it)
 
-        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), _q_block(st, Tp // bq)
+        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), _q_block(st, Tp // st.cta_q)
         kh = lax.div(h, jnp.int32(st.R))
-        t0 = i * bq
+        t0 = i * st.cta_q
         wg = lax.axis_index("wg")
-        unmasked, steps = _kv_steps(st, t0, nk)
+        _, steps = _kv_steps(st, t0, st.cta_q, nk)  # both consumers run the CTA's steps (one ring)
 
         def schedule():  # pingpong: one consumer's softmax overlaps the other's wgmmas
             if st.pingpong:
@@ -304,12 +347,14 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
         @pl.when(wg == 2)
         def _producer():
             _set_registers(st, producer=True)
-            rows = pl.ds(t0, bq)
-            for m in range(2):
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[m], q_ready)
-            plgpu.copy_gmem_to_smem(lam_ref.at[b, h, rows], lam_smem, q_ready)
+            for g in range(2):
+                m, r0 = _q_tile(st, g, t0, bq)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(r0, bq), h, m], q_smem.at[g], q_ready)
+            if not st.single:
+                plgpu.copy_gmem_to_smem(lam_ref.at[b, h, pl.ds(t0, bq)], lam_smem, q_ready)
             if st.has_seg:
-                plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem, q_ready)
+                for g in range(qseg_smem.shape[0]):
+                    plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(_q_tile(st, g, t0, bq)[1], bq)], qseg_smem.at[g], q_ready)
 
             def load(step, slot):
                 _copy_kv_rows((k_ref, v_ref, kvseg_ref), (k_smem, v_smem, kvseg_smem), slot, b, kh, pl.ds(step * bk, bk), kv_ready.at[slot])
@@ -320,7 +365,9 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(q_ready)
             q_g = q_smem.at[g]
-            q_seg = ops.load(qseg_smem, WGMMA.reduce(1)) if st.has_seg else None
+            m, r0 = _q_tile(st, g, t0, bq)
+            unmasked, _ = _kv_steps(st, r0, bq, nk)
+            q_seg = ops.load(qseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
             carry = (
                 ops.full((bq,), -jnp.inf, layout=WGMMA.reduce(1)),  # running max (base 2)
                 ops.full((bq,), 0.0, layout=WGMMA.reduce(1)),  # running sum
@@ -335,7 +382,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                 s = ops.matmul(q_g, k_g, (bq, bk), transpose_b=True, after_issue=schedule) * st.scale2
                 if masked:
                     kv_seg = ops.load(kvseg_smem.at[slot], WGMMA.reduce(0)) if st.has_seg else None
-                    mask = _score_mask(ops, st, (bq, bk), t0, step * bk, q_seg, kv_seg)
+                    mask = _score_mask(ops, st, (bq, bk), r0, step * bk, q_seg, kv_seg)
                     if mask is not None:
                         s = jnp.where(mask, s, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -359,12 +406,16 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
             empty = l_i == 0.0  # fully masked rows: o = 0, lse = +inf (so the backward's P is 0)
             l_safe = jnp.where(empty, 1.0, l_i)
             o_g = acc * _rows(1.0 / l_safe, (bq, dv))
-            rows = pl.ds(t0, bq)
+            rows = pl.ds(r0, bq)
             if save_residuals:
                 lse_smem.at[g][...] = jnp.where(empty, jnp.inf, m_i + jnp.log2(l_safe))
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(lse_smem.at[g], lse_ref.at[b, h, g, rows])
-            if g == 1:  # hand O_2 to consumer 0, d columns at a time; also the fp32 residual
+                plgpu.copy_smem_to_gmem(lse_smem.at[g], lse_ref.at[b, h, m, rows])
+            if st.single:  # dv == d: this consumer's rows leave through its own query tile
+                q_g[...] = o_g.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_g, o_ref.at[b, rows, h])
+            elif g == 1:  # hand O_2 to consumer 0, d columns at a time; also the fp32 residual
                 for c in range(chunks):
                     if c:
                         plgpu.barrier_wait(o2_free)
@@ -392,18 +443,19 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
         pl.when(wg == 1)(lambda: consumer(1))
 
     qk_tf, v_tf = _tiled(d, dtype), _tiled(dv, dtype)
+    seg_tiles = 2 if st.single else 1
     smem = (
         plgpu.SMEM((2, bq, d), dtype, transforms=qk_tf),
         plgpu.SMEM((stages, G, bk, d), dtype, transforms=qk_tf),
         plgpu.SMEM((stages, bk, dv), dtype, transforms=v_tf),
-        plgpu.SMEM((bq,), jnp.float32),
-        plgpu.SMEM((bq,), jnp.int32) if st.has_seg else None,
+        None if st.single else plgpu.SMEM((bq,), jnp.float32),
+        plgpu.SMEM((seg_tiles, bq), jnp.int32) if st.has_seg else None,
         plgpu.SMEM((stages, bk), jnp.int32) if st.has_seg else None,
-        plgpu.SMEM((bq, d), jnp.float32, transforms=_tiled(d, jnp.float32)),
+        None if st.single else plgpu.SMEM((bq, d), jnp.float32, transforms=_tiled(d, jnp.float32)),
         plgpu.SMEM((2, bq), jnp.float32) if save_residuals else None,
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=3 + st.has_seg),
+        plgpu.Barrier(num_arrivals=2 + (not st.single) + seg_tiles * st.has_seg),
         plgpu.Barrier(num_arrivals=G + 1 + st.has_seg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=1),
@@ -412,9 +464,11 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
     )
     out_type = [jax.ShapeDtypeStruct((B, Tp, H, dv), dtype)]
     if save_residuals:
-        out_type += [jax.ShapeDtypeStruct((B, Tp, H, dv), jnp.float32), jax.ShapeDtypeStruct((B, H, 2, Tp), jnp.float32)]
-    args = [q, k, v, lam] + ([q_seg, kv_seg] if st.has_seg else [])
-    return _launch(st, kernel, out_type, (smem, barriers), (H, Tp // bq, B), ("heads", "q_blocks", "batch"), "diffjax_mgpu_fwd")(*args)
+        out_type.append(jax.ShapeDtypeStruct((B, H, st.M, Tp), jnp.float32))
+    if save_residuals and not st.single:
+        out_type.append(jax.ShapeDtypeStruct((B, Tp, H, dv), jnp.float32))
+    grid = (H, Tp // st.cta_q, B)
+    return _launch(st, kernel, out_type, (smem, barriers), grid, ("heads", "q_blocks", "batch"), _name(st, "fwd"))(*_args(st, q, k, v, lam, q_seg, kv_seg))
 
 
 # ------------------------------------------------------------------------------ backward
@@ -440,53 +494,71 @@ def _exchange_sum(ops, g, pairs, barrier):
     return totals
 
 
-def _copy_query_rows(srcs, dsts, b, h, rows, barrier):
-    """TMA copies of one block of query rows for the backward kernels: q for both maps, dO in two
-    column halves, lse and D per map, lambda, and the query segment ids when present."""
+def _in_refs(st: _Static, it):
+    """The kernels' first gmem refs, in `_args` order: (q, k, v, lam or None, q_seg or None, kv_seg or None)."""
+    q_ref, k_ref, v_ref = next(it), next(it), next(it)
+    lam_ref = None if st.single else next(it)
+    qseg_ref, kvseg_ref = (next(it), next(it)) if st.has_seg else (None, None)
+    return q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref
+
+
+def _copy_query_rows(st: _Static, srcs, dsts, b, h, r0, barrier):
+    """TMA copies of one block of query rows from r0 for the backward kernels, into query tiles t of
+    `_q_tile` (the tiles' leading axis): q, dO (differential: the t-th column half; single: whole),
+    lse and D; lambda (differential) and the query segment ids when present."""
     q_ref, do_ref, lse_ref, D_ref, lam_ref, qseg_ref = srcs
     q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem = dsts
-    dvh = do_ref.shape[-1] // 2
-    for m in range(2):
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[m], barrier)
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, pl.ds(m * dvh, dvh)], do_smem.at[m], barrier)
-        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, m, rows], lse_smem.at[m], barrier)
-        plgpu.copy_gmem_to_smem(D_ref.at[b, h, m, rows], D_smem.at[m], barrier)
-    plgpu.copy_gmem_to_smem(lam_ref.at[b, h, rows], lam_smem, barrier)
+    n, dvt = q_smem.shape[-2], do_smem.shape[-1]
+    for t in range(q_smem.shape[0]):
+        m, r = _q_tile(st, t, r0, n)
+        rows = pl.ds(r, n)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h, m], q_smem.at[t], barrier)
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, pl.ds(0 if st.single else t * dvt, dvt)], do_smem.at[t], barrier)
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, m, rows], lse_smem.at[t], barrier)
+        plgpu.copy_gmem_to_smem(D_ref.at[b, h, m, rows], D_smem.at[t], barrier)
+    if lam_ref is not None:
+        plgpu.copy_gmem_to_smem(lam_ref.at[b, h, pl.ds(r0, n)], lam_smem, barrier)
     if qseg_ref is not None:
-        plgpu.copy_gmem_to_smem(qseg_ref.at[b, rows], qseg_smem, barrier)
+        for t in range(qseg_smem.shape[0]):
+            plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(_q_tile(st, t, r0, n)[1], n)], qseg_smem.at[t], barrier)
+
+
+def _query_copies(st: _Static, tiles: int):
+    """How many TMA copies `_copy_query_rows` issues for `tiles` query tiles (a barrier's arrivals)."""
+    return 4 * tiles + (not st.single) + st.has_seg * (tiles if st.single else 1)
 
 
 def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
-    """dq [B, Tp, H, 2, d]: one CTA per (batch, head, q block); consumer g accumulates dQ_g."""
+    """dq [B, Tp, H, M, d]: one CTA per (batch, head, query block); differential: consumer g
+    accumulates dQ_g of the CTA's 64 rows; single: dQ of its own 64-row half of 128 rows."""
     st = st._replace(bk=st.bk_dq)
     B, Tp, H, _, d = q.shape
     Sp, dv = k.shape[1], v.shape[-1]
     dtype = q.dtype
     bq, bk, stages, G = st.bq, st.bk, st.stages, st.G
-    dvh = dv // 2
+    dvt = dv if st.single else dv // 2  # dO tile columns: whole (single) or a half per consumer
     nk = Sp // bk
     ops = _Ops(st.interpret)
 
     def kernel(*refs):
         it = iter(refs)
-        q_ref, k_ref, v_ref, lam_ref = next(it), next(it), next(it), next(it)
-        qseg_ref, kvseg_ref = (next(it), next(it)) if st.has_seg else (None, None)
+        q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref = _in_refs(st, it)
         do_ref, lse_ref, D_ref, dq_ref = next(it), next(it), next(it), next(it)
         q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, k_smem, v_smem, kvseg_smem, x_smem = next(it)
         q_ready, kv_ready, kv_free, xbar = next(it)
 
-        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), _q_block(st, Tp // bq)
+        b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), _q_block(st, Tp // st.cta_q)
         kh = lax.div(h, jnp.int32(st.R))
-        t0 = i * bq
+        t0 = i * st.cta_q
         wg = lax.axis_index("wg")
-        unmasked, steps = _kv_steps(st, t0, nk)
+        _, steps = _kv_steps(st, t0, st.cta_q, nk)
 
         @pl.when(wg == 2)
         def _producer():
             _set_registers(st, producer=True)
             _copy_query_rows(
-                (q_ref, do_ref, lse_ref, D_ref, lam_ref, qseg_ref), (q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem),
-                b, h, pl.ds(t0, bq), q_ready,
+                st, (q_ref, do_ref, lse_ref, D_ref, lam_ref, qseg_ref), (q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem),
+                b, h, t0, q_ready,
             )
 
             def load(step, slot):
@@ -497,10 +569,12 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
         def consumer(g: int):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(q_ready)
+            m, r0 = _q_tile(st, g, t0, bq)
+            unmasked, _ = _kv_steps(st, r0, bq, nk)
             lse_g = ops.load(lse_smem.at[g], WGMMA.reduce(1))
             D_g = ops.load(D_smem.at[g], WGMMA.reduce(1))
-            lam_row = ops.load(lam_smem, WGMMA.reduce(1))
-            q_seg = ops.load(qseg_smem, WGMMA.reduce(1)) if st.has_seg else None
+            lam_row = None if st.single else ops.load(lam_smem, WGMMA.reduce(1))
+            q_seg = ops.load(qseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
 
             def step_body(step, dq_acc, *, masked: bool):
                 slot = lax.rem(step, jnp.int32(stages))
@@ -509,14 +583,17 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 s = ops.matmul(q_smem.at[g], k_g, (bq, bk), transpose_b=True) * st.scale2
                 if masked:
                     kv_seg = ops.load(kvseg_smem.at[slot], WGMMA.reduce(0)) if st.has_seg else None
-                    mask = _score_mask(ops, st, (bq, bk), t0, step * bk, q_seg, kv_seg)
+                    mask = _score_mask(ops, st, (bq, bk), r0, step * bk, q_seg, kv_seg)
                     if mask is not None:
                         s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp2(s - _rows(lse_g, (bq, bk)))
-                dp_half = ops.matmul(do_smem.at[g], v_smem.at[slot, g], (bq, bk), transpose_b=True)
-                (dp,) = _exchange_sum(ops, g, [(x_smem, dp_half)], xbar)
+                if st.single:
+                    dp = ops.matmul(do_smem.at[g], v_smem.at[slot], (bq, bk), transpose_b=True)
+                else:
+                    dp_half = ops.matmul(do_smem.at[g], v_smem.at[slot, g], (bq, bk), transpose_b=True)
+                    (dp,) = _exchange_sum(ops, g, [(x_smem, dp_half)], xbar)
                 ds = p * (dp - _rows(D_g, (bq, bk)))
-                if g == 1:
+                if g == 1 and not st.single:
                     ds = ds * _rows(-lam_row, (bq, bk))
                 dq_acc = ops.matmul(ds.astype(dtype), k_g, (bq, d), acc=dq_acc)
                 plgpu.barrier_arrive(kv_free.at[slot])
@@ -524,106 +601,119 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
 
             dq_acc = lax.fori_loop(0, unmasked, functools.partial(step_body, masked=False), ops.full((bq, d), 0.0))
             dq_acc = lax.fori_loop(unmasked, steps, functools.partial(step_body, masked=True), dq_acc)
-            q_smem.at[g][...] = (dq_acc * st.scale).astype(dtype)  # only this consumer reads q_g
+            q_smem.at[g][...] = (dq_acc * st.scale).astype(dtype)  # only this consumer reads q tile g
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[g], dq_ref.at[b, pl.ds(t0, bq), h, g])
+            plgpu.copy_smem_to_gmem(q_smem.at[g], dq_ref.at[b, pl.ds(r0, bq), h, m])
             plgpu.wait_smem_to_gmem(0)
 
         pl.when(wg == 0)(lambda: consumer(0))
         pl.when(wg == 1)(lambda: consumer(1))
 
-    qk_tf, vh_tf = _tiled(d, dtype), _tiled(dvh, dtype)
+    qk_tf, vt_tf = _tiled(d, dtype), _tiled(dvt, dtype)
+    seg_tiles = 2 if st.single else 1
     smem = (
         plgpu.SMEM((2, bq, d), dtype, transforms=qk_tf),
-        plgpu.SMEM((2, bq, dvh), dtype, transforms=vh_tf),
+        plgpu.SMEM((2, bq, dvt), dtype, transforms=vt_tf),
         plgpu.SMEM((2, bq), jnp.float32),
         plgpu.SMEM((2, bq), jnp.float32),
-        plgpu.SMEM((bq,), jnp.float32),
-        plgpu.SMEM((bq,), jnp.int32) if st.has_seg else None,
+        None if st.single else plgpu.SMEM((bq,), jnp.float32),
+        plgpu.SMEM((seg_tiles, bq), jnp.int32) if st.has_seg else None,
         plgpu.SMEM((stages, G, bk, d), dtype, transforms=qk_tf),
-        plgpu.SMEM((stages, 2, bk, dvh), dtype, transforms=vh_tf),
+        plgpu.SMEM((stages, bk, dv), dtype, transforms=_tiled(dv, dtype)) if st.single else plgpu.SMEM((stages, 2, bk, dvt), dtype, transforms=vt_tf),
         plgpu.SMEM((stages, bk), jnp.int32) if st.has_seg else None,
-        plgpu.SMEM((bq, bk), jnp.float32, transforms=_tiled(bk, jnp.float32)),
+        None if st.single else plgpu.SMEM((bq, bk), jnp.float32, transforms=_tiled(bk, jnp.float32)),
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=9 + st.has_seg),
-        plgpu.Barrier(num_arrivals=G + 2 + st.has_seg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_query_copies(st, 2)),
+        plgpu.Barrier(num_arrivals=G + (1 if st.single else 2) + st.has_seg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
     )
-    args = [q, k, v, lam] + ([q_seg, kv_seg] if st.has_seg else []) + [do, lse, D]
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
-    return _launch(st, kernel, out_type, (smem, barriers), (H, Tp // bq, B), ("heads", "q_blocks", "batch"), "diffjax_mgpu_bwd_dq")(*args)
+    grid = (H, Tp // st.cta_q, B)
+    return _launch(st, kernel, out_type, (smem, barriers), grid, ("heads", "q_blocks", "batch"), _name(st, "bwd_dq"))(*_args(st, q, k, v, lam, q_seg, kv_seg, do, lse, D))
 
 
-def _q_steps(st: _Static, j, nq):
-    """For kv block j of the dk/dv kernel: (first q block, first q block that needs no mask, q blocks)."""
-    bk, bqb = 64, st.bq_bwd
-    k0 = j * bk
+def _q_steps(st: _Static, k0, rows: int, nq):
+    """For the kv rows [k0, k0 + rows) of the dk/dv kernel: (first q block, first q block that needs no mask)."""
+    bqb = st.bq_bwd
     if st.causal:
         first = jnp.clip(jnp.maximum(k0 - st.offset, 0) // bqb, 0, nq)
-        full = jnp.clip(_cdiv_dyn(k0 + bk - 1 - st.offset, bqb), first, nq)
+        full = jnp.clip(_cdiv_dyn(k0 + rows - 1 - st.offset, bqb), first, nq)
     else:
         first, full = jnp.int32(0), jnp.int32(0)
     if st.has_seg:
         full = jnp.int32(nq)
     elif st.Sp != st.S:
-        full = jnp.where(k0 + bk > st.S, nq, full)  # this block holds padded keys
+        full = jnp.where(k0 + rows > st.S, nq, full)  # these rows hold padded keys
     return first, full
 
 
 def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
-    """dk [B, Sp, K, 2, d] (one slice per map) and dv [B, Sp, K, dv]: one CTA per (batch, kv head,
-    64-row kv block), streaming (query head of the group, q block) tiles; consumer g accumulates dK_g
-    and the g-th column half of dV."""
+    """dk [B, Sp, K, M, d] and dv [B, Sp, K, dv]: one CTA per (batch, kv head, kv block), streaming
+    (query head of the group, q block) tiles. Differential: 64 kv rows, consumer g accumulates dK_g
+    and the g-th column half of dV; single: 128 kv rows, consumer g owns dK and dV of the g-th 64."""
     B, Tp, H, _, d = q.shape
     Sp, K, dv = k.shape[1], k.shape[2], v.shape[-1]
     dtype = q.dtype
     bk, bqb, stages, G, R = 64, st.bq_bwd, st.stages, st.G, st.R
-    dvh = dv // 2
+    dvt = dv if st.single else dv // 2  # each consumer's dV columns
+    tiles = 1 if st.single else 2  # streamed query tiles per step: the block's rows, or both maps
     nq = Tp // bqb
     ops = _Ops(st.interpret)
     bst = st._replace(bk=bk, bq=bqb)  # masks in this kernel: kv rows of 64, q columns of bqb
 
     def kernel(*refs):
         it = iter(refs)
-        q_ref, k_ref, v_ref, lam_ref = next(it), next(it), next(it), next(it)
-        qseg_ref, kvseg_ref = (next(it), next(it)) if st.has_seg else (None, None)
+        q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref = _in_refs(st, it)
         do_ref, lse_ref, D_ref, dk_ref, dv_ref = next(it), next(it), next(it), next(it), next(it)
         k_smem, v_smem, kvseg_smem, q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, x_dp, x_p = next(it)
         kv_ready, q_ready, q_free, xbar = next(it)
 
         b, kh, j = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_blocks")
-        k0 = j * bk
+        k0 = j * st.cta_kv
         wg = lax.axis_index("wg")
-        first, full = _q_steps(st, j, nq)
+        first, _ = _q_steps(st, k0, st.cta_kv, nq)
         per_rep = nq - first
         steps = R * per_rep
+
+        def kv_rows(g: int):  # (map, first kv row) of consumer g's K / V tiles
+            return (0, k0 + g * bk) if st.single else (g, k0)
 
         @pl.when(wg == 2)
         def _producer():
             _set_registers(st, producer=True)
-            keys = pl.ds(k0, bk)
-            for g in range(G):
-                plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[g], kv_ready)
-            for c in range(2):
-                plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh, pl.ds(c * dvh, dvh)], v_smem.at[c], kv_ready)
+            if st.single:
+                for g in range(2):
+                    keys = pl.ds(kv_rows(g)[1], bk)
+                    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, 0], k_smem.at[g], kv_ready)
+                    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh], v_smem.at[g], kv_ready)
+            else:
+                keys = pl.ds(k0, bk)
+                for g in range(G):
+                    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kh, g], k_smem.at[g], kv_ready)
+                for c in range(2):
+                    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kh, pl.ds(c * dvt, dvt)], v_smem.at[c], kv_ready)
             if st.has_seg:
-                plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem, kv_ready)
+                for g in range(kvseg_smem.shape[0]):
+                    plgpu.copy_gmem_to_smem(kvseg_ref.at[b, pl.ds(kv_rows(g)[1], bk)], kvseg_smem.at[g], kv_ready)
 
             def load(step, slot):
                 h = kh * R + lax.div(step, per_rep)
-                rows = pl.ds((first + lax.rem(step, per_rep)) * bqb, bqb)
+                r0 = (first + lax.rem(step, per_rep)) * bqb
                 slots = [None if ref is None else ref.at[slot] for ref in (q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem)]
-                _copy_query_rows((q_ref, do_ref, lse_ref, D_ref, lam_ref, qseg_ref), slots, b, h, rows, q_ready.at[slot])
+                _copy_query_rows(st, (q_ref, do_ref, lse_ref, D_ref, lam_ref, qseg_ref), slots, b, h, r0, q_ready.at[slot])
 
             _producer_loop(steps, stages, q_free, load)
 
         def consumer(g: int):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(kv_ready)
-            k_g = k_smem.at[g if G == 2 else 0]
-            kv_seg = ops.load(kvseg_smem, WGMMA.reduce(1)) if st.has_seg else None
+            m, k0_g = kv_rows(g)
+            _, full = _q_steps(st, k0_g, bk, nq)
+            k_g = k_smem.at[g if st.single or G == 2 else 0]
+            t = 0 if st.single else g  # this consumer's streamed query tile
+            kv_seg = ops.load(kvseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
 
             def step_body(i, carry, *, rep, masked: bool):
                 dk_acc, dv_acc = carry
@@ -631,23 +721,28 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 slot = lax.rem(step, jnp.int32(stages))
                 plgpu.barrier_wait(q_ready.at[slot])
                 cols = lambda ref: ops.load(ref, WGMMA.reduce(0))  # noqa: E731  (per-query vectors)
-                lse_g, D_g, lam_col = cols(lse_smem.at[slot, g]), cols(D_smem.at[slot, g]), cols(lam_smem.at[slot])
-                sT = ops.matmul(k_g, q_smem.at[slot, g], (bk, bqb), transpose_b=True) * st.scale2
+                lse_t, D_t = cols(lse_smem.at[slot, t]), cols(D_smem.at[slot, t])
+                q_t, do_t = q_smem.at[slot, t], do_smem.at[slot, t]
+                sT = ops.matmul(k_g, q_t, (bk, bqb), transpose_b=True) * st.scale2
                 if masked:
-                    q_seg = cols(qseg_smem.at[slot]) if st.has_seg else None
-                    mask = _score_mask(ops, bst, (bk, bqb), i * bqb, k0, q_seg, kv_seg, transposed=True)
+                    q_seg = cols(qseg_smem.at[slot, 0]) if st.has_seg else None
+                    mask = _score_mask(ops, bst, (bk, bqb), i * bqb, k0_g, q_seg, kv_seg, transposed=True)
                     if mask is not None:
                         sT = jnp.where(mask, sT, -jnp.inf)
-                pT = jnp.exp2(sT - _cols(lse_g, (bk, bqb)))
-                neg_lam = _cols(-lam_col, (bk, bqb))
-                cpT = pT if g == 0 else pT * neg_lam  # this map's share of P_1 - lam P_2
-                dpT_half = ops.matmul(v_smem.at[g], do_smem.at[slot, g], (bk, bqb), transpose_b=True)
-                dpT, pcT = _exchange_sum(ops, g, [(x_dp, dpT_half), (x_p, cpT)], xbar)
-                dsT = pT * (dpT - _cols(D_g, (bk, bqb)))
-                if g == 1:
-                    dsT = dsT * neg_lam
-                dk_acc = ops.matmul(dsT.astype(dtype), q_smem.at[slot, g], (bk, d), acc=dk_acc)
-                dv_acc = ops.matmul(pcT.astype(dtype), do_smem.at[slot, g], (bk, dvh), acc=dv_acc)
+                pT = jnp.exp2(sT - _cols(lse_t, (bk, bqb)))
+                if st.single:
+                    dpT = ops.matmul(v_smem.at[g], do_t, (bk, bqb), transpose_b=True)
+                    dsT, pcT = pT * (dpT - _cols(D_t, (bk, bqb))), pT
+                else:
+                    neg_lam = _cols(-cols(lam_smem.at[slot]), (bk, bqb))
+                    cpT = pT if g == 0 else pT * neg_lam  # this map's share of P_1 - lam P_2
+                    dpT_half = ops.matmul(v_smem.at[g], do_t, (bk, bqb), transpose_b=True)
+                    dpT, pcT = _exchange_sum(ops, g, [(x_dp, dpT_half), (x_p, cpT)], xbar)
+                    dsT = pT * (dpT - _cols(D_t, (bk, bqb)))
+                    if g == 1:
+                        dsT = dsT * neg_lam
+                dk_acc = ops.matmul(dsT.astype(dtype), q_t, (bk, d), acc=dk_acc)
+                dv_acc = ops.matmul(pcT.astype(dtype), do_t, (bk, dvt), acc=dv_acc)
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk_acc, dv_acc
 
@@ -655,43 +750,53 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 carry = lax.fori_loop(first, full, functools.partial(step_body, rep=rep, masked=True), carry)
                 return lax.fori_loop(full, nq, functools.partial(step_body, rep=rep, masked=False), carry)
 
-            dk_acc, dv_acc = lax.fori_loop(0, R, rep_body, (ops.full((bk, d), 0.0), ops.full((bk, dvh), 0.0)))
+            dk_acc, dv_acc = lax.fori_loop(0, R, rep_body, (ops.full((bk, d), 0.0), ops.full((bk, dvt), 0.0)))
             _rendezvous(xbar)  # both consumers are done with k and v: stage the results there
             k_smem.at[g][...] = (dk_acc * st.scale).astype(dtype)
             v_smem.at[g][...] = dv_acc.astype(dtype)
             plgpu.commit_smem()
-            keys = pl.ds(k0, bk)
-            plgpu.copy_smem_to_gmem(k_smem.at[g], dk_ref.at[b, keys, kh, g])
-            plgpu.copy_smem_to_gmem(v_smem.at[g], dv_ref.at[b, keys, kh, pl.ds(g * dvh, dvh)])
+            keys = pl.ds(k0_g, bk)
+            plgpu.copy_smem_to_gmem(k_smem.at[g], dk_ref.at[b, keys, kh, m])
+            plgpu.copy_smem_to_gmem(v_smem.at[g], dv_ref.at[b, keys, kh, pl.ds(0 if st.single else g * dvt, dvt)])
             plgpu.wait_smem_to_gmem(0)
 
         pl.when(wg == 0)(lambda: consumer(0))
         pl.when(wg == 1)(lambda: consumer(1))
 
-    qk_tf, vh_tf = _tiled(d, dtype), _tiled(dvh, dtype)
+    qk_tf, vt_tf = _tiled(d, dtype), _tiled(dvt, dtype)
     x_tf = _tiled(bqb, jnp.float32)
     smem = (
         plgpu.SMEM((2, bk, d), dtype, transforms=qk_tf),
-        plgpu.SMEM((2, bk, dvh), dtype, transforms=vh_tf),
-        plgpu.SMEM((bk,), jnp.int32) if st.has_seg else None,
-        plgpu.SMEM((stages, 2, bqb, d), dtype, transforms=qk_tf),
-        plgpu.SMEM((stages, 2, bqb, dvh), dtype, transforms=vh_tf),
-        plgpu.SMEM((stages, 2, bqb), jnp.float32),
-        plgpu.SMEM((stages, 2, bqb), jnp.float32),
-        plgpu.SMEM((stages, bqb), jnp.float32),
-        plgpu.SMEM((stages, bqb), jnp.int32) if st.has_seg else None,
-        plgpu.SMEM((bk, bqb), jnp.float32, transforms=x_tf),
-        plgpu.SMEM((bk, bqb), dtype, transforms=_tiled(bqb, dtype)),  # P shares: rounded for the dV wgmma anyway
+        plgpu.SMEM((2, bk, dvt), dtype, transforms=vt_tf),
+        plgpu.SMEM((2 if st.single else 1, bk), jnp.int32) if st.has_seg else None,
+        plgpu.SMEM((stages, tiles, bqb, d), dtype, transforms=qk_tf),
+        plgpu.SMEM((stages, tiles, bqb, dvt), dtype, transforms=vt_tf),
+        plgpu.SMEM((stages, tiles, bqb), jnp.float32),
+        plgpu.SMEM((stages, tiles, bqb), jnp.float32),
+        None if st.single else plgpu.SMEM((stages, bqb), jnp.float32),
+        plgpu.SMEM((stages, 1, bqb), jnp.int32) if st.has_seg else None,
+        None if st.single else plgpu.SMEM((bk, bqb), jnp.float32, transforms=x_tf),
+        None if st.single else plgpu.SMEM((bk, bqb), dtype, transforms=_tiled(bqb, dtype)),  # P shares: rounded for the dV wgmma anyway
     )
+    kv_copies = 4 + 2 * st.has_seg if st.single else G + 2 + st.has_seg
     barriers = (
-        plgpu.Barrier(num_arrivals=G + 2 + st.has_seg),
-        plgpu.Barrier(num_arrivals=9 + st.has_seg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=kv_copies),
+        plgpu.Barrier(num_arrivals=_query_copies(st, tiles), num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
     )
-    args = [q, k, v, lam] + ([q_seg, kv_seg] if st.has_seg else []) + [do, lse, D]
-    out_type = [jax.ShapeDtypeStruct((B, Sp, K, 2, d), dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
-    return _launch(st, kernel, out_type, (smem, barriers), (K, Sp // bk, B), ("kv_heads", "kv_blocks", "batch"), "diffjax_mgpu_bwd_dkdv")(*args)
+    out_type = [jax.ShapeDtypeStruct((B, Sp, K, st.M, d), dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
+    grid = (K, Sp // st.cta_kv, B)
+    return _launch(st, kernel, out_type, (smem, barriers), grid, ("kv_heads", "kv_blocks", "batch"), _name(st, "bwd_dkdv"))(*_args(st, q, k, v, lam, q_seg, kv_seg, do, lse, D))
+
+
+def _args(st: _Static, q, k, v, lam, q_seg, kv_seg, *rest):
+    """The kernels' gmem operands: lam only in the differential mode, segment ids when present."""
+    return [q, k, v] + ([] if st.single else [lam]) + ([q_seg, kv_seg] if st.has_seg else []) + list(rest)
+
+
+def _name(st: _Static, kernel: str):
+    return f"diffjax_mgpu{'_single' if st.single else ''}_{kernel}"
 
 
 def _launch(st, kernel, out_type, scratch, grid, grid_names, name):
@@ -734,48 +839,62 @@ def _pad_axis(x, axis, size):
 
 
 def unsupported(q, k, v, tuning=None) -> str | None:
-    """Why impl="pallas_gpu" cannot run these shapes (None when it can)."""
-    B, T, H, two, d = q.shape
-    _, S, K, G, dk = k.shape
-    dv = v.shape[-1]
-    if two != 2 or G not in (1, 2):
-        return f"needs q [B, T, H, 2, d] and k [B, S, Hkv, 1 or 2, d], got {q.shape} and {k.shape}"
+    """Why impl="pallas_gpu" cannot run these shapes (None when it can): differential attention for
+    q [B, T, H, 2, d], standard (single-map) attention for q [B, T, N, d]."""
+    single = q.ndim == 4
+    if single:
+        if k.ndim != 4 or v.ndim != 4:
+            return f"needs q [B, T, N, d], k [B, S, K, d] and v [B, S, K, dv], got {q.shape}, {k.shape} and {v.shape}"
+        G = 1
+    else:
+        if q.shape[3] != 2 or k.ndim != 5 or k.shape[3] not in (1, 2):
+            return f"needs q [B, T, H, 2, d] and k [B, S, Hkv, 1 or 2, d], got {q.shape} and {k.shape}"
+        G = k.shape[3]
+    d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"needs q, k, v in one of bfloat16 / float16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if d != dk or d not in (64, 128):
         return f"needs the q and k head dim d in (64, 128), got {d} and {dk}"
+    if single and dv != d:
+        return f"needs dv = d for standard attention, got dv = {dv} with d = {d} ({q.dtype})"
     if dv not in (d, 2 * d):
         return f"needs dv = d or 2d, got dv = {dv} with d = {d}"
-    if H % K:
-        return f"needs query heads ({H}) to be a multiple of kv heads ({K})"
-    bs = default_tuning(d, dv, G, q.dtype) if tuning is None else Tuning(*tuning)
+    if q.shape[2] % k.shape[2]:
+        return f"needs query heads ({q.shape[2]}) to be a multiple of kv heads ({k.shape[2]})"
+    bs = default_tuning(d, dv, G, q.dtype, single) if tuning is None else Tuning(*tuning)
     if bs.block_q != 64 or any(b not in (64, 128) for b in bs[1:4]) or bs.stages < 2:
         # 64: a wgmma row tile per consumer; the others are contraction sizes of 16-bit wgmmas with a
         # 128-byte swizzle, which must be multiples of 64
         return f"needs block_q = 64, block_k / block_k_dq / block_q_bwd in (64, 128) and stages >= 2, got {bs}"
-    need = _smem_bytes(d, dv, G, bs, q.dtype)
+    need = _smem_bytes(d, dv, G, bs, q.dtype, single)
     over = {kernel: n for kernel, n in need.items() if n + SMEM_MARGIN > SMEM_BYTES}
     if over:
         return f"needs {over} bytes of shared memory with {bs}, more than the {SMEM_BYTES - SMEM_MARGIN} a Hopper CTA has for tiles; use smaller blocks or fewer stages"
     return None
 
 
-def default_tuning(d, dv, G, dtype) -> Tuning:
+def default_tuning(d, dv, G, dtype, single: bool = False) -> Tuning:
     """The largest block of each kernel (128 or 64) whose shared memory fits, with 2 stages."""
     chosen = {}
     for field, kernel in (("block_k", "forward"), ("block_k_dq", "dq"), ("block_q_bwd", "dkdv")):
         for size in (128, 64):
             bs = Tuning(**{**chosen, field: size})
-            if _smem_bytes(d, dv, G, bs, dtype)[kernel] + SMEM_MARGIN <= SMEM_BYTES:
+            if _smem_bytes(d, dv, G, bs, dtype, single)[kernel] + SMEM_MARGIN <= SMEM_BYTES:
                 break
         chosen[field] = size
     return Tuning(**chosen)
 
 
-def _smem_bytes(d, dv, G, bs: Tuning, dtype):
+def _smem_bytes(d, dv, G, bs: Tuning, dtype, single: bool = False):
     """Shared memory each kernel allocates (tiles and exchange buffers; barriers are negligible)."""
     e = jnp.dtype(dtype).itemsize
     bq, bk, bkq, bqb, n = bs.block_q, bs.block_k, bs.block_k_dq, bs.block_q_bwd, bs.stages
+    if single:  # two query tiles (forward, dq) or kv tiles (dk/dv) of 64 rows, no exchange buffers
+        return {
+            "forward": 2 * bq * d * e + n * bk * (d + dv) * e + n * bk * 4 + 4 * bq * 4,
+            "dq": 2 * bq * (d + dv) * e + n * bkq * (d + dv) * e + n * bkq * 4 + 6 * bq * 4,
+            "dkdv": 2 * 64 * (d + dv) * e + n * bqb * (d + dv) * e + n * bqb * 12 + 2 * 64 * 4,
+        }
     return {
         "forward": 2 * bq * d * e + n * bk * (G * d + dv) * e + bq * d * 4 + n * bk * 4 + 3 * bq * 4,
         "dq": (2 * d + dv) * bq * e + n * bkq * (G * d + dv) * e + bq * bkq * 4 + n * bkq * 4 + 6 * bq * 4,
@@ -786,17 +905,34 @@ def _smem_bytes(d, dv, G, bs: Tuning, dtype):
 def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, tuning=None, interpret=None):
     """Fused differential attention on Hopper; same contract as diffjax.ops.diff_attention.
     tuning: a Tuning (or a tuple of its fields); default `default_tuning` for the shape."""
-    B, T, H, _, d = q_BTH2d.shape
-    _, S, K, G, _ = k_BSKGd.shape
     why_not = unsupported(q_BTH2d, k_BSKGd, v_BSKv, tuning)
     if why_not:
         raise ValueError(f"diff_attention: impl='pallas_gpu' {why_not}")
-    bs = default_tuning(d, v_BSKv.shape[-1], G, q_BTH2d.dtype) if tuning is None else Tuning(*tuning)
-    Tp, Sp = _round_up(T, math.lcm(bs.block_q, bs.block_q_bwd)), _round_up(S, math.lcm(bs.block_k, bs.block_k_dq, 64))
+    B, T, H = q_BTH2d.shape[:3]
     # lam rounded to the value dtype like the reference, then fp32; broadcasting to [B, T, H] makes
     # autodiff sum dlam for a scalar lambda.
     lam_BTH = jnp.broadcast_to(jnp.asarray(lam).astype(v_BSKv.dtype).astype(jnp.float32), (B, T, H))
-    lam_BHT = _pad_axis(lam_BTH.transpose(0, 2, 1), 2, Tp)
+    return _fused(q_BTH2d, k_BSKGd, v_BSKv, lam_BTH, False, causal, segment_ids, scale, tuning, interpret)
+
+
+def dot_product_attention_pallas_gpu(q_BTNd, k_BSKd, v_BSKd, *, causal=True, segment_ids=None, scale=None, tuning=None, interpret=None):
+    """Fused standard attention on Hopper (the single-map mode of the same kernels: the two consumer
+    warpgroups take two 64-row query tiles, or in dk/dv two 64-row kv tiles, sharing every streamed
+    tile); same contract as diffjax.ops.dot_product_attention with dv == d, segment ids included."""
+    why_not = unsupported(q_BTNd, k_BSKd, v_BSKd, tuning)
+    if why_not:
+        raise ValueError(f"dot_product_attention: impl='pallas_gpu' {why_not}")
+    return _fused(q_BTNd[:, :, :, None], k_BSKd[:, :, :, None], v_BSKd, None, True, causal, segment_ids, scale, tuning, interpret)
+
+
+def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale, tuning, interpret):
+    """Pad to the block sizes, run the custom-VJP kernels, crop: q with a map axis M (2, or 1 single)."""
+    B, T, H, _, d = q_BTHMd.shape
+    _, S, K, G, _ = k_BSKGd.shape
+    bs = default_tuning(d, v_BSKv.shape[-1], G, q_BTHMd.dtype, single) if tuning is None else Tuning(*tuning)
+    cta_q, cta_kv = (2 * bs.block_q, 128) if single else (bs.block_q, 64)
+    Tp, Sp = _round_up(T, math.lcm(cta_q, bs.block_q_bwd)), _round_up(S, math.lcm(bs.block_k, bs.block_k_dq, cta_kv))
+    lam_BHT = None if lam_BTH is None else _pad_axis(lam_BTH.transpose(0, 2, 1), 2, Tp)
     q_seg = kv_seg = None
     if segment_ids is not None:
         q_ids, kv_ids = split_segment_ids(segment_ids, B, T, S)
@@ -804,9 +940,9 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
     st = _Static(
         G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages, pingpong=bool(bs.pingpong),
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
-        interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret),
+        interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret), single=single,
     )
-    q = _pad_axis(q_BTH2d, 1, Tp)
+    q = _pad_axis(q_BTHMd, 1, Tp)
     k = _pad_axis(k_BSKGd, 1, Sp)
     v = _pad_axis(v_BSKv, 1, Sp)
     o_BTHv = _flash(st, q, k, v, lam_BHT, q_seg, kv_seg)
@@ -819,21 +955,25 @@ def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg):
 
 
 def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg):
-    o, o2, lse = _forward(st, q, k, v, lam, q_seg, kv_seg, save_residuals=True)
-    return o, (q, k, v, lam, q_seg, kv_seg, o, o2, lse)
+    o, lse, *o2 = _forward(st, q, k, v, lam, q_seg, kv_seg, save_residuals=True)
+    return o, (q, k, v, lam, q_seg, kv_seg, o, o2[0] if o2 else None, lse)
 
 
 def _flash_bwd(st, res, do):
     q, k, v, lam, q_seg, kv_seg, o, o2, lse = res
     do = do.astype(q.dtype)
     do32 = do.astype(jnp.float32)
-    lam_BTH1 = lam.transpose(0, 2, 1)[..., None]
-    o1 = o.astype(jnp.float32) + lam_BTH1 * o2  # the un-mixed first map, from the rounded output
-    D_BHMT = jnp.stack([jnp.einsum("bthv,bthv->bht", do32, o1), jnp.einsum("bthv,bthv->bht", do32, o2)], axis=2)
+    if st.single:
+        D_BHMT = jnp.einsum("bthv,bthv->bht", do32, o.astype(jnp.float32))[:, :, None]
+    else:
+        lam_BTH1 = lam.transpose(0, 2, 1)[..., None]
+        o1 = o.astype(jnp.float32) + lam_BTH1 * o2  # the un-mixed first map, from the rounded output
+        D_BHMT = jnp.stack([jnp.einsum("bthv,bthv->bht", do32, o1), jnp.einsum("bthv,bthv->bht", do32, o2)], axis=2)
     dq = _dq(st, q, k, v, lam, q_seg, kv_seg, do, lse, D_BHMT)
-    dk_BSK2d, dv = _dkdv(st, q, k, v, lam, q_seg, kv_seg, do, lse, D_BHMT)
-    dk = dk_BSK2d if st.G == 2 else dk_BSK2d.astype(jnp.float32).sum(axis=3, keepdims=True).astype(k.dtype)
-    dlam = -D_BHMT[:, :, 1]
+    dk_BSKMd, dv = _dkdv(st, q, k, v, lam, q_seg, kv_seg, do, lse, D_BHMT)
+    # differential with keys shared by both maps (G = 1): dK is the sum of the maps' slices
+    dk = dk_BSKMd if st.M == st.G else dk_BSKMd.astype(jnp.float32).sum(axis=3, keepdims=True).astype(k.dtype)
+    dlam = None if st.single else -D_BHMT[:, :, 1]
     return dq, dk, dv, dlam, None, None
 
 
