@@ -124,6 +124,20 @@ class _Ops:
         return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
 
 
+    def matmuls(self, *products):
+        """[a @ b (fp32) for (a, b_ref, shape, transpose_b) in products]: independent wgmmas issued back to
+        back and waited for once, so that the tensor cores work on the second while the first drains."""
+        if self.interpret:
+            return [self.matmul(a, b_ref, shape, transpose_b=t) for a, b_ref, shape, t in products]
+
+        def body(*acc_refs):
+            for acc_ref, (a, b_ref, _, t) in zip(acc_refs, products):
+                plgpu.wgmma(acc_ref, a, _transposed(b_ref) if t else b_ref)
+            return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+        return list(pl.run_scoped(body, *(plgpu.ACC(shape, jnp.float32) for _, _, shape, _ in products)))
+
+
 def _traced_indices(ref):
     """ref with every scalar index (e.g. the map g in `k_smem.at[slot, g]`) passed through an add, so
     that it is a variable of the jaxpr. A constant index of a ref that run_state closes over becomes a
@@ -580,18 +594,18 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 slot = lax.rem(step, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
                 k_g = k_smem.at[slot, g if G == 2 else 0]
-                s = ops.matmul(q_smem.at[g], k_g, (bq, bk), transpose_b=True) * st.scale2
+                # S and (this consumer's part of) dP = dO V^T are independent: one wait for both wgmmas.
+                s, dp = ops.matmuls((q_smem.at[g], k_g, (bq, bk), True),
+                                    (do_smem.at[g], v_smem.at[slot] if st.single else v_smem.at[slot, g], (bq, bk), True))
+                s = s * st.scale2
                 if masked:
                     kv_seg = ops.load(kvseg_smem.at[slot], WGMMA.reduce(0)) if st.has_seg else None
                     mask = _score_mask(ops, st, (bq, bk), r0, step * bk, q_seg, kv_seg)
                     if mask is not None:
                         s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp2(s - _rows(lse_g, (bq, bk)))
-                if st.single:
-                    dp = ops.matmul(do_smem.at[g], v_smem.at[slot], (bq, bk), transpose_b=True)
-                else:
-                    dp_half = ops.matmul(do_smem.at[g], v_smem.at[slot, g], (bq, bk), transpose_b=True)
-                    (dp,) = _exchange_sum(ops, g, [(x_smem, dp_half)], xbar)
+                if not st.single:
+                    (dp,) = _exchange_sum(ops, g, [(x_smem, dp)], xbar)
                 ds = p * (dp - _rows(D_g, (bq, bk)))
                 if g == 1 and not st.single:
                     ds = ds * _rows(-lam_row, (bq, bk))
@@ -723,7 +737,9 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 cols = lambda ref: ops.load(ref, WGMMA.reduce(0))  # noqa: E731  (per-query vectors)
                 lse_t, D_t = cols(lse_smem.at[slot, t]), cols(D_smem.at[slot, t])
                 q_t, do_t = q_smem.at[slot, t], do_smem.at[slot, t]
-                sT = ops.matmul(k_g, q_t, (bk, bqb), transpose_b=True) * st.scale2
+                # S^T and (this consumer's part of) dP^T = V dO^T are independent: one wait for both wgmmas.
+                sT, dpT = ops.matmuls((k_g, q_t, (bk, bqb), True), (v_smem.at[g], do_t, (bk, bqb), True))
+                sT = sT * st.scale2
                 if masked:
                     q_seg = cols(qseg_smem.at[slot, 0]) if st.has_seg else None
                     mask = _score_mask(ops, bst, (bk, bqb), i * bqb, k0_g, q_seg, kv_seg, transposed=True)
@@ -731,13 +747,11 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                         sT = jnp.where(mask, sT, -jnp.inf)
                 pT = jnp.exp2(sT - _cols(lse_t, (bk, bqb)))
                 if st.single:
-                    dpT = ops.matmul(v_smem.at[g], do_t, (bk, bqb), transpose_b=True)
                     dsT, pcT = pT * (dpT - _cols(D_t, (bk, bqb))), pT
                 else:
                     neg_lam = _cols(-cols(lam_smem.at[slot]), (bk, bqb))
                     cpT = pT if g == 0 else pT * neg_lam  # this map's share of P_1 - lam P_2
-                    dpT_half = ops.matmul(v_smem.at[g], do_t, (bk, bqb), transpose_b=True)
-                    dpT, pcT = _exchange_sum(ops, g, [(x_dp, dpT_half), (x_p, cpT)], xbar)
+                    dpT, pcT = _exchange_sum(ops, g, [(x_dp, dpT), (x_p, cpT)], xbar)
                     dsT = pT * (dpT - _cols(D_t, (bk, bqb)))
                     if g == 1:
                         dsT = dsT * neg_lam
