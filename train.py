@@ -51,6 +51,7 @@ def main(argv=None) -> int:
         return 0
 
     from diffjax.train import load_run_config, train
+    from diffjax.train.guard import DivergedError
 
     try:
         config = load_run_config(args.config or DEFAULT_CONFIG, args.overrides)
@@ -59,6 +60,9 @@ def main(argv=None) -> int:
         return 2
     try:
         result = train(config)
+    except DivergedError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 3
     except (ValueError, OSError) as error:
         if not getattr(error, "during_setup", False):
             raise

@@ -1,8 +1,9 @@
 """Orbax checkpoints of a run: train state (params, optimizer state, step, RNG) and data-iterator state.
 
-Layout: <run_dir>/checkpoints/<step>/{state, data}. Orbax writes each checkpoint into a temporary
-directory and renames it when complete, so a crash during a save leaves the previous checkpoint
-as the latest restorable one (leftover temporary directories are removed on the next start).
+Layout: <run_dir>/checkpoints/<step>/{state, data, digest.json}. Orbax writes each checkpoint into a
+temporary directory and renames it when complete, so a crash during a save leaves the previous checkpoint
+as the latest restorable one (leftover temporary directories are removed on the next start). The digest
+(integrity.py) is written when a save is complete and checked before a restore.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flax import nnx
 from diffjax.config import DataConfig, ModelConfig
 from diffjax.model import TransformerLM
 from diffjax.parallel import allgather_json
+from diffjax.train import integrity
 from diffjax.train.config import CheckpointConfig, RunConfig, TrainConfig, read_yaml, save_run_config
 from diffjax.train.optimizer import path_name
 
@@ -25,11 +27,13 @@ from diffjax.train.optimizer import path_name
 class Checkpointer:
     def __init__(self, run_dir: str | Path, config: CheckpointConfig):
         self.directory = Path(run_dir).absolute() / "checkpoints"
+        self._async, self._saving = config.async_save, None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             enable_async_checkpointing=config.async_save,
             cleanup_tmp_directories=True,
             create=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_digest) if config.async_save else None,
         )
         handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -37,13 +41,50 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def _write_digest(self) -> None:
+        """The digest of the save just completed. Asynchronous saves call this from Orbax's post-finalization
+        callback, before the temporary directory is renamed into place: the digest arrives with the checkpoint."""
+        if jax.process_index() == 0:
+            temporary = sorted(self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"))
+            integrity.write_digest(temporary[-1] if temporary else self.directory / str(self._saving))
+
+    def newest_intact(self, log) -> int | None:
+        """The newest checkpoint whose files match their digest and whose metadata reads; each damaged
+        newer one is reported and set aside (integrity.py). A checkpoint without a digest (params-only,
+        or a kill right after its save) is used after the metadata check alone."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            step_dir = self.directory / str(step)
+            problem = integrity.find_damage(step_dir)
+            if problem is None:
+                try:
+                    self.manager.item_metadata(step)["state"].keys()
+                except Exception as error:  # any failure to read it means the same: not usable
+                    problem = f"unreadable: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            if problem is None:
+                if not integrity.has_digest(step_dir):
+                    log(f"note: checkpoint {step_dir} has no digest; restoring it unverified")
+                return step
+            if jax.process_index() == 0:
+                moved = integrity.set_aside(step_dir)
+                log(f"warning: checkpoint {step_dir} is damaged ({problem}); skipped it and moved it to {moved}")
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+            self.manager.reload()
+        return None
+
     def save(self, step: int, state: Any, data_state: dict) -> None:
         """Starts saving (in the background when async); every process calls it at the same step.
         The data item holds every process's iterator state (each reads its own shard)."""
         data = {"per_process": allgather_json(data_state)}
+        self.manager.wait_until_finished()  # the digest callback names the step being saved
+        self._saving = step
         self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True
         )
+        if not self._async:
+            self._write_digest()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict | None]:
         """(state, this process's data-iterator state) of checkpoint `step`. `abstract_state` gives structure,

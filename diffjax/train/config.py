@@ -23,6 +23,7 @@ from diffjax.config import DataConfig, ModelConfig, ParallelConfig
 from diffjax.train.optimizer import OptimizerConfig
 
 PROGRESS_STYLES = ("auto", "bar", "lines")
+NONFINITE_MODES = ("stop", "skip")
 SECTIONS = ("model", "data", "optim", "train", "checkpoint", "parallel")
 
 
@@ -54,6 +55,9 @@ class TrainConfig:
     sample_tokens: int = 200  # tokens of text generated at the end (0: none)
     sample_prompt: str = "def "
     sample_temperature: float = 0.8
+    # A step whose loss or gradient is not finite: "stop" the run (nothing from that step on is saved)
+    # or "skip" it (params and optimizer state stay as they were; the step is logged as skipped).
+    on_nonfinite: str = "stop"
 
     def __post_init__(self):
         if (self.batch_size is None) == (self.batch_tokens is None):
@@ -68,6 +72,8 @@ class TrainConfig:
                 _check_int(self, name, minimum=1)
         for name in ("eval_every", "sample_tokens"):
             _check_int(self, name, minimum=0)
+        if self.on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"train.on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}")
         if self.progress not in PROGRESS_STYLES:
             raise ValueError(f"train.progress must be one of {PROGRESS_STYLES}, got {self.progress!r}")
         if self.peak_tflops_per_device is not None and not self.peak_tflops_per_device > 0:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import signal
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params, state_keys
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
+from diffjax.train.guard import NonFiniteWatch
 from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, training_flops_per_token
 from diffjax.train.optimizer import make_optimizer
 from diffjax.train.progress import Progress
@@ -166,7 +166,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
         ]
 
         checkpointer = Checkpointer(run_dir, config.checkpoint)
-        latest_step, start_step = checkpointer.latest_step(), 0
+        latest_step, start_step = checkpointer.newest_intact(log), 0
         if latest_step is not None:
             step_dir = checkpointer.directory / str(latest_step)
             if state_keys(step_dir) == {"params"}:  # a converted / exported model: train on from its params
@@ -187,7 +187,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     if is_main_process:
         save_run_config(config, run_dir / CONFIG_FILE)
 
-    train_step = training.jit_train_step(tx, schedule, config.model)
+    train_step = training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite)
     eval_step = training.jit_eval_step()
     params_count = config.model.param_count()
     flops_per_token = training_flops_per_token(config.model, seq_len)
@@ -225,8 +225,12 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
     # Throughput over the steps since the last flush (the first step compiles and is not timed).
     timer = {"since": None, "steps": 0, "paused": 0.0}
+    watch = NonFiniteWatch(config.train.on_nonfinite, checkpointer.directory, latest_step)
 
-    def flush():
+    def flush(report: bool = True):
+        """Writes the pending steps' metrics (checking each step was finite) and, if `report`, a progress line."""
+        if not pending:
+            return
         rate = None
         if timer["steps"]:
             jax.block_until_ready(pending[-1][1])
@@ -234,9 +238,10 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             result.tokens_per_second = rate
         host_metrics = jax.device_get([metrics for _, metrics in pending])  # one transfer for the window
         for (step_done, _), metrics in zip(pending, host_metrics):
-            values = {key: float(value) for key, value in metrics.items() if key != "lambda"}
-            if not math.isfinite(values["loss"]):
-                raise FloatingPointError(f"train loss became {values['loss']} at step {step_done}")
+            values = {key: float(value) for key, value in metrics.items() if key not in ("lambda", "ok")}
+            if not watch.check(step_done, {**values, "ok": bool(metrics["ok"])}):
+                values["skipped"] = 1.0
+                progress.note(f"step {step_done}: loss {values['loss']}, gradient norm {values['grad_norm']}: skipped")
             if "lambda" in metrics:
                 values.update({f"lambda/layer_{i}": float(x) for i, x in enumerate(np.asarray(metrics["lambda"]))})
             if rate is not None:
@@ -246,7 +251,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                     values["mfu"] = rate * flops_per_token / mesh.size / peak
             result.losses[step_done] = values["loss"]
             metrics_writer.write(step_done, "train", values)
-        if pending:
+        if report:
             progress.update(pending[-1][0], values)
         pending.clear()
         timer.update(since=time.perf_counter(), steps=0, paused=0.0)
@@ -273,7 +278,10 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                     metrics_writer.write(step, "eval", {"loss": result.eval_losses[step]})
                     progress.note(f"step {step}: eval loss {result.eval_losses[step]:.4f}")
                 if step % config.checkpoint.every == 0 or step == config.train.steps or stop.received:
+                    # Every step up to this one is checked finite and in metrics.jsonl before its checkpoint exists.
+                    flush(report=False)
                     checkpointer.save(step, state, data_iter.get_state())
+                    watch.saved(step)
                 timer["paused"] += time.perf_counter() - pause
                 if stop.received:
                     flush()
