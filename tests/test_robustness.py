@@ -40,3 +40,55 @@ def test_a_diverging_run_stops_before_saving_a_nonfinite_state(tmp_path):
     assert result.step == 12 and _all_finite(tmp_path / "skip", 12)
     skipped = [r["step"] for r in _read_metrics(tmp_path / "skip") if r.get("skipped")]
     assert skipped and skipped[-1] == 12
+
+
+def _damage(step_dir, how):
+    files = sorted((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    if how == "emptied":
+        for path in sorted(step_dir.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+    elif how == "flipped byte":
+        data = bytearray(files[-1].read_bytes())
+        data[len(data) // 2] ^= 0x01
+        files[-1].write_bytes(bytes(data))
+    elif how == "no _METADATA":
+        (step_dir / "state" / "_METADATA").unlink()
+    elif how == "truncated":
+        files[-1].write_bytes(files[-1].read_bytes()[: files[-1].stat().st_size // 2])
+    elif how == "bad data/metadata":
+        (step_dir / "data" / "metadata").write_text("{not json")
+
+
+def test_damaged_checkpoints_are_skipped_for_the_newest_intact_one(tmp_path):
+    run_dir = tmp_path / "run"
+    every = ["checkpoint.every=2", "checkpoint.keep=3"]
+    train(_config(run_dir, "train.steps=12", *every, "checkpoint.keep=10"), **QUIET)
+    damage = {12: "emptied", 10: "flipped byte", 8: "no _METADATA", 6: "truncated", 4: "bad data/metadata"}
+    for step, how in damage.items():
+        _damage(run_dir / "checkpoints" / str(step), how)
+    lines = []
+    result = train(_config(run_dir, "train.steps=14", *every), log=lines.append)
+    warnings = [line for line in lines if line.startswith("warning: checkpoint")]
+    assert [int(re.search(r"checkpoints/(\d+) is damaged", w).group(1)) for w in warnings] == sorted(damage, reverse=True)
+    assert any(line.startswith("resumed from") and line.endswith("(step 2)") for line in lines), lines
+    assert result.step == 14 and sorted(result.losses) == list(range(3, 15))
+    # Set aside for inspection, not rotated away; the new checkpoints keep=3.
+    assert sorted(int(p.name) for p in (run_dir / "damaged-checkpoints").iterdir()) == sorted(damage)
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [10, 12, 14]
+
+
+def test_a_finished_run_is_not_redone_and_its_final_eval_survives_a_kill(tmp_path):
+    run_dir = tmp_path / "run"
+    train(_config(run_dir, "train.steps=2"), **QUIET)
+    records = _read_metrics(run_dir)
+    assert records[-1]["kind"] == "eval" and records[-1]["step"] == 2
+    # A kill after the final checkpoint, before the final eval was written:
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    train(_config(run_dir, "train.steps=2"), **QUIET)
+    assert _read_metrics(run_dir) == records
+    events = sorted((run_dir / "tensorboard").iterdir())
+    lines = []
+    result = train(_config(run_dir, "train.steps=2"), log=lines.append)
+    assert lines == [f"the run in {run_dir} is complete (step 2 of train.steps = 2); nothing to do"]
+    assert result.eval_losses == {2: records[-1]["loss"]} and result.sample is None
+    assert sorted((run_dir / "tensorboard").iterdir()) == events and _read_metrics(run_dir) == records

@@ -113,7 +113,8 @@ def _checkpoint_steps(run_dir: Path) -> list[int]:
 
 def test_kill_9_then_rerun_continues_from_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    command = _command(run_dir, "train.steps=30", "checkpoint.every=3", "checkpoint.keep=2")
+    # Metrics are flushed to the log only every 100 steps: the records must still survive the kill.
+    command = _command(run_dir, "train.steps=30", "checkpoint.every=3", "checkpoint.keep=2", "train.log_every=100")
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: len(_checkpoint_steps(run_dir)) >= 2 and _checkpoint_steps(run_dir)[-1] >= 9, process)
     process.send_signal(signal.SIGKILL)

@@ -48,6 +48,10 @@ class Checkpointer:
             temporary = sorted(self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"))
             integrity.write_digest(temporary[-1] if temporary else self.directory / str(self._saving))
 
+    def state_keys(self, step: int) -> set[str]:
+        """Top-level keys of a checkpoint's state: {"params"} alone for a params-only (converted) checkpoint."""
+        return set(self.manager.item_metadata(step)["state"].keys())
+
     def newest_intact(self, log) -> int | None:
         """The newest checkpoint whose files match their digest and whose metadata reads; each damaged
         newer one is reported and set aside (integrity.py). A checkpoint without a digest (params-only,
@@ -57,7 +61,7 @@ class Checkpointer:
             problem = integrity.find_damage(step_dir)
             if problem is None:
                 try:
-                    self.manager.item_metadata(step)["state"].keys()
+                    self.state_keys(step)
                 except Exception as error:  # any failure to read it means the same: not usable
                     problem = f"unreadable: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if problem is None:
@@ -90,6 +94,7 @@ class Checkpointer:
         """(state, this process's data-iterator state) of checkpoint `step`. `abstract_state` gives structure,
         shapes, dtypes and the shardings to restore onto (any mesh). The data state is None when the
         checkpoint was written by a different number of processes (their positions do not map)."""
+        self._check_params_fit(step, abstract_state["params"])
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
@@ -97,6 +102,23 @@ class Checkpointer:
         per_process = restored["data"]["per_process"]
         data_state = per_process[jax.process_index()] if len(per_process) == jax.process_count() else None
         return restored["state"], data_state
+
+    def _check_params_fit(self, step: int, abstract_params: Any) -> None:
+        """A ValueError naming the differing parameters when checkpoint `step` holds another model (a run
+        directory whose config.yaml is gone, resumed with a different model section)."""
+        def shapes(tree):
+            return {path_name(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+        saved, expected = shapes(self.manager.item_metadata(step)["state"]["params"]), shapes(abstract_params)
+        differing = sorted(name for name in saved.keys() | expected.keys() if saved.get(name) != expected.get(name))
+        if differing:
+            shown = ", ".join(f"{name} (saved {saved.get(name, 'none')}, this model {expected.get(name, 'none')})"
+                              for name in differing[:3])
+            raise ValueError(
+                f"checkpoint {self.directory / str(step)} holds a different model than this run's: {shown}"
+                f"{f' and {len(differing) - 3} more' if len(differing) > 3 else ''}; resume it with the model it was "
+                "trained with or choose another train.run_dir"
+            )
 
     def read(self, step: int) -> dict:
         """{"state": ..., "data": ...} of checkpoint `step` as saved (no target: host arrays), for inspection."""

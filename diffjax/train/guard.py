@@ -12,16 +12,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+
 def step_ok(loss: jax.Array, grad_norm: jax.Array, update_norm: jax.Array) -> jax.Array:
     """On device: True when the step's loss and its gradient and update are finite."""
     return jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+
 
 def keep_old_if_bad(ok: jax.Array, new, old):
     """On device: `new` when ok, else `old` (same pytree structure): the skipped step changes nothing."""
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
+
 class DivergedError(RuntimeError):
     """A step gave a non-finite loss or gradient under train.on_nonfinite=stop."""
+
 
 class NonFiniteWatch:
     """Host side: looks at each step's `ok` as its metrics are written and remembers the newest saved

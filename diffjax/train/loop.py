@@ -26,10 +26,10 @@ from diffjax.generate import sample
 from diffjax.model import TransformerLM
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
-from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params, state_keys
+from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
 from diffjax.train.guard import NonFiniteWatch
-from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, training_flops_per_token
+from diffjax.train.metrics import METRICS_FILE, MetricsWriter, peak_flops_per_device, read_records, training_flops_per_token
 from diffjax.train.optimizer import make_optimizer
 from diffjax.train.progress import Progress
 from diffjax.train.step import setup_sharded_state
@@ -115,6 +115,19 @@ def _sample_text(graphdef, state, tokenizer, config: RunConfig) -> str:
     return config.train.sample_prompt + tokenizer.decode(ids)
 
 
+def _finished_run(run_dir: Path, config: RunConfig, latest_step: int | None) -> TrainResult | None:
+    """The result of a run already complete, its final record in metrics.jsonl (the final eval, or the last
+    train step without held-out data): rerunning it redoes nothing. None when there is anything left to do."""
+    if latest_step is None or latest_step < config.train.steps or jax.process_count() > 1:
+        return None
+    final_kind = "eval" if config.data.eval_fraction > 0 else "train"
+    final = [r for r in read_records(run_dir / METRICS_FILE) if r["step"] == latest_step and r["kind"] == final_kind]
+    if not final:
+        return None
+    eval_losses = {latest_step: final[-1]["loss"]} if final_kind == "eval" else {}
+    return TrainResult(step=latest_step, losses={}, eval_losses=eval_losses, tokens_per_second=None, sample=None)
+
+
 @contextlib.contextmanager
 def _setup_errors():
     """Marks the errors raised while a run is set up (a setting that does not fit the devices, data,
@@ -135,6 +148,12 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
         run_dir = Path(config.train.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         check_resumable(run_dir, config, log)
+        checkpointer = Checkpointer(run_dir, config.checkpoint)
+        latest_step, start_step = checkpointer.newest_intact(log), 0
+        if (finished := _finished_run(run_dir, config, latest_step)) is not None:
+            checkpointer.close()
+            log(f"the run in {run_dir} is complete (step {latest_step} of train.steps = {config.train.steps}); nothing to do")
+            return finished
 
         tokenizer = make_tokenizer(config.data.tokenizer)
         if tokenizer.vocab_size > config.model.vocab_size:
@@ -165,11 +184,9 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows // shard_count, **shard)
         ]
 
-        checkpointer = Checkpointer(run_dir, config.checkpoint)
-        latest_step, start_step = checkpointer.newest_intact(log), 0
         if latest_step is not None:
             step_dir = checkpointer.directory / str(latest_step)
-            if state_keys(step_dir) == {"params"}:  # a converted / exported model: train on from its params
+            if checkpointer.state_keys(latest_step) == {"params"}:  # a converted / exported model: train on from its params
                 state["params"] = load_params(step_dir, abstract_like(state["params"]))
                 log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
             else:
@@ -219,7 +236,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                                    enabled=is_main_process)
     result = TrainResult(step=start_step, losses={}, eval_losses={}, tokens_per_second=None, sample=None)
     if start_step >= config.train.steps:
-        log(f"the run in {run_dir} is complete (step {start_step} of train.steps = {config.train.steps}); nothing to train")
+        log(f"the run in {run_dir} is complete (step {start_step} of train.steps = {config.train.steps}); recording its final eval")
     progress = Progress(config.train.progress if is_main_process else "lines", start_step, config.train.steps,
                         tokens_per_step, log)
     pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
@@ -295,7 +312,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             final_eval = evaluate()
             if final_eval is not None:
                 result.eval_losses[step] = final_eval
-                if step > start_step:  # (a rerun of a finished run only reports it)
+                if step > start_step or not any(r["step"] == step and r["kind"] == "eval"  # a kill lost it
+                                                for r in read_records(run_dir / METRICS_FILE)):
                     metrics_writer.write(step, "eval", {"loss": final_eval})
                 progress.note(f"step {step}: eval loss {final_eval:.4f}")
             if config.train.sample_tokens:
