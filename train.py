@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", type=Path, default=None, help=f"YAML run config (default: {DEFAULT_CONFIG.name})")
     parser.add_argument("--help-keys", action="store_true", help="list every config key with its default")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
     if args.help_keys:
         print(describe_keys())
         return 0

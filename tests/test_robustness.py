@@ -13,8 +13,7 @@ import pytest
 from diffjax.train import train
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.config import CheckpointConfig
-from diffjax.train.guard import DivergedError
-from test_trainer import _config, _read_metrics
+from test_trainer import REPO_ROOT, SMALL, _config, _read_metrics
 
 QUIET = dict(log=lambda _: None)
 
@@ -25,6 +24,8 @@ def _all_finite(run_dir, step) -> bool:
 
 
 def test_a_diverging_run_stops_before_saving_a_nonfinite_state(tmp_path):
+    from diffjax.train.guard import DivergedError
+
     run_dir = tmp_path / "run"
     diverging = ["train.steps=12", "optim.lr=1e3", "train.log_every=10", "checkpoint.every=1", "checkpoint.keep=3"]
     with pytest.raises(DivergedError, match=r"diverged at step (\d+) .*the newest good checkpoint, (\S+), is kept") as info:
@@ -92,3 +93,44 @@ def test_a_finished_run_is_not_redone_and_its_final_eval_survives_a_kill(tmp_pat
     assert lines == [f"the run in {run_dir} is complete (step 2 of train.steps = 2); nothing to do"]
     assert result.eval_losses == {2: records[-1]["loss"]} and result.sample is None
     assert sorted((run_dir / "tensorboard").iterdir()) == events and _read_metrics(run_dir) == records
+
+
+def _main(*argv) -> int:
+    """train.py's main in this process (no subprocess start-up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", REPO_ROOT / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.main(list(argv))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("yaml file", r"^config error: config file \S+bad\.yaml line 3, column 1: not valid YAML"),
+    ("yaml override", r"^config error: override 'data\.paths=\[a, b': the value is not a valid YAML list"),
+    ("config after overrides", r"^config error: unknown config key model\.num_layerz"),
+    ("jsonl line", r"^error: \S+a\.jsonl line 2: invalid JSON"),
+    ("empty corpus", r"^error: the training data has no text to learn from \(data\.paths \['\S+empty\.txt'\]: its documents are all empty"),
+])
+def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, case, message):
+    (tmp_path / "bad.yaml").write_text("model:\n  d_model: [32\n")
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n{"text": "hi\n')
+    (tmp_path / "empty.txt").write_text("")
+    small = [*SMALL, f"train.run_dir={tmp_path / 'run'}", "data.eval_fraction=0"]
+    argv = {
+        "yaml file": ["--config", str(tmp_path / "bad.yaml")],
+        "yaml override": ["data.paths=[a, b"],
+        "config after overrides": ["model.num_layerz=2", "--config", str(REPO_ROOT / "configs" / "tiny.yaml")],
+        "jsonl line": [*small, "data.source=jsonl", f"data.paths=[{tmp_path / 'a.jsonl'}]"],
+        "empty corpus": [*small, "data.source=text", f"data.paths=[{tmp_path / 'empty.txt'}]"],
+    }[case]
+    assert _main(*argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and "\n" not in err, err
+
+
+def test_a_run_directory_without_its_config_refuses_another_model(tmp_path):
+    train(_config(tmp_path / "run", "train.steps=1"), **QUIET)
+    (tmp_path / "run" / "config.yaml").unlink()
+    with pytest.raises(ValueError, match=r"checkpoints/1 holds a different model than this run's: blocks\.2\."):
+        train(_config(tmp_path / "run", "train.steps=2", "model.num_layers=3"), **QUIET)

@@ -235,7 +235,11 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise ValueError(f"override {item!r} must look like section.key=value (e.g. optim.lr=3e-4)")
         value: Any = raw
         if raw.startswith(("[", "{")):
-            value = yaml.safe_load(raw)
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError as error:
+                raise ValueError(f"override {item!r}: the value is not a valid YAML list or mapping "
+                                 f"({getattr(error, 'problem', None) or error}), e.g. data.paths='[a.txt, b.txt]'") from None
         *parents, leaf = key.split(".")
         node = nested
         for part in parents:
@@ -265,7 +269,12 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path in _seen:
         raise ValueError(f"config files include each other in a cycle: {' -> '.join(map(str, _seen + (path,)))}")
     with open(path) as file:
-        values = yaml.safe_load(file) or {}
+        try:
+            values = yaml.safe_load(file) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ValueError(f"config file {path}{where}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of sections, got {type(values).__name__}")
     base = values.pop("base", None)

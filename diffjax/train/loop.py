@@ -128,6 +128,16 @@ def _finished_run(run_dir: Path, config: RunConfig, latest_step: int | None) -> 
     return TrainResult(step=latest_step, losses={}, eval_losses=eval_losses, tokens_per_second=None, sample=None)
 
 
+def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
+    """An empty corpus packs into rows with nothing to predict (and takes ages to pack): refuse it rather than
+    'train' at loss 0. The first `sample` documents tell, without reading a large corpus."""
+    n = min(len(documents), sample)
+    if not any(documents[i] for i in range(n)):
+        where = f"data.paths {list(config.data.paths)}" if config.data.paths else f"data.source {config.data.source!r}"
+        what = "all empty" if n == len(documents) else f"empty (the first {n})"
+        raise ValueError(f"the training data has no text to learn from ({where}: its documents are {what})")
+
+
 @contextlib.contextmanager
 def _setup_errors():
     """Marks the errors raised while a run is set up (a setting that does not fit the devices, data,
@@ -174,6 +184,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             training.step_batch_sharding, (plan.accum_steps, micro_rows, seq_len), batch_axis=1
         )
         documents = open_documents(config.data)
+        _check_not_empty(documents, config)
         shard = {"shard_index": shard_index, "shard_count": shard_count, "source": documents}
         train_ds = make_train_dataset(config.data, tokenizer, batch_size=plan.global_batch // shard_count,
                                       seed=config.train.seed, **shard)
@@ -277,7 +288,9 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     try:
         with StopSignals() as stop:
             while step < config.train.steps:
-                batch = _global_batch(_stack_micro_batches(next(data_iter), plan), training.step_batch_sharding,
+                with _setup_errors():  # a malformed record is the user's to fix
+                    local = next(data_iter)
+                batch = _global_batch(_stack_micro_batches(local, plan), training.step_batch_sharding,
                                       micro_rows, batch_axis=1)
                 state, metrics = train_step(state, batch)
                 step += 1
