@@ -78,7 +78,7 @@ def test_damaged_checkpoints_are_skipped_for_the_newest_intact_one(tmp_path):
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [10, 12, 14]
 
 
-def test_a_finished_run_is_not_redone_and_its_final_eval_survives_a_kill(tmp_path):
+def test_a_finished_run_is_not_redone_and_its_final_eval_survives_a_kill(tmp_path, caplog):
     run_dir = tmp_path / "run"
     train(_config(run_dir, "train.steps=2"), **QUIET)
     records = _read_metrics(run_dir)
@@ -87,6 +87,7 @@ def test_a_finished_run_is_not_redone_and_its_final_eval_survives_a_kill(tmp_pat
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
     train(_config(run_dir, "train.steps=2"), **QUIET)
     assert _read_metrics(run_dir) == records
+    assert "Metadata file does not exist" not in caplog.text  # (Orbax, when a state item was read as a checkpoint)
     events = sorted((run_dir / "tensorboard").iterdir())
     lines = []
     result = train(_config(run_dir, "train.steps=2"), log=lines.append)
@@ -134,3 +135,24 @@ def test_a_run_directory_without_its_config_refuses_another_model(tmp_path):
     (tmp_path / "run" / "config.yaml").unlink()
     with pytest.raises(ValueError, match=r"checkpoints/1 holds a different model than this run's: blocks\.2\."):
         train(_config(tmp_path / "run", "train.steps=2", "model.num_layers=3"), **QUIET)
+
+
+def test_progress_bar_shows_the_current_loss_on_a_0x0_terminal(monkeypatch, capsys):
+    import os
+
+    from diffjax.train import progress
+
+    monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: os.terminal_size((0, 0)))  # some containers
+    display = progress.Progress("bar", 0, 10, 128, print)
+    assert display.bar.ncols == 100  # tqdm's dynamic width would be 0 columns: nothing drawn
+    for step, loss in ((5, 1.2345), (9, 0.5)):
+        display.update(step, {"loss": loss, "grad_norm": 1.0, "lr": 0.1})
+    shown = capsys.readouterr().err.split("\r")[-1]
+    assert "9/10" in shown and "loss=0.5000" in shown, shown
+    display.close()
+
+
+def test_help_keys_shows_the_values_the_run_will_use(capsys):
+    assert _main("--help-keys", "train.steps=7") == 0
+    out = capsys.readouterr().out
+    assert "  train.log_every = 25\n" in out and "  train.steps = 7\n" in out  # tiny.yaml's, the override's
