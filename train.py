@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
 
     from diffjax.train import load_run_config, train
+    from diffjax.train.checkpoint import SaveError
     from diffjax.train.guard import DivergedError
 
     try:
@@ -60,6 +61,9 @@ def main(argv=None) -> int:
     except DivergedError as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
+    except SaveError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as error:
         if not getattr(error, "during_setup", False):
             raise

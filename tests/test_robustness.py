@@ -121,7 +121,7 @@ def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, case, message)
     argv = {
         "yaml file": ["--config", str(tmp_path / "bad.yaml")],
         "yaml override": ["data.paths=[a, b"],
-        "config after overrides": ["model.num_layerz=2", "--config", str(REPO_ROOT / "configs" / "tiny.yaml")],
+        "config after overrides": ["model.num_layerz=2", "--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "train.steps=3"],
         "jsonl line": [*small, "data.source=jsonl", f"data.paths=[{tmp_path / 'a.jsonl'}]"],
         "empty corpus": [*small, "data.source=text", f"data.paths=[{tmp_path / 'empty.txt'}]"],
     }[case]
@@ -156,3 +156,27 @@ def test_help_keys_shows_the_values_the_run_will_use(capsys):
     assert _main("--help-keys", "train.steps=7") == 0
     out = capsys.readouterr().out
     assert "  train.log_every = 25\n" in out and "  train.steps = 7\n" in out  # tiny.yaml's, the override's
+
+
+def test_a_full_disk_stops_with_one_line_and_leaves_the_checkpoints_intact(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    from diffjax.train import integrity
+    from diffjax.train.checkpoint import SaveError
+
+    # Free space below one checkpoint's size: refused before Orbax starts writing.
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    with pytest.raises(SaveError, match=r"not enough disk space to save the checkpoint of step 4 .* step 2, is intact"):
+        train(_config(tmp_path / "run", "train.steps=6", "checkpoint.every=2"), **QUIET)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
+
+    # A write that fails in Orbax's background thread: reported once, its temporary directory removed.
+    def no_space(step_dir):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(integrity, "write_digest", no_space)
+    with pytest.raises(SaveError, match=r"saving the checkpoint of step 4 .* failed: .*No space left on device"):
+        train(_config(tmp_path / "run", "train.steps=6", "checkpoint.every=2"), **QUIET)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]

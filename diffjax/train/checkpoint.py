@@ -8,6 +8,7 @@ as the latest restorable one (leftover temporary directories are removed on the 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,10 @@ from diffjax.parallel import allgather_json
 from diffjax.train import integrity
 from diffjax.train.config import CheckpointConfig, RunConfig, TrainConfig, read_yaml, save_run_config
 from diffjax.train.optimizer import path_name
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, most often); the earlier ones are intact."""
 
 
 class Checkpointer:
@@ -82,7 +87,8 @@ class Checkpointer:
         """Starts saving (in the background when async); every process calls it at the same step.
         The data item holds every process's iterator state (each reads its own shard)."""
         data = {"per_process": allgather_json(data_state)}
-        self.manager.wait_until_finished()  # the digest callback names the step being saved
+        self.wait()  # the previous save must have succeeded; the digest callback names the step being saved
+        self._check_space(step)
         self._saving = step
         self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True
@@ -124,12 +130,35 @@ class Checkpointer:
         """{"state": ..., "data": ...} of checkpoint `step` as saved (no target: host arrays), for inspection."""
         return dict(self.manager.restore(step))
 
+    def _check_space(self, step: int) -> None:
+        """Refuse to start a save the disk cannot hold (the size of the newest checkpoint, from its digest):
+        a clear stop now instead of Orbax's errors from its background thread one save later."""
+        newest = self.manager.latest_step()
+        needed = integrity.saved_bytes(self.directory / str(newest)) if newest is not None else 0
+        free = shutil.disk_usage(self.directory).free
+        if needed > free:
+            raise SaveError(
+                f"not enough disk space to save the checkpoint of step {step} in {self.directory} "
+                f"({free / 2**20:.1f} MiB free, a checkpoint takes {needed / 2**20:.1f} MiB); "
+                f"the newest checkpoint, step {newest}, is intact: free some space and rerun to resume"
+            )
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for the save in flight; its failure becomes a SaveError (and its temporary directory goes)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:  # Orbax re-raises whatever its background thread met
+            for temporary in self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(temporary, ignore_errors=True)
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise SaveError(f"saving the checkpoint of step {self._saving} in {self.directory} failed: {message}; "
+                            f"the newest checkpoint, step {self.manager.latest_step()}, is intact") from None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:

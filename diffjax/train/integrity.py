@@ -39,6 +39,14 @@ def write_digest(step_dir: Path) -> None:
     os.replace(temporary, step_dir / DIGEST_FILE)
 
 
+def saved_bytes(step_dir: Path) -> int:
+    """The size of a checkpoint as its digest records it (0 without one)."""
+    try:
+        return sum(size for size, _ in json.loads((Path(step_dir) / DIGEST_FILE).read_text()).values())
+    except (OSError, ValueError):
+        return 0
+
+
 def has_digest(step_dir: Path) -> bool:
     return (Path(step_dir) / DIGEST_FILE).is_file()
 
