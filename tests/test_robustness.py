@@ -13,9 +13,14 @@ import pytest
 from diffjax.train import train
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.config import CheckpointConfig
-from test_trainer import REPO_ROOT, SMALL, _config, _read_metrics
+from test_trainer import REPO_ROOT, SMALL, _read_metrics
+from test_trainer import _config as _trainer_config
 
 QUIET = dict(log=lambda _: None)
+
+
+def _config(run_dir, *overrides):
+    return _trainer_config(run_dir, "train.sample_tokens=0", *overrides)  # sampling compiles per length: slow
 
 
 def _all_finite(run_dir, step) -> bool:
@@ -27,7 +32,7 @@ def test_a_diverging_run_stops_before_saving_a_nonfinite_state(tmp_path):
     from diffjax.train.guard import DivergedError
 
     run_dir = tmp_path / "run"
-    diverging = ["train.steps=12", "optim.lr=1e3", "train.log_every=10", "checkpoint.every=1", "checkpoint.keep=3"]
+    diverging = ["train.steps=8", "optim.lr=1e3", "train.log_every=10", "checkpoint.every=1", "checkpoint.keep=3"]
     with pytest.raises(DivergedError, match=r"diverged at step (\d+) .*the newest good checkpoint, (\S+), is kept") as info:
         train(_config(run_dir, *diverging), **QUIET)
     bad_step, kept = map(int, re.search(r"step (\d+) .*checkpoints/(\d+),", str(info.value)).groups())
@@ -38,9 +43,9 @@ def test_a_diverging_run_stops_before_saving_a_nonfinite_state(tmp_path):
 
     # skip mode: the run goes on, the bad steps are logged as skipped and the state stays finite.
     result = train(_config(tmp_path / "skip", *diverging, "train.on_nonfinite=skip"), **QUIET)
-    assert result.step == 12 and _all_finite(tmp_path / "skip", 12)
+    assert result.step == 8 and _all_finite(tmp_path / "skip", 8)
     skipped = [r["step"] for r in _read_metrics(tmp_path / "skip") if r.get("skipped")]
-    assert skipped and skipped[-1] == 12
+    assert skipped and skipped[-1] == 8
 
 
 def _damage(step_dir, how):
@@ -128,13 +133,6 @@ def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, case, message)
     assert _main(*argv) == 2
     err = capsys.readouterr().err.strip()
     assert re.search(message, err) and "\n" not in err, err
-
-
-def test_a_run_directory_without_its_config_refuses_another_model(tmp_path):
-    train(_config(tmp_path / "run", "train.steps=1"), **QUIET)
-    (tmp_path / "run" / "config.yaml").unlink()
-    with pytest.raises(ValueError, match=r"checkpoints/1 holds a different model than this run's: blocks\.2\."):
-        train(_config(tmp_path / "run", "train.steps=2", "model.num_layers=3"), **QUIET)
 
 
 def test_progress_bar_shows_the_current_loss_on_a_0x0_terminal(monkeypatch, capsys):
