@@ -13,52 +13,57 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import typing
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 
-def describe_keys() -> str:
-    from diffjax.train.config import RunConfig
-
+def describe_keys(config) -> str:
+    """Every key with the value this run would use (its config file and overrides applied)."""
     lines = []
 
-    def walk(cls, prefix):
-        hints = typing.get_type_hints(cls)
-        for field in dataclasses.fields(cls):
+    def walk(section, prefix):
+        for field in dataclasses.fields(section):
             if not field.init:
                 continue
-            key = f"{prefix}{field.name}"
-            if dataclasses.is_dataclass(hints[field.name]):
-                walk(hints[field.name], key + ".")
+            key, value = f"{prefix}{field.name}", getattr(section, field.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, key + ".")
             else:
-                default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-                lines.append(f"  {key} = {default!r}")
+                lines.append(f"  {key} = {value!r}")
 
-    walk(RunConfig, "")
+    walk(config, "")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=None, help=f"YAML run config (default: {DEFAULT_CONFIG.name})")
-    parser.add_argument("--help-keys", action="store_true", help="list every config key with its default")
+    parser.add_argument("--help-keys", action="store_true",
+                        help="list every config key with the value this run would use, then exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
-    args = parser.parse_args(argv)
-    if args.help_keys:
-        print(describe_keys())
-        return 0
+    args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
 
     from diffjax.train import load_run_config, train
+    from diffjax.train.checkpoint import SaveError
+    from diffjax.train.guard import DivergedError
 
     try:
         config = load_run_config(args.config or DEFAULT_CONFIG, args.overrides)
     except (ValueError, FileNotFoundError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    if args.help_keys:
+        print(describe_keys(config))
+        return 0
     try:
         result = train(config)
+    except DivergedError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 3
+    except SaveError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as error:
         if not getattr(error, "during_setup", False):
             raise

@@ -55,7 +55,7 @@ def test_config_derives_sizes_and_rederives_on_replace():
 
 
 def test_lambda_init_schedule_matches_published_table():
-    # SEMANTICS.md section 2.8 (0-based depth).
+    # The paper's schedule 0.8 - 0.6 exp(-0.3 depth), as unilm's lambda_init_fn (0-based depth).
     table = [0.2, 0.355509, 0.470713, 0.556058, 0.619283, 0.666122, 0.700821, 0.726526]
     config = ModelConfig(**TINY)
     np.testing.assert_allclose([config.lambda_init_at(depth) for depth in range(8)], table, atol=1e-6)

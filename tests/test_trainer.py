@@ -113,7 +113,8 @@ def _checkpoint_steps(run_dir: Path) -> list[int]:
 
 def test_kill_9_then_rerun_continues_from_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    command = _command(run_dir, "train.steps=30", "checkpoint.every=3", "checkpoint.keep=2")
+    # Metrics are flushed to the log only every 100 steps: the records must still survive the kill.
+    command = _command(run_dir, "train.steps=30", "checkpoint.every=3", "checkpoint.keep=2", "train.log_every=100")
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: len(_checkpoint_steps(run_dir)) >= 2 and _checkpoint_steps(run_dir)[-1] >= 9, process)
     process.send_signal(signal.SIGKILL)
@@ -166,6 +167,9 @@ def test_config_errors_exit_cleanly(tmp_path):
 def test_a_run_directory_refuses_a_different_model(tmp_path):
     train(_config(tmp_path / "run", "train.steps=1"), log=lambda _: None)
     with pytest.raises(ValueError, match=r"different model \(model\.num_layers differ"):
+        train(_config(tmp_path / "run", "train.steps=2", "model.num_layers=3"), log=lambda _: None)
+    (tmp_path / "run" / "config.yaml").unlink()  # then the checkpoint itself tells
+    with pytest.raises(ValueError, match=r"checkpoints/1 holds a different model than this run's: blocks\.2\."):
         train(_config(tmp_path / "run", "train.steps=2", "model.num_layers=3"), log=lambda _: None)
 
 

@@ -1,6 +1,6 @@
 """diffjax DiffAttention vs an independent PyTorch re-statement of unilm V1 differential attention.
 
-The PyTorch modules below are written from SEMANTICS.md §2 (microsoft/unilm `Diff-Transformer/`:
+The PyTorch modules below are written from microsoft/unilm's source (`Diff-Transformer/`:
 `multihead_flashdiff_1.py`, the recommended module, and `multihead_diffattn.py`, the naive one), not from the
 diffjax code: interleaved q/k sub-heads, GPT-J interleaved RoPE from caller-built cos/sin tables, flash GQA
 pairing (group g of q head h with group g of kv head h // n_rep), fp32 softmax with scale d^-0.5, value
@@ -34,15 +34,15 @@ F = torch.nn.functional
 from diffjax.convert.unilm import load_unilm_attention, unilm_attention_state_dict  # noqa: E402
 from diffjax.model.rope import inv_frequencies, rope_tables  # noqa: E402
 
-FP32_ATOL = 2e-5  # SEMANTICS §2.10: ~1e-5 absolute in fp32
-BF16_RTOL = 1e-2  # SEMANTICS §2.10: ~1e-2 relative in bf16 (max abs diff / max |reference|)
+FP32_ATOL = 2e-5  # unilm flash vs naive: ~1e-5 absolute in fp32
+BF16_RTOL = 1e-2  # ~1e-2 relative in bf16 (max abs diff / max |reference|)
 BF16_MAX_BIAS = 5e-4  # |signed_bias| in bf16; measured 0 eager and ~1e-4 under jit
 THETA = 10000.0
 B, T = 2, 24
 
 
 # ------------------------------------------------------------------------------------------------
-# PyTorch re-statement of unilm V1 (from SEMANTICS.md §2)
+# PyTorch re-statement of unilm V1 (from unilm's Diff-Transformer/ source)
 
 
 class UnilmRMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""Weight converters between diffjax and the PyTorch references (see SEMANTICS.md sections 2, 4 and 5).
+"""Weight converters between diffjax and the PyTorch references (microsoft/unilm `Diff-Transformer/`, transformers' DiffLlama).
 
 Command line: `python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, verify}` (README, "Convert").
 """

@@ -3,7 +3,7 @@
 `attention: diff` becomes `diffllama` and `attention: standard` becomes `llama`. Export undoes
 load_hf's re-layout exactly (head regrouping, q/k channel permutation, transposes), so HF ->
 diffjax -> HF is bit-exact. diffjax's learnable subln scale has no counterpart in DiffLlama
-(its per-head norm has no weight): it is folded into o_proj's columns (SEMANTICS.md §5), which
+(its per-head norm has no weight): it is folded into o_proj's columns (exact: the norm is per head), which
 is exact when the scale is ones (every model imported from HF) and equal up to rounding otherwise.
 Settings HF cannot express raise ConversionError naming the setting.
 """

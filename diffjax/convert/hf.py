@@ -1,4 +1,4 @@
-"""Hugging Face DiffLlama / Llama directories -> diffjax models (SEMANTICS.md sections 4 and 5);
+"""Hugging Face DiffLlama / Llama directories -> diffjax models (transformers' `modeling_diffllama.py` / `modeling_llama.py`);
 the inverse is diffjax.convert.export.
 
 HF orders the two maps of a differential head as halves (sub-heads j and j + nH/2) and uses

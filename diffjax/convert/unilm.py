@@ -9,12 +9,12 @@ A `MultiheadDiffAttn` / `MultiheadFlashDiff1` / `MultiheadFlashDiff2` state_dict
     lambda_q1, lambda_k1, lambda_q2, lambda_k2  (d,)
     subln.weight    (2d,)             absent in checkpoints made before 2024-10-25 (then: ones)
 
-and diffjax's canonical kernels are plain transposes / reshapes of these (SEMANTICS.md §2.3-2.4):
+and diffjax's canonical kernels are plain transposes / reshapes of these (unilm `Diff-Transformer/multihead_diffattn.py`):
 q (E, H, 2, d), k (E, Hkv, 2, d), v (E, Hkv, 2d), o (H, 2d, E). Nothing is permuted.
 
 The module computes the *flash* GQA pairing (q group g of head h meets group g of kv head h // n_rep),
 which is what diffjax computes. unilm's naive `MultiheadDiffAttn` pairs heads differently when
-n_rep > 1 (SEMANTICS.md §2.6); its weights still load, but its outputs then differ from diffjax's.
+n_rep > 1 (its head pairing differs from the flash module's); its weights still load, but its outputs then differ from diffjax's.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Orbax checkpoints of a run: train state (params, optimizer state, step, RNG) and data-iterator state.
 
-Layout: <run_dir>/checkpoints/<step>/{state, data}. Orbax writes each checkpoint into a temporary
-directory and renames it when complete, so a crash during a save leaves the previous checkpoint
-as the latest restorable one (leftover temporary directories are removed on the next start).
+Layout: <run_dir>/checkpoints/<step>/{state, data, digest.json}. Orbax writes each checkpoint into a
+temporary directory and renames it when complete, so a crash during a save leaves the previous checkpoint
+as the latest restorable one (leftover temporary directories are removed on the next start). The digest
+(integrity.py) is written when a save is complete and checked before a restore.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +20,25 @@ from flax import nnx
 from diffjax.config import DataConfig, ModelConfig
 from diffjax.model import TransformerLM
 from diffjax.parallel import allgather_json
+from diffjax.train import integrity
 from diffjax.train.config import CheckpointConfig, RunConfig, TrainConfig, read_yaml, save_run_config
 from diffjax.train.optimizer import path_name
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, most often); the earlier ones are intact."""
 
 
 class Checkpointer:
     def __init__(self, run_dir: str | Path, config: CheckpointConfig):
         self.directory = Path(run_dir).absolute() / "checkpoints"
+        self._async, self._saving = config.async_save, None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             enable_async_checkpointing=config.async_save,
             cleanup_tmp_directories=True,
             create=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_digest) if config.async_save else None,
         )
         handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -37,18 +46,61 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def _write_digest(self) -> None:
+        """The digest of the save just completed. Asynchronous saves call this from Orbax's post-finalization
+        callback, before the temporary directory is renamed into place: the digest arrives with the checkpoint."""
+        if jax.process_index() == 0:
+            temporary = sorted(self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"))
+            integrity.write_digest(temporary[-1] if temporary else self.directory / str(self._saving))
+
+    def state_keys(self, step: int) -> set[str]:
+        """Top-level keys of a checkpoint's state: {"params"} alone for a params-only (converted) checkpoint."""
+        return set(self.manager.item_metadata(step)["state"].keys())
+
+    def newest_intact(self, log) -> int | None:
+        """The newest checkpoint whose files match their digest and whose metadata reads; each damaged
+        newer one is reported and set aside (integrity.py). A checkpoint without a digest (params-only,
+        or a kill right after its save) is used after the metadata check alone."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            step_dir = self.directory / str(step)
+            problem = integrity.find_damage(step_dir)
+            if problem is None:
+                try:
+                    self.state_keys(step)
+                except Exception as error:  # any failure to read it means the same: not usable
+                    problem = f"unreadable: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            if problem is None:
+                if not integrity.has_digest(step_dir):
+                    log(f"note: checkpoint {step_dir} has no digest; restoring it unverified")
+                return step
+            if jax.process_index() == 0:
+                moved = integrity.set_aside(step_dir)
+                log(f"warning: checkpoint {step_dir} is damaged ({problem}); skipped it and moved it to {moved}")
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+            self.manager.reload()
+        return None
+
     def save(self, step: int, state: Any, data_state: dict) -> None:
         """Starts saving (in the background when async); every process calls it at the same step.
         The data item holds every process's iterator state (each reads its own shard)."""
         data = {"per_process": allgather_json(data_state)}
+        self.wait()  # the previous save must have succeeded; the digest callback names the step being saved
+        self._check_space(step)
+        self._saving = step
         self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True
         )
+        if not self._async:
+            self._write_digest()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict | None]:
         """(state, this process's data-iterator state) of checkpoint `step`. `abstract_state` gives structure,
         shapes, dtypes and the shardings to restore onto (any mesh). The data state is None when the
         checkpoint was written by a different number of processes (their positions do not map)."""
+        self._check_params_fit(step, abstract_state["params"])
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
@@ -57,16 +109,56 @@ class Checkpointer:
         data_state = per_process[jax.process_index()] if len(per_process) == jax.process_count() else None
         return restored["state"], data_state
 
+    def _check_params_fit(self, step: int, abstract_params: Any) -> None:
+        """A ValueError naming the differing parameters when checkpoint `step` holds another model (a run
+        directory whose config.yaml is gone, resumed with a different model section)."""
+        def shapes(tree):
+            return {path_name(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+        saved, expected = shapes(self.manager.item_metadata(step)["state"]["params"]), shapes(abstract_params)
+        differing = sorted(name for name in saved.keys() | expected.keys() if saved.get(name) != expected.get(name))
+        if differing:
+            shown = ", ".join(f"{name} (saved {saved.get(name, 'none')}, this model {expected.get(name, 'none')})"
+                              for name in differing[:3])
+            raise ValueError(
+                f"checkpoint {self.directory / str(step)} holds a different model than this run's: {shown}"
+                f"{f' and {len(differing) - 3} more' if len(differing) > 3 else ''}; resume it with the model it was "
+                "trained with or choose another train.run_dir"
+            )
+
     def read(self, step: int) -> dict:
         """{"state": ..., "data": ...} of checkpoint `step` as saved (no target: host arrays), for inspection."""
         return dict(self.manager.restore(step))
 
+    def _check_space(self, step: int) -> None:
+        """Refuse to start a save the disk cannot hold (the size of the newest checkpoint, from its digest):
+        a clear stop now instead of Orbax's errors from its background thread one save later."""
+        newest = self.manager.latest_step()
+        needed = integrity.saved_bytes(self.directory / str(newest)) if newest is not None else 0
+        free = shutil.disk_usage(self.directory).free
+        if needed > free:
+            raise SaveError(
+                f"not enough disk space to save the checkpoint of step {step} in {self.directory} "
+                f"({free / 2**20:.1f} MiB free, a checkpoint takes {needed / 2**20:.1f} MiB); "
+                f"the newest checkpoint, step {newest}, is intact: free some space and rerun to resume"
+            )
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for the save in flight; its failure becomes a SaveError (and its temporary directory goes)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:  # Orbax re-raises whatever its background thread met
+            for temporary in self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(temporary, ignore_errors=True)
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise SaveError(f"saving the checkpoint of step {self._saving} in {self.directory} failed: {message}; "
+                            f"the newest checkpoint, step {self.manager.latest_step()}, is intact") from None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:

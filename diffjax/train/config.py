@@ -23,6 +23,7 @@ from diffjax.config import DataConfig, ModelConfig, ParallelConfig
 from diffjax.train.optimizer import OptimizerConfig
 
 PROGRESS_STYLES = ("auto", "bar", "lines")
+NONFINITE_MODES = ("stop", "skip")
 SECTIONS = ("model", "data", "optim", "train", "checkpoint", "parallel")
 
 
@@ -54,6 +55,9 @@ class TrainConfig:
     sample_tokens: int = 200  # tokens of text generated at the end (0: none)
     sample_prompt: str = "def "
     sample_temperature: float = 0.8
+    # A step whose loss or gradient is not finite: "stop" the run (nothing from that step on is saved)
+    # or "skip" it (params and optimizer state stay as they were; the step is logged as skipped).
+    on_nonfinite: str = "stop"
 
     def __post_init__(self):
         if (self.batch_size is None) == (self.batch_tokens is None):
@@ -68,6 +72,8 @@ class TrainConfig:
                 _check_int(self, name, minimum=1)
         for name in ("eval_every", "sample_tokens"):
             _check_int(self, name, minimum=0)
+        if self.on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"train.on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}")
         if self.progress not in PROGRESS_STYLES:
             raise ValueError(f"train.progress must be one of {PROGRESS_STYLES}, got {self.progress!r}")
         if self.peak_tflops_per_device is not None and not self.peak_tflops_per_device > 0:
@@ -229,7 +235,11 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise ValueError(f"override {item!r} must look like section.key=value (e.g. optim.lr=3e-4)")
         value: Any = raw
         if raw.startswith(("[", "{")):
-            value = yaml.safe_load(raw)
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError as error:
+                raise ValueError(f"override {item!r}: the value is not a valid YAML list or mapping "
+                                 f"({getattr(error, 'problem', None) or error}), e.g. data.paths='[a.txt, b.txt]'") from None
         *parents, leaf = key.split(".")
         node = nested
         for part in parents:
@@ -259,7 +269,12 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path in _seen:
         raise ValueError(f"config files include each other in a cycle: {' -> '.join(map(str, _seen + (path,)))}")
     with open(path) as file:
-        values = yaml.safe_load(file) or {}
+        try:
+            values = yaml.safe_load(file) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ValueError(f"config file {path}{where}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of sections, got {type(values).__name__}")
     base = values.pop("base", None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import signal
 import time
 from collections.abc import Callable
@@ -27,9 +26,10 @@ from diffjax.generate import sample
 from diffjax.model import TransformerLM
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
-from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params, state_keys
+from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
-from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, training_flops_per_token
+from diffjax.train.guard import NonFiniteWatch
+from diffjax.train.metrics import METRICS_FILE, MetricsWriter, peak_flops_per_device, read_records, training_flops_per_token
 from diffjax.train.optimizer import make_optimizer
 from diffjax.train.progress import Progress
 from diffjax.train.step import setup_sharded_state
@@ -115,6 +115,29 @@ def _sample_text(graphdef, state, tokenizer, config: RunConfig) -> str:
     return config.train.sample_prompt + tokenizer.decode(ids)
 
 
+def _finished_run(run_dir: Path, config: RunConfig, latest_step: int | None) -> TrainResult | None:
+    """The result of a run already complete, its final record in metrics.jsonl (the final eval, or the last
+    train step without held-out data): rerunning it redoes nothing. None when there is anything left to do."""
+    if latest_step is None or latest_step < config.train.steps or jax.process_count() > 1:
+        return None
+    final_kind = "eval" if config.data.eval_fraction > 0 else "train"
+    final = [r for r in read_records(run_dir / METRICS_FILE) if r["step"] == latest_step and r["kind"] == final_kind]
+    if not final:
+        return None
+    eval_losses = {latest_step: final[-1]["loss"]} if final_kind == "eval" else {}
+    return TrainResult(step=latest_step, losses={}, eval_losses=eval_losses, tokens_per_second=None, sample=None)
+
+
+def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
+    """An empty corpus packs into rows with nothing to predict (and takes ages to pack): refuse it rather than
+    'train' at loss 0. The first `sample` documents tell, without reading a large corpus."""
+    n = min(len(documents), sample)
+    if not any(documents[i] for i in range(n)):
+        where = f"data.paths {list(config.data.paths)}" if config.data.paths else f"data.source {config.data.source!r}"
+        what = "all empty" if n == len(documents) else f"empty (the first {n})"
+        raise ValueError(f"the training data has no text to learn from ({where}: its documents are {what})")
+
+
 @contextlib.contextmanager
 def _setup_errors():
     """Marks the errors raised while a run is set up (a setting that does not fit the devices, data,
@@ -135,6 +158,12 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
         run_dir = Path(config.train.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         check_resumable(run_dir, config, log)
+        checkpointer = Checkpointer(run_dir, config.checkpoint)
+        latest_step, start_step = checkpointer.newest_intact(log), 0
+        if (finished := _finished_run(run_dir, config, latest_step)) is not None:
+            checkpointer.close()
+            log(f"the run in {run_dir} is complete (step {latest_step} of train.steps = {config.train.steps}); nothing to do")
+            return finished
 
         tokenizer = make_tokenizer(config.data.tokenizer)
         if tokenizer.vocab_size > config.model.vocab_size:
@@ -155,6 +184,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             training.step_batch_sharding, (plan.accum_steps, micro_rows, seq_len), batch_axis=1
         )
         documents = open_documents(config.data)
+        _check_not_empty(documents, config)
         shard = {"shard_index": shard_index, "shard_count": shard_count, "source": documents}
         train_ds = make_train_dataset(config.data, tokenizer, batch_size=plan.global_batch // shard_count,
                                       seed=config.train.seed, **shard)
@@ -165,11 +195,9 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows // shard_count, **shard)
         ]
 
-        checkpointer = Checkpointer(run_dir, config.checkpoint)
-        latest_step, start_step = checkpointer.latest_step(), 0
         if latest_step is not None:
             step_dir = checkpointer.directory / str(latest_step)
-            if state_keys(step_dir) == {"params"}:  # a converted / exported model: train on from its params
+            if checkpointer.state_keys(latest_step) == {"params"}:  # a converted / exported model: train on from its params
                 state["params"] = load_params(step_dir, abstract_like(state["params"]))
                 log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
             else:
@@ -187,7 +215,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     if is_main_process:
         save_run_config(config, run_dir / CONFIG_FILE)
 
-    train_step = training.jit_train_step(tx, schedule, config.model)
+    train_step = training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite)
     eval_step = training.jit_eval_step()
     params_count = config.model.param_count()
     flops_per_token = training_flops_per_token(config.model, seq_len)
@@ -219,14 +247,18 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                                    enabled=is_main_process)
     result = TrainResult(step=start_step, losses={}, eval_losses={}, tokens_per_second=None, sample=None)
     if start_step >= config.train.steps:
-        log(f"the run in {run_dir} is complete (step {start_step} of train.steps = {config.train.steps}); nothing to train")
+        log(f"the run in {run_dir} is complete (step {start_step} of train.steps = {config.train.steps}); recording its final eval")
     progress = Progress(config.train.progress if is_main_process else "lines", start_step, config.train.steps,
                         tokens_per_step, log)
     pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
     # Throughput over the steps since the last flush (the first step compiles and is not timed).
     timer = {"since": None, "steps": 0, "paused": 0.0}
+    watch = NonFiniteWatch(config.train.on_nonfinite, checkpointer.directory, latest_step)
 
-    def flush():
+    def flush(report: bool = True):
+        """Writes the pending steps' metrics (checking each step was finite) and, if `report`, a progress line."""
+        if not pending:
+            return
         rate = None
         if timer["steps"]:
             jax.block_until_ready(pending[-1][1])
@@ -234,9 +266,10 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             result.tokens_per_second = rate
         host_metrics = jax.device_get([metrics for _, metrics in pending])  # one transfer for the window
         for (step_done, _), metrics in zip(pending, host_metrics):
-            values = {key: float(value) for key, value in metrics.items() if key != "lambda"}
-            if not math.isfinite(values["loss"]):
-                raise FloatingPointError(f"train loss became {values['loss']} at step {step_done}")
+            values = {key: float(value) for key, value in metrics.items() if key not in ("lambda", "ok")}
+            if not watch.check(step_done, {**values, "ok": bool(metrics["ok"])}):
+                values["skipped"] = 1.0
+                progress.note(f"step {step_done}: loss {values['loss']}, gradient norm {values['grad_norm']}: skipped")
             if "lambda" in metrics:
                 values.update({f"lambda/layer_{i}": float(x) for i, x in enumerate(np.asarray(metrics["lambda"]))})
             if rate is not None:
@@ -246,7 +279,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                     values["mfu"] = rate * flops_per_token / mesh.size / peak
             result.losses[step_done] = values["loss"]
             metrics_writer.write(step_done, "train", values)
-        if pending:
+        if report:
             progress.update(pending[-1][0], values)
         pending.clear()
         timer.update(since=time.perf_counter(), steps=0, paused=0.0)
@@ -255,7 +288,9 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     try:
         with StopSignals() as stop:
             while step < config.train.steps:
-                batch = _global_batch(_stack_micro_batches(next(data_iter), plan), training.step_batch_sharding,
+                with _setup_errors():  # a malformed record is the user's to fix
+                    local = next(data_iter)
+                batch = _global_batch(_stack_micro_batches(local, plan), training.step_batch_sharding,
                                       micro_rows, batch_axis=1)
                 state, metrics = train_step(state, batch)
                 step += 1
@@ -273,7 +308,10 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                     metrics_writer.write(step, "eval", {"loss": result.eval_losses[step]})
                     progress.note(f"step {step}: eval loss {result.eval_losses[step]:.4f}")
                 if step % config.checkpoint.every == 0 or step == config.train.steps or stop.received:
+                    # Every step up to this one is checked finite and in metrics.jsonl before its checkpoint exists.
+                    flush(report=False)
                     checkpointer.save(step, state, data_iter.get_state())
+                    watch.saved(step)
                 timer["paused"] += time.perf_counter() - pause
                 if stop.received:
                     flush()
@@ -287,7 +325,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
             final_eval = evaluate()
             if final_eval is not None:
                 result.eval_losses[step] = final_eval
-                if step > start_step:  # (a rerun of a finished run only reports it)
+                if step > start_step or not any(r["step"] == step and r["kind"] == "eval"  # a kill lost it
+                                                for r in read_records(run_dir / METRICS_FILE)):
                     metrics_writer.write(step, "eval", {"loss": final_eval})
                 progress.note(f"step {step}: eval loss {final_eval:.4f}")
             if config.train.sample_tokens:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -74,6 +75,21 @@ def layer_lambdas(params, config: ModelConfig) -> jax.Array | None:
     return jnp.stack(values)
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl ([] when there is none); a line cut short by a crash is skipped."""
+    records = []
+    if Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
 class MetricsWriter:
     """Appends records to <run_dir>/metrics.jsonl and, optionally, TensorBoard event files.
 
@@ -86,7 +102,7 @@ class MetricsWriter:
         if not enabled:
             return
         run_dir = Path(run_dir)
-        self.jsonl_path = run_dir / "metrics.jsonl"
+        self.jsonl_path = run_dir / METRICS_FILE
         if resume_step and self.jsonl_path.exists():
             self._truncate_after(resume_step)
         elif not resume_step and self.jsonl_path.exists():
@@ -99,15 +115,10 @@ class MetricsWriter:
             self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
 
     def _truncate_after(self, step: int):
-        kept = []
-        for line in self.jsonl_path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash
-                continue
-            if record.get("step", 0) <= step:
-                kept.append(line)
-        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+        kept = [record for record in read_records(self.jsonl_path) if record.get("step", 0) <= step]
+        temporary = self.jsonl_path.with_suffix(".jsonl.tmp")  # a kill while rewriting must not lose the file
+        temporary.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        os.replace(temporary, self.jsonl_path)
 
     def write(self, step: int, kind: str, values: dict[str, float]):
         if not self.enabled:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 
@@ -19,6 +20,15 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
+def terminal_columns() -> int:
+    """stderr's terminal width; 0 where it reports none (some containers give 0x0, where tqdm's
+    dynamic width would draw nothing)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        return 0
+
+
 class Progress:
     def __init__(self, style: str, start_step: int, total_steps: int, tokens_per_step: int, log):
         self.total, self.tokens_per_step, self.log = total_steps, tokens_per_step, log
@@ -27,16 +37,19 @@ class Progress:
         if use_bar and start_step < total_steps:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            columns = terminal_columns()
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=columns > 0,
+                            ncols=None if columns > 0 else 100)
 
     def update(self, step: int, values: dict[str, float]):
         rate = values.get("tokens_per_second")
         if self.bar is not None:
-            self.bar.update(step - self.bar.n)
             postfix = {"loss": f"{values['loss']:.4f}"}
             if rate:
                 postfix["tok/s"] = f"{rate:,.0f}"
-            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.set_postfix(postfix, refresh=False)  # before the update that draws it
+            self.bar.update(step - self.bar.n)
+            self.bar.refresh()  # tqdm skips redraws within its mininterval; this is once per log interval
             return
         line = f"step {step:>{len(str(self.total))}}/{self.total} | loss {values['loss']:.4f} | grad norm {values['grad_norm']:.3f} | lr {values['lr']:.2e}"
         if rate:

@@ -21,6 +21,7 @@ from diffjax import parallel
 from diffjax.config import ModelConfig
 from diffjax.losses import packed_loss_sum_and_count
 from diffjax.model import TransformerLM
+from diffjax.train import guard
 from diffjax.train.metrics import layer_lambdas
 
 
@@ -41,9 +42,10 @@ def _loss_sum_and_count(graphdef, params, batch):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, model_config: ModelConfig,
-                    mesh: Mesh | None = None):
+                    mesh: Mesh | None = None, on_nonfinite: str = "stop"):
     """step(state, batch) -> (state, metrics); jit it with the state donated. With a mesh, the model's
-    activations are constrained by the logical-axis rules."""
+    activations are constrained by the logical-axis rules. metrics["ok"]: the step was finite; with
+    on_nonfinite="skip" a step that was not leaves params and optimizer state unchanged (guard.py)."""
 
     def train_step(state, batch):
         with parallel.activation_sharding(mesh):
@@ -65,9 +67,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads_sum, params)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
+        loss, grad_norm = loss_sum / denominator, optax.tree.norm(grads)
+        ok = guard.step_ok(loss, grad_norm, optax.tree.norm(updates))
+        if on_nonfinite == "skip":
+            new_params, opt_state = guard.keep_old_if_bad(ok, (new_params, opt_state), (params, state["opt_state"]))
         metrics = {
-            "loss": loss_sum / denominator,
-            "grad_norm": optax.global_norm(grads),
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "ok": ok,
             "lr": schedule(state["step"]),
             "loss_tokens": count,
         }
@@ -106,8 +113,8 @@ class ShardedTraining:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def jit_train_step(self, tx, schedule, model_config: ModelConfig):
-        step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh)
+    def jit_train_step(self, tx, schedule, model_config: ModelConfig, on_nonfinite: str = "stop"):
+        step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh, on_nonfinite)
         return jax.jit(step, in_shardings=(self.state_shardings, self.step_batch_sharding),
                        out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
 

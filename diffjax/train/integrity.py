@@ -1,0 +1,83 @@
+"""Checkpoint integrity: a digest of every file of a checkpoint, written once its save is complete and
+checked before it is restored (Orbax 0.12 keeps no checksums of its own).
+
+A checkpoint that fails the check or cannot be read is moved to <run_dir>/damaged-checkpoints/ (kept
+for inspection, out of reach of rotation, and its step free to be saved again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+DIGEST_FILE = "digest.json"  # in the step directory, next to Orbax's items
+UNDIGESTED = {DIGEST_FILE, "_CHECKPOINT_METADATA"}  # Orbax updates the latter when it commits the save
+DAMAGED_DIR = "damaged-checkpoints"
+
+
+def _files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and str(p.relative_to(step_dir)) not in UNDIGESTED)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def write_digest(step_dir: Path) -> None:
+    """{relative path: [size, sha256]} of every file, written atomically (a crash leaves none)."""
+    step_dir = Path(step_dir)
+    digest = {str(p.relative_to(step_dir)): [p.stat().st_size, _sha256(p)] for p in _files(step_dir)}
+    temporary = step_dir / (DIGEST_FILE + ".tmp")
+    with open(temporary, "w") as file:
+        json.dump(digest, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, step_dir / DIGEST_FILE)
+
+
+def saved_bytes(step_dir: Path) -> int:
+    """The size of a checkpoint as its digest records it (0 without one)."""
+    try:
+        return sum(size for size, _ in json.loads((Path(step_dir) / DIGEST_FILE).read_text()).values())
+    except (OSError, ValueError):
+        return 0
+
+
+def has_digest(step_dir: Path) -> bool:
+    return (Path(step_dir) / DIGEST_FILE).is_file()
+
+
+def find_damage(step_dir: Path) -> str | None:
+    """What is wrong with a checkpoint's files against its digest (None: intact or no digest)."""
+    step_dir = Path(step_dir)
+    try:
+        digest = json.loads((step_dir / DIGEST_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        return f"its {DIGEST_FILE} is unreadable ({error})"
+    for name, (size, sha256) in digest.items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were saved"
+        if _sha256(path) != sha256:
+            return f"{name} differs from what was saved (sha256 mismatch)"
+    return None
+
+
+def set_aside(step_dir: Path) -> Path:
+    """Moves a damaged step directory to <run_dir>/damaged-checkpoints/<step>[.n]; returns where."""
+    step_dir = Path(step_dir)
+    target_dir = step_dir.parent.parent / DAMAGED_DIR
+    target_dir.mkdir(exist_ok=True)
+    target, n = target_dir / step_dir.name, 1
+    while target.exists():
+        target, n = target_dir / f"{step_dir.name}.{n}", n + 1
+    shutil.move(step_dir, target)
+    return target

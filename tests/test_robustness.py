@@ -1,0 +1,180 @@
+"""What a run guarantees when things go wrong: divergence, damaged checkpoints, kill -9 and metrics,
+bad input. Tiny model, few steps (the helpers of test_trainer.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from diffjax.train import train
+from diffjax.train.checkpoint import Checkpointer
+from diffjax.train.config import CheckpointConfig
+from test_trainer import REPO_ROOT, SMALL, _read_metrics
+from test_trainer import _config as _trainer_config
+
+QUIET = dict(log=lambda _: None)
+
+
+def _config(run_dir, *overrides):
+    return _trainer_config(run_dir, "train.sample_tokens=0", *overrides)  # sampling compiles per length: slow
+
+
+def _all_finite(run_dir, step) -> bool:
+    state = Checkpointer(run_dir, CheckpointConfig()).read(step)["state"]
+    return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state) if np.asarray(x).dtype.kind == "f")
+
+
+def test_a_diverging_run_stops_before_saving_a_nonfinite_state(tmp_path):
+    from diffjax.train.guard import DivergedError
+
+    run_dir = tmp_path / "run"
+    diverging = ["train.steps=8", "optim.lr=1e3", "train.log_every=10", "checkpoint.every=1", "checkpoint.keep=3"]
+    with pytest.raises(DivergedError, match=r"diverged at step (\d+) .*the newest good checkpoint, (\S+), is kept") as info:
+        train(_config(run_dir, *diverging), **QUIET)
+    bad_step, kept = map(int, re.search(r"step (\d+) .*checkpoints/(\d+),", str(info.value)).groups())
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
+    assert kept == bad_step - 1 == steps[-1], (steps, str(info.value))
+    assert all(_all_finite(run_dir, step) for step in steps)
+    assert max(r["step"] for r in _read_metrics(run_dir)) < bad_step
+
+    # skip mode: the run goes on, the bad steps are logged as skipped and the state stays finite.
+    result = train(_config(tmp_path / "skip", *diverging, "train.on_nonfinite=skip"), **QUIET)
+    assert result.step == 8 and _all_finite(tmp_path / "skip", 8)
+    skipped = [r["step"] for r in _read_metrics(tmp_path / "skip") if r.get("skipped")]
+    assert skipped and skipped[-1] == 8
+
+
+def _damage(step_dir, how):
+    files = sorted((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    if how == "emptied":
+        for path in sorted(step_dir.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+    elif how == "flipped byte":
+        data = bytearray(files[-1].read_bytes())
+        data[len(data) // 2] ^= 0x01
+        files[-1].write_bytes(bytes(data))
+    elif how == "no _METADATA":
+        (step_dir / "state" / "_METADATA").unlink()
+    elif how == "truncated":
+        files[-1].write_bytes(files[-1].read_bytes()[: files[-1].stat().st_size // 2])
+    elif how == "bad data/metadata":
+        (step_dir / "data" / "metadata").write_text("{not json")
+
+
+def test_damaged_checkpoints_are_skipped_for_the_newest_intact_one(tmp_path):
+    run_dir = tmp_path / "run"
+    every = ["checkpoint.every=2", "checkpoint.keep=3"]
+    train(_config(run_dir, "train.steps=12", *every, "checkpoint.keep=10"), **QUIET)
+    damage = {12: "emptied", 10: "flipped byte", 8: "no _METADATA", 6: "truncated", 4: "bad data/metadata"}
+    for step, how in damage.items():
+        _damage(run_dir / "checkpoints" / str(step), how)
+    lines = []
+    result = train(_config(run_dir, "train.steps=14", *every), log=lines.append)
+    warnings = [line for line in lines if line.startswith("warning: checkpoint")]
+    assert [int(re.search(r"checkpoints/(\d+) is damaged", w).group(1)) for w in warnings] == sorted(damage, reverse=True)
+    assert any(line.startswith("resumed from") and line.endswith("(step 2)") for line in lines), lines
+    assert result.step == 14 and sorted(result.losses) == list(range(3, 15))
+    # Set aside for inspection, not rotated away; the new checkpoints keep=3.
+    assert sorted(int(p.name) for p in (run_dir / "damaged-checkpoints").iterdir()) == sorted(damage)
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [10, 12, 14]
+
+
+def test_a_finished_run_is_not_redone_and_its_final_eval_survives_a_kill(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    train(_config(run_dir, "train.steps=2"), **QUIET)
+    records = _read_metrics(run_dir)
+    assert records[-1]["kind"] == "eval" and records[-1]["step"] == 2
+    # A kill after the final checkpoint, before the final eval was written:
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    train(_config(run_dir, "train.steps=2"), **QUIET)
+    assert _read_metrics(run_dir) == records
+    assert "Metadata file does not exist" not in caplog.text  # (Orbax, when a state item was read as a checkpoint)
+    events = sorted((run_dir / "tensorboard").iterdir())
+    lines = []
+    result = train(_config(run_dir, "train.steps=2"), log=lines.append)
+    assert lines == [f"the run in {run_dir} is complete (step 2 of train.steps = 2); nothing to do"]
+    assert result.eval_losses == {2: records[-1]["loss"]} and result.sample is None
+    assert sorted((run_dir / "tensorboard").iterdir()) == events and _read_metrics(run_dir) == records
+
+
+def _main(*argv) -> int:
+    """train.py's main in this process (no subprocess start-up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", REPO_ROOT / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.main(list(argv))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("yaml file", r"^config error: config file \S+bad\.yaml line 3, column 1: not valid YAML"),
+    ("yaml override", r"^config error: override 'data\.paths=\[a, b': the value is not a valid YAML list"),
+    ("config after overrides", r"^config error: unknown config key model\.num_layerz"),
+    ("jsonl line", r"^error: \S+a\.jsonl line 2: invalid JSON"),
+    ("empty corpus", r"^error: the training data has no text to learn from \(data\.paths \['\S+empty\.txt'\]: its documents are all empty"),
+])
+def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, case, message):
+    (tmp_path / "bad.yaml").write_text("model:\n  d_model: [32\n")
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n{"text": "hi\n')
+    (tmp_path / "empty.txt").write_text("")
+    small = [*SMALL, f"train.run_dir={tmp_path / 'run'}", "data.eval_fraction=0"]
+    argv = {
+        "yaml file": ["--config", str(tmp_path / "bad.yaml")],
+        "yaml override": ["data.paths=[a, b"],
+        "config after overrides": ["model.num_layerz=2", "--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "train.steps=3"],
+        "jsonl line": [*small, "data.source=jsonl", f"data.paths=[{tmp_path / 'a.jsonl'}]"],
+        "empty corpus": [*small, "data.source=text", f"data.paths=[{tmp_path / 'empty.txt'}]"],
+    }[case]
+    assert _main(*argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and "\n" not in err, err
+
+
+def test_progress_bar_shows_the_current_loss_on_a_0x0_terminal(monkeypatch, capsys):
+    import os
+
+    from diffjax.train import progress
+
+    monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: os.terminal_size((0, 0)))  # some containers
+    display = progress.Progress("bar", 0, 10, 128, print)
+    assert display.bar.ncols == 100  # tqdm's dynamic width would be 0 columns: nothing drawn
+    for step, loss in ((5, 1.2345), (9, 0.5)):
+        display.update(step, {"loss": loss, "grad_norm": 1.0, "lr": 0.1})
+    shown = capsys.readouterr().err.split("\r")[-1]
+    assert "9/10" in shown and "loss=0.5000" in shown, shown
+    display.close()
+
+
+def test_help_keys_shows_the_values_the_run_will_use(capsys):
+    assert _main("--help-keys", "train.steps=7") == 0
+    out = capsys.readouterr().out
+    assert "  train.log_every = 25\n" in out and "  train.steps = 7\n" in out  # tiny.yaml's, the override's
+
+
+def test_a_full_disk_stops_with_one_line_and_leaves_the_checkpoints_intact(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    from diffjax.train import integrity
+    from diffjax.train.checkpoint import SaveError
+
+    # Free space below one checkpoint's size: refused before Orbax starts writing.
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    with pytest.raises(SaveError, match=r"not enough disk space to save the checkpoint of step 4 .* step 2, is intact"):
+        train(_config(tmp_path / "run", "train.steps=6", "checkpoint.every=2"), **QUIET)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
+
+    # A write that fails in Orbax's background thread: reported once, its temporary directory removed.
+    def no_space(step_dir):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(integrity, "write_digest", no_space)
+    with pytest.raises(SaveError, match=r"saving the checkpoint of step 4 .* failed: .*No space left on device"):
+        train(_config(tmp_path / "run", "train.steps=6", "checkpoint.every=2"), **QUIET)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
