@@ -19,7 +19,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 import diffjax  # noqa: E402
 from diffjax.convert import ConversionError, diffjax_to_hf, hf_to_diffjax  # noqa: E402
-from diffjax.train.checkpoint import load_model  # noqa: E402
+from diffjax.checkpoint import load_model  # noqa: E402
 from hf_models import LLAMA3_ROPE, make_hf_model, max_relative_error, random_tokens  # noqa: E402
 
 CASES = {

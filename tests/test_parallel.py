@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diffjax import parallel
-from diffjax.config import ModelConfig, ParallelConfig
+from diffjax.config import ModelConfig
+from diffjax.train.mesh import ParallelConfig
 from diffjax.model import TransformerLM
 from diffjax.train import load_run_config, train
 from diffjax.train.checkpoint import Checkpointer, abstract_like

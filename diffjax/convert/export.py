@@ -246,7 +246,7 @@ def save_hf(
     `max_shard_size` (model-0000k-of-0000n.safetensors + model.safetensors.index.json).
 
     model_or_params: a TransformerLM, or its params (an nnx pure dict, nested or flat by path, or a
-      lazy `diffjax.convert.checkpoint.CheckpointParams`) with `config`.
+      lazy `diffjax.checkpoint.CheckpointParams`) with `config`.
     dtype: "float32" / "bfloat16" / "float16" for the saved tensors (None: the params' dtype).
     base_config: an original config.json (dict) whose non-structural fields (token ids, ...) are kept.
     extra_files: files copied alongside (tokenizer, generation_config.json).

@@ -14,7 +14,7 @@ from diffjax import ops
 from diffjax.config import ModelConfig
 from diffjax.model.layers import normal_param, ones_param, rms_normalize
 from diffjax.model.rope import apply_rope
-from diffjax.parallel import constrain
+from diffjax.sharding import constrain
 
 BTD = ("batch", "length", "act_embed")
 

@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from diffjax.config import ModelConfig
-from diffjax.parallel import constrain
+from diffjax.sharding import constrain
 
 
 def normal_param(rngs: nnx.Rngs, shape, std: float, dtype, axes) -> nnx.Param:

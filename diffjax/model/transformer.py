@@ -10,7 +10,7 @@ from diffjax.config import ModelConfig
 from diffjax.model.attention import DiffAttention, StandardAttention
 from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param
 from diffjax.model.rope import inv_frequencies, rope_tables
-from diffjax.parallel import constrain
+from diffjax.sharding import constrain
 
 BTD = ("batch", "length", "act_embed")
 # What a block keeps for its backward pass (ModelConfig.remat); everything else is recomputed.

@@ -8,7 +8,7 @@ impl:
   "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu), differential attention
                 only; Mosaic GPU interpret mode off GPU (for tests).
   "splash"      composition of JAX's splash attention (TPU; interpret mode elsewhere): one call per map.
-  Under diffjax.parallel.activation_sharding (the train step on a mesh) the Pallas impls run inside
+  Under diffjax.sharding.activation_sharding (the train step on a mesh) the Pallas impls run inside
   jax.shard_map over the batch and head axes; cudnn and xla are partitioned by the compiler.
   "cudnn"       composition of jax.nn.dot_product_attention(implementation="cudnn") (GPU): V split
                 into d-wide pieces, both maps folded into the head axis.
@@ -25,15 +25,28 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from diffjax import parallel
-from diffjax.config import ATTENTION_IMPLS
+from diffjax import sharding
 from diffjax.ops import compositions
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
 
-IMPLS = ATTENTION_IMPLS
+IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "splash", "cudnn")  # ModelConfig.attention_impl
 # (d, dv, causal) where benchmarks/attention.py measured pallas_gpu faster than the cuDNN composition on
 # Hopper (fwd+bwd, bf16, T = 8k); "auto" picks pallas_gpu only for these. Empty until measured on an H100.
 PALLAS_GPU_FASTEST: frozenset[tuple[int, int, bool]] = frozenset()
+
+
+
+def config_problems(impl: str, attention: str, dtype: str) -> list[str]:
+    """What is wrong with running `impl` for a model's attention kind ("diff" / "standard") and compute dtype
+    (ModelConfig checks this at construction, before anything is traced)."""
+    if impl not in IMPLS:
+        return [f"attention_impl must be one of {IMPLS}, got {impl!r}"]
+    if impl == "pallas_gpu" and not (attention == "diff" and dtype in ("bfloat16", "float16")):
+        return [f"attention_impl 'pallas_gpu' is the fused differential kernel for bfloat16 / float16: it needs attention "
+                f"'diff' and dtype bfloat16 or float16, got attention {attention!r}, dtype {dtype!r} "
+                f"(use 'cudnn' or 'auto' otherwise)"]
+    return []
+
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()
@@ -112,9 +125,9 @@ def _fastest_on_hopper(op, q, k, v, causal) -> bool:
 
 
 def _partitioned(kernel, q, k, v, lam, segment_ids):
-    """kernel(q, k, v, lam, segment_ids), under diffjax.parallel.activation_sharding run per device with
+    """kernel(q, k, v, lam, segment_ids), under diffjax.sharding.activation_sharding run per device with
     jax.shard_map over the batch and head axes: XLA cannot partition a Pallas call itself."""
-    mesh = parallel.active_mesh()
+    mesh = sharding.active_mesh()
     if mesh is None:
         return kernel(q, k, v, lam, segment_ids)
     heads = ("batch", "length", "act_heads", None, None)[: q.ndim]
@@ -131,7 +144,7 @@ def _partitioned(kernel, q, k, v, lam, segment_ids):
         local_segments = None if not local_ids else (local_ids if isinstance(segment_ids, tuple) else local_ids[0])
         return kernel(*local[:3], local[3] if lam is not None else None, local_segments)
 
-    return parallel.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None))
+    return sharding.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None))
 
 
 def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
@@ -186,4 +199,4 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
     return dot_product_attention_xla(q, k, v, **kwargs)
 
 
-__all__ = ["IMPLS", "attention_mask", "diff_attention", "dot_product_attention"]
+__all__ = ["IMPLS", "attention_mask", "config_problems", "diff_attention", "dot_product_attention"]
