@@ -60,8 +60,9 @@ def test_verify_exits_nonzero_on_a_corrupted_checkpoint(converted):
     root, _ = converted
     model = load_diffjax_as(root / "diffjax", "float32")
     params = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    key = ("blocks", 2, "mlp", "down_kernel")
-    params[key] = params[key] * np.float32(1.5)  # one weight tensor off by 50%
+    key = ("blocks", "mlp", "down_kernel")
+    params[key] = params[key].copy()
+    params[key][2] *= np.float32(1.5)  # one weight tensor (layer 2's) off by 50%
     save_params(root / "corrupt", nested(params), model.config)
     done = run_cli("verify", root / "hf", "--diffjax", root / "corrupt", "--prompts", "2", "--seq-len", "24")
     assert done.returncode == 1, done.stdout + done.stderr

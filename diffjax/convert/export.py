@@ -10,6 +10,7 @@ Settings HF cannot express raise ConversionError naming the setting.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from flax import nnx
 
 from diffjax.config import ModelConfig, lambda_init_for_depth
 from diffjax.convert.common import ConversionError, flatten, path_name, prepare_output_dir
-from diffjax.convert.hf import weight_table
+from diffjax.convert.hf import stacked_path, weight_table
 from diffjax.convert.safetensors_io import write_safetensors
 from diffjax.model.rope import interleaved_from_rotate_half
 
@@ -151,11 +152,15 @@ def _diff_o_to_hf(o, subln):
     return o.reshape(H * two_d, D).T
 
 
-def _inverse(config: ModelConfig, path: tuple, params: Mapping):
-    """A function producing the HF tensor for diffjax parameter `path` from `params`."""
+def _inverse(config: ModelConfig, path: tuple, read):
+    """A function producing the HF tensor for diffjax parameter `path` (a layer's: ("blocks", i, ...)),
+    given read(stacked or top-level path) -> array."""
     permute = config.rope_style == "interleaved"
     name = path[-1]
-    get = lambda: np.asarray(params[path])  # noqa: E731
+    if path[0] == "blocks":
+        get = lambda: np.asarray(read(stacked_path(path))[path[1]])  # noqa: E731
+    else:
+        get = lambda: np.asarray(read(path))  # noqa: E731
     if path[0] == "blocks" and path[2] == "attn":
         if config.attention == "diff":
             if name in ("q_kernel", "k_kernel"):
@@ -163,7 +168,7 @@ def _inverse(config: ModelConfig, path: tuple, params: Mapping):
             if name == "v_kernel":
                 return lambda: _v_to_hf(get())
             if name == "o_kernel":
-                return lambda: _diff_o_to_hf(get(), params[path[:-1] + ("subln_scale",)])
+                return lambda: _diff_o_to_hf(get(), read(("blocks", "attn", "subln_scale"))[path[1]])
             return get  # lambda vectors
         if name in ("q_kernel", "k_kernel", "v_kernel"):
             return lambda: _heads_to_hf(get(), permute and name != "v_kernel")
@@ -174,10 +179,12 @@ def _inverse(config: ModelConfig, path: tuple, params: Mapping):
 
 
 def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tuple[str, tuple, np.dtype, object]]:
-    """[(HF key, shape, dtype, produce())] for every tensor of the HF checkpoint, in HF's order.
+    """[(HF key, shape, dtype, produce())] for every tensor of the HF checkpoint, layers' tensors grouped
+    by parameter (every layer's q_proj, then every layer's k_proj, ...), so that a lazy `params` reads each
+    stacked leaf once and holds at most two at a time.
 
-    params: {diffjax path: array} (flat, as from `flatten`), or a lazy mapping with `shapes` and
-    `dtypes` attributes that reads an array only when asked (then nothing is read here).
+    params: {diffjax path: array} (flat, as from `flatten`; layers stacked), or a lazy mapping with `shapes`
+    and `dtypes` attributes that reads an array only when asked (then nothing is read here).
     Missing, unexpected or mis-shaped params raise ConversionError.
     """
     shapes = getattr(params, "shapes", None) or {p: tuple(np.shape(v)) for p, v in params.items()}
@@ -191,10 +198,14 @@ def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tup
     ]
     if problems:
         raise ConversionError("params do not match the model config: " + "; ".join(problems))
+    read = functools.lru_cache(maxsize=2)(lambda path: params[path])  # the stacked leaf being written (+ subln)
+    table = weight_table(config)
+    table.sort(key=lambda row: (row[2][0] == "blocks", row[2][2:] if row[2][0] == "blocks" else (), row[2][1:2]))
     plan = []
-    for key, shape, path, _ in weight_table(config):
-        out_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(dtypes[path])
-        produce = _inverse(config, path, params)
+    for key, shape, path, _ in table:
+        leaf = stacked_path(path) if path[0] == "blocks" else path
+        out_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(dtypes[leaf])
+        produce = _inverse(config, path, read)
         plan.append((key, shape, out_dtype, lambda produce=produce, out_dtype=out_dtype: np.asarray(produce()).astype(out_dtype, copy=False)))
     return plan
 

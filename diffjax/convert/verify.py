@@ -122,8 +122,8 @@ def _diffjax_run(model: TransformerLM, tokens: np.ndarray):
     rope = rope_tables(positions_BT, inv_frequencies(config), dtype)
     x_BTD = model.embed(tokens_BT, dtype)
     stages = [np.asarray(x_BTD.astype(jnp.float32))]
-    for block in model.blocks:
-        x_BTD = block(x_BTD, rope)
+    for depth in range(config.num_layers):
+        x_BTD = model.layer(depth)(x_BTD, rope)
         stages.append(np.asarray(x_BTD.astype(jnp.float32)))
     stages.append(np.asarray(model.final_norm(x_BTD).astype(jnp.float32)))
     logits = np.asarray(model(tokens_BT), np.float32)

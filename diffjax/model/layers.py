@@ -21,6 +21,13 @@ def ones_param(shape, dtype, axes) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, dtype=dtype), logical_axes=axes)
 
 
+def prepend_axis(module: nnx.Module, name: str) -> None:
+    """Name the leading axis that nnx.vmap added to every parameter of `module` (in `logical_axes`)."""
+    for _, param in nnx.iter_graph(module):
+        if isinstance(param, nnx.Param):
+            param.set_metadata(logical_axes=(name,) + tuple(param.get_metadata()["logical_axes"]))
+
+
 def rms_normalize(x, eps: float):
     """x / rms(x) over the last axis with float32 statistics, returned in x's dtype."""
     x32 = x.astype(jnp.float32)
