@@ -25,6 +25,7 @@ from diffjax.config import ModelConfig
 from diffjax.sharding import key_names
 
 STACKED = "blocks"  # the params key whose leaves carry the leading layers axis
+CHUNK_BYTES = 8 * 2**20
 
 
 def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
@@ -164,7 +165,13 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     manager = ocp.CheckpointManager(run_dir / "checkpoints", item_handlers={"state": handler},
                                     options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
     params = jax.tree.map(np.asarray, params)  # jax arrays to host numpy (numpy arrays: no copy)
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params})), force=True)
+    # Written in chunks of at most CHUNK_BYTES, stacked leaves split along the layers axis first: the encoding
+    # transient is one chunk, not a whole stack, and CheckpointParams.layer reads only one layer's chunks.
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
+    if STACKED in params:
+        save_args[STACKED] = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,)), params[STACKED])
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params}, save_args={"params": save_args})),
+                 force=True)
     manager.wait_until_finished()
     manager.close()
     # A run config train.py reads (its other sections take their defaults); the data section's sequence
@@ -244,11 +251,33 @@ class CheckpointParams(Mapping):
             restored = restored[key]
         return restored
 
+    def _per_layer(self, path) -> bool:
+        stored = self._stored[path]
+        return len(stored) > 1 or len(stored[0]) > len(path)
+
     def __getitem__(self, path) -> np.ndarray:
         stored = self._stored[path]
-        if len(stored) == 1 and len(stored[0]) == len(path):
+        if not self._per_layer(path):
             return self._read(stored[0], self.shapes[path], self.dtypes[path])
         return np.stack([self._read(keys, self.shapes[path][1:], self.dtypes[path]) for keys in stored])
+
+    def layer(self, path, depth: int) -> np.ndarray:
+        """Layer `depth` of the stacked leaf `path`, reading only the chunks that hold it (an export then
+        holds one layer's tensor, not a whole stack). Orbax restores whole arrays, so this opens the array
+        with tensorstore, Orbax's storage layer: a zarr array per parameter, in an OCDBT store when the
+        trainer wrote it."""
+        import tensorstore as ts
+
+        stored = self._stored[path]
+        if self._per_layer(path):
+            return self._read(stored[depth], self.shapes[path][1:], self.dtypes[path])
+        name = ".".join(("params",) + stored[0])
+        if (self._directory / "manifest.ocdbt").exists():
+            kvstore = {"driver": "ocdbt", "base": f"file://{self._directory}", "path": name}
+        else:
+            kvstore = {"driver": "file", "path": str(self._directory / name)}
+        array = ts.open({"driver": "zarr", "kvstore": kvstore}, open=True, read=True).result()
+        return np.asarray(array[depth].read().result(), self.dtypes[path])
 
     def __iter__(self):
         return iter(self._stored)

@@ -10,7 +10,6 @@ Settings HF cannot express raise ConversionError naming the setting.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -152,13 +151,13 @@ def _diff_o_to_hf(o, subln):
     return o.reshape(H * two_d, D).T
 
 
-def _inverse(config: ModelConfig, path: tuple, read):
+def _inverse(config: ModelConfig, path: tuple, read, read_layer):
     """A function producing the HF tensor for diffjax parameter `path` (a layer's: ("blocks", i, ...)),
-    given read(stacked or top-level path) -> array."""
+    given read(path) -> array and read_layer(stacked path, depth) -> that layer's slice."""
     permute = config.rope_style == "interleaved"
     name = path[-1]
     if path[0] == "blocks":
-        get = lambda: np.asarray(read(stacked_path(path))[path[1]])  # noqa: E731
+        get = lambda: np.asarray(read_layer(stacked_path(path), path[1]))  # noqa: E731
     else:
         get = lambda: np.asarray(read(path))  # noqa: E731
     if path[0] == "blocks" and path[2] == "attn":
@@ -168,7 +167,7 @@ def _inverse(config: ModelConfig, path: tuple, read):
             if name == "v_kernel":
                 return lambda: _v_to_hf(get())
             if name == "o_kernel":
-                return lambda: _diff_o_to_hf(get(), read(("blocks", "attn", "subln_scale"))[path[1]])
+                return lambda: _diff_o_to_hf(get(), read_layer(("blocks", "attn", "subln_scale"), path[1]))
             return get  # lambda vectors
         if name in ("q_kernel", "k_kernel", "v_kernel"):
             return lambda: _heads_to_hf(get(), permute and name != "v_kernel")
@@ -179,12 +178,11 @@ def _inverse(config: ModelConfig, path: tuple, read):
 
 
 def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tuple[str, tuple, np.dtype, object]]:
-    """[(HF key, shape, dtype, produce())] for every tensor of the HF checkpoint, layers' tensors grouped
-    by parameter (every layer's q_proj, then every layer's k_proj, ...), so that a lazy `params` reads each
-    stacked leaf once and holds at most two at a time.
+    """[(HF key, shape, dtype, produce())] for every tensor of the HF checkpoint, in HF's order.
 
     params: {diffjax path: array} (flat, as from `flatten`; layers stacked), or a lazy mapping with `shapes`
-    and `dtypes` attributes that reads an array only when asked (then nothing is read here).
+    and `dtypes` attributes and a `layer(path, depth)` method that reads an array (or one layer of a
+    stacked one) only when asked (then nothing is read here).
     Missing, unexpected or mis-shaped params raise ConversionError.
     """
     shapes = getattr(params, "shapes", None) or {p: tuple(np.shape(v)) for p, v in params.items()}
@@ -198,14 +196,12 @@ def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tup
     ]
     if problems:
         raise ConversionError("params do not match the model config: " + "; ".join(problems))
-    read = functools.lru_cache(maxsize=2)(lambda path: params[path])  # the stacked leaf being written (+ subln)
-    table = weight_table(config)
-    table.sort(key=lambda row: (row[2][0] == "blocks", row[2][2:] if row[2][0] == "blocks" else (), row[2][1:2]))
+    read_layer = getattr(params, "layer", None) or (lambda path, depth: params[path][depth])
     plan = []
-    for key, shape, path, _ in table:
+    for key, shape, path, _ in weight_table(config):
         leaf = stacked_path(path) if path[0] == "blocks" else path
         out_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(dtypes[leaf])
-        produce = _inverse(config, path, read)
+        produce = _inverse(config, path, lambda path: params[path], read_layer)
         plan.append((key, shape, out_dtype, lambda produce=produce, out_dtype=out_dtype: np.asarray(produce()).astype(out_dtype, copy=False)))
     return plan
 
