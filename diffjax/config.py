@@ -58,8 +58,9 @@ class ModelConfig:
     attention_impl: str = "auto"  # passed to diffjax.ops.diff_attention / dot_product_attention
     # Memory and compile time. remat: "none" keeps every activation for the backward pass; "minimal"
     # keeps the projections' outputs and recomputes attention and elementwise ops; "full" keeps only
-    # each block's input. scan_layers compiles one block and scans it over the layers (compile time
-    # independent of depth); the parameters stay one entry per layer either way.
+    # each block's input. The blocks' params are stacked over depth either way; scan_layers scans one
+    # block's program over them (compile time independent of depth), false runs a Python loop over the
+    # layer slices (a program per layer: for debugging).
     remat: str = "none"
     scan_layers: bool = False
     # Names of the fields above that were None and derived in __post_init__ (re-derived by replace()).

@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # GQA (4 query heads over 2 kv heads) so that tensor=2 splits both; every size divides 8.
 MODEL = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
 
-# Which mesh axis each parameter dimension goes to, written out from the rules in parallel.py's docstring
+# Which mesh axis each parameter dimension goes to, written out from the rules in sharding.py's docstring
 # (embed -> fsdp; vocab, heads, kv heads, mlp -> tensor; the blocks' leading layers axis is never split);
 # an axis of size 1 means "not split".
 EXPECTED_AXES = {
