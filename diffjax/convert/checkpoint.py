@@ -13,17 +13,14 @@ bounded amount of memory to the params (tests/test_convert_streaming.py measures
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-import numpy as np
-
+from diffjax.checkpoint import CheckpointParams, resolve_checkpoint, save_params, saved_model_config
 from diffjax.config import ModelConfig
-from diffjax.convert.common import ConversionError, nested, prepare_output_dir
+from diffjax.convert.common import nested, prepare_output_dir
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
-from diffjax.checkpoint import CheckpointParams, resolve_checkpoint, save_params, saved_model_config
 
 DIFFJAX_OUTPUT_FILES = ("config.yaml", "checkpoints", "hf")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
