@@ -1,10 +1,24 @@
-"""diffjax: the Differential Transformer in JAX / Flax NNX."""
+"""diffjax: the Differential Transformer in JAX / Flax NNX.
+
+Layers, each importing only those before it: config -> sharding -> ops -> model -> checkpoint ->
+convert -> data, tokenizers -> train. `import diffjax` loads the first four (and the losses);
+`load_hf` / `save_hf` load the converter when first used.
+"""
 
 from diffjax.config import ModelConfig, lambda_init_for_depth
-from diffjax.convert import load_hf, save_hf
 from diffjax.losses import next_token_loss
 from diffjax.model import DiffAttention, StandardAttention, TransformerLM
 from diffjax.ops import diff_attention, dot_product_attention
+
+_CONVERTER_NAMES = ("load_hf", "save_hf")
+
+
+def __getattr__(name: str):
+    if name in _CONVERTER_NAMES:
+        from diffjax import convert
+
+        return getattr(convert, name)
+    raise AttributeError(f"module 'diffjax' has no attribute {name!r}")
 
 
 __all__ = [

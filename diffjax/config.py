@@ -15,7 +15,6 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 ROPE_STYLES = ("interleaved", "rotate_half")
 ROPE_TYPES = ("default", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "splash", "cudnn", "triton")  # diffjax.ops dispatches on these
 REMAT_POLICIES = ("none", "minimal", "full")  # what a decoder block keeps for the backward pass
 # Fields that change how the model computes, not what it computes: a run may resume with others.
 RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")
@@ -59,8 +58,9 @@ class ModelConfig:
     attention_impl: str = "auto"  # passed to diffjax.ops.diff_attention / dot_product_attention
     # Memory and compile time. remat: "none" keeps every activation for the backward pass; "minimal"
     # keeps the projections' outputs and recomputes attention and elementwise ops; "full" keeps only
-    # each block's input. scan_layers compiles one block and scans it over the layers (compile time
-    # independent of depth); the parameters stay one entry per layer either way.
+    # each block's input. The blocks' params are stacked over depth either way; scan_layers scans one
+    # block's program over them (compile time independent of depth), false runs a Python loop over the
+    # layer slices (a program per layer: for debugging).
     remat: str = "none"
     scan_layers: bool = False
     # Names of the fields above that were None and derived in __post_init__ (re-derived by replace()).
@@ -86,15 +86,11 @@ class ModelConfig:
         check(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         check(self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}")
         check(self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
-        check(
-            self.attention_impl in ATTENTION_IMPLS,
-            f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}",
-        )
-        check(
-            self.attention_impl != "pallas_gpu" or self.dtype in ("bfloat16", "float16"),
-            f"attention_impl 'pallas_gpu' (the fused Mosaic GPU kernels) needs dtype bfloat16 or float16, got "
-            f"dtype {self.dtype!r} (use 'cudnn', 'xla' or 'auto' otherwise)",
-        )
+        # The impl names and each kernel's constraints belong to diffjax.ops (imported here, not at the top,
+        # so that the config module stays free of jax).
+        from diffjax.ops import config_problems
+
+        errors += config_problems(self.attention_impl, self.dtype)
         check(self.remat in REMAT_POLICIES, f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         check(isinstance(self.scan_layers, bool), f"scan_layers must be true or false, got {self.scan_layers!r}")
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -191,97 +187,3 @@ class ModelConfig:
         if not include_lm_head:
             counts.pop("lm_head")
         return sum(counts.values())
-
-
-# --- data -----------------------------------------------------------------------------------
-
-TOKENIZER_KINDS = ("byte", "sentencepiece", "tiktoken")
-DATA_SOURCES = ("builtin", "text", "jsonl", "parquet")
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerConfig:
-    kind: str = "byte"  # "byte" | "sentencepiece" | "tiktoken"
-    path: str | None = None  # sentencepiece: a .model file; tiktoken: a .tiktoken file (instead of `encoding`)
-    encoding: str | None = None  # tiktoken: a named encoding (e.g. "cl100k_base") from the local cache
-
-    def __post_init__(self):
-        if self.kind not in TOKENIZER_KINDS:
-            raise ValueError(f"data.tokenizer.kind must be one of {TOKENIZER_KINDS}, got {self.kind!r}")
-        if self.kind == "sentencepiece" and not self.path:
-            raise ValueError("data.tokenizer.path must name a sentencepiece .model file when data.tokenizer.kind is 'sentencepiece'")
-        if self.kind == "tiktoken" and bool(self.path) == bool(self.encoding):
-            raise ValueError(
-                "data.tokenizer.kind 'tiktoken' needs exactly one of data.tokenizer.encoding (a named encoding such as "
-                "'cl100k_base') or data.tokenizer.path (a .tiktoken file)"
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    source: str = "builtin"  # "builtin" (the stdlib's .py files) | "text" | "jsonl" | "parquet"
-    paths: tuple[str, ...] = ()  # files or glob patterns (text, jsonl, parquet)
-    text_field: str = "text"  # jsonl / parquet: the field holding a document's text
-    seq_len: int = 128  # tokens per packed training sequence
-    eval_fraction: float = 0.02  # share of documents held out for the eval loss (chosen by a fixed hash)
-    eval_batches: int = 8  # eval loss = mean over this many packed batches of held-out documents
-    builtin_bytes: int = 4_000_000  # size budget of the builtin corpus
-    append_eos: bool = True  # end every document with the tokenizer's eos id (when it has one)
-    shuffle: bool = True  # shuffle documents (per epoch, from the run seed)
-    worker_count: int = 0  # grain worker processes (0: in the training process)
-    tokenizer: TokenizerConfig = TokenizerConfig()
-
-    def __post_init__(self):
-        if self.source not in DATA_SOURCES:
-            raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
-        if self.source != "builtin" and not self.paths:
-            raise ValueError(f"data.paths must list at least one file or glob for data.source {self.source!r}")
-        if isinstance(self.paths, str):  # a single path from YAML or the command line
-            object.__setattr__(self, "paths", (self.paths,))
-        object.__setattr__(self, "paths", tuple(self.paths))
-        if not (isinstance(self.seq_len, int) and self.seq_len > 0):
-            raise ValueError(f"data.seq_len must be a positive integer, got {self.seq_len!r}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
-        for name in ("eval_batches", "builtin_bytes"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
-                raise ValueError(f"data.{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not (isinstance(self.worker_count, int) and self.worker_count >= 0):
-            raise ValueError(f"data.worker_count must be an integer >= 0, got {self.worker_count!r}")
-
-
-# --- parallelism ------------------------------------------------------------------------------
-
-MESH_AXES = ("data", "fsdp", "tensor")
-DISTRIBUTED_MODES = ("auto", "on", "off")
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """The device mesh (axes data x fsdp x tensor; one of them may be -1: what the devices leave) and
-    multi-process start-up. See diffjax/parallel.py for which tensors each axis splits."""
-
-    data: int = -1  # batch split, params replicated
-    fsdp: int = 1  # batch split, params / optimizer state split too (gathered per layer)
-    tensor: int = 1  # heads and MLP width split (Megatron style)
-    # jax.distributed: "auto" initializes when coordinator_address is set or a cluster environment
-    # (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never.
-    distributed: str = "auto"
-    coordinator_address: str | None = None  # host:port of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
-
-    def __post_init__(self):
-        sizes = {name: getattr(self, name) for name in MESH_AXES}
-        for name, size in sizes.items():
-            if not (isinstance(size, int) and not isinstance(size, bool) and (size >= 1 or size == -1)):
-                raise ValueError(f"parallel.{name} must be a positive integer or -1 (fill), got {size!r}")
-        if list(sizes.values()).count(-1) > 1:
-            filled = [f"parallel.{name}" for name, size in sizes.items() if size == -1]
-            raise ValueError(f"only one mesh axis may be -1 (fill the remaining devices); got {', '.join(filled)}")
-        if self.distributed not in DISTRIBUTED_MODES:
-            raise ValueError(f"parallel.distributed must be one of {DISTRIBUTED_MODES}, got {self.distributed!r}")
-        for name in ("num_processes", "process_id"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value >= (1 if name == "num_processes" else 0)):
-                raise ValueError(f"parallel.{name} must be {'>= 1' if name == 'num_processes' else '>= 0'} or None, got {value!r}")

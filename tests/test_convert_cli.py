@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from diffjax.convert.__main__ import main  # noqa: E402
-from diffjax.train.checkpoint import save_params  # noqa: E402
+from diffjax.checkpoint import save_params  # noqa: E402
 from diffjax.convert.common import nested  # noqa: E402
 from diffjax.convert.verify import load_diffjax_as  # noqa: E402
 from hf_models import make_hf_model, random_tokens  # noqa: E402
@@ -60,8 +60,9 @@ def test_verify_exits_nonzero_on_a_corrupted_checkpoint(converted):
     root, _ = converted
     model = load_diffjax_as(root / "diffjax", "float32")
     params = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    key = ("blocks", 2, "mlp", "down_kernel")
-    params[key] = params[key] * np.float32(1.5)  # one weight tensor off by 50%
+    key = ("blocks", "mlp", "down_kernel")
+    params[key] = params[key].copy()
+    params[key][2] *= np.float32(1.5)  # one weight tensor (layer 2's) off by 50%
     save_params(root / "corrupt", nested(params), model.config)
     done = run_cli("verify", root / "hf", "--diffjax", root / "corrupt", "--prompts", "2", "--seq-len", "24")
     assert done.returncode == 1, done.stdout + done.stderr

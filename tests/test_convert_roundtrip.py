@@ -19,7 +19,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 import diffjax  # noqa: E402
 from diffjax.convert import ConversionError, diffjax_to_hf, hf_to_diffjax  # noqa: E402
-from diffjax.train.checkpoint import load_model  # noqa: E402
+from diffjax.checkpoint import load_model  # noqa: E402
 from hf_models import LLAMA3_ROPE, make_hf_model, max_relative_error, random_tokens  # noqa: E402
 
 CASES = {
@@ -89,7 +89,7 @@ def test_bfloat16_round_trip_is_bit_exact(tmp_path):
     original = make_hf_model("diffllama", num_key_value_heads=4).to(torch.bfloat16)
     original.save_pretrained(tmp_path / "hf")
     hf_to_diffjax(tmp_path / "hf", tmp_path / "diffjax")
-    assert load_model(tmp_path / "diffjax").blocks[0].attn.q_kernel[...].dtype == jnp.bfloat16
+    assert load_model(tmp_path / "diffjax").blocks.attn.q_kernel[...].dtype == jnp.bfloat16
     diffjax_to_hf(tmp_path / "diffjax", tmp_path / "back")
     back = exported_tensors(tmp_path / "back")
     for key, value in original.state_dict().items():
@@ -187,7 +187,7 @@ def test_converted_run_directory_trains_on_and_the_result_exports(tmp_path, meas
     err = max_relative_error(trained(jnp.asarray(tokens)), torch_logits(from_pretrained(tmp_path / "trained"), tokens))
     assert measured("trainer checkpoint vs transformers(export), max rel", err, 1e-5) <= 1e-5
     converted = load_model(tmp_path / "run" / "checkpoints" / "0")
-    assert not np.array_equal(np.asarray(converted.blocks[0].mlp.up_kernel[...]), np.asarray(trained.blocks[0].mlp.up_kernel[...]))
+    assert not np.array_equal(np.asarray(converted.blocks.mlp.up_kernel[0]), np.asarray(trained.blocks.mlp.up_kernel[0]))
 
 
 def test_existing_destination_is_refused(tmp_path):

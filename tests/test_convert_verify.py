@@ -56,8 +56,8 @@ def test_verify_bfloat16(saved, measured):
 def test_verify_fails_on_one_corrupted_weight_and_shows_where(dtype, saved):
     """A layout bug in one tensor (layer 1's v channels reversed) fails, and the table points at layer 1."""
     model = load_hf(saved("diffllama_gqa_tied"), dtype=dtype)
-    v = model.blocks[1].attn.v_kernel
-    v[...] = jnp.flip(v[...], axis=-1)
+    v = model.blocks.attn.v_kernel
+    v[...] = v[...].at[1].set(jnp.flip(v[1], axis=-1))
     result = verify(saved("diffllama_gqa_tied"), model=model, dtype=dtype, prompts=2, seq_len=32)
     assert not result.passed
     report = result.report()

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from diffjax.config import DataConfig
+from diffjax.data.config import DataConfig
 from diffjax.data import BATCH_KEYS, ListSource, make_eval_batches, make_train_dataset, pack_documents, pipeline
 from diffjax.tokenizers import ByteTokenizer
 

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from diffjax.config import DataConfig
+from diffjax.data.config import DataConfig
 from diffjax.data import (
     JsonlSource,
     TextFileSource,

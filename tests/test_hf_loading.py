@@ -43,7 +43,7 @@ def test_sharded_checkpoint_loads(hf_model, tmp_path):
 
 def test_dtype_argument_casts(checkpoint):
     model = diffjax.load_hf(checkpoint, dtype="bfloat16")
-    assert model.blocks[0].attn.q_kernel[...].dtype == jnp.bfloat16
+    assert model.blocks.attn.q_kernel[...].dtype == jnp.bfloat16
     assert model(np.zeros((1, 4), np.int32)).dtype == jnp.float32  # logits stay float32
 
 

@@ -61,7 +61,8 @@ def test_lambda_init_schedule_matches_published_table():
     np.testing.assert_allclose([config.lambda_init_at(depth) for depth in range(8)], table, atol=1e-6)
     assert ModelConfig(**TINY, lambda_init=0.8).lambda_init_at(5) == 0.8
     model = diffjax.TransformerLM(ModelConfig(**{**TINY, "num_layers": 3}), rngs=nnx.Rngs(0))
-    np.testing.assert_allclose([block.attn.lambda_init for block in model.blocks], table[:3], atol=1e-6)
+    np.testing.assert_allclose([model.layer(depth).attn.lambda_init for depth in range(3)], table[:3], atol=1e-6)
+    np.testing.assert_allclose(model.depth_constants(jnp.float32)["lambda_init"], table[:3], atol=1e-6)
 
 
 # Table 9 of the paper: DIFF sizes with vocab 100288, FFN 8/3 d_model, one embedding matrix counted.

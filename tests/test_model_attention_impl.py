@@ -65,7 +65,7 @@ def test_model_trains_with_pallas_tpu(measured):
         model = _model(impl)
         tx, schedule = make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0, decay="constant"), 10)
         step = jax.jit(make_train_step(nnx.graphdef(model), tx, schedule, model.config))
-        state, losses[impl] = init_state(model, tx, 0), []
+        state, losses[impl] = init_state(model, tx, jax.random.key(0)), []
         assert ("pallas_call" in str(jax.make_jaxpr(step)(state, batch))) == (impl == "pallas_tpu")
         for _ in range(3):
             state, metrics = step(state, batch)

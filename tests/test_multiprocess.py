@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from diffjax.config import ParallelConfig
+from diffjax.train.mesh import ParallelConfig
 from diffjax.data import make_train_dataset, open_documents
 from diffjax.parallel import make_mesh
 from diffjax.tokenizers import make_tokenizer

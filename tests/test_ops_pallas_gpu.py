@@ -132,7 +132,7 @@ def test_pallas_gpu_compiled_other_tunings(change, measured):
 def test_pallas_gpu_through_ops_dispatch_and_shard_map(measured):
     """impl="pallas_gpu" through diffjax.ops, also under a one-device mesh (the per-device shard_map path)."""
     from diffjax import parallel
-    from diffjax.config import ParallelConfig
+    from diffjax.train.mesh import ParallelConfig
 
     q, k, v, lam, ct, seg = _inputs(GPU_CASES["causal-rep2-G2-token-seg-d128"])
     want = ops.diff_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lam, segment_ids=seg, impl="xla")

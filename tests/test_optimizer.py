@@ -78,9 +78,9 @@ def test_default_mask_excludes_norms_subln_and_lambdas(attention):
     excluded = {path for path, decayed in mask.items() if not decayed}
     assert excluded == {path for path in mask if path[-1] in NO_DECAY_NAMES}
     per_layer = 2 + (5 if attention == "diff" else 0)  # two RMSNorms (+ four lambdas and subln)
-    assert len(excluded) == TINY["num_layers"] * per_layer + 1  # + final norm
-    # Exactly the 1-D parameters: the default names cover every vector in the model.
-    assert excluded == {path for path, leaf in _flat(params).items() if leaf.ndim == 1}
+    assert len(excluded) == per_layer + 1  # (stacked over layers) + final norm
+    # Exactly the vectors (1-D, or [layers, n] in the stacked blocks): the default names cover every one.
+    assert excluded == {path for path, leaf in _flat(params).items() if leaf.ndim == 1 + (path[0] == "blocks")}
 
 
 def test_mask_is_configurable():

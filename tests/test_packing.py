@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from diffjax.config import DataConfig, ModelConfig
+from diffjax.config import ModelConfig
+from diffjax.data.config import DataConfig
 from diffjax.data import ListSource, make_train_dataset
 from diffjax.losses import packed_next_token_loss, packed_target_mask
 from diffjax.model.transformer import TransformerLM

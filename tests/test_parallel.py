@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diffjax import parallel
-from diffjax.config import ModelConfig, ParallelConfig
+from diffjax.config import ModelConfig
+from diffjax.train.mesh import ParallelConfig
 from diffjax.model import TransformerLM
 from diffjax.train import load_run_config, train
 from diffjax.train.checkpoint import Checkpointer, abstract_like
@@ -30,22 +31,23 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # GQA (4 query heads over 2 kv heads) so that tensor=2 splits both; every size divides 8.
 MODEL = ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
 
-# Which mesh axis each parameter dimension goes to, written out from the rules in parallel.py's docstring
-# (embed -> fsdp; vocab, heads, kv heads, mlp -> tensor); an axis of size 1 means "not split".
+# Which mesh axis each parameter dimension goes to, written out from the rules in sharding.py's docstring
+# (embed -> fsdp; vocab, heads, kv heads, mlp -> tensor; the blocks' leading layers axis is never split);
+# an axis of size 1 means "not split".
 EXPECTED_AXES = {
     "embed.embedding": ("tensor", "fsdp"),
     "lm_head": ("fsdp", "tensor"),
     "final_norm.scale": ("fsdp",),
-    "blocks.1.attn_norm.scale": ("fsdp",),
-    "blocks.1.attn.q_kernel": ("fsdp", "tensor", None, None),
-    "blocks.1.attn.k_kernel": ("fsdp", "tensor", None, None),
-    "blocks.1.attn.v_kernel": ("fsdp", "tensor", None),
-    "blocks.1.attn.o_kernel": ("tensor", None, "fsdp"),
-    "blocks.1.attn.lambda_q1": (None,),
-    "blocks.1.attn.subln_scale": (None,),
-    "blocks.1.mlp.gate_kernel": ("fsdp", "tensor"),
-    "blocks.1.mlp.up_kernel": ("fsdp", "tensor"),
-    "blocks.1.mlp.down_kernel": ("tensor", "fsdp"),
+    "blocks.attn_norm.scale": (None, "fsdp",),
+    "blocks.attn.q_kernel": (None, "fsdp", "tensor", None, None),
+    "blocks.attn.k_kernel": (None, "fsdp", "tensor", None, None),
+    "blocks.attn.v_kernel": (None, "fsdp", "tensor", None),
+    "blocks.attn.o_kernel": (None, "tensor", None, "fsdp"),
+    "blocks.attn.lambda_q1": (None, None,),
+    "blocks.attn.subln_scale": (None, None,),
+    "blocks.mlp.gate_kernel": (None, "fsdp", "tensor"),
+    "blocks.mlp.up_kernel": (None, "fsdp", "tensor"),
+    "blocks.mlp.down_kernel": (None, "tensor", "fsdp"),
 }
 MESHES = {
     "data=8": ParallelConfig(data=8),
@@ -132,7 +134,8 @@ def test_optimizer_state_is_created_sharded_like_the_params(mesh_name):
         device = mesh.devices.flat[0]
         on_device = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards if s.device == device)
         total = sum(x.nbytes for x in jax.tree.leaves(state))
-        vectors = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim <= 1)  # lambdas, subln: replicated
+        # lambdas, subln (vectors, [layers, n] when stacked): replicated
+        vectors = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim <= 1 or (x.ndim == 2 and x.shape[0] == MODEL.num_layers))
         assert on_device <= total / 8 + vectors, (on_device, total)
 
 
@@ -220,7 +223,7 @@ def test_a_vocabulary_the_tensor_axis_does_not_divide_stays_whole():
     abstract = nnx.state(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))), nnx.Param)
     shardings = parallel.param_shardings(abstract, mesh)
     assert shardings["embed"]["embedding"].spec == P(None, None)
-    assert shardings["blocks"][0]["mlp"]["gate_kernel"].spec == P(None, "tensor")
+    assert shardings["blocks"]["mlp"]["gate_kernel"].spec == P(None, None, "tensor")  # layers never split
     assert any(note.startswith("embed.embedding (vocab = 257") for note in parallel.unsharded_dims(abstract, mesh))
 
 

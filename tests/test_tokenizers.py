@@ -20,7 +20,7 @@ import tiktoken.load
 import tiktoken.registry
 import tiktoken_ext.openai_public
 
-from diffjax.config import TokenizerConfig
+from diffjax.tokenizers.config import TokenizerConfig
 from diffjax.tokenizers import (
     ByteTokenizer,
     SentencePieceTokenizer,

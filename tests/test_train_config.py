@@ -176,8 +176,8 @@ def test_gradient_accumulation_equals_one_big_batch():
     segment_ids[:3, 20:] = 0
     positions = np.broadcast_to(np.arange(32), (8, 32)).astype(np.int32)
     batch = {"tokens": tokens, "segment_ids": segment_ids, "positions": positions}
-    big_state, big = step(init_state(model, tx, 0), {k: v[None] for k, v in batch.items()})
-    small_state, small = step(init_state(model, tx, 0), {k: v.reshape(4, 2, 32) for k, v in batch.items()})
+    big_state, big = step(init_state(model, tx, jax.random.key(0)), {k: v[None] for k, v in batch.items()})
+    small_state, small = step(init_state(model, tx, jax.random.key(0)), {k: v.reshape(4, 2, 32) for k, v in batch.items()})
     assert float(small["loss_tokens"]) == float(big["loss_tokens"]) == 8 * 31 - 3 * 12
     np.testing.assert_allclose(float(small["loss"]), float(big["loss"]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(small_state["params"]), jax.tree.leaves(big_state["params"])):

@@ -218,7 +218,7 @@ def test_params_only_checkpoint_loads_trains_on_and_initializes(tmp_path):
     from flax import nnx
 
     from diffjax.model import TransformerLM
-    from diffjax.train.checkpoint import load_model, save_params
+    from diffjax.checkpoint import load_model, save_params
 
     config = _config(tmp_path / "converted", "train.steps=1", "optim.lr=1e-12", "optim.min_lr=0",
                      "optim.warmup_steps=0", "optim.weight_decay=0")

@@ -1,6 +1,6 @@
 """HF directories <-> diffjax run directories (the checkpoints train.py resumes from and load_model loads).
 
-A converted run directory is written by `diffjax.train.checkpoint.save_params`:
+A converted run directory is written by `diffjax.checkpoint.save_params`:
 
     DST/config.yaml                     a run config whose `model` section is the converted ModelConfig
     DST/checkpoints/0/state             Orbax, {"params": nnx pure dict}
@@ -13,18 +13,14 @@ bounded amount of memory to the params (tests/test_convert_streaming.py measures
 
 from __future__ import annotations
 
-import os
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
-
+from diffjax.checkpoint import CheckpointParams, resolve_checkpoint, save_params, saved_model_config
 from diffjax.config import ModelConfig
-from diffjax.convert.common import ConversionError, nested, prepare_output_dir
+from diffjax.convert.common import nested, prepare_output_dir
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
-from diffjax.train.checkpoint import resolve_checkpoint, save_params, saved_model_config
 
 DIFFJAX_OUTPUT_FILES = ("config.yaml", "checkpoints", "hf")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
@@ -57,52 +53,6 @@ def read_run_config(src) -> tuple[Path, Path, ModelConfig]:
     """(run dir, step dir, ModelConfig) of a diffjax run directory, checkpoints/ dir or step dir."""
     step_dir = resolve_checkpoint(src)
     return step_dir.parent.parent, step_dir, saved_model_config(step_dir)
-
-
-class CheckpointParams(Mapping):
-    """The params of a diffjax checkpoint (trainer-written or converted) as a read-only mapping
-    {path: numpy array} that reads one array from disk per access and keeps nothing: an export
-    then holds one tensor at a time instead of the whole model."""
-
-    def __init__(self, step_dir: str | os.PathLike):
-        import jax
-        import orbax.checkpoint as ocp
-
-        self._directory = Path(step_dir) / "state"
-        self._checkpointer = ocp.PyTreeCheckpointer()
-        saved = self._checkpointer.metadata(self._directory).item_metadata.get("params")
-        if saved is None:
-            raise ConversionError(f"checkpoint {step_dir} holds no params")
-        self._stored, self.shapes, self.dtypes = {}, {}, {}
-        for key_path, meta in jax.tree_util.tree_leaves_with_path(saved):
-            stored = tuple(str(getattr(k, "key", k)) for k in key_path)
-            path = tuple(int(k) if k.isdigit() else k for k in stored)  # Orbax stores layer indices as strings
-            self._stored[path], self.shapes[path], self.dtypes[path] = stored, tuple(meta.shape), np.dtype(meta.dtype)
-
-    def __getitem__(self, path) -> np.ndarray:
-        import orbax.checkpoint as ocp
-
-        stored = self._stored[path]
-        item = np.empty(self.shapes[path], self.dtypes[path])
-        for key in reversed(stored):
-            item = {key: item}
-        restore_args = {"params": _map_leaves(item, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))}
-        restored = self._checkpointer.restore(
-            self._directory, args=ocp.args.PyTreeRestore({"params": item}, restore_args=restore_args, partial_restore=True)
-        )["params"]
-        for key in stored:
-            restored = restored[key]
-        return restored
-
-    def __iter__(self):
-        return iter(self._stored)
-
-    def __len__(self) -> int:
-        return len(self._stored)
-
-
-def _map_leaves(tree, fn):
-    return {k: _map_leaves(v, fn) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)
 
 
 def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", overwrite: bool = False,

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-Path = tuple  # a parameter path in the NNX state, e.g. ("blocks", 0, "attn", "q_kernel")
+Path = tuple  # a parameter path in the NNX state, e.g. ("blocks", "attn", "q_kernel") (stacked over layers)
 
 
 class ConversionError(ValueError):
@@ -53,7 +53,7 @@ def build_module(make_module, params: Mapping[Path, np.ndarray], dtype, *, consu
 
 
 def nested(flat: Mapping[Path, np.ndarray]) -> dict:
-    """{("blocks", 0, "attn", "q_kernel"): x} -> {"blocks": {0: {"attn": {"q_kernel": x}}}} (an nnx pure dict)."""
+    """{("blocks", "attn", "q_kernel"): x} -> {"blocks": {"attn": {"q_kernel": x}}} (an nnx pure dict)."""
     tree: dict = {}
     for path, value in flat.items():
         node = tree

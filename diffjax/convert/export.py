@@ -23,7 +23,7 @@ from flax import nnx
 
 from diffjax.config import ModelConfig, lambda_init_for_depth
 from diffjax.convert.common import ConversionError, flatten, path_name, prepare_output_dir
-from diffjax.convert.hf import weight_table
+from diffjax.convert.hf import stacked_path, weight_table
 from diffjax.convert.safetensors_io import write_safetensors
 from diffjax.model.rope import interleaved_from_rotate_half
 
@@ -151,11 +151,15 @@ def _diff_o_to_hf(o, subln):
     return o.reshape(H * two_d, D).T
 
 
-def _inverse(config: ModelConfig, path: tuple, params: Mapping):
-    """A function producing the HF tensor for diffjax parameter `path` from `params`."""
+def _inverse(config: ModelConfig, path: tuple, read, read_layer):
+    """A function producing the HF tensor for diffjax parameter `path` (a layer's: ("blocks", i, ...)),
+    given read(path) -> array and read_layer(stacked path, depth) -> that layer's slice."""
     permute = config.rope_style == "interleaved"
     name = path[-1]
-    get = lambda: np.asarray(params[path])  # noqa: E731
+    if path[0] == "blocks":
+        get = lambda: np.asarray(read_layer(stacked_path(path), path[1]))  # noqa: E731
+    else:
+        get = lambda: np.asarray(read(path))  # noqa: E731
     if path[0] == "blocks" and path[2] == "attn":
         if config.attention == "diff":
             if name in ("q_kernel", "k_kernel"):
@@ -163,7 +167,7 @@ def _inverse(config: ModelConfig, path: tuple, params: Mapping):
             if name == "v_kernel":
                 return lambda: _v_to_hf(get())
             if name == "o_kernel":
-                return lambda: _diff_o_to_hf(get(), params[path[:-1] + ("subln_scale",)])
+                return lambda: _diff_o_to_hf(get(), read_layer(("blocks", "attn", "subln_scale"), path[1]))
             return get  # lambda vectors
         if name in ("q_kernel", "k_kernel", "v_kernel"):
             return lambda: _heads_to_hf(get(), permute and name != "v_kernel")
@@ -176,8 +180,9 @@ def _inverse(config: ModelConfig, path: tuple, params: Mapping):
 def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tuple[str, tuple, np.dtype, object]]:
     """[(HF key, shape, dtype, produce())] for every tensor of the HF checkpoint, in HF's order.
 
-    params: {diffjax path: array} (flat, as from `flatten`), or a lazy mapping with `shapes` and
-    `dtypes` attributes that reads an array only when asked (then nothing is read here).
+    params: {diffjax path: array} (flat, as from `flatten`; layers stacked), or a lazy mapping with `shapes`
+    and `dtypes` attributes and a `layer(path, depth)` method that reads an array (or one layer of a
+    stacked one) only when asked (then nothing is read here).
     Missing, unexpected or mis-shaped params raise ConversionError.
     """
     shapes = getattr(params, "shapes", None) or {p: tuple(np.shape(v)) for p, v in params.items()}
@@ -191,10 +196,12 @@ def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tup
     ]
     if problems:
         raise ConversionError("params do not match the model config: " + "; ".join(problems))
+    read_layer = getattr(params, "layer", None) or (lambda path, depth: params[path][depth])
     plan = []
     for key, shape, path, _ in weight_table(config):
-        out_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(dtypes[path])
-        produce = _inverse(config, path, params)
+        leaf = stacked_path(path) if path[0] == "blocks" else path
+        out_dtype = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(dtypes[leaf])
+        produce = _inverse(config, path, lambda path: params[path], read_layer)
         plan.append((key, shape, out_dtype, lambda produce=produce, out_dtype=out_dtype: np.asarray(produce()).astype(out_dtype, copy=False)))
     return plan
 
@@ -246,7 +253,7 @@ def save_hf(
     `max_shard_size` (model-0000k-of-0000n.safetensors + model.safetensors.index.json).
 
     model_or_params: a TransformerLM, or its params (an nnx pure dict, nested or flat by path, or a
-      lazy `diffjax.convert.checkpoint.CheckpointParams`) with `config`.
+      lazy `diffjax.checkpoint.CheckpointParams`) with `config`.
     dtype: "float32" / "bfloat16" / "float16" for the saved tensors (None: the params' dtype).
     base_config: an original config.json (dict) whose non-structural fields (token ids, ...) are kept.
     extra_files: files copied alongside (tokenizer, generation_config.json).

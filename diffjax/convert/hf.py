@@ -152,8 +152,14 @@ def _heads_from_hf(w, n_heads, d, permute):
     return w.transpose(2, 0, 1)
 
 
+def stacked_path(layer_path: tuple) -> tuple:
+    """("blocks", i, *rest) (a layer's tensor, as weight_table names it) -> ("blocks", *rest) (its stacked leaf)."""
+    return layer_path[:1] + layer_path[2:]
+
+
 def weight_table(config: ModelConfig):
-    """[(hf key, expected hf shape, diffjax path, transform)] for every parameter."""
+    """[(hf key, expected hf shape, diffjax path, transform)] for every parameter. A layer's tensors have
+    the path ("blocks", i, ...): slice i of the stacked leaf `stacked_path(path)`."""
     D, V, F = config.d_model, config.vocab_size, config.mlp_dim
     H, K, d = config.num_heads, config.num_kv_heads, config.head_dim
     permute = config.rope_style == "interleaved"
@@ -257,13 +263,20 @@ class _Converter:
         path, transform = self.table[key]
         array = to_numpy(value)
         array = transform(array) if transform else array  # a view where it can be: one copy below
-        self.params[path] = np.array(array, dtype=self.dtype or array.dtype, order="C", copy=True)
+        dtype = self.dtype or array.dtype
+        if path[0] != "blocks":
+            self.params[path] = np.array(array, dtype=dtype, order="C", copy=True)
+            return
+        # Layer i's tensor goes into slice i of the stacked [L, ...] leaf (allocated at its first layer).
+        stacked = stacked_path(path)
+        if stacked not in self.params:
+            self.params[stacked] = np.empty((self.config.num_layers,) + array.shape, dtype)
+        self.params[stacked][path[1]] = array
 
     def finish(self) -> dict:
         if self.config.attention == "diff":  # HF DiffLlama's per-head norm has no weight: the subln scale is ones
-            dtype = self.dtype or np.dtype(np.float32)
-            for i in range(self.config.num_layers):
-                self.params[("blocks", i, "attn", "subln_scale")] = np.ones((2 * self.config.head_dim,), dtype)
+            shape = (self.config.num_layers, 2 * self.config.head_dim)
+            self.params[("blocks", "attn", "subln_scale")] = np.ones(shape, self.dtype or np.dtype(np.float32))
         return self.params
 
 

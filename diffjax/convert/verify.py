@@ -122,8 +122,8 @@ def _diffjax_run(model: TransformerLM, tokens: np.ndarray):
     rope = rope_tables(positions_BT, inv_frequencies(config), dtype)
     x_BTD = model.embed(tokens_BT, dtype)
     stages = [np.asarray(x_BTD.astype(jnp.float32))]
-    for block in model.blocks:
-        x_BTD = block(x_BTD, rope)
+    for depth in range(config.num_layers):
+        x_BTD = model.layer(depth)(x_BTD, rope)
         stages.append(np.asarray(x_BTD.astype(jnp.float32)))
     stages.append(np.asarray(model.final_norm(x_BTD).astype(jnp.float32)))
     logits = np.asarray(model(tokens_BT), np.float32)
@@ -133,7 +133,7 @@ def _diffjax_run(model: TransformerLM, tokens: np.ndarray):
 def load_diffjax_as(path, dtype: str) -> TransformerLM:
     """A diffjax run directory / checkpoint as a model whose params and compute are `dtype`."""
     from diffjax.convert.checkpoint import read_run_config
-    from diffjax.train.checkpoint import load_params
+    from diffjax.checkpoint import load_params
 
     _, step_dir, config = read_run_config(path)
     config = config.replace(dtype=dtype, param_dtype=dtype)

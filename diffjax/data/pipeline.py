@@ -23,7 +23,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from diffjax.config import DataConfig
+from diffjax.data.config import DataConfig
 from diffjax.data.sources import open_documents
 from diffjax.data.split import split_documents
 

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from diffjax.config import DataConfig
+from diffjax.data.config import DataConfig
 from diffjax.data.builtin import builtin_documents
 
 

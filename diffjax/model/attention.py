@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from diffjax import ops
 from diffjax.config import ModelConfig
 from diffjax.model.layers import normal_param, ones_param, rms_normalize
 from diffjax.model.rope import apply_rope
-from diffjax.parallel import constrain
+from diffjax.sharding import constrain
 
 BTD = ("batch", "length", "act_embed")
 
@@ -29,15 +30,25 @@ def _softmax_maps(q_BTNd, k_BSNd, segment_ids):
     return jnp.where(jnp.any(mask_B1TS, axis=-1, keepdims=True), p_BNTS, 0.0)
 
 
-class DiffAttention(nnx.Module):
-    """Multi-head differential attention for the layer at 0-based `depth`."""
+def depth_constants(lambda_inits, dtype) -> dict:
+    """The depth-dependent constants of differential attention, as arrays (scalars for one layer, [L] for a
+    stack): lambda_init in the activation dtype and the output scale (1 - lambda_init) in float32, each
+    rounded once from the float64 value (the roundings PyTorch applies to Python floats, see lambda_full)."""
+    lambda_inits = np.asarray(lambda_inits, np.float64)
+    return {"lambda_init": jnp.asarray(lambda_inits, dtype), "out_scale": jnp.asarray(1.0 - lambda_inits, jnp.float32)}
 
-    def __init__(self, config: ModelConfig, depth: int, *, rngs: nnx.Rngs):
+
+class DiffAttention(nnx.Module):
+    """Multi-head differential attention for the layer at 0-based `depth`.
+
+    depth None: a layer of a stack (TransformerLM.blocks), whose caller passes each layer's depth constants.
+    """
+
+    def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
         D, H, K, d = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
         std, pdt = config.init_std, config.param_dtype
         self.config = config
-        self.depth = depth
-        self.lambda_init = config.lambda_init_at(depth)
+        self.lambda_init = None if depth is None else config.lambda_init_at(depth)
         self.q_kernel = normal_param(rngs, (D, H, 2, d), std, pdt, ("embed", "heads", None, "head_dim"))
         self.k_kernel = normal_param(rngs, (D, K, 2, d), std, pdt, ("embed", "kv_heads", None, "head_dim"))
         self.v_kernel = normal_param(rngs, (D, K, 2 * d), std, pdt, ("embed", "kv_heads", "head_dim"))
@@ -47,23 +58,22 @@ class DiffAttention(nnx.Module):
         self.subln_scale = ones_param((2 * d,), pdt, ("head_dim",))
 
     def layer_constants(self, dtype) -> dict:
-        """The depth-dependent constants, as arrays (a scan over layers carries them per layer):
-        lambda_init in the activation dtype and the output scale (1 - lambda_init) in float32, each
-        rounded once from the Python float (the roundings PyTorch applies, see lambda_full)."""
-        return {"lambda_init": jnp.asarray(self.lambda_init, dtype), "out_scale": jnp.float32(1.0 - self.lambda_init)}
+        if self.lambda_init is None:
+            raise ValueError("this DiffAttention is a layer of a stack (built without a depth): pass its depth constants")
+        return depth_constants(self.lambda_init, dtype)
 
     def lambda_full(self, dtype, lambda_init=None):
-        """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
+        """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init; [L] for stacked params ([L, d] vectors).
 
         Products in the parameter dtype, sums and exp in float32, then the activation dtype
         (the order of HF DiffLlama; identical to unilm for float32 parameters). Adding lambda_init
         rounds it to the activation dtype first, as PyTorch does for a bf16 tensor plus a Python
         float on CPU (bit-identical to unilm in bf16, tests/test_unilm_attention.py).
         """
-        dot1 = jnp.sum(self.lambda_q1[...] * self.lambda_k1[...], dtype=jnp.float32)
-        dot2 = jnp.sum(self.lambda_q2[...] * self.lambda_k2[...], dtype=jnp.float32)
+        dot1 = jnp.sum(self.lambda_q1[...] * self.lambda_k1[...], axis=-1, dtype=jnp.float32)
+        dot2 = jnp.sum(self.lambda_q2[...] * self.lambda_k2[...], axis=-1, dtype=jnp.float32)
         lambda_1, lambda_2 = jnp.exp(dot1).astype(dtype), jnp.exp(dot2).astype(dtype)
-        lambda_init = jnp.asarray(self.lambda_init, dtype) if lambda_init is None else lambda_init
+        lambda_init = self.layer_constants(dtype)["lambda_init"] if lambda_init is None else lambda_init
         return lambda_1 - lambda_2 + lambda_init
 
     def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None):
@@ -107,11 +117,10 @@ class DiffAttention(nnx.Module):
 class StandardAttention(nnx.Module):
     """Baseline causal multi-head attention with GQA (query head n uses kv head n // n_rep)."""
 
-    def __init__(self, config: ModelConfig, depth: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         D, N, K, d = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
         std, pdt = config.init_std, config.param_dtype
         self.config = config
-        self.depth = depth
         self.q_kernel = normal_param(rngs, (D, N, d), std, pdt, ("embed", "heads", "head_dim"))
         self.k_kernel = normal_param(rngs, (D, K, d), std, pdt, ("embed", "kv_heads", "head_dim"))
         self.v_kernel = normal_param(rngs, (D, K, d), std, pdt, ("embed", "kv_heads", "head_dim"))

@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from diffjax.config import ModelConfig
-from diffjax.parallel import constrain
+from diffjax.sharding import constrain
 
 
 def normal_param(rngs: nnx.Rngs, shape, std: float, dtype, axes) -> nnx.Param:
@@ -19,6 +19,13 @@ def normal_param(rngs: nnx.Rngs, shape, std: float, dtype, axes) -> nnx.Param:
 
 def ones_param(shape, dtype, axes) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, dtype=dtype), logical_axes=axes)
+
+
+def prepend_axis(module: nnx.Module, name: str) -> None:
+    """Name the leading axis that nnx.vmap added to every parameter of `module` (in `logical_axes`)."""
+    for _, param in nnx.iter_graph(module):
+        if isinstance(param, nnx.Param):
+            param.set_metadata(logical_axes=(name,) + tuple(param.get_metadata()["logical_axes"]))
 
 
 def rms_normalize(x, eps: float):

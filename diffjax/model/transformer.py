@@ -7,10 +7,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax.config import ModelConfig
-from diffjax.model.attention import DiffAttention, StandardAttention
-from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param
+from diffjax.model.attention import DiffAttention, StandardAttention, depth_constants
+from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param, prepend_axis
 from diffjax.model.rope import inv_frequencies, rope_tables
-from diffjax.parallel import constrain
+from diffjax.sharding import constrain
 
 BTD = ("batch", "length", "act_embed")
 # What a block keeps for its backward pass (ModelConfig.remat); everything else is recomputed.
@@ -21,12 +21,14 @@ REMAT_POLICIES = {
 
 
 class DecoderBlock(nnx.Module):
-    """h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+    """h = x + attn(norm(x)); out = h + mlp(norm(h)). depth None: a layer of TransformerLM's stack."""
 
-    def __init__(self, config: ModelConfig, depth: int, *, rngs: nnx.Rngs):
-        attention_cls = DiffAttention if config.attention == "diff" else StandardAttention
+    def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
-        self.attn = attention_cls(config, depth, rngs=rngs)
+        if config.attention == "diff":
+            self.attn = DiffAttention(config, depth, rngs=rngs)
+        else:
+            self.attn = StandardAttention(config, rngs=rngs)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         self.mlp = GatedMLP(config, rngs=rngs)
 
@@ -40,12 +42,24 @@ class TransformerLM(nnx.Module):
 
     positions default to 0..T-1; with packed sequences pass per-document positions and
     segment_ids so that attention never crosses documents.
+
+    The decoder blocks are one DecoderBlock whose params are stacked over depth ([L, ...] leaves, logical
+    axis "layers"), as MaxText and Levanter store them: initialized by one vmapped layer init and applied
+    by a scan (or, with scan_layers false, a Python loop over the layer slices), so neither the init nor
+    the scanned step grows with depth and the scan reads the stored params with no restacking.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed = Embedding(config.vocab_size, config.d_model, config.init_std, config.param_dtype, rngs=rngs)
-        self.blocks = nnx.List([DecoderBlock(config, depth, rngs=rngs) for depth in range(config.num_layers)])
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def init_blocks(rngs):
+            return DecoderBlock(config, rngs=rngs)
+
+        self.blocks = init_blocks(rngs)
+        prepend_axis(self.blocks, "layers")
         self.final_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         if not config.tie_embeddings:
             self.lm_head = normal_param(
@@ -70,35 +84,42 @@ class TransformerLM(nnx.Module):
             return self.embed.attend(x_BTD)
         return jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
 
+    def depth_constants(self, dtype) -> dict:
+        """Each layer's depth constants, [L] arrays ({} for the baseline)."""
+        if self.config.attention != "diff":
+            return {}
+        return depth_constants([self.config.lambda_init_at(depth) for depth in range(self.config.num_layers)], dtype)
+
+    def layer_lambdas(self) -> jax.Array | None:
+        """lambda of every layer [L] (float32), by the attention's own formula and roundings in the compute
+        dtype (the values the layers use); None for the baseline."""
+        if self.config.attention != "diff":
+            return None
+        dtype = jnp.dtype(self.config.dtype)
+        return self.blocks.attn.lambda_full(dtype, self.depth_constants(dtype)["lambda_init"]).astype(jnp.float32)
+
+    def layer(self, depth: int) -> DecoderBlock:
+        """Layer `depth` as a standalone DecoderBlock (a copy of its params' slice), for inspection."""
+        block = nnx.eval_shape(lambda: DecoderBlock(self.config, depth, rngs=nnx.Rngs(0)))
+        nnx.update(block, jax.tree.map(lambda x: x[depth], nnx.state(self.blocks)))
+        return block
+
     def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT):
-        """The decoder blocks in order, rematerialized and / or scanned as the config says.
-
-        A scan runs block 0's graph with each layer's params and depth constants stacked along a new
-        leading axis; the params stay one entry per layer (the checkpoint layout does not depend on
-        scanning), and the stacking costs one copy of the layers' params.
-        """
+        """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop."""
         remat, scan = self.config.remat, self.config.scan_layers
-        if remat == "none" and not scan:
-            for block in self.blocks:
-                x_BTD = block(x_BTD, rope_cos_sin, segment_ids_BT)
-            return x_BTD
-        graphdef = nnx.graphdef(self.blocks[0])
-        dtype = x_BTD.dtype
+        graphdef, params = nnx.split(self.blocks)
+        constants = self.depth_constants(x_BTD.dtype)
 
-        def apply_block(x_BTD, params, constants):
-            return nnx.merge(graphdef, params)(x_BTD, rope_cos_sin, segment_ids_BT, constants)
+        def apply_block(x_BTD, layer_params, layer_constants):
+            return nnx.merge(graphdef, layer_params)(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants)
 
         if remat != "none":
             apply_block = jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
-        params = [nnx.state(block) for block in self.blocks]
-        constants = [block.attn.layer_constants(dtype) for block in self.blocks]
-        if not scan:
-            for layer_params, layer_constants in zip(params, constants):
-                x_BTD = apply_block(x_BTD, layer_params, layer_constants)
+        if scan:
+            x_BTD, _ = jax.lax.scan(lambda x, layer: (apply_block(x, *layer), None), x_BTD, (params, constants))
             return x_BTD
-        stack = lambda *layers: jnp.stack(layers)  # noqa: E731
-        stacked = (jax.tree.map(stack, *params), jax.tree.map(stack, *constants))
-        x_BTD, _ = jax.lax.scan(lambda x, layer: (apply_block(x, *layer), None), x_BTD, stacked)
+        for depth in range(self.config.num_layers):
+            x_BTD = apply_block(x_BTD, *jax.tree.map(lambda x: x[depth], (params, constants)))
         return x_BTD
 
     def num_params(self) -> int:

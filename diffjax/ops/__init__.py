@@ -10,7 +10,7 @@ impl:
   "splash"      composition of JAX's splash attention (TPU; interpret mode elsewhere): one call per map.
   "triton"      composition of JAX's Pallas Triton flash attention (any CUDA GPU; interpret mode elsewhere),
                 which takes segment ids: packed batches' flash path on GPUs without the fused kernel.
-  Under diffjax.parallel.activation_sharding (the train step on a mesh) the Pallas impls (triton too) run inside
+  Under diffjax.sharding.activation_sharding (the train step on a mesh) the Pallas impls (triton too) run inside
   jax.shard_map over the batch and head axes; cudnn and xla are partitioned by the compiler.
   "cudnn"       composition of jax.nn.dot_product_attention(implementation="cudnn") (GPU): V split
                 into d-wide pieces, both maps folded into the head axis.
@@ -29,16 +29,27 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from diffjax import parallel
-from diffjax.config import ATTENTION_IMPLS
+from diffjax import sharding
 from diffjax.ops import compositions
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
 
-IMPLS = ATTENTION_IMPLS
+IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "splash", "cudnn", "triton")  # ModelConfig.attention_impl
 # (op, d, dv, causal) where the cuDNN composition was measured faster than pallas_gpu on Hopper (fwd+bwd,
 # bf16, T = 8192): for these "auto" takes cuDNN when cuDNN takes the call (no segment ids). Measured on an
 # H100 with jax 0.11.2 (NOTES.md, GPU results): diff, d 128, dv 256, causal: pallas_gpu 377 TFLOP/s vs 468.
 CUDNN_FASTER_ON_HOPPER: frozenset[tuple[str, int, int, bool]] = frozenset({("diff_attention", 128, 256, True)})
+
+
+def config_problems(impl: str, dtype: str) -> list[str]:
+    """What is wrong with running `impl` at a model's compute dtype (ModelConfig checks this at
+    construction, before anything is traced)."""
+    if impl not in IMPLS:
+        return [f"attention_impl must be one of {IMPLS}, got {impl!r}"]
+    if impl == "pallas_gpu" and dtype not in ("bfloat16", "float16"):
+        return [f"attention_impl 'pallas_gpu' (the fused Mosaic GPU kernels) needs dtype bfloat16 or float16, got "
+                f"dtype {dtype!r} (use 'cudnn', 'triton', 'xla' or 'auto' otherwise)"]
+    return []
+
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()
@@ -129,9 +140,9 @@ def _auto(op, platform, q, k, v, causal, segment_ids) -> tuple[str, str]:
 
 
 def _partitioned(kernel, q, k, v, lam, segment_ids):
-    """kernel(q, k, v, lam, segment_ids), under diffjax.parallel.activation_sharding run per device with
+    """kernel(q, k, v, lam, segment_ids), under diffjax.sharding.activation_sharding run per device with
     jax.shard_map over the batch and head axes: XLA cannot partition a Pallas call itself."""
-    mesh = parallel.active_mesh()
+    mesh = sharding.active_mesh()
     if mesh is None:
         return kernel(q, k, v, lam, segment_ids)
     heads = ("batch", "length", "act_heads", None, None)[: q.ndim]
@@ -148,7 +159,7 @@ def _partitioned(kernel, q, k, v, lam, segment_ids):
         local_segments = None if not local_ids else (local_ids if isinstance(segment_ids, tuple) else local_ids[0])
         return kernel(*local[:3], local[3] if lam is not None else None, local_segments)
 
-    return parallel.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None))
+    return sharding.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None))
 
 
 def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
@@ -215,4 +226,4 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
     return dot_product_attention_xla(q, k, v, **kwargs)
 
 
-__all__ = ["IMPLS", "attention_mask", "diff_attention", "dot_product_attention"]
+__all__ = ["IMPLS", "attention_mask", "config_problems", "diff_attention", "dot_product_attention"]

@@ -6,7 +6,7 @@ with `python -m diffjax.tokenizers train-sentencepiece --output tok.model --voca
 
 from __future__ import annotations
 
-from diffjax.config import TokenizerConfig
+from diffjax.tokenizers.config import TokenizerConfig
 from diffjax.tokenizers.base import Tokenizer
 from diffjax.tokenizers.byte import ByteTokenizer
 from diffjax.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece

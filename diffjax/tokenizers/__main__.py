@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from diffjax.config import DATA_SOURCES, DataConfig
+from diffjax.data.config import DATA_SOURCES, DataConfig
 from diffjax.data.sources import open_documents
 from diffjax.tokenizers.sentencepiece_tokenizer import train_sentencepiece
 

@@ -4,6 +4,7 @@ Layout: <run_dir>/checkpoints/<step>/{state, data, digest.json}. Orbax writes ea
 temporary directory and renames it when complete, so a crash during a save leaves the previous checkpoint
 as the latest restorable one (leftover temporary directories are removed on the next start). The digest
 (integrity.py) is written when a save is complete and checked before a restore.
+Params-only checkpoints (load_params, save_params, load_model): diffjax.checkpoint.
 """
 
 from __future__ import annotations
@@ -13,16 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 
-from diffjax.config import DataConfig, ModelConfig
-from diffjax.model import TransformerLM
-from diffjax.parallel import allgather_json
+from diffjax.checkpoint import check_same_params, load_params, refuse_per_layer
 from diffjax.train import integrity
-from diffjax.train.config import CheckpointConfig, RunConfig, TrainConfig, read_yaml, save_run_config
-from diffjax.train.optimizer import path_name
+from diffjax.train.config import CheckpointConfig
+from diffjax.train.mesh import allgather_json
 
 
 class SaveError(RuntimeError):
@@ -100,7 +97,12 @@ class Checkpointer:
         """(state, this process's data-iterator state) of checkpoint `step`. `abstract_state` gives structure,
         shapes, dtypes and the shardings to restore onto (any mesh). The data state is None when the
         checkpoint was written by a different number of processes (their positions do not map)."""
-        self._check_params_fit(step, abstract_state["params"])
+        refuse_per_layer(self.directory / str(step), "resume")
+        check_same_params(
+            self.manager.item_metadata(step)["state"]["params"], abstract_state["params"],
+            f"checkpoint {self.directory / str(step)} holds a different model than this run's (resume it with the "
+            "model it was trained with, or choose another train.run_dir)",
+        )
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
@@ -108,23 +110,6 @@ class Checkpointer:
         per_process = restored["data"]["per_process"]
         data_state = per_process[jax.process_index()] if len(per_process) == jax.process_count() else None
         return restored["state"], data_state
-
-    def _check_params_fit(self, step: int, abstract_params: Any) -> None:
-        """A ValueError naming the differing parameters when checkpoint `step` holds another model (a run
-        directory whose config.yaml is gone, resumed with a different model section)."""
-        def shapes(tree):
-            return {path_name(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
-
-        saved, expected = shapes(self.manager.item_metadata(step)["state"]["params"]), shapes(abstract_params)
-        differing = sorted(name for name in saved.keys() | expected.keys() if saved.get(name) != expected.get(name))
-        if differing:
-            shown = ", ".join(f"{name} (saved {saved.get(name, 'none')}, this model {expected.get(name, 'none')})"
-                              for name in differing[:3])
-            raise ValueError(
-                f"checkpoint {self.directory / str(step)} holds a different model than this run's: {shown}"
-                f"{f' and {len(differing) - 3} more' if len(differing) > 3 else ''}; resume it with the model it was "
-                "trained with or choose another train.run_dir"
-            )
 
     def read(self, step: int) -> dict:
         """{"state": ..., "data": ...} of checkpoint `step` as saved (no target: host arrays), for inspection."""
@@ -161,136 +146,9 @@ class Checkpointer:
             self.manager.close()
 
 
-def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
-    """One step's directory from `path`: a run directory or its checkpoints/ directory (newest step),
-    or a step directory itself. `what` names the setting in errors (e.g. "train.init_from")."""
-    path = Path(path).absolute()
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if path.name.isdigit() and (path / "state").is_dir():
-        return path
-    if not path.is_dir():
-        raise FileNotFoundError(f"{what}: {path} is not a run directory or checkpoint")
-    steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "state").is_dir())
-    if not steps:
-        raise FileNotFoundError(f"{what}: no checkpoint under {path}")
-    return path / str(steps[-1])
-
-
-def state_keys(step_dir: Path) -> set[str]:
-    """Top-level keys of a checkpoint's state: {"params"} alone for a params-only (converted) checkpoint."""
-    return set(ocp.PyTreeCheckpointer().metadata(Path(step_dir) / "state").item_metadata.keys())
-
-
-def load_params(path: str | Path, abstract_params: Any = None, *, what: str = "checkpoint") -> Any:
-    """The params of a checkpoint (full train state or params-only), without reading the optimizer state.
-
-    `abstract_params` (ShapeDtypeStructs, optionally with shardings) checks shapes and places the arrays;
-    None gives host numpy arrays in the saved structure.
-    """
-    step_dir = resolve_checkpoint(path, what)
-    checkpointer = ocp.PyTreeCheckpointer()
-    saved = checkpointer.metadata(step_dir / "state").item_metadata.get("params")
-    if saved is None:
-        raise ValueError(f"{what}: checkpoint {step_dir} holds no params")
-    if abstract_params is None:
-        abstract_params = _int_keys(jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved))
-        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_params)
-    else:
-        _check_same_params(saved, abstract_params, f"{what}: checkpoint {step_dir} does not match this model")
-        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
-    try:
-        restored = checkpointer.restore(
-            step_dir / "state",
-            args=ocp.args.PyTreeRestore({"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True),
-        )
-    except (ValueError, KeyError) as error:
-        raise ValueError(f"{what}: checkpoint {step_dir} does not match this model ({error})") from None
-    return restored["params"]
-
-
-def _int_keys(tree: Any) -> Any:
-    """Digit-string dict keys back to ints (the layer indices of an nnx pure dict)."""
-    if not isinstance(tree, dict):
-        return tree
-    return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in tree.items()}
-
-
-def _check_same_params(saved: Any, expected: Any, message: str) -> None:
-    """Raise ValueError(message + the missing, unexpected and mis-shaped parameter paths)."""
-    def shapes(tree):  # Orbax stores the int keys of layer lists as strings: compare dotted names
-        return {path_name(path): tuple(x.shape)
-                for path, x in jax.tree_util.tree_leaves_with_path(tree)}
-
-    saved_shapes, expected_shapes = shapes(saved), shapes(expected)
-    problems = []
-    if missing := sorted(set(expected_shapes) - set(saved_shapes)):
-        problems.append(f"missing {missing}")
-    if unexpected := sorted(set(saved_shapes) - set(expected_shapes)):
-        problems.append(f"unexpected {unexpected}")
-    problems += [
-        f"{key} has shape {saved_shapes[key]}, expected {shape}"
-        for key, shape in sorted(expected_shapes.items()) if key in saved_shapes and saved_shapes[key] != shape
-    ]
-    if problems:
-        raise ValueError(f"{message}: {'; '.join(problems)}")
-
-
 def restore_params(path: str | Path, abstract_state: Any) -> Any:
     """train.init_from: the params of a run directory / checkpoint, shaped and placed like this run's."""
     return load_params(path, abstract_state["params"], what="train.init_from")
-
-
-def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, step: int = 0) -> Path:
-    """A params-only checkpoint in run-directory layout: <run_dir>/config.yaml and checkpoints/<step>/state.
-
-    `train.py train.run_dir=<run_dir>` continues training from it (a fresh optimizer), `train.init_from`
-    fine-tunes from it and `load_model` loads it. Refuses a directory that already holds checkpoints.
-    """
-    run_dir = Path(run_dir).absolute()
-    if (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
-        raise FileExistsError(f"{run_dir / 'checkpoints'} already holds checkpoints; choose an empty directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    data = DataConfig(seq_len=min(DataConfig.seq_len, model_config.max_seq_len))
-    # Peak memory ~ the params alone (the converter streams models larger than half the machine's memory):
-    # OCDBT would hold the whole encoded checkpoint until it commits, and the default numpy handler copies
-    # every array (needed only for asynchronous saves; this one is synchronous).
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
-    )
-    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1, type_handler_registry=registry)
-    manager = ocp.CheckpointManager(run_dir / "checkpoints", item_handlers={"state": handler},
-                                    options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
-    params = jax.tree.map(np.asarray, params)  # jax arrays to host numpy (numpy arrays: no copy)
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"params": params})), force=True)
-    manager.wait_until_finished()
-    manager.close()
-    save_run_config(RunConfig(model=model_config, data=data, train=TrainConfig(run_dir=str(run_dir))), run_dir / "config.yaml")
-    return run_dir / "checkpoints" / str(step)
-
-
-def saved_model_config(step_dir: Path, *, what: str = "checkpoint") -> ModelConfig:
-    """The ModelConfig of a checkpoint: the `model` section of its run directory's config.yaml."""
-    config_path = Path(step_dir).parent.parent / "config.yaml"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{what}: {config_path} is missing: cannot tell which model {step_dir} holds")
-    model = read_yaml(config_path).get("model")
-    if not isinstance(model, dict):
-        raise ValueError(f"{what}: {config_path} has no `model` section")
-    return ModelConfig.from_dict(model)
-
-
-def load_model(path: str | Path, *, what: str = "checkpoint") -> TransformerLM:
-    """The model of a run directory or checkpoint (its config.yaml's model section, its saved params)."""
-    step_dir = resolve_checkpoint(path, what)
-    model_config = saved_model_config(step_dir, what=what)
-    abstract_model = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(abstract_params))
-    params = load_params(step_dir, target, what=what)
-    nnx.replace_by_pure_dict(abstract_params, params)
-    return nnx.merge(graphdef, abstract_params)
 
 
 def abstract_like(tree):

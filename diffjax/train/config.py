@@ -19,7 +19,9 @@ from typing import Any
 
 import yaml
 
-from diffjax.config import DataConfig, ModelConfig, ParallelConfig
+from diffjax.config import ModelConfig
+from diffjax.data.config import DataConfig
+from diffjax.train.mesh import ParallelConfig
 from diffjax.train.optimizer import OptimizerConfig
 
 PROGRESS_STYLES = ("auto", "bar", "lines")

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
+from flax import nnx
 
 from diffjax.config import ModelConfig
 
@@ -62,17 +62,10 @@ def peak_flops_per_device(device_kind: str, override_tflops: float | None = None
     return None
 
 
-def layer_lambdas(params, config: ModelConfig) -> jax.Array | None:
-    """lambda per layer [L] (float32) from the params pure dict; None for the baseline."""
-    if config.attention != "diff":
-        return None
-    values = []
-    for depth in range(config.num_layers):
-        attn = params["blocks"][depth]["attn"]
-        dot1 = jnp.sum(attn["lambda_q1"].astype(jnp.float32) * attn["lambda_k1"].astype(jnp.float32))
-        dot2 = jnp.sum(attn["lambda_q2"].astype(jnp.float32) * attn["lambda_k2"].astype(jnp.float32))
-        values.append(jnp.exp(dot1) - jnp.exp(dot2) + config.lambda_init_at(depth))
-    return jnp.stack(values)
+def layer_lambdas(graphdef, params) -> jax.Array | None:
+    """lambda per layer [L] (float32) of the model `graphdef` with `params` (a pure dict): the model's own
+    formula and roundings (TransformerLM.layer_lambdas); None for the baseline."""
+    return nnx.merge(graphdef, params).layer_lambdas()
 
 
 METRICS_FILE = "metrics.jsonl"

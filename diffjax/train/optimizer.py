@@ -19,7 +19,7 @@ import re
 import jax
 import optax
 
-from diffjax.parallel import key_names
+from diffjax.sharding import key_names
 
 DECAYS = ("linear", "cosine", "constant")
 # Parameter paths that get no weight decay by default: RMSNorm scales, the per-head subln scale

@@ -17,21 +17,22 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diffjax import parallel
+from diffjax import sharding
 from diffjax.config import ModelConfig
 from diffjax.losses import packed_loss_sum_and_count
 from diffjax.model import TransformerLM
 from diffjax.train import guard
+from diffjax.train.mesh import check_model_fits_mesh
 from diffjax.train.metrics import layer_lambdas
 
 
-def init_state(model, tx: optax.GradientTransformation, seed: int) -> dict:
+def init_state(model, tx: optax.GradientTransformation, key: jax.Array) -> dict:
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return {
         "params": params,
         "opt_state": tx.init(params),
         "step": jnp.zeros((), jnp.int32),
-        "rng": jax.random.key_data(jax.random.key(seed)),
+        "rng": jax.random.key_data(key),
     }
 
 
@@ -48,7 +49,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     on_nonfinite="skip" a step that was not leaves params and optimizer state unchanged (guard.py)."""
 
     def train_step(state, batch):
-        with parallel.activation_sharding(mesh):
+        with sharding.activation_sharding(mesh):
             return _train_step(state, batch)
 
     def _train_step(state, batch):
@@ -78,7 +79,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             "lr": schedule(state["step"]),
             "loss_tokens": count,
         }
-        lambdas = layer_lambdas(new_params, model_config)
+        lambdas = layer_lambdas(graphdef, new_params)
         if lambdas is not None:
             metrics["lambda"] = lambdas
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
@@ -92,7 +93,7 @@ def make_eval_step(graphdef, mesh: Mesh | None = None):
     """eval_step(params, batch[B, T]) -> (loss sum, counted tokens)."""
 
     def eval_step(params, batch):
-        with parallel.activation_sharding(mesh):
+        with sharding.activation_sharding(mesh):
             return _loss_sum_and_count(graphdef, params, batch)
 
     return eval_step
@@ -124,32 +125,42 @@ class ShardedTraining:
                        out_shardings=self.replicated)
 
 
-def setup_sharded_state(model_config: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh):
-    """(ShardedTraining, state): the train state initialized under jit straight into its shardings, so no
-    device ever holds a full copy of a sharded parameter or optimizer moment."""
-    parallel.check_model_fits_mesh(model_config, mesh)
+def sharded_init(model_config: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
+    """(ShardedTraining, init): init(key) is the jitted train-state initializer, writing straight into the
+    state's shardings (no device ever holds a full copy of a sharded parameter or optimizer moment).
 
-    def make_state():
-        return init_state(TransformerLM(model_config, rngs=nnx.Rngs(seed)), tx, seed)
+    The key is an argument, not a constant, so XLA cannot constant-fold the random init (a 1.4B model's
+    folded init did not finish compiling in minutes); the layers' init is one vmapped layer, so the program
+    does not grow with depth. threefry is partitionable: the same key gives the same params on any mesh.
+    """
+    check_model_fits_mesh(model_config, mesh)
 
-    abstract_model = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(seed)))
+    def make_state(key):
+        return init_state(TransformerLM(model_config, rngs=nnx.Rngs(key)), tx, key)
+
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
     abstract_params = nnx.state(abstract_model, nnx.Param)
-    params_shardings = parallel.param_shardings(abstract_params, mesh)
-    abstract_state = jax.eval_shape(make_state)
+    params_shardings = sharding.param_shardings(abstract_params, mesh)
+    abstract_state = jax.eval_shape(make_state, jax.random.key(0))
     replicated = NamedSharding(mesh, P())
     state_shardings = {
         "params": params_shardings,
-        "opt_state": parallel.shardings_like(abstract_state["opt_state"], abstract_state["params"], params_shardings, mesh),
+        "opt_state": sharding.shardings_like(abstract_state["opt_state"], abstract_state["params"], params_shardings, mesh),
         "step": replicated,
         "rng": replicated,
     }
-    state = jax.jit(make_state, out_shardings=state_shardings)()
     training = ShardedTraining(
         mesh=mesh,
         graphdef=nnx.graphdef(abstract_model),
         state_shardings=state_shardings,
-        step_batch_sharding=parallel.batch_sharding(mesh, 3, batch_axis=1),
-        eval_batch_sharding=parallel.batch_sharding(mesh, 2),
-        unsharded=parallel.unsharded_dims(abstract_params, mesh),
+        step_batch_sharding=sharding.batch_sharding(mesh, 3, batch_axis=1),
+        eval_batch_sharding=sharding.batch_sharding(mesh, 2),
+        unsharded=sharding.unsharded_dims(abstract_params, mesh),
     )
-    return training, state
+    return training, jax.jit(make_state, out_shardings=state_shardings)
+
+
+def setup_sharded_state(model_config: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh):
+    """(ShardedTraining, state): the train state of `seed`, initialized under jit straight into its shardings."""
+    training, init = sharded_init(model_config, tx, mesh)
+    return training, init(jax.random.key(seed))

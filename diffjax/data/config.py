@@ -1,0 +1,42 @@
+"""DataConfig: where documents come from and how they are packed (diffjax.data builds the pipelines)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from diffjax.tokenizers.config import TokenizerConfig
+
+DATA_SOURCES = ("builtin", "text", "jsonl", "parquet")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "builtin"  # "builtin" (the stdlib's .py files) | "text" | "jsonl" | "parquet"
+    paths: tuple[str, ...] = ()  # files or glob patterns (text, jsonl, parquet)
+    text_field: str = "text"  # jsonl / parquet: the field holding a document's text
+    seq_len: int = 128  # tokens per packed training sequence
+    eval_fraction: float = 0.02  # share of documents held out for the eval loss (chosen by a fixed hash)
+    eval_batches: int = 8  # eval loss = mean over this many packed batches of held-out documents
+    builtin_bytes: int = 4_000_000  # size budget of the builtin corpus
+    append_eos: bool = True  # end every document with the tokenizer's eos id (when it has one)
+    shuffle: bool = True  # shuffle documents (per epoch, from the run seed)
+    worker_count: int = 0  # grain worker processes (0: in the training process)
+    tokenizer: TokenizerConfig = TokenizerConfig()
+
+    def __post_init__(self):
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
+        if self.source != "builtin" and not self.paths:
+            raise ValueError(f"data.paths must list at least one file or glob for data.source {self.source!r}")
+        if isinstance(self.paths, str):  # a single path from YAML or the command line
+            object.__setattr__(self, "paths", (self.paths,))
+        object.__setattr__(self, "paths", tuple(self.paths))
+        if not (isinstance(self.seq_len, int) and self.seq_len > 0):
+            raise ValueError(f"data.seq_len must be a positive integer, got {self.seq_len!r}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
+        for name in ("eval_batches", "builtin_bytes"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+                raise ValueError(f"data.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not (isinstance(self.worker_count, int) and self.worker_count >= 0):
+            raise ValueError(f"data.worker_count must be an integer >= 0, got {self.worker_count!r}")

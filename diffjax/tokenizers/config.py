@@ -1,0 +1,25 @@
+"""TokenizerConfig: which tokenizer a run uses (diffjax.tokenizers.make_tokenizer builds it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+TOKENIZER_KINDS = ("byte", "sentencepiece", "tiktoken")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    kind: str = "byte"  # "byte" | "sentencepiece" | "tiktoken"
+    path: str | None = None  # sentencepiece: a .model file; tiktoken: a .tiktoken file (instead of `encoding`)
+    encoding: str | None = None  # tiktoken: a named encoding (e.g. "cl100k_base") from the local cache
+
+    def __post_init__(self):
+        if self.kind not in TOKENIZER_KINDS:
+            raise ValueError(f"data.tokenizer.kind must be one of {TOKENIZER_KINDS}, got {self.kind!r}")
+        if self.kind == "sentencepiece" and not self.path:
+            raise ValueError("data.tokenizer.path must name a sentencepiece .model file when data.tokenizer.kind is 'sentencepiece'")
+        if self.kind == "tiktoken" and bool(self.path) == bool(self.encoding):
+            raise ValueError(
+                "data.tokenizer.kind 'tiktoken' needs exactly one of data.tokenizer.encoding (a named encoding such as "
+                "'cl100k_base') or data.tokenizer.path (a .tiktoken file)"
+            )

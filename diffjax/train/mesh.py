@@ -1,0 +1,193 @@
+"""The device mesh and multi-process set-up: ParallelConfig, meshes from it, which batch rows a process
+loads, an all-gather of JSON values, and jax.distributed start-up. Which tensors each mesh axis splits:
+diffjax.sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from diffjax.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+DISTRIBUTED_MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The device mesh (axes data x fsdp x tensor; one of them may be -1: what the devices leave) and
+    multi-process start-up. See diffjax/sharding.py for which tensors each axis splits."""
+
+    data: int = -1  # batch split, params replicated
+    fsdp: int = 1  # batch split, params / optimizer state split too (gathered per layer)
+    tensor: int = 1  # heads and MLP width split (Megatron style)
+    # jax.distributed: "auto" initializes when coordinator_address is set or a cluster environment
+    # (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never.
+    distributed: str = "auto"
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self):
+        sizes = {name: getattr(self, name) for name in MESH_AXES}
+        for name, size in sizes.items():
+            if not (isinstance(size, int) and not isinstance(size, bool) and (size >= 1 or size == -1)):
+                raise ValueError(f"parallel.{name} must be a positive integer or -1 (fill), got {size!r}")
+        if list(sizes.values()).count(-1) > 1:
+            filled = [f"parallel.{name}" for name, size in sizes.items() if size == -1]
+            raise ValueError(f"only one mesh axis may be -1 (fill the remaining devices); got {', '.join(filled)}")
+        if self.distributed not in DISTRIBUTED_MODES:
+            raise ValueError(f"parallel.distributed must be one of {DISTRIBUTED_MODES}, got {self.distributed!r}")
+        for name in ("num_processes", "process_id"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= (1 if name == "num_processes" else 0)):
+                raise ValueError(f"parallel.{name} must be {'>= 1' if name == 'num_processes' else '>= 0'} or None, got {value!r}")
+
+
+# --- meshes ------------------------------------------------------------------------------------
+
+
+def mesh_shape(config: ParallelConfig, num_devices: int) -> dict[str, int]:
+    """{axis: size} with a -1 axis filled; errors name the axes and the device count."""
+    sizes = {axis: getattr(config, axis) for axis in MESH_AXES}
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    described = " x ".join(f"{axis}={size}" for axis, size in sizes.items())
+    if num_devices % fixed:
+        raise ValueError(
+            f"the mesh {described} needs a multiple of {fixed} devices, but there are {num_devices}; "
+            f"choose parallel.data / parallel.fsdp / parallel.tensor whose product divides {num_devices}"
+        )
+    for axis, size in sizes.items():
+        if size == -1:
+            sizes[axis] = num_devices // fixed
+    return sizes
+
+
+def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh. With one process the mesh may use fewer devices than exist
+    (the first ones); across processes it must use them all (every process takes part in each step)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(config, len(devices))
+    count = math.prod(sizes.values())
+    if count < len(devices):
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"the mesh {sizes} uses {count} of {len(devices)} devices; a multi-process run must use all of "
+                "them: set one of parallel.data / parallel.fsdp / parallel.tensor to -1"
+            )
+        log.warning("the mesh %s uses %d of the %d devices", sizes, count, len(devices))
+        devices = devices[:count]
+    return Mesh(_device_grid(tuple(sizes[axis] for axis in MESH_AXES), devices), MESH_AXES)
+
+
+def _device_grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
+    """Devices arranged as the mesh: topology-aware on TPU / GPU (ICI rings, NVLink islands); on CPU
+    (no topology) in the given, process-major order."""
+    if devices[0].platform != "cpu":
+        from jax.experimental import mesh_utils
+
+        try:
+            return mesh_utils.create_device_mesh(shape, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass
+    return np.asarray(devices).reshape(shape)
+
+
+def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
+    """Tensor parallelism splits whole heads: parallel.tensor must divide the (kv) head counts."""
+    tensor = mesh.shape["tensor"]
+    for name in ("num_heads", "num_kv_heads"):
+        heads = getattr(config, name)
+        if heads % tensor:
+            divisors = [n for n in range(1, heads + 1) if heads % n == 0]
+            raise ValueError(
+                f"parallel.tensor ({tensor}) must divide model.{name} ({heads}): tensor parallelism splits whole "
+                f"heads; use parallel.tensor in {divisors}"
+            )
+
+
+def describe(mesh: Mesh) -> str:
+    return " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items()) + f" ({mesh.size} devices)"
+
+
+
+def process_batch_shard(sharding: NamedSharding, global_shape: Sequence[int], batch_axis: int = 0) -> tuple[int, int]:
+    """(shard index, shard count): which contiguous block of the global batch rows this process's
+    devices hold, so that each process loads only those rows (processes holding the same rows, as
+    when a tensor axis spans processes, get the same index and load the same data)."""
+    rows = global_shape[batch_axis]
+    ranges = sorted({
+        (index[batch_axis].start or 0, rows if index[batch_axis].stop is None else index[batch_axis].stop)
+        for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values()
+    })
+    start, stop = ranges[0][0], ranges[-1][1]
+    contiguous = all(previous[1] == following[0] for previous, following in zip(ranges, ranges[1:]))
+    if not contiguous or rows % (stop - start) or start % (stop - start):
+        raise ValueError(f"this process's devices hold batch rows {ranges}, not one aligned contiguous block")
+    return start // (stop - start), rows // (stop - start)
+
+
+
+# --- multi-process ---------------------------------------------------------------------------------
+
+
+def allgather_json(value: Any) -> list:
+    """Every process's JSON-serialisable `value`, in process order (a collective: all processes call it)."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    encoded = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(len(encoded))))
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(encoded)] = encoded
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:length]).decode()) for row, length in zip(rows, lengths)]
+
+
+# --- multi-process start-up ------------------------------------------------------------------------
+
+
+def _cluster_detected() -> str | None:
+    """The environment that announces a multi-process job, if any (jax.distributed reads it)."""
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and env.get("SLURM_JOB_ID"):
+        return "SLURM"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return "Open MPI"
+    if "," in env.get("TPU_WORKER_HOSTNAMES", ""):
+        return "multi-host TPU"
+    return None
+
+
+def initialize_distributed(config: ParallelConfig) -> bool:
+    """Start jax.distributed when the config or the environment asks for it; True if it is running.
+
+    Must run before anything touches a JAX backend. Explicit fields win over what jax detects.
+    """
+    if config.distributed == "off" or jax.distributed.is_initialized():
+        return jax.distributed.is_initialized()
+    detected = _cluster_detected()
+    if config.distributed == "auto" and config.coordinator_address is None and detected is None:
+        return False
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+    )
+    log.info("jax.distributed: process %d of %d (%s)", jax.process_index(), jax.process_count(),
+             detected or "parallel.coordinator_address")
+    return True
