@@ -61,9 +61,10 @@ def is_per_layer(saved_params: Mapping) -> bool:
     return isinstance(blocks, Mapping) and bool(blocks) and all(str(key).isdigit() for key in blocks)
 
 
-def refuse_per_layer(step_dir: Path, what: str) -> None:
-    """A clear error for a full train state saved per layer: its optimizer state cannot be resumed as is."""
-    saved = _saved_metadata(step_dir).get("params")
+def refuse_per_layer(step_dir: Path, what: str, saved_params: Mapping | None = None) -> None:
+    """A clear error for a full train state saved per layer: its optimizer state cannot be resumed as is.
+    saved_params: the checkpoint's params metadata when the caller has it (else read from step_dir)."""
+    saved = _saved_metadata(step_dir).get("params") if saved_params is None else saved_params
     if saved is not None and is_per_layer(saved):
         raise ValueError(
             f"{what}: checkpoint {step_dir} stores the decoder blocks' params one entry per layer (written before "
@@ -102,8 +103,9 @@ def check_same_params(saved: Any, expected: Any, message: str) -> None:
         f"{key} has shape {saved_shapes[key]}, expected {shape}"
         for key, shape in sorted(expected_shapes.items()) if key in saved_shapes and saved_shapes[key] != shape
     ]
-    if problems:
-        raise ValueError(f"{message}: {'; '.join(problems)}")
+    if problems:  # one line: the first few, then how many more
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ValueError(f"{message}: {'; '.join(problems[:3])}{more}")
 
 
 def load_params(path: str | Path, abstract_params: Any = None, *, what: str = "checkpoint") -> Any:

@@ -76,7 +76,7 @@ def test_diff_maps_reproduce_the_op(monkeypatch, segments):
 @pytest.mark.parametrize("segments", [False, True])
 def test_standard_map_reproduces_the_op(monkeypatch, segments):
     config = CONFIG.replace(attention="standard", num_heads=8, num_kv_heads=4)
-    layer = StandardAttention(config, depth=0, rngs=nnx.Rngs(0))
+    layer = StandardAttention(config, rngs=nnx.Rngs(0))
     x, rope, segment_ids = _inputs(config, segments)
     calls = _capture(monkeypatch, "dot_product_attention")
     layer(x, rope, segment_ids)

@@ -97,9 +97,10 @@ class Checkpointer:
         """(state, this process's data-iterator state) of checkpoint `step`. `abstract_state` gives structure,
         shapes, dtypes and the shardings to restore onto (any mesh). The data state is None when the
         checkpoint was written by a different number of processes (their positions do not map)."""
-        refuse_per_layer(self.directory / str(step), "resume")
+        saved_params = self.manager.item_metadata(step)["state"]["params"]
+        refuse_per_layer(self.directory / str(step), "resume", saved_params)
         check_same_params(
-            self.manager.item_metadata(step)["state"]["params"], abstract_state["params"],
+            saved_params, abstract_state["params"],
             f"checkpoint {self.directory / str(step)} holds a different model than this run's (resume it with the "
             "model it was trained with, or choose another train.run_dir)",
         )
