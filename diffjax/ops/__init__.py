@@ -70,6 +70,13 @@ def _is_hopper() -> bool:
     return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
 
 
+# impl: (why it cannot run a call, the platform it compiles for, what to use instead)
+_PALLAS_COMPOSITIONS = {
+    "splash": (compositions.splash_unsupported, "tpu", "'pallas_tpu' or 'xla'"),
+    "triton": (compositions.triton_unsupported, "gpu", "'xla'"),
+}
+
+
 def _pallas_gpu_unsupported(q, k, v, tuning=None):
     from diffjax.ops.pallas_gpu import unsupported
 
@@ -93,18 +100,13 @@ def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
                 f"{op}: impl='cudnn' {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}, dtype {q.dtype}. "
                 f"Use impl='xla' (any platform) or 'pallas_tpu'."
             )
-    if impl == "splash":
-        why_not = compositions.splash_unsupported(q, k, v, causal, segment_ids, platform, interpret=True)
+    if impl in _PALLAS_COMPOSITIONS:  # JAX's own Pallas kernels: interpreted off their platform
+        unsupported, home, instead = _PALLAS_COMPOSITIONS[impl]
+        why_not = unsupported(q, k, v, causal, segment_ids, platform, interpret=True)
         if why_not:
-            raise ValueError(f"{op}: impl='splash' {why_not}; shapes q {q.shape}, k {k.shape}. Use impl='pallas_tpu' or 'xla'.")
-        if platform != "tpu":
-            _log_once(logging.WARNING, (op, platform, "splash"), f"{op}: impl='splash' on {platform} runs in Pallas interpret mode (slow)")
-    if impl == "triton":
-        why_not = compositions.triton_unsupported(q, k, v, causal, segment_ids, platform, interpret=True)
-        if why_not:
-            raise ValueError(f"{op}: impl='triton' {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}. Use impl='xla'.")
-        if platform != "gpu":
-            _log_once(logging.WARNING, (op, platform, "triton"), f"{op}: impl='triton' on {platform} runs in Pallas interpret mode (slow)")
+            raise ValueError(f"{op}: impl={impl!r} {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}. Use impl={instead}.")
+        if platform != home:
+            _log_once(logging.WARNING, (op, platform, impl), f"{op}: impl={impl!r} on {platform} runs in Pallas interpret mode (slow)")
     if impl == "pallas_gpu":
         why_not = _pallas_gpu_unsupported(q, k, v)
         if why_not:
