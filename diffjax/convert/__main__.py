@@ -63,10 +63,10 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on formats it is not using
-    # Import jax, orbax and the trainer's checkpoint code before taking the memory baseline.
+    # Import jax, orbax and the checkpoint code before taking the memory baseline.
     import orbax.checkpoint  # noqa: F401
 
-    import diffjax.train.checkpoint  # noqa: F401
+    import diffjax.checkpoint  # noqa: F401
     from diffjax.convert import checkpoint, verify  # noqa: F401
     from diffjax.convert.common import ConversionError
 

@@ -23,7 +23,6 @@ from diffjax import parallel
 from diffjax.config import RUNTIME_FIELDS
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
-from diffjax.model import TransformerLM
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params
@@ -204,7 +203,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
                 start_step = latest_step
                 state, data_state = checkpointer.restore(start_step, abstract_like(state))
                 if data_state is None:
-                    log(f"note: the checkpoint's data position was saved by a different number of processes; "
+                    log("note: the checkpoint's data position was saved by a different number of processes; "
                         "this run's data order starts afresh")
                 else:
                     data_iter.set_state(data_state)
