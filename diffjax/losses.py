@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
+
+from diffjax.sharding import constrain
 
 
 def next_token_loss(logits_BTV, tokens_BT, mask_BT=None):
@@ -46,3 +49,94 @@ def packed_next_token_loss(logits_BTV, tokens_BT, segment_ids_BT):
     """(mean loss, number of targets); the mean is 0 when there is no target."""
     total, count = packed_loss_sum_and_count(logits_BTV, tokens_BT, segment_ids_BT)
     return total / jnp.maximum(count, 1.0), count
+
+
+def chunked_packed_loss_sum_and_count(hidden_BTD, head_DV, tokens_BT, segment_ids_BT, chunk_tokens: int):
+    """packed_loss_sum_and_count of logits = hidden @ head (float32 products), without ever holding the
+    [B, T, V] logits: a scan over chunks of about `chunk_tokens` tokens (chunk_tokens // B positions of
+    every row, so the batch axis keeps its sharding) computes each chunk's float32 logits, loss and
+    gradients (Liger-Kernel's fused linear cross-entropy). Differentiable in hidden and head only.
+
+    hidden_BTD: the model's final hidden states (TransformerLM.hidden_states); head_DV: its output
+    projection in the compute dtype (TransformerLM.head). Memory: one chunk's [B, chunk, V] logits and
+    gradient, plus the gradients of hidden and head, which are computed in the forward pass (the loss is
+    the last function, so its cotangent is a scalar) and only scaled in the backward: no recomputation.
+    """
+    B, T, _ = hidden_BTD.shape
+    if not (isinstance(chunk_tokens, int) and chunk_tokens > 0):
+        raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+    if tokens_BT.shape != (B, T) or segment_ids_BT.shape != (B, T):
+        raise ValueError(f"tokens {tokens_BT.shape} and segment_ids {segment_ids_BT.shape} must be [B, T] = {(B, T)} "
+                         f"like hidden {hidden_BTD.shape}")
+    # Position t predicts tokens[t + 1]; the last position has no target (weight 0).
+    weights_BT = jnp.pad(packed_target_mask(segment_ids_BT).astype(jnp.float32), ((0, 0), (0, 1)))
+    targets_BT = jnp.pad(jnp.asarray(tokens_BT)[:, 1:], ((0, 0), (0, 1)))
+    chunk = min(max(chunk_tokens // B, 1), T)
+    num_chunks = -(-T // chunk)
+
+    def to_chunks(x):  # [B, T, ...] -> [num_chunks, B, chunk, ...], padded with zeros (weight 0)
+        x = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - T)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(B, num_chunks, chunk, *x.shape[2:]), 1, 0)
+
+    total = _chunked_cross_entropy_sum(to_chunks(hidden_BTD), head_DV, to_chunks(targets_BT), to_chunks(weights_BT))
+    return total, jnp.sum(weights_BT)
+
+
+def _chunk_logits(hidden_BCD, head_DV):
+    """Exactly the model's logits for these positions (same einsum, float32 products)."""
+    return constrain(jnp.einsum("bcd,dv->bcv", hidden_BCD, head_DV, preferred_element_type=jnp.float32),
+                     ("batch", "length", "act_vocab"))
+
+
+def _chunk_losses(logits_BCV, targets_BC):
+    """(cross-entropy [B, C], logsumexp [B, C], one-hot mask of the targets [B, C, V] as a bool expression).
+    The target logit is a masked sum, not a gather, so a vocab axis split over devices stays split."""
+    is_target_BCV = jnp.arange(logits_BCV.shape[-1]) == targets_BC[..., None]
+    logsumexp_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    target_logit_BC = jnp.sum(jnp.where(is_target_BCV, logits_BCV, 0.0), axis=-1)
+    return logsumexp_BC - target_logit_BC, logsumexp_BC, is_target_BCV
+
+
+@jax.custom_vjp
+def _chunked_cross_entropy_sum(hidden_NBCD, head_DV, targets_NBC, weights_NBC):
+    """sum(weights * cross-entropy) over chunks [N, B, C]; forward only (what eval runs)."""
+
+    def add_chunk(total, chunk):
+        hidden_BCD, targets_BC, weights_BC = chunk
+        losses_BC, _, _ = _chunk_losses(_chunk_logits(hidden_BCD, head_DV), targets_BC)
+        return total + jnp.sum(losses_BC * weights_BC), None
+
+    total, _ = jax.lax.scan(add_chunk, jnp.float32(0), (hidden_NBCD, targets_NBC, weights_NBC))
+    return total
+
+
+def _chunked_cross_entropy_sum_fwd(hidden_NBCD, head_DV, targets_NBC, weights_NBC):
+    """The loss and its gradients at cotangent 1: d loss / d logits = weights * (softmax - one_hot), cast
+    to the compute dtype for the two matmuls (as the model's own einsum's transpose would be); the head's
+    gradient sums over chunks in float32 and is rounded once."""
+    dtype = hidden_NBCD.dtype
+
+    def add_chunk(carry, chunk):
+        total, dhead_DV = carry
+        hidden_BCD, targets_BC, weights_BC = chunk
+        logits_BCV = _chunk_logits(hidden_BCD, head_DV)
+        losses_BC, logsumexp_BC, is_target_BCV = _chunk_losses(logits_BCV, targets_BC)
+        softmax_BCV = jnp.exp(logits_BCV - logsumexp_BC[..., None])
+        dlogits_BCV = ((softmax_BCV - is_target_BCV) * weights_BC[..., None]).astype(dtype)
+        dhidden_BCD = jnp.einsum("bcv,dv->bcd", dlogits_BCV, head_DV, preferred_element_type=jnp.float32).astype(dtype)
+        dhead_DV = dhead_DV + jnp.einsum("bcd,bcv->dv", hidden_BCD, dlogits_BCV, preferred_element_type=jnp.float32)
+        return (total + jnp.sum(losses_BC * weights_BC), dhead_DV), dhidden_BCD
+
+    zeros_DV = jnp.zeros(head_DV.shape, jnp.float32)
+    (total, dhead_DV), dhidden_NBCD = jax.lax.scan(add_chunk, (jnp.float32(0), zeros_DV),
+                                                   (hidden_NBCD, targets_NBC, weights_NBC))
+    return total, (dhidden_NBCD, dhead_DV.astype(head_DV.dtype))
+
+
+def _chunked_cross_entropy_sum_bwd(residuals, cotangent):
+    dhidden_NBCD, dhead_DV = residuals
+    # targets and weights (the packing mask) are data, not differentiated: None is a zero cotangent.
+    return dhidden_NBCD * cotangent.astype(dhidden_NBCD.dtype), dhead_DV * cotangent.astype(dhead_DV.dtype), None, None
+
+
+_chunked_cross_entropy_sum.defvjp(_chunked_cross_entropy_sum_fwd, _chunked_cross_entropy_sum_bwd)

@@ -67,6 +67,11 @@ class TransformerLM(nnx.Module):
             )
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+        return self.logits(self.hidden_states(tokens_BT, positions_BT, segment_ids_BT))
+
+    def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+        """The final (normalized) hidden states [B, T, D] in the compute dtype: what the LM head projects.
+        The trainer's chunked loss (diffjax.losses.chunked_packed_loss_sum_and_count) starts here."""
         tokens_BT = jnp.asarray(tokens_BT)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, length], got {tokens_BT.shape}")
@@ -79,10 +84,19 @@ class TransformerLM(nnx.Module):
         x_BTD = constrain(self.embed(tokens_BT, dtype), BTD)
         rope_cos_sin = rope_tables(positions_BT, inv_frequencies(self.config), dtype)
         x_BTD = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT)
-        x_BTD = self.final_norm(x_BTD)
+        return self.final_norm(x_BTD)
+
+    def logits(self, hidden_BTD):
+        """float32 logits [B, T, vocab] of final hidden states."""
         if self.config.tie_embeddings:
-            return self.embed.attend(x_BTD)
-        return jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
+            return self.embed.attend(hidden_BTD)
+        return jnp.einsum("btd,dv->btv", hidden_BTD, self.head(hidden_BTD.dtype), preferred_element_type=jnp.float32)
+
+    def head(self, dtype) -> jax.Array:
+        """The output projection [D, vocab] in `dtype` (the embedding's transpose when tied)."""
+        if self.config.tie_embeddings:
+            return self.embed.embedding[...].astype(dtype).T
+        return self.lm_head[...].astype(dtype)
 
     def depth_constants(self, dtype) -> dict:
         """Each layer's depth constants, [L] arrays ({} for the baseline)."""

@@ -214,8 +214,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print) -> TrainResu
     if is_main_process:
         save_run_config(config, run_dir / CONFIG_FILE)
 
-    train_step = training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite)
-    eval_step = training.jit_eval_step()
+    train_step = training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk)
+    eval_step = training.jit_eval_step(config.model, config.train.loss_chunk)
     params_count = config.model.param_count()
     flops_per_token = training_flops_per_token(config.model, seq_len)
     peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from diffjax import sharding
 from diffjax.config import ModelConfig
-from diffjax.losses import packed_loss_sum_and_count
+from diffjax.losses import chunked_packed_loss_sum_and_count, packed_loss_sum_and_count
 from diffjax.model import TransformerLM
 from diffjax.train import guard
 from diffjax.train.mesh import check_model_fits_mesh
@@ -36,17 +36,36 @@ def init_state(model, tx: optax.GradientTransformation, key: jax.Array) -> dict:
     }
 
 
-def _loss_sum_and_count(graphdef, params, batch):
+# train.loss_chunk None ("auto"): the loss runs in chunks of this many tokens when the vocabulary has at least
+# AUTO_LOSS_CHUNK_MIN_VOCAB entries. At the paper's 100,288 a chunk's float32 logits are 1.5 GiB, where a
+# whole 8 x 4096 micro-batch's would be 12 GiB (and its gradient as much again).
+AUTO_LOSS_CHUNK_TOKENS = 4096
+AUTO_LOSS_CHUNK_MIN_VOCAB = 32768
+
+
+def resolve_loss_chunk(loss_chunk: int | None, vocab_size: int) -> int:
+    """Tokens per loss chunk (0: the whole [B, T, V] logits at once) for train.loss_chunk (None: auto)."""
+    if loss_chunk is None:
+        return AUTO_LOSS_CHUNK_TOKENS if vocab_size >= AUTO_LOSS_CHUNK_MIN_VOCAB else 0
+    return loss_chunk
+
+
+def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int):
     model = nnx.merge(graphdef, params)
-    logits_BTV = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-    return packed_loss_sum_and_count(logits_BTV, batch["tokens"], batch["segment_ids"])
+    hidden_BTD = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])
+    if loss_chunk:
+        return chunked_packed_loss_sum_and_count(hidden_BTD, model.head(hidden_BTD.dtype), batch["tokens"],
+                                                 batch["segment_ids"], loss_chunk)
+    return packed_loss_sum_and_count(model.logits(hidden_BTD), batch["tokens"], batch["segment_ids"])
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, model_config: ModelConfig,
-                    mesh: Mesh | None = None, on_nonfinite: str = "stop"):
+                    mesh: Mesh | None = None, on_nonfinite: str = "stop", loss_chunk: int | None = None):
     """step(state, batch) -> (state, metrics); jit it with the state donated. With a mesh, the model's
     activations are constrained by the logical-axis rules. metrics["ok"]: the step was finite; with
-    on_nonfinite="skip" a step that was not leaves params and optimizer state unchanged (guard.py)."""
+    on_nonfinite="skip" a step that was not leaves params and optimizer state unchanged (guard.py).
+    loss_chunk: tokens per chunk of the loss (train.loss_chunk; None: resolve_loss_chunk's auto)."""
+    loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
 
     def train_step(state, batch):
         with sharding.activation_sharding(mesh):
@@ -54,7 +73,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
     def _train_step(state, batch):
         params = state["params"]
-        grad_fn = jax.value_and_grad(lambda p, micro: _loss_sum_and_count(graphdef, p, micro), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, micro: _loss_sum_and_count(graphdef, p, micro, loss_chunk), has_aux=True)
 
         def accumulate(carry, micro):
             grads_sum, loss_sum, count = carry
@@ -89,12 +108,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     return train_step
 
 
-def make_eval_step(graphdef, mesh: Mesh | None = None):
-    """eval_step(params, batch[B, T]) -> (loss sum, counted tokens)."""
+def make_eval_step(graphdef, mesh: Mesh | None = None, loss_chunk: int = 0):
+    """eval_step(params, batch[B, T]) -> (loss sum, counted tokens); loss_chunk as resolve_loss_chunk gives."""
 
     def eval_step(params, batch):
         with sharding.activation_sharding(mesh):
-            return _loss_sum_and_count(graphdef, params, batch)
+            return _loss_sum_and_count(graphdef, params, batch, loss_chunk)
 
     return eval_step
 
@@ -114,13 +133,15 @@ class ShardedTraining:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    def jit_train_step(self, tx, schedule, model_config: ModelConfig, on_nonfinite: str = "stop"):
-        step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh, on_nonfinite)
+    def jit_train_step(self, tx, schedule, model_config: ModelConfig, on_nonfinite: str = "stop",
+                       loss_chunk: int | None = None):
+        step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh, on_nonfinite, loss_chunk)
         return jax.jit(step, in_shardings=(self.state_shardings, self.step_batch_sharding),
                        out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
 
-    def jit_eval_step(self):
-        return jax.jit(make_eval_step(self.graphdef, self.mesh),
+    def jit_eval_step(self, model_config: ModelConfig, loss_chunk: int | None = None):
+        loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
+        return jax.jit(make_eval_step(self.graphdef, self.mesh, loss_chunk),
                        in_shardings=(self.state_shardings["params"], self.eval_batch_sharding),
                        out_shardings=self.replicated)
 
