@@ -15,7 +15,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 ROPE_STYLES = ("interleaved", "rotate_half")
 ROPE_TYPES = ("default", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "minimal", "full")  # what a decoder block keeps for the backward pass
+REMAT_POLICIES = ("none", "minimal", "attention", "full")  # what a decoder block keeps for the backward pass
 # Fields that change how the model computes, not what it computes: a run may resume with others.
 RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")
 MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
@@ -57,8 +57,9 @@ class ModelConfig:
     init_std: float = 0.02
     attention_impl: str = "auto"  # passed to diffjax.ops.diff_attention / dot_product_attention
     # Memory and compile time. remat: "none" keeps every activation for the backward pass; "minimal"
-    # keeps the projections' outputs and recomputes attention and elementwise ops; "full" keeps only
-    # each block's input. The blocks' params are stacked over depth either way; scan_layers scans one
+    # keeps the projections' outputs and recomputes attention and elementwise ops; "attention" keeps
+    # q, k, v, the attention output and the residual stream after attention, and recomputes the norms
+    # and the MLP (about half of "minimal"'s memory); "full" keeps only each block's input. The blocks' params are stacked over depth either way; scan_layers scans one
     # block's program over them (compile time independent of depth), false runs a Python loop over the
     # layer slices (a program per layer: for debugging).
     remat: str = "none"

@@ -142,7 +142,7 @@ def test_optimizer_state_is_created_sharded_like_the_params(mesh_name):
 def test_remat_and_scan_give_the_same_step():
     """Rematerialization and scanning change memory and compile time, not the numbers (float32)."""
     reference = None
-    for remat, scan in (("none", False), ("minimal", False), ("full", True), ("none", True)):
+    for remat, scan in (("none", False), ("minimal", False), ("full", True), ("attention", True)):
         _, state, metrics = _one_step(MODEL.replace(remat=remat, scan_layers=scan), ParallelConfig(data=1))
         leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state["params"]))]
         if reference is None:

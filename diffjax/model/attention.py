@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import ops
 from diffjax.config import ModelConfig
@@ -19,6 +20,10 @@ from diffjax.model.rope import apply_rope
 from diffjax.sharding import constrain
 
 BTD = ("batch", "length", "act_embed")
+# checkpoint_name()s that remat="attention" keeps (transformer.REMAT_POLICIES): q, k, v as the attention op
+# takes them (after RoPE) and its output. The Pallas kernels' own residuals (lse; DIFF's fp32 second map)
+# are not named, so under any remat policy the kernel's forward runs again in the backward pass.
+SAVED_BY_ATTENTION_POLICY = ("attention_qkv", "attention_out")
 
 
 def _softmax_maps(q_BTNd, k_BSNd, segment_ids):
@@ -100,10 +105,12 @@ class DiffAttention(nnx.Module):
         v_BSKv = constrain(v_BSKv, ("batch", "length", "act_kv_heads", None))
         q_BTH2d = apply_rope(q_BTH2d, cos, sin, self.config.rope_style)
         k_BSK2d = apply_rope(k_BSK2d, cos, sin, self.config.rope_style)
+        q_BTH2d, k_BSK2d, v_BSKv = (checkpoint_name(x, "attention_qkv") for x in (q_BTH2d, k_BSK2d, v_BSKv))
         o_BTHv = ops.diff_attention(
             q_BTH2d, k_BSK2d, v_BSKv, self.lambda_full(dtype, constants["lambda_init"]),
             causal=True, segment_ids=segment_ids, impl=self.config.attention_impl,
         )
+        o_BTHv = checkpoint_name(o_BTHv, "attention_out")
         # Per-head RMSNorm over 2d (one scale shared by all heads), then the fixed (1 - lambda_init).
         o_BTHv = rms_normalize(o_BTHv, self.config.norm_eps) * self.subln_scale[...].astype(dtype)
         # PyTorch multiplies a bf16 tensor by a Python float in float32 without rounding the scalar to
@@ -150,8 +157,10 @@ class StandardAttention(nnx.Module):
         v_BSKd = constrain(v_BSKd, ("batch", "length", "act_kv_heads", None))
         q_BTNd = apply_rope(q_BTNd, cos, sin, self.config.rope_style)
         k_BSKd = apply_rope(k_BSKd, cos, sin, self.config.rope_style)
+        q_BTNd, k_BSKd, v_BSKd = (checkpoint_name(x, "attention_qkv") for x in (q_BTNd, k_BSKd, v_BSKd))
         o_BTNd = ops.dot_product_attention(
             q_BTNd, k_BSKd, v_BSKd, causal=True, segment_ids=segment_ids, impl=self.config.attention_impl
         )
+        o_BTNd = checkpoint_name(o_BTNd, "attention_out")
         o_BTNd = constrain(o_BTNd, ("batch", "length", "act_heads", None))
         return constrain(jnp.einsum("btnd,ndD->btD", o_BTNd, self.o_kernel[...].astype(dtype)), BTD)

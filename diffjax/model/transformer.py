@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from diffjax.config import ModelConfig
-from diffjax.model.attention import DiffAttention, StandardAttention, depth_constants
+from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, DiffAttention, StandardAttention, depth_constants
 from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param, prepend_axis
 from diffjax.model.rope import inv_frequencies, rope_tables
 from diffjax.sharding import constrain
@@ -16,6 +17,10 @@ BTD = ("batch", "length", "act_embed")
 # What a block keeps for its backward pass (ModelConfig.remat); everything else is recomputed.
 REMAT_POLICIES = {
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the projections' outputs
+    # The attention's inputs and output and the residual stream between attention and MLP (names given in
+    # attention.py and below): ~5 d_model-wide values per token where "minimal" keeps ~10 (the MLP's gate
+    # and up outputs are 2.7 d_model each). Recomputed: norms, the MLP's gate/up matmuls, elementwise ops.
+    "attention": jax.checkpoint_policies.save_only_these_names(*SAVED_BY_ATTENTION_POLICY, "attention_residual"),
     "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input
 }
 
@@ -33,7 +38,8 @@ class DecoderBlock(nnx.Module):
         self.mlp = GatedMLP(config, rngs=rngs)
 
     def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
-        h_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants)
+        h_BTD = checkpoint_name(x_BTD + self.attn(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants),
+                                "attention_residual")
         return constrain(h_BTD + self.mlp(self.mlp_norm(h_BTD)), BTD)
 
 
