@@ -3,6 +3,7 @@
 #   run(command="bash benchmarks/gpu_session.sh tests bench", timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh sweep ncu", timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh train", timeout_s=600, carry=[".whl"])
+#   run(command="bash benchmarks/gpu_session.sh trainstep", timeout_s=600, carry=[".whl"])   (then REMAT=minimal, SEQ=2048)
 # tests  the compiled kernels' forward and gradients against XLA (pytest -m gpu)    -> gpu_tests.log
 # bench  benchmarks/attention.py at T = 8k: cudnn and pallas_gpu, the issue's targets -> attention_gpu.json, bench.log
 # sweep  benchmarks/pallas_gpu_sweep.py: block sizes, stages, pingpong at T = 8k       -> pallas_gpu_sweep.json, sweep.log
@@ -10,6 +11,9 @@
 # train  train.py end to end: the 1.4B DIFF config and its Transformer twin, seq 4096, micro-batch 1,
 #        bf16, the paper's 100,288 vocabulary, attention_impl=$IMPL (default auto)    -> train_*.log, train_*.jsonl
 #        (the trainer needs grain & co., which the image lacks: make .whl/ with the wheels first, see NOTES.md)
+# trainstep    benchmarks/train_step.py (imports the trainer: .whl/ too): the 1.4B DIFF and its twin at seq $SEQ
+#              (4096), remat $REMAT (attention): largest micro-batch, tokens/s, MFU, peak memory
+#                                                               -> train_step_gpu_<seq>_<remat>.json, trainstep_*.log
 # Everything lands in $OUT, which the device tool brings back (gpu.txt says what ran where). Commit
 # the JSON to benchmarks/results/ and the figures to NOTES.md. The device image has jax (CUDA),
 # flax, optax, orbax, pyyaml and pytest: nothing is installed here.
@@ -53,6 +57,9 @@ for phase in $phases; do
         cp "/tmp/run-$model/metrics.jsonl" "$OUT/train_$model.jsonl" 2>/dev/null
         rm -rf "/tmp/run-$model"
       done ;;
-    *) echo "unknown phase $phase (tests, bench, sweep, ncu, train)"; exit 2 ;;
+    trainstep)
+      timeout 560 $PY benchmarks/train_step.py --seq-lens "${SEQ:-4096}" --remat "${REMAT:-attention}" --steps 5 \
+        --out "$OUT/train_step_gpu_${SEQ:-4096}_${REMAT:-attention}.json" 2>&1 | tee "$OUT/trainstep_${SEQ:-4096}_${REMAT:-attention}.log" ;;
+    *) echo "unknown phase $phase (tests, bench, sweep, ncu, train, trainstep)"; exit 2 ;;
   esac
 done

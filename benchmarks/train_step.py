@@ -176,7 +176,7 @@ def time_steps(bench: Bench, compiled, state, micro_batch: int, seq_len: int, wa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="1.4b", help="paper config size: configs/paper/{diff,transformer}-<size>.yaml")
-    parser.add_argument("--fallback-size", default="830m", help="the size to run when not even micro-batch 1 fits")
+    parser.add_argument("--fallback-size", default="830m", help="the size to run when micro-batch 1 does not fit")
     parser.add_argument("--models", default="diff,transformer", help="which of the twins (comma-separated)")
     parser.add_argument("--seq-lens", type=int_list, default=[2048, 4096])
     parser.add_argument("--remat", default="minimal", help="comma-separated remat policies (model.remat)")
@@ -208,26 +208,32 @@ def main() -> None:
     print(f"{platform} ({device.device_kind}), jax {jax.__version__}; budget {budget / GiB:.1f} GiB; dense bf16 peak "
           f"{peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; measured bf16 matmul "
           f"{matmul_tflops if matmul_tflops else float('nan'):.1f} TFLOP/s", flush=True)
+    out = args.out or REPO / "benchmarks" / "results" / f"train_step_{platform}.json"
     rows = []
+
+    def save():  # after every row: a run cut off by a time limit keeps what it measured
+        ratios = throughput_ratios(rows)
+        write_json(out, {
+            "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+            "budget_bytes": budget, "peak_flops_per_device": peak, "matmul_tflops_measured": matmul_tflops,
+            "memory_note": "compiled memory analysis (XLA's buffer assignment for this platform); on CPU not the GPU's",
+            "rows": rows, "ratios": ratios,
+        })
+        return ratios
+
     for remat in args.remat.split(","):
         for seq_len in args.seq_lens:
             size, models = args.size, twins
             for kind in args.models.split(","):
                 rows.append(run_one(args, kind, size, models[kind], remat, seq_len, budget, peak, matmul_tflops))
-                if rows[-1]["micro_batch"] == 0 and args.fallback_size:
+                if rows[-1]["memory"].get("1", {}).get("total_bytes", 0) > budget and args.fallback_size:
                     size, models = args.fallback_size, paper_twins(args.fallback_size)
                     print(f"  {kind}-{args.size} does not fit at micro-batch 1: {size} instead", flush=True)
                     rows.append(run_one(args, kind, size, models[kind], remat, seq_len, budget, peak, matmul_tflops))
-    ratios = throughput_ratios(rows)
-    for ratio in ratios:
+                save()
+    for ratio in save():
         print(f"DIFF / Transformer tokens/s, {ratio['size']} seq {ratio['seq_len']} remat {ratio['remat']}: "
               f"{ratio['diff_over_transformer']:.3f}")
-    write_json(args.out or REPO / "benchmarks" / "results" / f"train_step_{platform}.json", {
-        "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
-        "budget_bytes": budget, "peak_flops_per_device": peak, "matmul_tflops_measured": matmul_tflops,
-        "memory_note": "compiled memory analysis (XLA's buffer assignment for this platform); on CPU not the GPU's",
-        "rows": rows, "ratios": ratios,
-    })
 
 
 def run_one(args, kind: str, size: str, config: ModelConfig, remat: str, seq_len: int, budget: float, peak, matmul_tflops) -> dict:
