@@ -59,9 +59,10 @@ class ModelConfig:
     # Memory and compile time. remat: "none" keeps every activation for the backward pass; "minimal"
     # keeps the projections' outputs and recomputes attention and elementwise ops; "attention" keeps
     # q, k, v, the attention output and the residual stream after attention, and recomputes the norms
-    # and the MLP (about half of "minimal"'s memory); "full" keeps only each block's input. The blocks' params are stacked over depth either way; scan_layers scans one
-    # block's program over them (compile time independent of depth), false runs a Python loop over the
-    # layer slices (a program per layer: for debugging).
+    # and the MLP (about half of "minimal"'s memory); "full" keeps only each block's input. The blocks'
+    # params are stacked over depth either way; scan_layers scans one block's program over them (compile
+    # time independent of depth), false runs a Python loop over the layer slices (a program per layer:
+    # for debugging).
     remat: str = "none"
     scan_layers: bool = False
     # Names of the fields above that were None and derived in __post_init__ (re-derived by replace()).

@@ -18,7 +18,7 @@ BTD = ("batch", "length", "act_embed")
 REMAT_POLICIES = {
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the projections' outputs
     # The attention's inputs and output and the residual stream between attention and MLP (names given in
-    # attention.py and below): ~5 d_model-wide values per token where "minimal" keeps ~10 (the MLP's gate
+    # attention.py and below): 5 d_model-wide values per token (+ the block input) where "minimal" keeps ~10 (the MLP's gate
     # and up outputs are 2.7 d_model each). Recomputed: norms, the MLP's gate/up matmuls, elementwise ops.
     "attention": jax.checkpoint_policies.save_only_these_names(*SAVED_BY_ATTENTION_POLICY, "attention_residual"),
     "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input
