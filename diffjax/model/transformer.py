@@ -8,6 +8,7 @@ from flax import nnx
 
 from diffjax.config import ModelConfig
 from diffjax.model.attention import DiffAttention, StandardAttention, depth_constants
+from diffjax.model.kv_cache import KVCache
 from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param, prepend_axis
 from diffjax.model.rope import inv_frequencies, rope_tables
 from diffjax.sharding import constrain
@@ -32,16 +33,23 @@ class DecoderBlock(nnx.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         self.mlp = GatedMLP(config, rngs=rngs)
 
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
-        h_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants)
-        return constrain(h_BTD + self.mlp(self.mlp_norm(h_BTD)), BTD)
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
+        """The block's output [B, T, D]; with this layer's KVCache (generation), (output, updated cache)."""
+        attn_BTD = self.attn(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants, cache)
+        if cache is not None:
+            attn_BTD, cache = attn_BTD
+        h_BTD = x_BTD + attn_BTD
+        out_BTD = constrain(h_BTD + self.mlp(self.mlp_norm(h_BTD)), BTD)
+        return out_BTD if cache is None else (out_BTD, cache)
 
 
 class TransformerLM(nnx.Module):
     """Decoder-only LM: `model(tokens[B, T]) -> float32 logits [B, T, vocab]`.
 
     positions default to 0..T-1; with packed sequences pass per-document positions and
-    segment_ids so that attention never crosses documents.
+    segment_ids so that attention never crosses documents. With a KVCache (generation, diffjax.generate)
+    the call returns (logits, updated cache) and the positions are the cache's: each row's tokens continue
+    from the row's stored length.
 
     The decoder blocks are one DecoderBlock whose params are stacked over depth ([L, ...] leaves, logical
     axis "layers"), as MaxText and Levanter store them: initialized by one vmapped layer init and applied
@@ -66,23 +74,29 @@ class TransformerLM(nnx.Module):
                 rngs, (config.d_model, config.vocab_size), config.init_std, config.param_dtype, ("embed", "vocab")
             )
 
-    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None):
         tokens_BT = jnp.asarray(tokens_BT)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, length], got {tokens_BT.shape}")
         T = tokens_BT.shape[1]
-        if positions_BT is None:
+        if cache is not None:
+            if positions_BT is not None:
+                raise ValueError("with a KVCache the positions are the cache's (each row's stored length): pass no positions")
+            positions_BT = cache.positions(T)
+        elif positions_BT is None:
             if T > self.config.max_seq_len:
                 raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
             positions_BT = jnp.broadcast_to(jnp.arange(T), tokens_BT.shape)
         dtype = jnp.dtype(self.config.dtype)
         x_BTD = constrain(self.embed(tokens_BT, dtype), BTD)
         rope_cos_sin = rope_tables(positions_BT, inv_frequencies(self.config), dtype)
-        x_BTD = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT)
+        x_BTD, cache = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT, cache)
         x_BTD = self.final_norm(x_BTD)
         if self.config.tie_embeddings:
-            return self.embed.attend(x_BTD)
-        return jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
+            logits_BTV = self.embed.attend(x_BTD)
+        else:
+            logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
+        return logits_BTV if cache is None else (logits_BTV, cache)
 
     def depth_constants(self, dtype) -> dict:
         """Each layer's depth constants, [L] arrays ({} for the baseline)."""
@@ -104,23 +118,34 @@ class TransformerLM(nnx.Module):
         nnx.update(block, jax.tree.map(lambda x: x[depth], nnx.state(self.blocks)))
         return block
 
-    def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT):
-        """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop."""
+    def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT, cache: KVCache | None):
+        """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop.
+        With a cache its stacked [L, ...] buffers go through the layers with the params; returns (x, cache)."""
         remat, scan = self.config.remat, self.config.scan_layers
         graphdef, params = nnx.split(self.blocks)
         constants = self.depth_constants(x_BTD.dtype)
+        kv = None if cache is None else (cache.k, cache.v)
 
-        def apply_block(x_BTD, layer_params, layer_constants):
-            return nnx.merge(graphdef, layer_params)(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants)
+        def apply_block(x_BTD, layer_params, layer_constants, layer_kv):
+            block = nnx.merge(graphdef, layer_params)
+            if cache is None:
+                return block(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants), None
+            x_BTD, layer_cache = block(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants, cache.layer(*layer_kv))
+            return x_BTD, (layer_cache.k, layer_cache.v)
 
         if remat != "none":
             apply_block = jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
         if scan:
-            x_BTD, _ = jax.lax.scan(lambda x, layer: (apply_block(x, *layer), None), x_BTD, (params, constants))
-            return x_BTD
-        for depth in range(self.config.num_layers):
-            x_BTD = apply_block(x_BTD, *jax.tree.map(lambda x: x[depth], (params, constants)))
-        return x_BTD
+            x_BTD, kv = jax.lax.scan(lambda x, layer: apply_block(x, *layer), x_BTD, (params, constants, kv))
+        else:
+            layers_kv = []
+            for depth in range(self.config.num_layers):
+                x_BTD, layer_kv = apply_block(x_BTD, *jax.tree.map(lambda x: x[depth], (params, constants, kv)))
+                layers_kv.append(layer_kv)
+            kv = None if cache is None else jax.tree.map(lambda *layers: jnp.stack(layers), *layers_kv)
+        if cache is None:
+            return x_BTD, None
+        return x_BTD, KVCache(*kv, cache.lengths_B + x_BTD.shape[1], cache.max_len)
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
