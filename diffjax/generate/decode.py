@@ -73,7 +73,8 @@ def _prompt_batch(tokens, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndar
         if not rows or any(row.ndim != 1 for row in rows):
             raise ValueError("tokens must be an array [batch, length] or a non-empty list of 1-D token sequences")
         lengths = np.array([row.size for row in rows])
-        prompts = np.zeros((len(rows), max(lengths)), np.int64)
+        dtype = np.result_type(*(row.dtype for row in rows if row.size)) if lengths.any() else np.int32
+        prompts = np.zeros((len(rows), max(lengths)), dtype)
         for prompt, row in zip(prompts, rows):
             prompt[: row.size] = row
     else:
@@ -81,7 +82,7 @@ def _prompt_batch(tokens, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndar
         if prompts.ndim != 2 or prompts.shape[0] == 0:
             raise ValueError(f"tokens must be an array [batch, length] (one row per prompt), got shape {prompts.shape}")
         lengths = np.full(prompts.shape[0], prompts.shape[1]) if lengths is None else np.asarray(lengths)
-    if prompts.size and not np.issubdtype(prompts.dtype, np.integer):
+    if not np.issubdtype(prompts.dtype, np.integer):
         raise TypeError(f"token ids must be integers, got dtype {prompts.dtype}")
     if lengths.shape != prompts.shape[:1] or not np.issubdtype(lengths.dtype, np.integer):
         raise ValueError(f"lengths must be integers, one per prompt ({prompts.shape[0]}), got {lengths!r}")
