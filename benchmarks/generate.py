@@ -27,7 +27,6 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffjax.generate import decode  # noqa: E402
-from diffjax.generate.sampling import Sampling  # noqa: E402
 from diffjax.model import TransformerLM  # noqa: E402
 from diffjax.train.config import load_run_config  # noqa: E402
 
@@ -46,15 +45,15 @@ def measure(model: TransformerLM, batch: int, prompt_len: int, new_tokens: int, 
     params = nnx.to_pure_dict(state)
     prompts = np.random.RandomState(0).randint(0, model.config.vocab_size, (batch, prompt_len)).astype(np.int32)
     lengths = np.full((batch,), prompt_len, np.int32)
-    max_len, key, settings = prompt_len + new_tokens, jax.random.key(0), (Sampling(), (), 0)
+    max_len, key, choice = prompt_len + new_tokens, jax.random.key(0), decode.Choice(decode.Sampling(), (), 0)
 
     def prefill():
         return decode._prefill(graphdef, params, prompts, lengths, key, max_len=max_len, max_new_tokens=new_tokens,
-                               settings=settings, mesh=None)
+                               choice=choice, mesh=None)
 
     def decode_all(state):
         for _ in range(new_tokens - 1):
-            state = decode._decode_step(graphdef, params, state, key, settings=settings, mesh=None)
+            state = decode._decode_step(graphdef, params, state, key, choice=choice, mesh=None)
         return state
 
     jax.block_until_ready(decode_all(prefill()))  # compiles both

@@ -33,34 +33,42 @@ class DecodeState:
     step: jax.Array  # tokens generated so far (the next one goes to tokens_BN[:, step])
 
 
-def _choose(logits_BV, key, step, done_B, settings):
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """How the next token is chosen (static: hashable, part of the compiled steps)."""
+
+    sampling: Sampling
+    stop_tokens: tuple[int, ...]
+    pad_id: int
+
+
+def _choose(logits_BV, key, step, done_B, choice: Choice):
     """The step's tokens (pad_id for rows already stopped) and the rows stopped after it."""
-    sampling, stop_tokens, pad_id = settings
-    token_B = next_tokens(logits_BV, jax.random.fold_in(key, step), sampling)
-    token_B = jnp.where(done_B, pad_id, token_B)
-    return token_B, done_B | jnp.isin(token_B, jnp.asarray(stop_tokens, jnp.int32))
+    token_B = next_tokens(logits_BV, jax.random.fold_in(key, step), choice.sampling)
+    token_B = jnp.where(done_B, choice.pad_id, token_B)
+    return token_B, done_B | jnp.isin(token_B, jnp.asarray(choice.stop_tokens, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "max_new_tokens", "settings", "mesh"))
-def _prefill(graphdef, params, prompts_BP, lengths_B, key, *, max_len, max_new_tokens, settings, mesh):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "max_new_tokens", "choice", "mesh"))
+def _prefill(graphdef, params, prompts_BP, lengths_B, key, *, max_len, max_new_tokens, choice, mesh):
     """Runs the right-padded prompts, stores their keys and values, picks each row's first new token."""
-    B = prompts_BP.shape[0]
+    B, model = prompts_BP.shape[0], nnx.merge(graphdef, params)
     with sharding.activation_sharding(mesh):
-        logits_BPV, cache = nnx.merge(graphdef, params)(prompts_BP, cache=KVCache.empty(B, max_len))
+        x_BPD, cache = model.hidden_states(prompts_BP, cache=KVCache.empty(B, max_len))
+        last_BV = model.logits(jnp.take_along_axis(x_BPD, (lengths_B - 1)[:, None, None], axis=1))[:, 0]
     cache = dataclasses.replace(cache, lengths_B=lengths_B)  # the pad slots are overwritten as rows decode
-    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    token_B, done_B = _choose(last_BV, key, 0, jnp.zeros((B,), bool), settings)
-    tokens_BN = jnp.full((B, max_new_tokens), settings[2], jnp.int32).at[:, 0].set(token_B)
+    token_B, done_B = _choose(last_BV, key, 0, jnp.zeros((B,), bool), choice)
+    tokens_BN = jnp.full((B, max_new_tokens), choice.pad_id, jnp.int32).at[:, 0].set(token_B)
     return DecodeState(cache, tokens_BN, done_B, jnp.int32(1))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings", "mesh"), donate_argnames=("state",))
-def _decode_step(graphdef, params, state: DecodeState, key, *, settings, mesh):
+@functools.partial(jax.jit, static_argnames=("graphdef", "choice", "mesh"), donate_argnames=("state",))
+def _decode_step(graphdef, params, state: DecodeState, key, *, choice, mesh):
     """Feeds each row's last token through the cache and appends the next one."""
     last_B1 = jax.lax.dynamic_slice_in_dim(state.tokens_BN, state.step - 1, 1, axis=1)
     with sharding.activation_sharding(mesh):
         logits_B1V, cache = nnx.merge(graphdef, params)(last_B1, cache=state.cache)
-    token_B, done_B = _choose(logits_B1V[:, 0], key, state.step, state.done_B, settings)
+    token_B, done_B = _choose(logits_B1V[:, 0], key, state.step, state.done_B, choice)
     tokens_BN = jax.lax.dynamic_update_slice_in_dim(state.tokens_BN, token_B[:, None], state.step, axis=1)
     return DecodeState(cache, tokens_BN, done_B, state.step + 1)
 
@@ -136,7 +144,7 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
     for token in stop_tokens + (() if pad_id is None else (pad_id,)):
         if not 0 <= token < config.vocab_size:
             raise ValueError(f"stop / pad token {token} is outside the model's vocabulary [0, {config.vocab_size})")
-    settings = (sampling, stop_tokens, stop_tokens[0] if pad_id is None and stop_tokens else int(pad_id or 0))
+    choice = Choice(sampling, stop_tokens, stop_tokens[0] if pad_id is None and stop_tokens else int(pad_id or 0))
 
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
@@ -146,11 +154,11 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
         rows = lambda x: NamedSharding(mesh, sharding.logical_spec(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh))
         prompts, row_lengths = (jax.device_put(x, rows(x)) for x in (prompts_BP, lengths_B))
     state = _prefill(graphdef, params, prompts, row_lengths, key, max_len=max_len, max_new_tokens=max_new_tokens,
-                     settings=settings, mesh=mesh)
+                     choice=choice, mesh=mesh)
     for step in range(1, max_new_tokens):
         if stop_tokens and step % STOP_CHECK_EVERY == 0 and bool(_gather(state.done_B).all()):
             break
-        state = _decode_step(graphdef, params, state, key, settings=settings, mesh=mesh)
+        state = _decode_step(graphdef, params, state, key, choice=choice, mesh=mesh)
     return _gather(state.tokens_BN)
 
 

@@ -75,6 +75,13 @@ class TransformerLM(nnx.Module):
             )
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None):
+        x_BTD, cache = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, cache)
+        logits_BTV = self.logits(x_BTD)
+        return logits_BTV if cache is None else (logits_BTV, cache)
+
+    def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None):
+        """(the final-normed hidden states [B, T, D], the updated cache or None): `__call__` before the head
+        (generation's prefill takes the head of one position per row only)."""
         tokens_BT = jnp.asarray(tokens_BT)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, length], got {tokens_BT.shape}")
@@ -91,12 +98,14 @@ class TransformerLM(nnx.Module):
         x_BTD = constrain(self.embed(tokens_BT, dtype), BTD)
         rope_cos_sin = rope_tables(positions_BT, inv_frequencies(self.config), dtype)
         x_BTD, cache = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT, cache)
-        x_BTD = self.final_norm(x_BTD)
+        return self.final_norm(x_BTD), cache
+
+    def logits(self, x_BTD):
+        """float32 logits [B, T, vocab] of final-normed hidden states."""
         if self.config.tie_embeddings:
-            logits_BTV = self.embed.attend(x_BTD)
-        else:
-            logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
-        return logits_BTV if cache is None else (logits_BTV, cache)
+            return self.embed.attend(x_BTD)
+        lm_head = self.lm_head[...].astype(jnp.dtype(self.config.dtype))
+        return jnp.einsum("btd,dv->btv", x_BTD, lm_head, preferred_element_type=jnp.float32)
 
     def depth_constants(self, dtype) -> dict:
         """Each layer's depth constants, [L] arrays ({} for the baseline)."""
