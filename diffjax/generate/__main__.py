@@ -18,7 +18,7 @@ SEPARATOR = "\n" + "-" * 40
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffjax.generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m diffjax.generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="a run directory (train.py's or a conversion's), its checkpoints/ directory or a step directory")
     prompts = parser.add_mutually_exclusive_group(required=True)

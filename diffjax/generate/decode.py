@@ -151,8 +151,8 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
     prompts, row_lengths = jnp.asarray(prompts_BP), jnp.asarray(lengths_B)
     if mesh is not None:
         params = jax.device_put(params, sharding.param_shardings(nnx.state(model, nnx.Param), mesh))
-        rows = lambda x: NamedSharding(mesh, sharding.logical_spec(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh))
-        prompts, row_lengths = (jax.device_put(x, rows(x)) for x in (prompts_BP, lengths_B))
+        prompts = jax.device_put(prompts_BP, NamedSharding(mesh, sharding.logical_spec(("batch", None), prompts_BP.shape, mesh)))
+        row_lengths = jax.device_put(lengths_B, NamedSharding(mesh, sharding.logical_spec(("batch",), lengths_B.shape, mesh)))
     state = _prefill(graphdef, params, prompts, row_lengths, key, max_len=max_len, max_new_tokens=max_new_tokens,
                      choice=choice, mesh=mesh)
     for step in range(1, max_new_tokens):
