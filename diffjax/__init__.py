@@ -2,9 +2,11 @@
 
 Layers, each importing only those before it: config -> sharding -> ops -> model -> checkpoint ->
 convert -> data, tokenizers -> train. `import diffjax` loads the first four (and the losses);
-`load_hf` / `save_hf` load the converter when first used.
+`load_hf` / `save_hf` load the converter when first used. `diffjax.generate(model, tokens, max_new_tokens)`
+generates with a KV cache (the module diffjax.generate, callable).
 """
 
+from diffjax import generate
 from diffjax.config import ModelConfig, lambda_init_for_depth
 from diffjax.losses import next_token_loss
 from diffjax.model import DiffAttention, StandardAttention, TransformerLM
@@ -28,6 +30,7 @@ __all__ = [
     "TransformerLM",
     "diff_attention",
     "dot_product_attention",
+    "generate",
     "lambda_init_for_depth",
     "load_hf",
     "next_token_loss",

@@ -93,7 +93,8 @@ class DiffAttention(nnx.Module):
         k_BSH2d = jnp.repeat(apply_rope(k_BSK2d, cos, sin, self.config.rope_style), H // K, axis=2)
         return tuple(_softmax_maps(q_BTH2d[..., m, :], k_BSH2d[..., m, :], segment_ids) for m in (0, 1))
 
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
+        """The attention output [B, T, D]; with a KVCache (generation), (output, updated cache)."""
         dtype = x_BTD.dtype
         constants = constants or self.layer_constants(dtype)
         cos, sin = rope_cos_sin
@@ -106,10 +107,10 @@ class DiffAttention(nnx.Module):
         q_BTH2d = apply_rope(q_BTH2d, cos, sin, self.config.rope_style)
         k_BSK2d = apply_rope(k_BSK2d, cos, sin, self.config.rope_style)
         q_BTH2d, k_BSK2d, v_BSKv = (checkpoint_name(x, "attention_qkv") for x in (q_BTH2d, k_BSK2d, v_BSKv))
-        o_BTHv = ops.diff_attention(
-            q_BTH2d, k_BSK2d, v_BSKv, self.lambda_full(dtype, constants["lambda_init"]),
-            causal=True, segment_ids=segment_ids, impl=self.config.attention_impl,
-        )
+        attend = dict(causal=True, segment_ids=segment_ids, impl=self.config.attention_impl)
+        if cache is not None:  # generation: store this call's keys and values, attend over the cache
+            cache, k_BSK2d, v_BSKv, attend = cache.update(k_BSK2d, v_BSKv, attend)
+        o_BTHv = ops.diff_attention(q_BTH2d, k_BSK2d, v_BSKv, self.lambda_full(dtype, constants["lambda_init"]), **attend)
         o_BTHv = checkpoint_name(o_BTHv, "attention_out")
         # Per-head RMSNorm over 2d (one scale shared by all heads), then the fixed (1 - lambda_init).
         o_BTHv = rms_normalize(o_BTHv, self.config.norm_eps) * self.subln_scale[...].astype(dtype)
@@ -118,7 +119,8 @@ class DiffAttention(nnx.Module):
         # (0.8 -> 0.80078 at depth 0). Exact no-op in float32.
         o_BTHv = (o_BTHv.astype(jnp.float32) * constants["out_scale"]).astype(dtype)
         o_BTHv = constrain(o_BTHv, ("batch", "length", "act_heads", None))
-        return constrain(jnp.einsum("bthv,hvD->btD", o_BTHv, self.o_kernel[...].astype(dtype)), BTD)
+        out_BTD = constrain(jnp.einsum("bthv,hvD->btD", o_BTHv, self.o_kernel[...].astype(dtype)), BTD)
+        return out_BTD if cache is None else (out_BTD, cache)
 
 
 class StandardAttention(nnx.Module):
@@ -146,7 +148,8 @@ class StandardAttention(nnx.Module):
         k_BSNd = jnp.repeat(apply_rope(k_BSKd, cos, sin, self.config.rope_style), N // K, axis=2)
         return _softmax_maps(q_BTNd, k_BSNd, segment_ids)
 
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
+        """The attention output [B, T, D]; with a KVCache (generation), (output, updated cache)."""
         dtype = x_BTD.dtype
         cos, sin = rope_cos_sin
         q_BTNd = jnp.einsum("btD,Dnd->btnd", x_BTD, self.q_kernel[...].astype(dtype))
@@ -158,9 +161,11 @@ class StandardAttention(nnx.Module):
         q_BTNd = apply_rope(q_BTNd, cos, sin, self.config.rope_style)
         k_BSKd = apply_rope(k_BSKd, cos, sin, self.config.rope_style)
         q_BTNd, k_BSKd, v_BSKd = (checkpoint_name(x, "attention_qkv") for x in (q_BTNd, k_BSKd, v_BSKd))
-        o_BTNd = ops.dot_product_attention(
-            q_BTNd, k_BSKd, v_BSKd, causal=True, segment_ids=segment_ids, impl=self.config.attention_impl
-        )
+        attend = dict(causal=True, segment_ids=segment_ids, impl=self.config.attention_impl)
+        if cache is not None:  # generation: store this call's keys and values, attend over the cache
+            cache, k_BSKd, v_BSKd, attend = cache.update(k_BSKd, v_BSKd, attend)
+        o_BTNd = ops.dot_product_attention(q_BTNd, k_BSKd, v_BSKd, **attend)
         o_BTNd = checkpoint_name(o_BTNd, "attention_out")
         o_BTNd = constrain(o_BTNd, ("batch", "length", "act_heads", None))
-        return constrain(jnp.einsum("btnd,ndD->btD", o_BTNd, self.o_kernel[...].astype(dtype)), BTD)
+        out_BTD = constrain(jnp.einsum("btnd,ndD->btD", o_BTNd, self.o_kernel[...].astype(dtype)), BTD)
+        return out_BTD if cache is None else (out_BTD, cache)

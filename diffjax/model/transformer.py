@@ -9,6 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from diffjax.config import ModelConfig
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, DiffAttention, StandardAttention, depth_constants
+from diffjax.model.kv_cache import KVCache
 from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param, prepend_axis
 from diffjax.model.rope import inv_frequencies, rope_tables
 from diffjax.sharding import constrain
@@ -37,17 +38,23 @@ class DecoderBlock(nnx.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         self.mlp = GatedMLP(config, rngs=rngs)
 
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
-        h_BTD = checkpoint_name(x_BTD + self.attn(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants),
-                                "attention_residual")
-        return constrain(h_BTD + self.mlp(self.mlp_norm(h_BTD)), BTD)
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
+        """The block's output [B, T, D]; with this layer's KVCache (generation), (output, updated cache)."""
+        attn_BTD = self.attn(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants, cache)
+        if cache is not None:
+            attn_BTD, cache = attn_BTD
+        h_BTD = checkpoint_name(x_BTD + attn_BTD, "attention_residual")
+        out_BTD = constrain(h_BTD + self.mlp(self.mlp_norm(h_BTD)), BTD)
+        return out_BTD if cache is None else (out_BTD, cache)
 
 
 class TransformerLM(nnx.Module):
     """Decoder-only LM: `model(tokens[B, T]) -> float32 logits [B, T, vocab]`.
 
     positions default to 0..T-1; with packed sequences pass per-document positions and
-    segment_ids so that attention never crosses documents.
+    segment_ids so that attention never crosses documents. With a KVCache (generation, diffjax.generate)
+    the call returns (logits, updated cache) and the positions are the cache's: each row's tokens continue
+    from the row's stored length.
 
     The decoder blocks are one DecoderBlock whose params are stacked over depth ([L, ...] leaves, logical
     axis "layers"), as MaxText and Levanter store them: initialized by one vmapped layer init and applied
@@ -72,25 +79,33 @@ class TransformerLM(nnx.Module):
                 rngs, (config.d_model, config.vocab_size), config.init_std, config.param_dtype, ("embed", "vocab")
             )
 
-    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
-        return self.logits(self.hidden_states(tokens_BT, positions_BT, segment_ids_BT))
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None):
+        """float32 logits [B, T, vocab]; with a KVCache (generation), (logits, updated cache)."""
+        out = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, cache)
+        if cache is None:
+            return self.logits(out)
+        return self.logits(out[0]), out[1]
 
-    def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
-        """The final (normalized) hidden states [B, T, D] in the compute dtype: what the LM head projects.
-        The trainer's chunked loss (diffjax.losses.chunked_packed_loss_sum_and_count) starts here."""
+    def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None):
+        """The final (normalized) hidden states [B, T, D] in the compute dtype: what the LM head projects
+        (the trainer's chunked loss and generation's prefill start here); with a KVCache, (hidden, cache)."""
         tokens_BT = jnp.asarray(tokens_BT)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, length], got {tokens_BT.shape}")
         T = tokens_BT.shape[1]
-        if positions_BT is None:
+        if cache is not None:
+            if positions_BT is not None:
+                raise ValueError("with a KVCache the positions are the cache's (each row's stored length): pass no positions")
+            positions_BT = cache.positions(T)
+        elif positions_BT is None:
             if T > self.config.max_seq_len:
                 raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
             positions_BT = jnp.broadcast_to(jnp.arange(T), tokens_BT.shape)
         dtype = jnp.dtype(self.config.dtype)
         x_BTD = constrain(self.embed(tokens_BT, dtype), BTD)
         rope_cos_sin = rope_tables(positions_BT, inv_frequencies(self.config), dtype)
-        x_BTD = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT)
-        return self.final_norm(x_BTD)
+        x_BTD, cache = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT, cache)
+        return self.final_norm(x_BTD) if cache is None else (self.final_norm(x_BTD), cache)
 
     def logits(self, hidden_BTD):
         """float32 logits [B, T, vocab] of final hidden states."""
@@ -124,23 +139,34 @@ class TransformerLM(nnx.Module):
         nnx.update(block, jax.tree.map(lambda x: x[depth], nnx.state(self.blocks)))
         return block
 
-    def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT):
-        """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop."""
+    def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT, cache: KVCache | None):
+        """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop.
+        With a cache its stacked [L, ...] buffers go through the layers with the params; returns (x, cache)."""
         remat, scan = self.config.remat, self.config.scan_layers
         graphdef, params = nnx.split(self.blocks)
         constants = self.depth_constants(x_BTD.dtype)
+        kv = None if cache is None else (cache.k, cache.v)
 
-        def apply_block(x_BTD, layer_params, layer_constants):
-            return nnx.merge(graphdef, layer_params)(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants)
+        def apply_block(x_BTD, layer_params, layer_constants, layer_kv):
+            block = nnx.merge(graphdef, layer_params)
+            if cache is None:
+                return block(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants), None
+            x_BTD, layer_cache = block(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants, cache.layer(*layer_kv))
+            return x_BTD, (layer_cache.k, layer_cache.v)
 
         if remat != "none":
             apply_block = jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
         if scan:
-            x_BTD, _ = jax.lax.scan(lambda x, layer: (apply_block(x, *layer), None), x_BTD, (params, constants))
-            return x_BTD
-        for depth in range(self.config.num_layers):
-            x_BTD = apply_block(x_BTD, *jax.tree.map(lambda x: x[depth], (params, constants)))
-        return x_BTD
+            x_BTD, kv = jax.lax.scan(lambda x, layer: apply_block(x, *layer), x_BTD, (params, constants, kv))
+        else:
+            layers_kv = []
+            for depth in range(self.config.num_layers):
+                x_BTD, layer_kv = apply_block(x_BTD, *jax.tree.map(lambda x: x[depth], (params, constants, kv)))
+                layers_kv.append(layer_kv)
+            kv = None if cache is None else jax.tree.map(lambda *layers: jnp.stack(layers), *layers_kv)
+        if cache is None:
+            return x_BTD, None
+        return x_BTD, KVCache(*kv, cache.lengths_B + x_BTD.shape[1], cache.max_len)
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))

@@ -109,8 +109,10 @@ def _stack_micro_batches(batch: dict[str, np.ndarray], plan: BatchPlan) -> dict[
 def _sample_text(graphdef, state, tokenizer, config: RunConfig) -> str:
     model = nnx.merge(graphdef, state["params"])
     key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), 0)
-    ids = sample(model, tokenizer.encode(config.train.sample_prompt), config.train.sample_tokens, key=key,
-                 temperature=config.train.sample_temperature, window=config.data.seq_len)
+    prompt = tokenizer.encode(config.train.sample_prompt)
+    # The prompt and the sample share the model's context (max_seq_len): a longer sample is cut there.
+    num_tokens = min(config.train.sample_tokens, config.model.max_seq_len - len(prompt))
+    ids = sample(model, prompt, num_tokens, key=key, temperature=config.train.sample_temperature)
     return config.train.sample_prompt + tokenizer.decode(ids)
 
 

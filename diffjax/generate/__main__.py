@@ -1,0 +1,100 @@
+"""python -m diffjax.generate --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N ...]
+
+Continues each prompt with the model of a run directory (train.py's, or a conversion's) and prints prompt +
+continuation, one after the other; several prompts of any lengths run as one batch. Text goes through the
+run's tokenizer (config.yaml's data.tokenizer); --prompt-ids takes token ids instead and needs none.
+A row stops at the tokenizer's eos (unless --ignore-eos) or after --max-new-tokens.
+Exit status: 0 done, 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+SEPARATOR = "\n" + "-" * 40
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffjax.generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a run directory (train.py's or a conversion's), its checkpoints/ directory or a step directory")
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
+    prompts.add_argument("--prompt-ids", action="append", metavar="IDS",
+                         help="a prompt as comma-separated token ids (repeat for a batch); prints ids, needs no tokenizer")
+    parser.add_argument("--max-new-tokens", type=int, default=100, help="new tokens per prompt at most (default 100)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
+    parser.add_argument("--top-p", type=float, help="sample from the most likely tokens whose probability reaches p")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's eos token")
+    return parser
+
+
+def load_tokenizer(step_dir: Path):
+    """The tokenizer a run directory's config.yaml names (data.tokenizer); an error naming the fix if none."""
+    import yaml
+
+    from diffjax.tokenizers import TokenizerConfig, make_tokenizer
+
+    config_path = step_dir.parent.parent / "config.yaml"
+    section = ((yaml.safe_load(config_path.read_text()) or {}).get("data") or {}).get("tokenizer")
+    if not isinstance(section, dict):
+        hf_dir = config_path.parent / "hf"
+        hint = f" (a conversion keeps its source's tokenizer files in {hf_dir})" if hf_dir.is_dir() else ""
+        raise ValueError(f"{config_path} names no tokenizer (data.tokenizer){hint}: add one, e.g. `data: {{tokenizer: "
+                         f"{{kind: sentencepiece, path: tokenizer.model}}}}`, or pass --prompt-ids")
+    return make_tokenizer(TokenizerConfig(**section))
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    import jax
+
+    import diffjax
+    from diffjax.checkpoint import load_model, resolve_checkpoint
+
+    try:
+        step_dir = resolve_checkpoint(args.checkpoint, what="--checkpoint")
+        tokenizer = None if args.prompt_ids else load_tokenizer(step_dir)
+        model = load_model(step_dir, what="--checkpoint")
+        if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(f"the tokenizer ({tokenizer.name}, {tokenizer.vocab_size} ids) does not fit the model's "
+                             f"vocabulary ({model.config.vocab_size})")
+        prompts = [_ids(text) for text in args.prompt_ids] if tokenizer is None else [tokenizer.encode(t) for t in args.prompt]
+        if any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("a prompt is empty (no tokens): every prompt needs at least one")
+        eos = None if tokenizer is None or args.ignore_eos else tokenizer.eos_id
+        start = time.perf_counter()
+        new_tokens = diffjax.generate(
+            model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed))
+        seconds = time.perf_counter() - start
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    count = 0
+    for i, (prompt, row) in enumerate(zip(prompts, new_tokens)):
+        if eos is not None and eos in row:
+            row = row[: list(row).index(eos) + 1]
+        count += len(row)
+        if tokenizer is None:
+            print(" ".join(map(str, list(prompt) + list(row))))
+        else:
+            print(("" if i == 0 else SEPARATOR + "\n") + args.prompt[i] + tokenizer.decode(row))
+    print(f"{count} tokens in {seconds:.1f} s ({count / seconds:.1f} tokens/s, compilation included)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The key/value cache of generation: one preallocated buffer of S slots per row, slot = position.
+
+Generation runs the model twice over: a prefill over the prompts (right-padded to a common length P,
+positions 0..P-1, ordinary causal attention with any kernel) that stores every prompt token's keys and
+values in slots [0, P), then one decode step per new token, whose query attends the cache through a
+per-row length mask (the XLA path: one query against S keys). Row b's next token goes to slot
+`lengths_B[b]` (its position): a right-padded prompt's pad slots get overwritten by its own generated
+tokens before they are ever attended, so rows of different lengths share one static shape.
+
+An attention module adopts the cache with three lines (see DiffAttention.__call__): after projecting and
+rotating q, k and v,
+
+    if cache is not None:
+        cache, k, v, attend = cache.update(k, v, attend)
+
+then it calls its op with `**attend` and returns `(output, cache)`. The cache stores k and v as the
+module shapes them ([B, S, kv heads, ...], any trailing axes), so a new attention variant needs no change
+here. TransformerLM stacks the layers' buffers ([L, B, S, ...]) and scans them with the params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.sharding import constrain
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "lengths_B"), meta_fields=("max_len",))
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """k, v: one layer's [B, S, K, ...] buffers or a stack's [L, B, S, K, ...]; None before the prefill,
+    which allocates them (their trailing shape is the attention module's). lengths_B: tokens stored per row
+    before this call, i.e. the position of the row's next token. max_len: S, the slots per row."""
+
+    k: jax.Array | None
+    v: jax.Array | None
+    lengths_B: jax.Array
+    max_len: int
+
+    @classmethod
+    def empty(cls, batch: int, max_len: int) -> "KVCache":
+        """The cache a prefill starts from: nothing stored, buffers allocated by the first call."""
+        return cls(None, None, jnp.zeros((batch,), jnp.int32), max_len)
+
+    def positions(self, num_new: int) -> jax.Array:
+        """Positions [B, T] of the T tokens this call adds (for RoPE)."""
+        return self.lengths_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)
+
+    def update(self, k_new, v_new, attend: dict):
+        """Store this call's keys / values [B, T, K, ...]; returns (cache, k, v, attend): the keys, values
+        and op keywords (`causal`, `segment_ids`, `impl`) the module's attention op is to use.
+
+        Prefill (buffers None): the T prompt tokens go to slots [0, T) and attend one another as without a
+        cache (the caller's `attend`). Decode (T must be 1): the token goes to slot lengths_B[b] of row b and
+        attends slots 0..lengths_B[b] of the whole buffer, on the XLA path (segment ids mark the slots).
+        """
+        B, T = k_new.shape[:2]
+        if self.k is None:
+            if T > self.max_len:
+                raise ValueError(f"the prompt ({T} tokens) does not fit the cache ({self.max_len} slots per row)")
+            k, v = (jnp.zeros((B, self.max_len) + x.shape[2:], x.dtype).at[:, :T].set(x) for x in (k_new, v_new))
+            return self._stored(k, v), k_new, v_new, attend
+        if T != 1:
+            raise ValueError(f"a decode step takes one new token per row, got {T} (a prompt goes through the prefill)")
+        slots_BS = jnp.arange(self.max_len, dtype=jnp.int32)[None, :]
+        write_BS = slots_BS == self.lengths_B[:, None]
+        # A select over the whole buffer, not a scatter: partitions like the buffer and updates in place
+        # when the cache is donated.
+        k, v = (jnp.where(write_BS.reshape(write_BS.shape + (1,) * (x.ndim - 2)), x, buf)
+                for x, buf in ((k_new, self.k), (v_new, self.v)))
+        kv_ids_BS = (slots_BS <= self.lengths_B[:, None]).astype(jnp.int32)  # 1: a stored slot, 0: not yet
+        q_ids_B1 = jnp.ones((B, 1), jnp.int32)
+        attend = dict(attend, causal=False, segment_ids=(q_ids_B1, kv_ids_BS), impl="xla")
+        return self._stored(k, v), k, v, attend
+
+    def _stored(self, k, v) -> "KVCache":
+        cache_axes = ("batch", "length", "act_kv_heads")
+        k, v = (constrain(x, cache_axes + (None,) * (x.ndim - 3)) for x in (k, v))
+        return dataclasses.replace(self, k=k, v=v)
+
+    def layer(self, k, v) -> "KVCache":
+        """This cache with one layer's buffers (a slice of the stack, or None before the prefill)."""
+        return dataclasses.replace(self, k=k, v=v)
