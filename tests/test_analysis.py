@@ -82,16 +82,18 @@ def test_absmax_quantization_levels():
 def test_quantized_probe_puts_each_sequences_logits_on_the_grid(models):
     model = models["diff"]
     tokens, positions, segment_ids = _packed_batch()
-    probe = make_probe(model, lambda view, aux: view.logits_MBHTS, logit_bits=4)
-    logits, observed = probe(tokens, positions, segment_ids)
+    probe = make_probe(model, lambda view, aux: view.logits_MBHTS)
+    logits, observed = probe(tokens, positions, segment_ids, logit_bits=4)
     counted = np.asarray(segment_ids)[:, :, None] == np.asarray(segment_ids)[:, None, :]
     counted &= np.tril(np.ones((12, 12), bool)) & (np.asarray(segment_ids) != 0)[:, :, None]
     for layer in observed:
         for b in range(2):  # one scale per sequence, over both maps and every head: at most 2 * 7 + 1 values
             assert len(np.unique(np.asarray(layer)[:, b][:, :, counted[b]])) <= 15
-    unquantized = make_probe(model)(tokens, positions, segment_ids)[0]
+    unquantized = probe(tokens, positions, segment_ids)[0]
     assert float(jnp.abs(logits - unquantized).max()) > 1e-3
-    np.testing.assert_allclose(make_probe(model, logit_bits=16)(tokens, positions, segment_ids)[0], unquantized, atol=2e-3)
+    np.testing.assert_allclose(probe(tokens, positions, segment_ids, logit_bits=16)[0], unquantized, atol=2e-3)
+    with pytest.raises(ValueError, match="bits must be an integer in"):
+        probe(tokens, logit_bits=1)
 
 
 def _example(depth, seed=0, length=300, needles_=4, queries=2):

@@ -134,15 +134,24 @@ class NeedleTask:
 
 def training_texts(tokenizer: Tokenizer, count: int, *, lengths: Sequence[int], max_needles: int = 6,
                    max_queries: int = 2, digits: int = 7, seed: int = 1) -> list[str]:
-    """`count` training examples (the text of samples with random lengths, needle counts and depths, not just
-    the evaluation's five). Use a seed other than the evaluation's (0) so no evaluation sample is trained on."""
+    """`count` training examples (the text of samples with random lengths, needle counts (fewer where they do not
+    fit) and depths, not just the evaluation's five). Use a seed other than the evaluation's (0) so no
+    evaluation sample is trained on."""
     rng = np.random.default_rng(seed)
     texts = []
     for _ in range(count):
-        num_needles = int(rng.integers(1, max_needles + 1))
-        texts.append(make_example(tokenizer, context_length=int(rng.choice(lengths)), num_needles=num_needles,
-                                  num_queries=int(rng.integers(1, min(num_needles, max_queries) + 1)),
-                                  depth=int(rng.integers(0, 101)), digits=digits, rng=rng).text)
+        length, num_needles = int(rng.choice(lengths)), int(rng.integers(1, max_needles + 1))
+        while True:  # as many needles as drawn, or as fit in the length
+            try:
+                example = make_example(tokenizer, context_length=length, num_needles=num_needles,
+                                       num_queries=int(rng.integers(1, min(num_needles, max_queries) + 1)),
+                                       depth=int(rng.integers(0, 101)), digits=digits, rng=rng)
+                break
+            except ValueError:
+                if num_needles == 1:
+                    raise
+                num_needles -= 1
+        texts.append(example.text)
     return texts
 
 

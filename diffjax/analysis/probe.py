@@ -40,13 +40,14 @@ def check_bits(bits) -> None:
         raise ValueError(f"quantization bits must be an integer in [2, 16], got {bits!r}")
 
 
-def absmax_quantize(values, bits: int, counted=True, *, scale_axis: int = 0):
+def absmax_quantize(values, bits, counted=True, *, scale_axis: int = 0):
     """Dynamic absmax quantization (the paper's Figure 8): values -> round(values / scale) * scale with
     scale = max |values| / (2^(bits-1) - 1), one scale per index of `scale_axis` (per sequence), taken over
     the `counted` entries only (masked logits are not data; `counted` broadcasts against values). A slice
-    with no nonzero counted value is left as is."""
-    check_bits(bits)
-    levels = 2 ** (bits - 1) - 1
+    with no nonzero counted value is left as is. `bits` may be traced (then it is not checked here)."""
+    if not isinstance(bits, jax.Array):
+        check_bits(bits)
+    levels = (2.0 ** (jnp.asarray(bits, jnp.float32) - 1) - 1)
     reduce_axes = tuple(axis for axis in range(values.ndim) if axis != scale_axis % values.ndim)
     absmax = jnp.max(jnp.where(counted, jnp.abs(values), 0.0), axis=reduce_axes, keepdims=True)
     scale = jnp.where(absmax > 0, absmax / levels, 1.0)
@@ -61,8 +62,8 @@ def _softmax(s_MBHTS, allowed_BTS):
 
 
 def _quantized_logits(s_MBHTS, counted_BTS, bits):
-    """One scale per sequence, over all heads and (DIFF) both maps of the layer."""
-    return s_MBHTS if bits is None else absmax_quantize(s_MBHTS, bits, counted_BTS[None, :, None], scale_axis=1)
+    """One scale per sequence, over all heads and (DIFF) both maps of the layer; bits 0: unquantized."""
+    return jnp.where(bits > 0, absmax_quantize(s_MBHTS, jnp.maximum(bits, 2), counted_BTS[None, :, None], scale_axis=1), s_MBHTS)
 
 
 def _maps_times_v(p_MBHTS, v_BSHv):
@@ -110,22 +111,21 @@ def _standard_attention(attn: StandardAttention, x_BTD, cos_sin, allowed_BTS, co
 _ATTENTIONS = {DiffAttention: _diff_attention, StandardAttention: _standard_attention}
 
 
-def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None, *, logit_bits: int | None = None):
-    """A jitted `probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None) -> (logits_BTV, observed)`
-    for `model` (a TransformerLM), where observed[i] = observe(LayerView of layer i, aux) (a pytree of
-    arrays; keep it small: it is what comes back from the device). logit_bits: quantize every layer's
-    attention logits by `absmax_quantize` before the softmax (None: unquantized)."""
+def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
+    """A jitted `probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None, *, logit_bits=None) ->
+    (logits_BTV, observed)` for `model` (a TransformerLM), where observed[i] = observe(LayerView of layer i,
+    aux) (a pytree of arrays; keep it small: it is what comes back from the device). logit_bits: quantize
+    every layer's attention logits by `absmax_quantize` before the softmax (None: unquantized); an argument
+    of the compiled program, so every bit width runs the same one."""
     graphdef, state = nnx.split(model)
     config = model.config
     attention = _ATTENTIONS.get(type(model.blocks.attn))
     if attention is None:
         raise TypeError(f"the analyses know DiffAttention and StandardAttention, not {type(model.blocks.attn).__name__}")
-    if logit_bits is not None:
-        check_bits(logit_bits)
     observe = observe or (lambda view, aux: None)
 
     @jax.jit
-    def run(state, tokens_BT, positions_BT, segment_ids_BT, aux):
+    def run(state, tokens_BT, positions_BT, segment_ids_BT, aux, logit_bits):
         model = nnx.merge(graphdef, state)
         B, T = tokens_BT.shape
         dtype = jnp.dtype(config.dtype)
@@ -153,7 +153,9 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None, *,
             logits = jnp.einsum("btd,dv->btv", x_BTD, model.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
         return logits, observed
 
-    def probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None):
+    def probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None, *, logit_bits=None):
+        if logit_bits is not None:
+            check_bits(logit_bits)
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, length], got {tokens_BT.shape}")
@@ -161,6 +163,6 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None, *,
             raise ValueError(f"sequence length {tokens_BT.shape[1]} exceeds the model's max_seq_len {config.max_seq_len}")
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-        return run(state, tokens_BT, positions_BT, segment_ids_BT, aux)
+        return run(state, tokens_BT, positions_BT, segment_ids_BT, aux, jnp.int32(logit_bits or 0))
 
     return probe

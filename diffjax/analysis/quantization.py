@@ -12,6 +12,7 @@ The paper's evaluation is zero-shot HellaSwag, which needs a download; these eva
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Sequence
 
@@ -50,12 +51,12 @@ def evaluate(checkpoint: common.Checkpoint, text: Sequence[dict], task: needles.
              bits: Sequence[int] = QUANTIZATION_BITS, batch_size: int = 8) -> QuantizationResult:
     """Every metric at every bit width (None first: unquantized). task None: no needle evaluation."""
     all_bits = (None, *bits)
-    metrics = {}
+    metrics, probe = {}, make_probe(checkpoint.model)
     for width in all_bits:
-        probe = make_probe(checkpoint.model, logit_bits=width)
-        metrics[width, "text loss"], metrics[width, "text accuracy"] = text_metrics(probe, text)
+        quantized = functools.partial(probe, logit_bits=width)
+        metrics[width, "text loss"], metrics[width, "text accuracy"] = text_metrics(quantized, text)
         if task is not None:
-            accuracy = needles.evaluate(checkpoint, task, batch_size=batch_size, forward=probe).accuracy
+            accuracy = needles.evaluate(checkpoint, task, batch_size=batch_size, forward=quantized).accuracy
             metrics[width, "needle accuracy"] = float(np.mean(list(accuracy.values())))
     return QuantizationResult(all_bits, metrics)
 
