@@ -31,8 +31,8 @@ from diffjax.train import train  # noqa: E402
 from diffjax.train.config import RunConfig, build_config, merge  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "reproduction" / "small.yaml"
-MIX_DEFAULTS = {"text_bytes": 1_500_000, "needle_examples": 5000, "needle_lengths": [64, 128, 160], "max_needles": 3,
-                "max_queries": 2, "digits": 4, "seed": 1}
+MIX_DEFAULTS = {"text_bytes": 1_500_000, "held_out_bytes": 200_000, "needle_examples": 5000,
+                "needle_lengths": [64, 128, 160], "max_needles": 3, "max_queries": 2, "digits": 4, "seed": 1}
 ANALYSIS_DEFAULTS = {"needle_lengths": [128, 192], "needles": 3, "queries": 1, "depths": list(needles.DEPTHS),
                      "samples": 20, "digits": 4, "text_tokens": 16384, "bits": [8, 6, 4], "quantization_samples": 10,
                      "batch_size": 8}
@@ -53,9 +53,10 @@ def read_config(path: Path) -> dict:
 
 def write_mix(mix: dict, data_dir: Path, seq_len: int) -> Path:
     """data_dir/mix.jsonl: the builtin corpus's documents (the stdlib's source) and the needle training examples,
-    each of which must fit one training row with its eos (a longer one would be cut from its queries)."""
+    each of which must fit one training row with its eos (a longer one would be cut from its queries); and
+    data_dir/held_out.jsonl: stdlib source the models never see."""
     path = data_dir / "mix.jsonl"
-    if path.exists():
+    if path.exists() and (data_dir / "held_out.jsonl").exists():
         return path
     data_dir.mkdir(parents=True, exist_ok=True)
     texts = builtin_documents(mix["text_bytes"])
@@ -66,11 +67,14 @@ def write_mix(mix: dict, data_dir: Path, seq_len: int) -> Path:
     if longest + 1 > seq_len:
         raise ValueError(f"a needle example takes {longest} tokens + eos, more than data.seq_len {seq_len}: "
                          "lower mix.needle_lengths or mix.max_queries")
-    with open(path.with_suffix(".tmp"), "w") as file:
-        file.writelines(json.dumps({"text": text}) + "\n" for text in texts + examples)
-    path.with_suffix(".tmp").rename(path)
+    # Held-out text for the outlier and quantization analyses: the stdlib files after the training ones.
+    held_out = builtin_documents(mix["text_bytes"] + mix["held_out_bytes"])[len(texts) :]
+    for name, documents in (("held_out.jsonl", held_out), ("mix.jsonl", texts + examples)):  # mix.jsonl last: done
+        with open(data_dir / "tmp.jsonl", "w") as file:
+            file.writelines(json.dumps({"text": text}) + "\n" for text in documents)
+        (data_dir / "tmp.jsonl").rename(data_dir / name)
     print(f"data: {len(texts)} text documents ({mix['text_bytes']} bytes) + {len(examples)} needle examples "
-          f"({sum(map(len, examples))} bytes) -> {path}", flush=True)
+          f"({sum(map(len, examples))} bytes) -> {path}; {len(held_out)} held-out text documents", flush=True)
     return path
 
 
@@ -121,7 +125,9 @@ def main(argv=None) -> int:
     quant_task = needles.NeedleTask((a["needle_lengths"][-1],), a["needles"], a["queries"], tuple(a["depths"]),
                                     a["quantization_samples"], a["digits"])
     start = time.perf_counter()
-    text = {name: common.text_batches(c, tokens=a["text_tokens"], batch_size=a["batch_size"]) for name, c in runs.items()}
+    held_out = [str(out_dir / "data" / "held_out.jsonl")]
+    text = {name: common.text_batches(c, tokens=a["text_tokens"], batch_size=a["batch_size"], paths=held_out)
+            for name, c in runs.items()}
     sections = [
         needles.format_results(labels, [needles.evaluate(c, task, batch_size=a["batch_size"]) for c in checkpoints]),
         attention_scores.format_results(labels, [attention_scores.evaluate(c, score_task, batch_size=a["batch_size"])

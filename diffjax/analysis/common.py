@@ -56,20 +56,30 @@ def load_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:
     return Checkpoint(label or Path(path).name, model, tokenizer, data)
 
 
-def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = None, batch_size: int = 8) -> list[dict]:
-    """Packed batches (tokens / segment_ids / positions [batch, seq_len]) of the held-out documents of the
-    checkpoint's data config, about `tokens` real tokens in all (fewer when the eval split is smaller)."""
-    from diffjax.data import make_eval_batches
+def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = None, batch_size: int = 8,
+                 paths: Sequence[str] = ()) -> list[dict]:
+    """Packed batches (tokens / segment_ids / positions [batch, seq_len]) of about `tokens` real tokens (fewer
+    when the documents run out): every document of `paths` (.jsonl files, else text files) or, without paths,
+    the held-out documents of the checkpoint's data config."""
+    from diffjax.data import make_eval_batches, open_documents, pack_documents
 
     seq_len = seq_len or checkpoint.data.seq_len
     if seq_len > checkpoint.model.config.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {checkpoint.model.config.max_seq_len}")
     count = max(1, -(-tokens // (seq_len * batch_size)))
-    data = dataclasses.replace(checkpoint.data, seq_len=seq_len, eval_batches=count,
-                               eval_fraction=checkpoint.data.eval_fraction or 0.02)
-    batches = make_eval_batches(data, checkpoint.tokenizer, batch_size=batch_size, shard_index=0, shard_count=1)
+    data = dataclasses.replace(checkpoint.data, seq_len=seq_len, eval_batches=count)
+    if not paths:
+        data = dataclasses.replace(data, eval_fraction=data.eval_fraction or 0.02)
+        batches = make_eval_batches(data, checkpoint.tokenizer, batch_size=batch_size, shard_index=0, shard_count=1)
+        if not batches:
+            raise ValueError(f"the data of {checkpoint.label} ({data.source}) has no held-out documents to sample tokens from")
+        return batches
+    data = dataclasses.replace(data, source="jsonl" if str(paths[0]).endswith(".jsonl") else "text", paths=tuple(paths))
+    source = open_documents(data)
+    packed = pack_documents(source, range(len(source)), checkpoint.tokenizer, data, num_bins=batch_size)
+    batches = [batch for batch, _ in zip(packed.batch(batch_size, drop_remainder=True), range(count))]
     if not batches:
-        raise ValueError(f"the data of {checkpoint.label} ({data.source}) has no held-out documents to sample tokens from")
+        raise ValueError(f"{', '.join(map(str, paths))}: fewer than {batch_size} rows of {seq_len} tokens")
     return batches
 
 

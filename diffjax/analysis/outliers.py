@@ -2,7 +2,7 @@
   - attention logits: what each softmax sees, q k^T / sqrt(d), over every layer, head and (DIFF) both maps,
     at the (query, key) pairs attention uses (causal, within a document, no padding), and
   - hidden states: every layer's output (the residual stream after the block), over real tokens,
-on a sample of held-out text from the checkpoint's data config.
+on a sample of held-out text from the checkpoint's data config (or of --text files).
 
 Top-k is the k-th largest |value|, exact. The median |value| is over all values when a batch has at most
 `median_sample` of them per layer, else over that many drawn uniformly (seeded) per layer and batch.
@@ -91,12 +91,15 @@ def main(argv=None) -> int:
     parser = common.parser(__doc__)
     parser.add_argument("--tokens", type=int, default=32768, help="held-out tokens to sample (default 32768)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: the run's data.seq_len)")
+    parser.add_argument("--text", action="append", default=[], metavar="PATH",
+                        help="text to sample (.jsonl, else text files; repeatable); default: the run's held-out documents")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--median-sample", type=int, default=1 << 16, help="values per layer and batch for the median")
     args = parser.parse_args(argv)
 
     def analyse(checkpoint):
-        batches = common.text_batches(checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
+        batches = common.text_batches(checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
+                                       paths=args.text)
         return statistics(checkpoint.model, batches, median_sample=args.median_sample)
 
     return common.run_cli(args, analyse, format_results)

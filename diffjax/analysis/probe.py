@@ -47,7 +47,7 @@ def absmax_quantize(values, bits, counted=True, *, scale_axis: int = 0):
     with no nonzero counted value is left as is. `bits` may be traced (then it is not checked here)."""
     if not isinstance(bits, jax.Array):
         check_bits(bits)
-    levels = (2.0 ** (jnp.asarray(bits, jnp.float32) - 1) - 1)
+    levels = 2.0 ** (jnp.asarray(bits, jnp.float32) - 1) - 1
     reduce_axes = tuple(axis for axis in range(values.ndim) if axis != scale_axis % values.ndim)
     absmax = jnp.max(jnp.where(counted, jnp.abs(values), 0.0), axis=reduce_axes, keepdims=True)
     scale = jnp.where(absmax > 0, absmax / levels, 1.0)

@@ -3,7 +3,7 @@ quantized by dynamic absmax quantization to 8, 6 and 4 bits (one scale per seque
 and both maps; diffjax.analysis.probe.absmax_quantize) against the unquantized model ("16 bits" in the paper).
 
 The paper's evaluation is zero-shot HellaSwag, which needs a download; these evaluations need none:
-  - next-token loss and top-1 accuracy on held-out text of the checkpoint's data config, and
+  - next-token loss and top-1 accuracy on held-out text of the checkpoint's data config (or --text files), and
   - multi-needle retrieval accuracy (diffjax.analysis.needles), averaged over the answer depths.
 
     python -m diffjax.analysis.quantization --checkpoint runs/diff --checkpoint runs/transformer --length 1024
@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bits", type=common.int_list, default=QUANTIZATION_BITS, help="bit widths (default 8,6,4)")
     parser.add_argument("--tokens", type=int, default=16384, help="held-out text tokens (default 16384)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per text row (default: the run's data.seq_len)")
+    parser.add_argument("--text", action="append", default=[], metavar="PATH",
+                        help="text to sample (.jsonl, else text files; repeatable); default: the run's held-out documents")
     parser.add_argument("--length", type=int, default=1024, help="needle context length in tokens (default 1024; 0: no needles)")
     parser.add_argument("--needles", type=int, default=4)
     parser.add_argument("--queries", type=int, default=1)
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
     task = needles.NeedleTask((args.length,), args.needles, args.queries, samples=args.samples, digits=args.digits) if args.length else None
 
     def analyse(checkpoint):
-        text = common.text_batches(checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size)
+        text = common.text_batches(checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
+                                       paths=args.text)
         return evaluate(checkpoint, text, task, bits=args.bits, batch_size=args.batch_size)
 
     return common.run_cli(args, analyse, format_results)
