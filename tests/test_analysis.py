@@ -258,3 +258,17 @@ def test_cli_prints_the_table_of_a_saved_checkpoint(models, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "flat: DIFF (2 diff heads" in out and "answer 0%" in out and "noise 100%" in out
     assert attention_scores.main(argv + ["--label", "extra"]) == 2
+
+
+def test_text_batches_from_files(tmp_path):
+    from diffjax.analysis.common import text_batches
+
+    documents = ["a" * 100, "b" * 30, "c" * 200]
+    path = tmp_path / "held_out.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    checkpoint = Checkpoint("x", _Oracle(None), TOKENIZER, DataConfig(seq_len=64))
+    batches = text_batches(checkpoint, tokens=200, batch_size=2, paths=[str(path)])
+    assert len(batches) == 2 and batches[0]["tokens"].shape == (2, 64)  # ceil(200 / 128) batches of 2 x 64
+    assert batches[0]["tokens"][0, :64].tolist() == [ord("a")] * 64  # document 0's first piece, in order
+    with pytest.raises(ValueError, match="fewer than 8 rows"):
+        text_batches(checkpoint, tokens=200, batch_size=8, seq_len=512, paths=[str(path)])
