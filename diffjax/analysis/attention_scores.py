@@ -1,0 +1,115 @@
+"""Attention to the answer span and attention noise in the retrieval task (the paper's Table 3).
+
+On the multi-needle samples of diffjax.analysis.needles, from every position that predicts an answer token
+(teacher-forced, as the accuracy is measured), sum each layer's effective map, A1 - lambda A2 for DIFF and A
+for the baseline, over
+  - the answer span: the tokens of that query's needle in the context ("The magic number for X is N."), and
+  - the noise: every other context token (filler and the other needles).
+Each row of the map is normalized by its sum first (1 - lambda for DIFF, 1 for the baseline), so the two
+models' scores are shares of the same total. Scores are averaged over heads, layers, answer positions and
+samples, per answer depth.
+
+    python -m diffjax.analysis.attention_scores --checkpoint runs/diff --checkpoint runs/transformer --length 1024
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from diffjax.analysis import common
+from diffjax.analysis.needles import DEPTHS, NeedleExample, NeedleTask, batches
+from diffjax.analysis.probe import LayerView, make_probe
+
+OTHER_CONTEXT, OUTSIDE_CONTEXT = -1, -2  # key labels besides a query's index (its needle)
+
+
+def key_labels(example: NeedleExample, length: int) -> np.ndarray:
+    """int32 [length]: r for the tokens of query r's needle, -1 for the rest of the context, -2 after it."""
+    labels = np.full(length, OUTSIDE_CONTEXT, np.int32)
+    labels[: example.context_length] = OTHER_CONTEXT
+    for query, (start, end) in enumerate(example.needle_spans):
+        labels[start:end] = query
+    return labels
+
+
+def row_labels(example: NeedleExample, length: int) -> np.ndarray:
+    """int32 [length]: r at the positions that predict query r's answer tokens, -1 elsewhere (not scored)."""
+    labels = np.full(length, -1, np.int32)
+    for query, (start, end) in enumerate(example.answer_spans):
+        labels[start - 1 : end - 1] = query
+    return labels
+
+
+def span_scores(view: LayerView, aux) -> dict:
+    """Per query row: the normalized effective map summed over its answer span and over the noise, mean over heads."""
+    effective_BHTS = view.effective_BHTS
+    row_sum_BHT1 = jnp.sum(effective_BHTS, axis=-1, keepdims=True)
+    normalized_BHTS = effective_BHTS / jnp.where(row_sum_BHT1 == 0, 1.0, row_sum_BHT1)
+    rows_BT, keys_BS = aux["rows"], aux["keys"]
+    answer_BTS = (keys_BS[:, None, :] == rows_BT[:, :, None]) & (rows_BT[:, :, None] >= 0)
+    noise_BTS = (keys_BS[:, None, :] != OUTSIDE_CONTEXT) & ~answer_BTS
+    return {
+        "answer": jnp.mean(jnp.sum(normalized_BHTS * answer_BTS[:, None], axis=-1), axis=1),
+        "noise": jnp.mean(jnp.sum(normalized_BHTS * noise_BTS[:, None], axis=-1), axis=1),
+    }
+
+
+@dataclasses.dataclass
+class ScoreResult:
+    task: NeedleTask
+    answer: dict[int, np.ndarray]  # depth -> [layers]: mean normalized attention to the answer span
+    noise: dict[int, np.ndarray]  # depth -> [layers]: mean normalized attention to the rest of the context
+
+
+def evaluate(checkpoint: common.Checkpoint, task: NeedleTask, *, batch_size: int = 8) -> ScoreResult:
+    """Table 3 for one model at task.lengths[0] (the first length only)."""
+    probe = make_probe(checkpoint.model, span_scores)
+    length = task.lengths[0]
+    examples = [example for depth in task.depths for example in task.examples(checkpoint.tokenizer, length, depth)]
+    per_depth = {depth: {"answer": [], "noise": []} for depth in task.depths}
+    for chunk, ids in batches(examples, batch_size, checkpoint.model.config.max_seq_len):
+        rows = chunk + [chunk[0]] * (len(ids) - len(chunk))
+        aux = {"rows": np.stack([row_labels(e, ids.shape[1]) for e in rows]),
+               "keys": np.stack([key_labels(e, ids.shape[1]) for e in rows])}
+        _, observed = probe(ids, aux=aux)
+        for b, example in enumerate(chunk):
+            scored = aux["rows"][b] >= 0
+            for name in ("answer", "noise"):  # [layers]: mean over this sample's scored rows
+                per_depth[example.depth][name].append([float(np.asarray(layer[name])[b, scored].mean()) for layer in observed])
+    return ScoreResult(task, *({depth: np.mean(per_depth[depth][name], axis=0) for depth in task.depths}
+                               for name in ("answer", "noise")))
+
+
+def format_results(labels: Sequence[str], results: Sequence[ScoreResult]) -> str:
+    task = results[0].task
+    header = ["model"] + [f"answer {d}%" for d in task.depths] + [f"noise {d}%" for d in task.depths]
+    rows = [[label] + [float(r.answer[d].mean()) for d in task.depths] + [float(r.noise[d].mean()) for d in task.depths]
+            for label, r in zip(labels, results)]
+    title = (f"Attention to the answer span (higher is better) and attention noise (lower is better), by answer depth; "
+             f"context {task.lengths[0]} tokens, N={task.num_needles}, R={task.num_queries}, {task.samples} samples per depth, "
+             "mean over layers and heads of the row-normalized effective map")
+    return common.table(header, rows, title=title)
+
+
+def main(argv=None) -> int:
+    parser = common.parser(__doc__)
+    parser.add_argument("--length", type=int, default=1024, help="context length in tokens (default 1024)")
+    parser.add_argument("--needles", type=int, default=4, help="N, needles per sample (default 4)")
+    parser.add_argument("--queries", type=int, default=1, help="R, query cities per sample (default 1)")
+    parser.add_argument("--depths", type=common.int_list, default=DEPTHS)
+    parser.add_argument("--samples", type=int, default=20, help="samples per depth (default 20)")
+    parser.add_argument("--digits", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=4)
+    args = parser.parse_args(argv)
+    task = NeedleTask((args.length,), args.needles, args.queries, args.depths, args.samples, args.digits, args.seed)
+    return common.run_cli(args, lambda c: evaluate(c, task, batch_size=args.batch_size), format_results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""What the analyses share: checkpoints with their tokenizer, text batches, the command line and tables."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import yaml
+
+from diffjax.data.config import DataConfig
+from diffjax.tokenizers import Tokenizer
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A model with the tokenizer and data its run used, and a label for table columns."""
+
+    label: str
+    model: object  # TransformerLM
+    tokenizer: Tokenizer
+    data: DataConfig
+
+
+def describe(model) -> str:
+    config = model.config
+    heads = f"{config.num_heads} diff heads" if config.attention == "diff" else f"{config.num_heads} heads"
+    return f"{'DIFF' if config.attention == 'diff' else 'Transformer'} ({heads}, {model.num_params() / 1e6:.2f}M params)"
+
+
+def load_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:
+    """A run directory (or checkpoint) of train.py or the converter, with the tokenizer of its config.yaml's
+    data section. A model whose config names no tokenizer must use the byte tokenizer's 257 ids."""
+    from diffjax.checkpoint import load_model, resolve_checkpoint
+    from diffjax.tokenizers import make_tokenizer
+    from diffjax.train.config import build_config
+
+    step_dir = resolve_checkpoint(path, "--checkpoint")
+    model = load_model(step_dir, what="--checkpoint")
+    values = yaml.safe_load((step_dir.parent.parent / "config.yaml").read_text()) or {}
+    data_values = values.get("data") or {}
+    data = build_config(DataConfig, data_values, prefix="data")
+    if "tokenizer" not in data_values and model.config.vocab_size != 257:
+        raise ValueError(
+            f"--checkpoint {path}: its config.yaml names no data.tokenizer and the model's vocab_size is "
+            f"{model.config.vocab_size}, not the byte tokenizer's 257: add the tokenizer it was trained with "
+            "(data: {tokenizer: {kind: sentencepiece, path: ...}}) to that config.yaml"
+        )
+    tokenizer = make_tokenizer(data.tokenizer)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"--checkpoint {path}: tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids, more than "
+                         f"the model's vocab_size {model.config.vocab_size}")
+    return Checkpoint(label or Path(path).name, model, tokenizer, data)
+
+
+def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = None, batch_size: int = 8,
+                 paths: Sequence[str] = ()) -> list[dict]:
+    """Packed batches (tokens / segment_ids / positions [batch, seq_len]) of about `tokens` real tokens (fewer
+    when the documents run out): every document of `paths` (.jsonl files, else text files) or, without paths,
+    the held-out documents of the checkpoint's data config."""
+    from diffjax.data import make_eval_batches, open_documents, pack_documents
+
+    seq_len = seq_len or checkpoint.data.seq_len
+    if seq_len > checkpoint.model.config.max_seq_len:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {checkpoint.model.config.max_seq_len}")
+    count = max(1, -(-tokens // (seq_len * batch_size)))
+    data = dataclasses.replace(checkpoint.data, seq_len=seq_len, eval_batches=count)
+    if not paths:
+        data = dataclasses.replace(data, eval_fraction=data.eval_fraction or 0.02)
+        batches = make_eval_batches(data, checkpoint.tokenizer, batch_size=batch_size, shard_index=0, shard_count=1)
+        if not batches:
+            raise ValueError(f"the data of {checkpoint.label} ({data.source}) has no held-out documents to sample tokens from")
+        return batches
+    data = dataclasses.replace(data, source="jsonl" if str(paths[0]).endswith(".jsonl") else "text", paths=tuple(paths))
+    source = open_documents(data)
+    packed = pack_documents(source, range(len(source)), checkpoint.tokenizer, data, num_bins=batch_size)
+    batches = [batch for batch, _ in zip(packed.batch(batch_size, drop_remainder=True), range(count))]
+    if not batches:
+        raise ValueError(f"{', '.join(map(str, paths))}: fewer than {batch_size} rows of {seq_len} tokens")
+    return batches
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def parser(description: str, *, checkpoint_required: bool = True) -> argparse.ArgumentParser:
+    """An argument parser with the options every analysis takes: --checkpoint (one or more) and --label."""
+    result = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    result.add_argument("--checkpoint", action="append", required=checkpoint_required, metavar="DIR",
+                        help="a run directory or checkpoint; repeat to compare models side by side")
+    result.add_argument("--label", action="append", default=[], metavar="NAME",
+                        help="a column name per --checkpoint (default: the directory's name)")
+    return result
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """'0,25,50' -> (0, 25, 50), for argparse."""
+    try:
+        return tuple(int(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callable[[Sequence[str], Sequence], str]) -> int:
+    """Load each --checkpoint, analyse it, print the table; bad input is one line on stderr and exit 2."""
+    if args.label and len(args.label) != len(args.checkpoint):
+        print(f"error: {len(args.label)} --label for {len(args.checkpoint)} --checkpoint", file=sys.stderr)
+        return 2
+    labels = args.label or [None] * len(args.checkpoint)
+    try:
+        checkpoints = [load_checkpoint(path, label) for path, label in zip(args.checkpoint, labels)]
+        results = [analyse(checkpoint) for checkpoint in checkpoints]
+    except (ValueError, FileNotFoundError, TypeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for checkpoint in checkpoints:
+        print(f"{checkpoint.label}: {describe(checkpoint.model)}")
+    print(format_table([c.label for c in checkpoints], results))
+    return 0
+
+
+# --- tables ---------------------------------------------------------------------------------
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence], *, title: str = "") -> str:
+    """A plain-text table: the first column left-aligned, numbers right-aligned (floats with 3 decimals
+    when < 10, else 1)."""
+    def cell(value):
+        if isinstance(value, (float, np.floating)):
+            return "n/a" if not np.isfinite(value) else f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+        return str(value)
+
+    cells = [[cell(value) for value in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = [title] if title else []
+    for number, row in enumerate(cells):
+        lines.append("  ".join(text.ljust(widths[0]) if i == 0 else text.rjust(widths[i]) for i, text in enumerate(row)))
+        if number == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""The model's forward pass with every layer's attention open to inspection, and optionally its attention
+logits quantized.
+
+The attention layers never materialise their score matrices (the fused kernels cannot), so this module
+recomputes each layer's attention from the layer's own projections, as `attention_maps` does, and runs
+the rest of the block through the block's own modules: the output equals `model(tokens)` (tested in
+float32), and the logits, maps and hidden states on the way are handed to an `observe` function that
+reduces them inside the same jitted program (so a [B, H, T, S] map never leaves the device).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from diffjax import ops
+from diffjax.model import DiffAttention, StandardAttention
+from diffjax.model.layers import rms_normalize
+from diffjax.model.rope import apply_rope, inv_frequencies, rope_tables
+
+QUANTIZATION_BITS = (8, 6, 4)  # the paper's Figure 8 (16 bits: unquantized)
+
+
+class LayerView(NamedTuple):
+    """What one layer computed on a batch (float32 unless said otherwise)."""
+
+    depth: int
+    logits_MBHTS: jax.Array  # what each softmax sees, q k^T / sqrt(d) (quantized when asked); M = 2 maps for DIFF
+    effective_BHTS: jax.Array  # the map applied to v: A1 - lambda A2 for DIFF, A for the baseline
+    counted_BTS: jax.Array  # bool: key s is visible to query t and t is a real token (not padding)
+    hidden_BTD: jax.Array  # the block's output (the residual stream after the layer), in the compute dtype
+    real_BT: jax.Array  # bool: not padding (segment id != 0, or everything without segment ids)
+
+
+def check_bits(bits) -> None:
+    if not (isinstance(bits, int) and not isinstance(bits, bool) and 2 <= bits <= 16):
+        raise ValueError(f"quantization bits must be an integer in [2, 16], got {bits!r}")
+
+
+def absmax_quantize(values, bits, counted=True, *, scale_axis: int = 0):
+    """Dynamic absmax quantization (the paper's Figure 8): values -> round(values / scale) * scale with
+    scale = max |values| / (2^(bits-1) - 1), one scale per index of `scale_axis` (per sequence), taken over
+    the `counted` entries only (masked logits are not data; `counted` broadcasts against values). A slice
+    with no nonzero counted value is left as is. `bits` may be traced (then it is not checked here)."""
+    if not isinstance(bits, jax.Array):
+        check_bits(bits)
+    levels = 2.0 ** (jnp.asarray(bits, jnp.float32) - 1) - 1
+    reduce_axes = tuple(axis for axis in range(values.ndim) if axis != scale_axis % values.ndim)
+    absmax = jnp.max(jnp.where(counted, jnp.abs(values), 0.0), axis=reduce_axes, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / levels, 1.0)
+    return jnp.round(values / scale) * scale
+
+
+def _softmax(s_MBHTS, allowed_BTS):
+    """Row softmax over the allowed keys in float32; rows with no allowed key are 0 (as the ops do)."""
+    allowed = allowed_BTS[None, :, None]
+    p = jax.nn.softmax(jnp.where(allowed, s_MBHTS, jnp.finfo(jnp.float32).min), axis=-1)
+    return jnp.where(jnp.any(allowed, axis=-1, keepdims=True), p, 0.0)
+
+
+def _quantized_logits(s_MBHTS, counted_BTS, bits):
+    """One scale per sequence, over all heads and (DIFF) both maps of the layer; bits 0: unquantized."""
+    return jnp.where(bits > 0, absmax_quantize(s_MBHTS, jnp.maximum(bits, 2), counted_BTS[None, :, None], scale_axis=1), s_MBHTS)
+
+
+def _maps_times_v(p_MBHTS, v_BSHv):
+    """Each map's P V as the XLA reference computes it: P rounded to v's dtype, float32 accumulation."""
+    o_MBTHv = jnp.einsum("mbhts,bshv->mbthv", p_MBHTS.astype(v_BSHv.dtype), v_BSHv, preferred_element_type=jnp.float32)
+    return o_MBTHv.astype(v_BSHv.dtype)
+
+
+def _diff_attention(attn: DiffAttention, x_BTD, cos_sin, allowed_BTS, counted_BTS, constants, bits):
+    """DiffAttention.__call__ with the maps made explicit: (logits, effective map, output)."""
+    config, dtype, (cos, sin) = attn.config, x_BTD.dtype, cos_sin
+    n_rep, d = config.num_heads // config.num_kv_heads, config.head_dim
+    q_BTH2d = apply_rope(jnp.einsum("btD,DhGd->bthGd", x_BTD, attn.q_kernel[...].astype(dtype)), cos, sin, config.rope_style)
+    k_BSK2d = apply_rope(jnp.einsum("bsD,DkGd->bskGd", x_BTD, attn.k_kernel[...].astype(dtype)), cos, sin, config.rope_style)
+    v_BSHv = jnp.repeat(jnp.einsum("bsD,Dkv->bskv", x_BTD, attn.v_kernel[...].astype(dtype)), n_rep, axis=2)
+    s_MBHTS = jnp.einsum("bthmd,bshmd->mbhts", q_BTH2d, jnp.repeat(k_BSK2d, n_rep, axis=2),
+                         preferred_element_type=jnp.float32) * jnp.float32(d**-0.5)
+    s_MBHTS = _quantized_logits(s_MBHTS, counted_BTS, bits)
+    p_MBHTS = _softmax(s_MBHTS, allowed_BTS)
+    lam = attn.lambda_full(dtype, constants["lambda_init"])
+    o_MBTHv = _maps_times_v(p_MBHTS, v_BSHv)
+    o_BTHv = o_MBTHv[0] - lam.astype(v_BSHv.dtype) * o_MBTHv[1]
+    # The rest is DiffAttention.__call__'s: per-head RMSNorm, subln scale, (1 - lambda_init), out projection.
+    o_BTHv = rms_normalize(o_BTHv, config.norm_eps) * attn.subln_scale[...].astype(dtype)
+    o_BTHv = (o_BTHv.astype(jnp.float32) * constants["out_scale"]).astype(dtype)
+    out_BTD = jnp.einsum("bthv,hvD->btD", o_BTHv, attn.o_kernel[...].astype(dtype))
+    return s_MBHTS, p_MBHTS[0] - lam.astype(jnp.float32) * p_MBHTS[1], out_BTD
+
+
+def _standard_attention(attn: StandardAttention, x_BTD, cos_sin, allowed_BTS, counted_BTS, constants, bits):
+    """StandardAttention.__call__ with the map made explicit: (logits [1, B, N, T, S], map, output)."""
+    config, dtype, (cos, sin) = attn.config, x_BTD.dtype, cos_sin
+    n_rep, d = config.num_heads // config.num_kv_heads, config.head_dim
+    q_BTNd = apply_rope(jnp.einsum("btD,Dnd->btnd", x_BTD, attn.q_kernel[...].astype(dtype)), cos, sin, config.rope_style)
+    k_BSKd = apply_rope(jnp.einsum("bsD,Dkd->bskd", x_BTD, attn.k_kernel[...].astype(dtype)), cos, sin, config.rope_style)
+    v_BSNd = jnp.repeat(jnp.einsum("bsD,Dkd->bskd", x_BTD, attn.v_kernel[...].astype(dtype)), n_rep, axis=2)
+    s_MBNTS = jnp.einsum("btnd,bsnd->bnts", q_BTNd, jnp.repeat(k_BSKd, n_rep, axis=2),
+                         preferred_element_type=jnp.float32)[None] * jnp.float32(d**-0.5)
+    s_MBNTS = _quantized_logits(s_MBNTS, counted_BTS, bits)
+    p_MBNTS = _softmax(s_MBNTS, allowed_BTS)
+    o_BTNd = _maps_times_v(p_MBNTS, v_BSNd)[0]
+    return s_MBNTS, p_MBNTS[0], jnp.einsum("btnd,ndD->btD", o_BTNd, attn.o_kernel[...].astype(dtype))
+
+
+_ATTENTIONS = {DiffAttention: _diff_attention, StandardAttention: _standard_attention}
+
+
+def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
+    """A jitted `probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None, *, logit_bits=None) ->
+    (logits_BTV, observed)` for `model` (a TransformerLM), where observed[i] = observe(LayerView of layer i,
+    aux) (a pytree of arrays; keep it small: it is what comes back from the device). logit_bits: quantize
+    every layer's attention logits by `absmax_quantize` before the softmax (None: unquantized); an argument
+    of the compiled program, so every bit width runs the same one."""
+    graphdef, state = nnx.split(model)
+    config = model.config
+    attention = _ATTENTIONS.get(type(model.blocks.attn))
+    if attention is None:
+        raise TypeError(f"the analyses know DiffAttention and StandardAttention, not {type(model.blocks.attn).__name__}")
+    observe = observe or (lambda view, aux: None)
+
+    @jax.jit
+    def run(state, tokens_BT, positions_BT, segment_ids_BT, aux, logit_bits):
+        model = nnx.merge(graphdef, state)
+        B, T = tokens_BT.shape
+        dtype = jnp.dtype(config.dtype)
+        graph, params = nnx.split(model.blocks)
+        allowed_BTS = ops.attention_mask(T, T, causal=True, segment_ids=segment_ids_BT)
+        allowed_BTS = jnp.broadcast_to(allowed_BTS, (B, T, T))
+        real_BT = jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0
+        counted_BTS = allowed_BTS & real_BT[:, :, None]
+        cos_sin = rope_tables(positions_BT, inv_frequencies(config), dtype)
+        constants = model.depth_constants(dtype)
+        x_BTD = model.embed(tokens_BT, dtype)
+        observed = []
+        for depth in range(config.num_layers):
+            block = nnx.merge(graph, jax.tree.map(lambda x: x[depth], params))
+            layer_constants = jax.tree.map(lambda x: x[depth], constants)
+            s, effective, attn_out = attention(block.attn, block.attn_norm(x_BTD), cos_sin, allowed_BTS, counted_BTS,
+                                               layer_constants, logit_bits)
+            h_BTD = x_BTD + attn_out
+            x_BTD = h_BTD + block.mlp(block.mlp_norm(h_BTD))
+            observed.append(observe(LayerView(depth, s, effective, counted_BTS, x_BTD, real_BT), aux))
+        x_BTD = model.final_norm(x_BTD)
+        if config.tie_embeddings:
+            logits = model.embed.attend(x_BTD)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x_BTD, model.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
+        return logits, observed
+
+    def probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None, *, logit_bits=None):
+        if logit_bits is not None:
+            check_bits(logit_bits)
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        if tokens_BT.ndim != 2:
+            raise ValueError(f"tokens must have shape [batch, length], got {tokens_BT.shape}")
+        if tokens_BT.shape[1] > config.max_seq_len:
+            raise ValueError(f"sequence length {tokens_BT.shape[1]} exceeds the model's max_seq_len {config.max_seq_len}")
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+        return run(state, tokens_BT, positions_BT, segment_ids_BT, aux, jnp.int32(logit_bits or 0))
+
+    return probe
