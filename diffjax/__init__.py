@@ -7,7 +7,7 @@ convert -> data, tokenizers -> train. `import diffjax` loads the first four (and
 
 from diffjax.config import ModelConfig, lambda_init_for_depth
 from diffjax.losses import next_token_loss
-from diffjax.model import DiffAttention, StandardAttention, TransformerLM
+from diffjax.model import DiffAttention, DiffAttentionV2, SharedDiffAttention, StandardAttention, TransformerLM
 from diffjax.ops import diff_attention, dot_product_attention
 
 _CONVERTER_NAMES = ("load_hf", "save_hf")
@@ -23,7 +23,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "DiffAttention",
+    "DiffAttentionV2",
     "ModelConfig",
+    "SharedDiffAttention",
     "StandardAttention",
     "TransformerLM",
     "diff_attention",

@@ -104,7 +104,11 @@ class DiffAttention(nnx.Module):
             q_BTH2d, k_BSK2d, v_BSKv, self.lambda_full(dtype, constants["lambda_init"]),
             causal=True, segment_ids=segment_ids, impl=self.config.attention_impl,
         )
-        # Per-head RMSNorm over 2d (one scale shared by all heads), then the fixed (1 - lambda_init).
+        return self.output(o_BTHv, constants)
+
+    def output(self, o_BTHv, constants):
+        """Per-head RMSNorm over 2d (one scale shared by all heads), the fixed (1 - lambda_init), out projection."""
+        dtype = o_BTHv.dtype
         o_BTHv = rms_normalize(o_BTHv, self.config.norm_eps) * self.subln_scale[...].astype(dtype)
         # PyTorch multiplies a bf16 tensor by a Python float in float32 without rounding the scalar to
         # bf16 first (one rounding at the end); rounding (1 - lambda_init) to bf16 would bias every output
