@@ -152,3 +152,12 @@ def test_variant_trains_resumes_and_samples(attention, tmp_path):
     train_records = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train_records] == [1, 2, 3]
     assert ("lambda/layer_0" in train_records[-1]) == (attention == "shared_diff")
+
+
+def test_variants_are_refused_by_the_hf_export():
+    from diffjax.convert.common import ConversionError
+    from diffjax.convert.export import check_exportable
+
+    for config in MODELS.values():
+        with pytest.raises(ConversionError, match=f"attention={config.attention!r}: Hugging Face has DiffLlama"):
+            check_exportable(config)
