@@ -10,7 +10,6 @@ import json
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -24,7 +23,7 @@ from diffjax.sharding import param_shardings  # noqa: E402
 from diffjax.train import train  # noqa: E402
 from diffjax.train.mesh import ParallelConfig, make_mesh  # noqa: E402
 from test_trainer import _config  # noqa: E402
-from test_unilm_attention import B, T, THETA, apply_rotary_interleaved, diffjax_forward, make_input, max_abs, unilm_rope_tables  # noqa: E402
+from test_unilm_attention import THETA, apply_rotary_interleaved, diffjax_forward, make_input, max_abs, unilm_rope_tables  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # Shared DIFF: the paper's equations written out per head with explicit (D, d) matrices
