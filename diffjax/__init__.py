@@ -9,7 +9,7 @@ generates with a KV cache (the module diffjax.generate, callable).
 from diffjax import generate
 from diffjax.config import ModelConfig, lambda_init_for_depth
 from diffjax.losses import next_token_loss
-from diffjax.model import DiffAttention, StandardAttention, TransformerLM
+from diffjax.model import DiffAttention, DiffAttentionV2, SharedDiffAttention, StandardAttention, TransformerLM
 from diffjax.ops import diff_attention, dot_product_attention
 
 _CONVERTER_NAMES = ("load_hf", "save_hf")
@@ -25,7 +25,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "DiffAttention",
+    "DiffAttentionV2",
     "ModelConfig",
+    "SharedDiffAttention",
     "StandardAttention",
     "TransformerLM",
     "diff_attention",

@@ -1,7 +1,14 @@
-"""Model configuration: one dataclass for the Differential Transformer and its baseline twin.
+"""Model configuration: one dataclass for the Differential Transformer, its variants and the baseline twin.
 
-`num_heads` counts *differential* heads when `attention == "diff"` (as in the paper: half the
-baseline's heads), and ordinary heads when `attention == "standard"`.
+`attention` picks the attention module:
+  "diff"         differential attention V1 (unilm `multihead_flashdiff_1`): `num_heads` = H differential heads
+                 (half the baseline's), each with q1, q2, k1, k2 of `head_dim` d = d_model / 2H and values of 2d
+  "standard"     the MHA / GQA baseline: `num_heads` ordinary heads of d = d_model / num_heads
+  "diff_v2"      Differential Transformer V2 (unilm `multihead_flashdiffv2`): `num_heads` = h output heads of
+                 d = d_model / h, 2h query heads paired (2j, 2j+1), k and v with num_kv_heads heads of d,
+                 per-token lambda = sigmoid(x W_lambda); no per-head norm, no lambda_init
+  "shared_diff"  Shared DIFF Transformer (arXiv:2501.17900): V1 whose two maps' q (and k) projections are one
+                 shared base plus a low-rank update each, rank `shared_diff_rank` (diffjax/model/shared_diff.py)
 """
 
 from __future__ import annotations
@@ -10,7 +17,8 @@ import dataclasses
 import math
 from typing import Any
 
-ATTENTION_KINDS = ("diff", "standard")
+ATTENTION_KINDS = ("diff", "standard", "diff_v2", "shared_diff")
+DIFF_V1_KINDS = ("diff", "shared_diff")  # the V1 operator: scalar lambda per layer, lambda_init, per-head norm
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 ROPE_STYLES = ("interleaved", "rotate_half")
 ROPE_TYPES = ("default", "llama3")
@@ -33,9 +41,9 @@ class ModelConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int | None = None  # None: num_heads (no GQA)
-    head_dim: int | None = None  # None: d_model / (2 num_heads) for diff, d_model / num_heads for standard
+    head_dim: int | None = None  # None: d_model / (2 num_heads) for diff and shared_diff, d_model / num_heads otherwise
     mlp_dim: int | None = None  # None: 8/3 d_model rounded to a multiple of MLP_MULTIPLE
-    attention: str = "diff"  # "diff" (differential attention V1) or "standard" (MHA / GQA baseline)
+    attention: str = "diff"  # one of ATTENTION_KINDS (module docstring)
     activation: str = "silu"  # gate activation of the gated MLP (SwiGLU with silu)
     norm_eps: float = 1e-5  # block RMSNorms and the per-head subln
     tie_embeddings: bool = False
@@ -51,6 +59,8 @@ class ModelConfig:
     # Differential attention.
     lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 depth); a float: the same for every layer
     lambda_std: float = 0.1  # init std of lambda_q1, lambda_k1, lambda_q2, lambda_k2
+    # Shared DIFF: rank r of the low-rank q / k updates; None: d_model // 16 (the paper's 830M and 1.4B ranks).
+    shared_diff_rank: int | None = None
     # Numerics and init.
     dtype: str = "float32"  # compute dtype of activations
     param_dtype: str = "float32"
@@ -78,13 +88,17 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):
             value = getattr(self, name)
             check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_kv_heads", "head_dim", "mlp_dim"):
+        for name in ("num_kv_heads", "head_dim", "mlp_dim", "shared_diff_rank"):
             value = getattr(self, name)
             check(
                 value is None or (isinstance(value, int) and value > 0),
                 f"{name} must be a positive integer or None, got {value!r}",
             )
         check(self.attention in ATTENTION_KINDS, f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        check(
+            self.shared_diff_rank is None or self.attention == "shared_diff",
+            f"shared_diff_rank is only used by attention 'shared_diff', got {self.shared_diff_rank!r} with attention {self.attention!r}",
+        )
         check(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         check(self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}")
         check(self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
@@ -117,11 +131,13 @@ class ModelConfig:
             raise ValueError("invalid ModelConfig: " + "; ".join(errors))
 
         # Resolve the derived sizes so that every field is concrete after construction.
-        object.__setattr__(self, "derived", tuple(n for n in ("num_kv_heads", "head_dim", "mlp_dim") if getattr(self, n) is None))
-        heads_per_width = 2 * self.num_heads if self.attention == "diff" else self.num_heads
+        derivable = ("num_kv_heads", "head_dim", "mlp_dim") + (("shared_diff_rank",) if self.attention == "shared_diff" else ())
+        object.__setattr__(self, "derived", tuple(n for n in derivable if getattr(self, n) is None))
+        two_maps_wide = self.attention in DIFF_V1_KINDS  # values 2d wide: d = d_model / 2H
+        heads_per_width = 2 * self.num_heads if two_maps_wide else self.num_heads
         if self.head_dim is None:
             if self.d_model % heads_per_width:
-                what = "2 * num_heads" if self.attention == "diff" else "num_heads"
+                what = "2 * num_heads" if two_maps_wide else "num_heads"
                 raise ValueError(
                     f"invalid ModelConfig: d_model ({self.d_model}) must be divisible by {what} "
                     f"({heads_per_width}) when head_dim is not given; set head_dim explicitly or change num_heads"
@@ -130,15 +146,19 @@ class ModelConfig:
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.num_heads % self.num_kv_heads:
+            why = (" (diff_v2 pairs query heads 2j and 2j+1 of one kv group: unilm V2 needs num_heads % num_kv_heads == 0)"
+                   if self.attention == "diff_v2" else "")
             raise ValueError(
                 f"invalid ModelConfig: num_heads ({self.num_heads}) must be divisible by "
-                f"num_kv_heads ({self.num_kv_heads})"
+                f"num_kv_heads ({self.num_kv_heads}){why}"
             )
         if self.head_dim % 2:
             raise ValueError(f"invalid ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
         if self.mlp_dim is None:
             multiple = MLP_MULTIPLE
             object.__setattr__(self, "mlp_dim", max(multiple, round(8 * self.d_model / 3 / multiple) * multiple))
+        if self.attention == "shared_diff" and self.shared_diff_rank is None:
+            object.__setattr__(self, "shared_diff_rank", max(1, self.d_model // 16))
 
     # ----------------------------------------------------------------------------------------
 
@@ -173,6 +193,15 @@ class ModelConfig:
         if self.attention == "diff":
             # q (D,H,2,d), k (D,K,2,d), v (D,K,2d), o (H,2d,D), four lambda vectors, subln (2d,)
             attention = D * H * 2 * d + 2 * D * K * 2 * d + H * 2 * d * D + 4 * d + 2 * d
+        elif self.attention == "shared_diff":
+            # bases q (D,H,d), k (D,K,d); per map a (D,r) and an (r, heads, d) factor for q and for k
+            # (diffjax/model/shared_diff.py); then v, o, lambda vectors and subln as for diff
+            r = self.shared_diff_rank
+            low_rank = 4 * D * r + 2 * r * (H + K) * d
+            attention = D * (H + K) * d + low_rank + D * K * 2 * d + H * 2 * d * D + 4 * d + 2 * d
+        elif self.attention == "diff_v2":
+            # q (D,H,2,d), k (D,K,d), v (D,K,d), o (H,d,D), lambda projection (D,H)
+            attention = D * H * 2 * d + 2 * D * K * d + H * d * D + D * H
         else:
             attention = 2 * D * H * d + 2 * D * K * d
         per_layer = attention + 3 * D * F + 2 * D

@@ -24,7 +24,8 @@ TOKENIZER = ByteTokenizer()
 # GQA (query heads over half as many kv heads), so the kv-head repeat is exercised.
 TINY = ModelConfig(vocab_size=257, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, max_seq_len=512,
                    attention_impl="xla", init_std=0.2, lambda_std=0.3)
-TWINS = {"diff": TINY, "standard": TINY.replace(attention="standard", num_heads=4, num_kv_heads=2)}
+TWINS = {"diff": TINY, "standard": TINY.replace(attention="standard", num_heads=4, num_kv_heads=2),
+         "shared_diff": TINY.replace(attention="shared_diff")}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def _packed_batch():
     return tokens, positions, segment_ids
 
 
-@pytest.mark.parametrize("kind", ["diff", "standard"])
+@pytest.mark.parametrize("kind", ["diff", "standard", "shared_diff"])
 def test_probe_forward_equals_the_model_and_its_maps_equal_attention_maps(kind, models, measured):
     model, config = models[kind], TWINS[kind]
     tokens, positions, segment_ids = _packed_batch()
@@ -56,15 +57,15 @@ def test_probe_forward_equals_the_model_and_its_maps_equal_attention_maps(kind, 
     layer = model.layer(0)
     x = layer.attn_norm(model.embed(tokens, jnp.float32))
     maps = layer.attn.attention_maps(x, rope_tables(positions, inv_frequencies(config), jnp.float32), segment_ids)
-    maps = maps if kind == "diff" else (maps,)
+    maps = (maps,) if kind == "standard" else maps
     scores_MBHTS, effective_BHTS = observed[0]
     allowed = np.asarray(segment_ids)[:, None, :, None] == np.asarray(segment_ids)[:, None, None, :]
     for m, a in enumerate(maps):  # the probe's logits give the layer's maps through a masked softmax
         s = np.where(allowed & np.tril(np.ones((12, 12), bool)), np.asarray(scores_MBHTS[m]), -np.inf)
         np.testing.assert_allclose(np.exp(s - s.max(-1, keepdims=True)) / np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True),
                                    a, atol=1e-6)
-    lam = float(model.layer_lambdas()[0]) if kind == "diff" else 0.0
-    np.testing.assert_allclose(effective_BHTS, maps[0] - lam * maps[-1] if kind == "diff" else maps[0], atol=1e-6)
+    lam = 0.0 if kind == "standard" else float(model.layer_lambdas()[0])
+    np.testing.assert_allclose(effective_BHTS, maps[0] if kind == "standard" else maps[0] - lam * maps[-1], atol=1e-6)
 
 
 def test_absmax_quantization_levels():

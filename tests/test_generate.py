@@ -30,6 +30,9 @@ CASES = {
     "diff_gqa_rotate_half_llama3_scanned": ModelConfig(**{**TINY, "d_model": 64, "num_heads": 4}, num_kv_heads=2,
                                                        rope_style="rotate_half", scan_layers=True, **LLAMA3),
     "standard_mha_interleaved": ModelConfig(**{**TINY, "num_heads": 4}, attention="standard"),
+    # The variants: V2's keys shared by each pair (G = 1) and per-token lambda; Shared DIFF's low-rank q / k.
+    "diff_v2_gqa": ModelConfig(**{**TINY, "num_heads": 4}, attention="diff_v2", num_kv_heads=2),
+    "shared_diff": ModelConfig(**TINY, attention="shared_diff"),
 }
 PROMPT_LENGTHS = [5, 2, 7]
 STEPS = 6

@@ -28,6 +28,7 @@ TINY = dict(vocab_size=50, d_model=32, num_layers=2, num_heads=2)
         (dict(rope_type="yarn"), "rope_type must be one of"),
         (dict(rope_type="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0), "rope_low_freq_factor < rope_high_freq_factor"),
         (dict(head_dim=7), "head_dim must be even"),
+        (dict(shared_diff_rank=4), "shared_diff_rank is only used by attention 'shared_diff', got 4 with attention 'diff'"),
         (dict(attention_impl="pallas_gpu", attention="standard"), "attention_impl 'pallas_gpu' (the fused Mosaic GPU kernels) needs dtype bfloat16 or float16"),
     ],
 )
@@ -46,6 +47,11 @@ def test_config_derives_sizes_and_rederives_on_replace():
     assert (config.head_dim, config.num_kv_heads) == (64, 8)  # d = D / (2H): unilm's example
     baseline = config.replace(attention="standard", num_heads=16)
     assert (baseline.head_dim, baseline.num_kv_heads) == (64, 16)
+    v2 = config.replace(attention="diff_v2", num_heads=16)  # V2's heads are the baseline's: d = D / h
+    assert (v2.head_dim, v2.num_kv_heads) == (64, 16)
+    shared = config.replace(attention="shared_diff")  # d = D / 2H as DIFF; rank d_model / 16 unless given
+    assert (shared.head_dim, shared.shared_diff_rank) == (64, 64)
+    assert shared.replace(attention="diff").shared_diff_rank is None  # a derived rank is dropped with the kind
     explicit = ModelConfig(vocab_size=100, d_model=1000, num_layers=1, num_heads=7, head_dim=128)
     assert explicit.head_dim == 128  # explicit head_dim lifts the divisibility rule (Shared DIFF shapes)
     assert ModelConfig.from_dict(config.to_dict()) == config
@@ -82,7 +88,8 @@ def test_param_count_matches_paper_table_9(size, measured):
 
 @pytest.mark.parametrize(
     "fields",
-    [dict(), dict(num_kv_heads=1), dict(tie_embeddings=True), dict(attention="standard", num_kv_heads=1), dict(mlp_dim=40)],
+    [dict(), dict(num_kv_heads=1), dict(tie_embeddings=True), dict(attention="standard", num_kv_heads=1), dict(mlp_dim=40),
+     dict(attention="diff_v2", num_heads=4, num_kv_heads=2), dict(attention="shared_diff", num_kv_heads=1, shared_diff_rank=3)],
 )
 def test_param_count_equals_the_arrays(fields):
     config = ModelConfig(**{**TINY, **fields})

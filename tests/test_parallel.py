@@ -227,22 +227,24 @@ def test_a_vocabulary_the_tensor_axis_does_not_divide_stays_whole():
     assert any(note.startswith("embed.embedding (vocab = 257") for note in parallel.unsharded_dims(abstract, mesh))
 
 
-@pytest.mark.parametrize("op", ["diff", "standard"])
+@pytest.mark.parametrize("op", ["diff", "diff_v2", "standard"])
 def test_pallas_kernels_run_per_device_under_a_mesh(op, measured):
     """Pallas calls cannot be partitioned by XLA: on a mesh they run inside shard_map over batch and heads
-    (interpret mode here) and give the unsharded XLA reference's values and gradients."""
+    (interpret mode here) and give the unsharded XLA reference's values and gradients. diff_v2: V2's call,
+    shared keys (G = 1), dv = d and a per-token lambda [B, T, H] split like the heads."""
     from diffjax import ops
 
     rng = np.random.default_rng(0)
     B, T, H, K, d = 4, 64, 4, 2, 16
-    q = rng.normal(size=(B, T, H, 2, d) if op == "diff" else (B, T, H, d)).astype(np.float32)
-    k = rng.normal(size=(B, T, K, 2, d) if op == "diff" else (B, T, K, d)).astype(np.float32)
-    v = rng.normal(size=(B, T, K, 2 * d if op == "diff" else d)).astype(np.float32)
+    G, dv = {"diff": (2, 2 * d), "diff_v2": (1, d), "standard": (None, d)}[op]
+    q = rng.normal(size=(B, T, H, d) if G is None else (B, T, H, 2, d)).astype(np.float32)
+    k = rng.normal(size=(B, T, K, d) if G is None else (B, T, K, G, d)).astype(np.float32)
+    v = rng.normal(size=(B, T, K, dv)).astype(np.float32)
     segment_ids = np.where(np.arange(T) < 40, 1, 2)[None].repeat(B, 0).astype(np.int32)
-    lam = np.float32(0.3)
+    lam = rng.uniform(size=(B, T, H)).astype(np.float32) if op == "diff_v2" else np.float32(0.3)
 
     def loss(impl, q, k, v, lam):
-        if op == "diff":
+        if G is not None:
             o = ops.diff_attention(q, k, v, lam, segment_ids=segment_ids, impl=impl, block_sizes=(32, 32))
         else:
             o = ops.dot_product_attention(q, k, v, segment_ids=segment_ids, impl=impl, block_sizes=(32, 32)) * lam

@@ -107,6 +107,30 @@ def test_paper_scaling_configs(name, d_model, layers, heads, lr, size):
     assert diff.train.run_dir != base.train.run_dir
 
 
+# Shared DIFF, Table 3 (hidden, layers, heads, rank) and Table 1 (3B); head_dim: our choice (configs' comments).
+SHARED_DIFF_ROWS = {"830m": (1536, 24, 8, 96, 96), "1.4b": (2048, 24, 10, 128, 96), "2.8b": (2880, 32, 14, 256, 96),
+                    "6.8b": (4096, 35, 20, 320, 96), "13.1b": (5120, 44, 30, 448, 80), "3b": (2880, 30, 14, 256, 96)}
+
+
+def test_variant_paper_configs(measured):
+    for name, (d_model, layers, heads, rank, head_dim) in SHARED_DIFF_ROWS.items():
+        config = load_run_config(PAPER / f"shared-diff-{name}.yaml")
+        m = config.model
+        assert (m.attention, m.d_model, m.num_layers, m.num_heads, m.shared_diff_rank, m.head_dim) == (
+            "shared_diff", d_model, layers, heads, rank, head_dim)
+        twin = load_run_config(PAPER / f"diff-{'3b' if name == '3b' else name}.yaml")
+        assert (config.optim, config.data.seq_len, config.train.steps) == (twin.optim, twin.data.seq_len, twin.train.steps)
+        measured(f"shared-diff-{name}: params (one embedding) / 1e9", m.param_count(include_lm_head=False) / 1e9)
+    assert load_run_config(PAPER / "shared-diff-3b.yaml").model.mlp_dim == 7680
+    for name in ("830m", "1.4b"):
+        v2, diff = load_run_config(PAPER / f"diff-v2-{name}.yaml"), load_run_config(PAPER / f"diff-{name}.yaml")
+        assert (v2.model.attention, v2.model.num_heads, v2.model.head_dim) == ("diff_v2", 2 * diff.model.num_heads, diff.model.head_dim)
+        D, L, h = diff.model.d_model, diff.model.num_layers, v2.model.num_heads
+        # V2 = DIFF's parameters + a second query half (D^2) and lambda_proj (D h) per layer, less V1's vectors.
+        assert v2.model.param_count() - diff.model.param_count() == L * (D * D + D * h - 6 * diff.model.head_dim)
+        assert v2.optim == diff.optim and v2.train.run_dir != diff.train.run_dir
+
+
 def test_paper_3b_and_64k_configs():
     diff = load_run_config(PAPER / "diff-3b.yaml")
     m, o = diff.model, diff.optim
@@ -135,11 +159,11 @@ def test_batch_tokens_resolve_to_devices_and_accumulation():
         plan_batch(128, batch_shards=8, micro_batch_per_device=5)
 
 
-@pytest.mark.parametrize("attention", ["diff", "standard"])
+@pytest.mark.parametrize("attention", ["diff", "standard", "diff_v2", "shared_diff"])
 def test_analytic_flops_match_xla_cost_analysis(attention, measured):
     """Forward FLOPs of the analytic convention (with the full T x T square, which is what the XLA
     reference computes) against XLA's own count of the compiled forward pass."""
-    heads = 2 if attention == "diff" else 4  # head_dim 64: matmuls dominate as in real models
+    heads = 2 if attention in ("diff", "shared_diff") else 4  # head_dim 64: matmuls dominate as in real models
     config = ModelConfig(vocab_size=512, d_model=256, num_layers=2, num_heads=heads, attention=attention, max_seq_len=256)
     model = TransformerLM(config, rngs=nnx.Rngs(0))
     B, T = 2, 256

@@ -44,6 +44,10 @@ _DERIVED_FIELDS = {
 def check_exportable(config: ModelConfig) -> None:
     """Raise ConversionError naming each setting of `config` that HF DiffLlama / Llama cannot express."""
     problems = []
+    if config.attention not in ("diff", "standard"):
+        problems.append(
+            f"attention={config.attention!r}: Hugging Face has DiffLlama (attention 'diff') and Llama ('standard') only"
+        )
     if config.attention == "diff" and config.lambda_init is not None:
         schedule = [lambda_init_for_depth(i) for i in range(config.num_layers)]
         if any(abs(config.lambda_init - value) > 1e-12 for value in schedule):

@@ -35,6 +35,18 @@ def _softmax_maps(q_BTNd, k_BSNd, segment_ids):
     return jnp.where(jnp.any(mask_B1TS, axis=-1, keepdims=True), p_BNTS, 0.0)
 
 
+def attend(op, q, k, v, *op_args, segment_ids, impl, cache=None):
+    """`op(q, k, v, *op_args)` causal, on an attention module's projected (and rotated) q, k, v: what every
+    attention kind shares. Returns (output, cache): with a KVCache (generation), k and v are stored and the
+    op attends over the cache (kv_cache.py). q, k, v and the output carry the names remat="attention" keeps.
+    """
+    q, k, v = (checkpoint_name(x, "attention_qkv") for x in (q, k, v))
+    kwargs = dict(causal=True, segment_ids=segment_ids, impl=impl)
+    if cache is not None:
+        cache, k, v, kwargs = cache.update(k, v, kwargs)
+    return checkpoint_name(op(q, k, v, *op_args, **kwargs), "attention_out"), cache
+
+
 def depth_constants(lambda_inits, dtype) -> dict:
     """The depth-dependent constants of differential attention, as arrays (scalars for one layer, [L] for a
     stack): lambda_init in the activation dtype and the output scale (1 - lambda_init) in float32, each
@@ -81,46 +93,45 @@ class DiffAttention(nnx.Module):
         lambda_init = self.layer_constants(dtype)["lambda_init"] if lambda_init is None else lambda_init
         return lambda_1 - lambda_2 + lambda_init
 
-    def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None):
-        """The two softmax maps (A1, A2) this layer computes on its (normalized) input x, each float32
-        [B, H, T, S] (GQA's kv heads repeated per query head): the attention output, before the per-head
-        RMSNorm, is (A1 - lambda_full A2) @ v. For plots and analysis; the layer never materialises them.
-        """
-        dtype, (cos, sin), H, K = x_BTD.dtype, rope_cos_sin, self.config.num_heads, self.config.num_kv_heads
-        q_BTH2d = jnp.einsum("btD,DhGd->bthGd", x_BTD, self.q_kernel[...].astype(dtype))
-        k_BSK2d = jnp.einsum("bsD,DkGd->bskGd", x_BTD, self.k_kernel[...].astype(dtype))
-        q_BTH2d = apply_rope(q_BTH2d, cos, sin, self.config.rope_style)
-        k_BSH2d = jnp.repeat(apply_rope(k_BSK2d, cos, sin, self.config.rope_style), H // K, axis=2)
-        return tuple(_softmax_maps(q_BTH2d[..., m, :], k_BSH2d[..., m, :], segment_ids) for m in (0, 1))
-
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
-        """The attention output [B, T, D]; with a KVCache (generation), (output, updated cache)."""
-        dtype = x_BTD.dtype
-        constants = constants or self.layer_constants(dtype)
-        cos, sin = rope_cos_sin
+    def project(self, x_BTD, rope_cos_sin):
+        """(q [B, T, H, 2, d], k [B, S, Hkv, 2, d], v [B, S, Hkv, 2d]) with q and k rotated."""
+        dtype, (cos, sin) = x_BTD.dtype, rope_cos_sin
         q_BTH2d = jnp.einsum("btD,DhGd->bthGd", x_BTD, self.q_kernel[...].astype(dtype))
         k_BSK2d = jnp.einsum("bsD,DkGd->bskGd", x_BTD, self.k_kernel[...].astype(dtype))
         v_BSKv = jnp.einsum("bsD,Dkv->bskv", x_BTD, self.v_kernel[...].astype(dtype))
         q_BTH2d = constrain(q_BTH2d, ("batch", "length", "act_heads", None, None))
         k_BSK2d = constrain(k_BSK2d, ("batch", "length", "act_kv_heads", None, None))
         v_BSKv = constrain(v_BSKv, ("batch", "length", "act_kv_heads", None))
-        q_BTH2d = apply_rope(q_BTH2d, cos, sin, self.config.rope_style)
-        k_BSK2d = apply_rope(k_BSK2d, cos, sin, self.config.rope_style)
-        q_BTH2d, k_BSK2d, v_BSKv = (checkpoint_name(x, "attention_qkv") for x in (q_BTH2d, k_BSK2d, v_BSKv))
-        attend = dict(causal=True, segment_ids=segment_ids, impl=self.config.attention_impl)
-        if cache is not None:  # generation: store this call's keys and values, attend over the cache
-            cache, k_BSK2d, v_BSKv, attend = cache.update(k_BSK2d, v_BSKv, attend)
-        o_BTHv = ops.diff_attention(q_BTH2d, k_BSK2d, v_BSKv, self.lambda_full(dtype, constants["lambda_init"]), **attend)
-        o_BTHv = checkpoint_name(o_BTHv, "attention_out")
-        # Per-head RMSNorm over 2d (one scale shared by all heads), then the fixed (1 - lambda_init).
+        return apply_rope(q_BTH2d, cos, sin, self.config.rope_style), apply_rope(k_BSK2d, cos, sin, self.config.rope_style), v_BSKv
+
+    def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None):
+        """The two softmax maps (A1, A2) this layer computes on its (normalized) input x, each float32
+        [B, H, T, S] (GQA's kv heads repeated per query head): the attention output, before the per-head
+        RMSNorm, is (A1 - lambda_full A2) @ v. For plots and analysis; the layer never materialises them.
+        """
+        q_BTH2d, k_BSK2d, _ = self.project(x_BTD, rope_cos_sin)
+        k_BSH2d = jnp.repeat(k_BSK2d, self.config.num_query_groups, axis=2)
+        return tuple(_softmax_maps(q_BTH2d[..., m, :], k_BSH2d[..., m, :], segment_ids) for m in (0, 1))
+
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
+        """The attention output [B, T, D]; with a KVCache (generation), (output, updated cache)."""
+        constants = constants or self.layer_constants(x_BTD.dtype)
+        lam = self.lambda_full(x_BTD.dtype, constants["lambda_init"])
+        o_BTHv, cache = attend(ops.diff_attention, *self.project(x_BTD, rope_cos_sin), lam,
+                               segment_ids=segment_ids, impl=self.config.attention_impl, cache=cache)
+        out_BTD = self.output(o_BTHv, constants)
+        return out_BTD if cache is None else (out_BTD, cache)
+
+    def output(self, o_BTHv, constants):
+        """Per-head RMSNorm over 2d (one scale shared by all heads), the fixed (1 - lambda_init), out projection."""
+        dtype = o_BTHv.dtype
         o_BTHv = rms_normalize(o_BTHv, self.config.norm_eps) * self.subln_scale[...].astype(dtype)
         # PyTorch multiplies a bf16 tensor by a Python float in float32 without rounding the scalar to
         # bf16 first (one rounding at the end); rounding (1 - lambda_init) to bf16 would bias every output
         # (0.8 -> 0.80078 at depth 0). Exact no-op in float32.
         o_BTHv = (o_BTHv.astype(jnp.float32) * constants["out_scale"]).astype(dtype)
         o_BTHv = constrain(o_BTHv, ("batch", "length", "act_heads", None))
-        out_BTD = constrain(jnp.einsum("bthv,hvD->btD", o_BTHv, self.o_kernel[...].astype(dtype)), BTD)
-        return out_BTD if cache is None else (out_BTD, cache)
+        return constrain(jnp.einsum("bthv,hvD->btD", o_BTHv, self.o_kernel[...].astype(dtype)), BTD)
 
 
 class StandardAttention(nnx.Module):
@@ -138,34 +149,27 @@ class StandardAttention(nnx.Module):
     def layer_constants(self, dtype) -> dict:
         return {}
 
-    def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None):
-        """The softmax map this layer computes on its (normalized) input x, float32 [B, N, T, S] (GQA's kv
-        heads repeated per query head): the attention output is map @ v. For plots and analysis."""
-        dtype, (cos, sin), N, K = x_BTD.dtype, rope_cos_sin, self.config.num_heads, self.config.num_kv_heads
-        q_BTNd = jnp.einsum("btD,Dnd->btnd", x_BTD, self.q_kernel[...].astype(dtype))
-        k_BSKd = jnp.einsum("bsD,Dkd->bskd", x_BTD, self.k_kernel[...].astype(dtype))
-        q_BTNd = apply_rope(q_BTNd, cos, sin, self.config.rope_style)
-        k_BSNd = jnp.repeat(apply_rope(k_BSKd, cos, sin, self.config.rope_style), N // K, axis=2)
-        return _softmax_maps(q_BTNd, k_BSNd, segment_ids)
-
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
-        """The attention output [B, T, D]; with a KVCache (generation), (output, updated cache)."""
-        dtype = x_BTD.dtype
-        cos, sin = rope_cos_sin
+    def project(self, x_BTD, rope_cos_sin):
+        """(q [B, T, N, d], k [B, S, Hkv, d], v [B, S, Hkv, d]) with q and k rotated."""
+        dtype, (cos, sin) = x_BTD.dtype, rope_cos_sin
         q_BTNd = jnp.einsum("btD,Dnd->btnd", x_BTD, self.q_kernel[...].astype(dtype))
         k_BSKd = jnp.einsum("bsD,Dkd->bskd", x_BTD, self.k_kernel[...].astype(dtype))
         v_BSKd = jnp.einsum("bsD,Dkd->bskd", x_BTD, self.v_kernel[...].astype(dtype))
         q_BTNd = constrain(q_BTNd, ("batch", "length", "act_heads", None))
         k_BSKd = constrain(k_BSKd, ("batch", "length", "act_kv_heads", None))
         v_BSKd = constrain(v_BSKd, ("batch", "length", "act_kv_heads", None))
-        q_BTNd = apply_rope(q_BTNd, cos, sin, self.config.rope_style)
-        k_BSKd = apply_rope(k_BSKd, cos, sin, self.config.rope_style)
-        q_BTNd, k_BSKd, v_BSKd = (checkpoint_name(x, "attention_qkv") for x in (q_BTNd, k_BSKd, v_BSKd))
-        attend = dict(causal=True, segment_ids=segment_ids, impl=self.config.attention_impl)
-        if cache is not None:  # generation: store this call's keys and values, attend over the cache
-            cache, k_BSKd, v_BSKd, attend = cache.update(k_BSKd, v_BSKd, attend)
-        o_BTNd = ops.dot_product_attention(q_BTNd, k_BSKd, v_BSKd, **attend)
-        o_BTNd = checkpoint_name(o_BTNd, "attention_out")
+        return apply_rope(q_BTNd, cos, sin, self.config.rope_style), apply_rope(k_BSKd, cos, sin, self.config.rope_style), v_BSKd
+
+    def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None):
+        """The softmax map this layer computes on its (normalized) input x, float32 [B, N, T, S] (GQA's kv
+        heads repeated per query head): the attention output is map @ v. For plots and analysis."""
+        q_BTNd, k_BSKd, _ = self.project(x_BTD, rope_cos_sin)
+        return _softmax_maps(q_BTNd, jnp.repeat(k_BSKd, self.config.num_query_groups, axis=2), segment_ids)
+
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
+        """The attention output [B, T, D]; with a KVCache (generation), (output, updated cache)."""
+        o_BTNd, cache = attend(ops.dot_product_attention, *self.project(x_BTD, rope_cos_sin),
+                               segment_ids=segment_ids, impl=self.config.attention_impl, cache=cache)
         o_BTNd = constrain(o_BTNd, ("batch", "length", "act_heads", None))
-        out_BTD = constrain(jnp.einsum("btnd,ndD->btD", o_BTNd, self.o_kernel[...].astype(dtype)), BTD)
+        out_BTD = constrain(jnp.einsum("btnd,ndD->btD", o_BTNd, self.o_kernel[...].astype(x_BTD.dtype)), BTD)
         return out_BTD if cache is None else (out_BTD, cache)

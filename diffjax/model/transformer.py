@@ -7,9 +7,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from diffjax.config import ModelConfig
+from diffjax.config import DIFF_V1_KINDS, ModelConfig
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, DiffAttention, StandardAttention, depth_constants
+from diffjax.model.attention_v2 import DiffAttentionV2
 from diffjax.model.kv_cache import KVCache
+from diffjax.model.shared_diff import SharedDiffAttention
 from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param, prepend_axis
 from diffjax.model.rope import inv_frequencies, rope_tables
 from diffjax.sharding import constrain
@@ -33,6 +35,10 @@ class DecoderBlock(nnx.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         if config.attention == "diff":
             self.attn = DiffAttention(config, depth, rngs=rngs)
+        elif config.attention == "shared_diff":
+            self.attn = SharedDiffAttention(config, depth, rngs=rngs)
+        elif config.attention == "diff_v2":
+            self.attn = DiffAttentionV2(config, rngs=rngs)
         else:
             self.attn = StandardAttention(config, rngs=rngs)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
@@ -120,15 +126,16 @@ class TransformerLM(nnx.Module):
         return self.lm_head[...].astype(dtype)
 
     def depth_constants(self, dtype) -> dict:
-        """Each layer's depth constants, [L] arrays ({} for the baseline)."""
-        if self.config.attention != "diff":
+        """Each layer's depth constants, [L] arrays ({} for the baseline and V2, which have none)."""
+        if self.config.attention not in DIFF_V1_KINDS:
             return {}
         return depth_constants([self.config.lambda_init_at(depth) for depth in range(self.config.num_layers)], dtype)
 
     def layer_lambdas(self) -> jax.Array | None:
         """lambda of every layer [L] (float32), by the attention's own formula and roundings in the compute
-        dtype (the values the layers use); None for the baseline."""
-        if self.config.attention != "diff":
+        dtype (the values the layers use); None for the baseline and for V2, whose lambda is per token and head
+        (sigmoid(x W_lambda): a function of the activations, not of the params alone)."""
+        if self.config.attention not in DIFF_V1_KINDS:
             return None
         dtype = jnp.dtype(self.config.dtype)
         return self.blocks.attn.lambda_full(dtype, self.depth_constants(dtype)["lambda_init"]).astype(jnp.float32)

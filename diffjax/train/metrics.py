@@ -6,8 +6,11 @@ FLOP convention (per trained token, multiply-add = 2 FLOPs, training = 3 x forwa
   attention: 3 x forward score + value FLOPs with causal context T/2 (causal halves the T x T square;
              packing is not discounted). Per layer and token the forward pass costs
              DIFF:      H heads x 2 maps x (2 d ctx for q k^T + 2 (2d) ctx for p v) = 12 H d ctx
+                        (Shared DIFF too)
+             DIFF V2:   H heads x 2 maps x (2 d ctx + 2 d ctx) = 8 H d ctx
              standard:  N heads x (2 d ctx + 2 d ctx) = 4 N d ctx
-  so DIFF attention with H = N / 2 costs 1.5x the baseline's (its value dim is 2d for both maps).
+  so DIFF attention with H = N / 2 costs 1.5x the baseline's (its value dim is 2d for both maps), and V2 with
+  H = N twice the baseline's.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from diffjax.config import ModelConfig
+from diffjax.config import DIFF_V1_KINDS, ModelConfig
 
 # Dense bf16 peak FLOP/s per device (vendor figures, no sparsity), matched against jax's device_kind.
 PEAK_FLOPS = (
@@ -39,15 +42,17 @@ PEAK_FLOPS = (
 def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the LM head counts even when tied)."""
     D, d = config.d_model, config.head_dim
-    vectors_per_layer = 2 * D + (6 * d if config.attention == "diff" else 0)  # norms; lambda vectors, subln
+    vectors_per_layer = 2 * D + (6 * d if config.attention in DIFF_V1_KINDS else 0)  # norms; lambda vectors, subln
     return config.param_counts()["layers"] - config.num_layers * vectors_per_layer + D * config.vocab_size
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token (module docstring)."""
     context = seq_len / 2
-    if config.attention == "diff":
+    if config.attention in DIFF_V1_KINDS:
         attention_forward = 12 * config.num_heads * config.head_dim * context
+    elif config.attention == "diff_v2":
+        attention_forward = 8 * config.num_heads * config.head_dim * context
     else:
         attention_forward = 4 * config.num_heads * config.head_dim * context
     return 6 * matmul_params(config) + 3 * config.num_layers * attention_forward
