@@ -41,6 +41,8 @@ def load_tokenizer(step_dir: Path):
     from diffjax.tokenizers import TokenizerConfig, make_tokenizer
 
     config_path = step_dir.parent.parent / "config.yaml"
+    if not config_path.exists():
+        raise FileNotFoundError(f"--checkpoint: {config_path} is missing: cannot tell the model or its tokenizer")
     section = ((yaml.safe_load(config_path.read_text()) or {}).get("data") or {}).get("tokenizer")
     if not isinstance(section, dict):
         hf_dir = config_path.parent / "hf"
