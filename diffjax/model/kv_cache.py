@@ -7,13 +7,9 @@ per-row length mask (the XLA path: one query against S keys). Row b's next token
 `lengths_B[b]` (its position): a right-padded prompt's pad slots get overwritten by its own generated
 tokens before they are ever attended, so rows of different lengths share one static shape.
 
-An attention module adopts the cache with three lines (see DiffAttention.__call__): after projecting and
-rotating q, k and v,
-
-    if cache is not None:
-        cache, k, v, attend = cache.update(k, v, attend)
-
-then it calls its op with `**attend` and returns `(output, cache)`. The cache stores k and v as the
+Every attention module goes through `attention.attend(op, q, k, v, ..., cache=cache)` after projecting and
+rotating q, k and v; with a cache it calls `cache.update(k, v, op_kwargs)` and the op gets the keys, values
+and keywords that returns, and the module returns `(output, cache)`. The cache stores k and v as the
 module shapes them ([B, S, kv heads, ...], any trailing axes), so a new attention variant needs no change
 here. TransformerLM stacks the layers' buffers ([L, B, S, ...]) and scans them with the params.
 """
