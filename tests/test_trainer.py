@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from diffjax.train import load_run_config, train
+from diffjax.train import Hook, load_run_config, train
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.config import CheckpointConfig
 
@@ -73,9 +73,33 @@ def _read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_metrics_are_written_as_jsonl_and_tensorboard(tmp_path):
-    result = train(_config(tmp_path / "run", "train.steps=3", "train.eval_every=2", "train.peak_tflops_per_device=1"),
-                   log=lambda _: None)
+class Recorder(Hook):
+    """A user's hook: what it was called with and, at each checkpoint, what was on disk then."""
+
+    def __init__(self):
+        self.calls, self.step_losses, self.eval_losses = [], {}, {}
+
+    def on_start(self, run):
+        self.calls.append(("start", run.step))
+
+    def on_step(self, run, step, metrics):
+        self.step_losses[step] = metrics["loss"]  # a device array: read at the end, not per step
+
+    def on_eval(self, run, step, loss):
+        self.eval_losses[step] = loss
+
+    def on_checkpoint(self, run, step):
+        written = [r["step"] for r in _read_metrics(run.run_dir) if r["kind"] == "train"]
+        self.calls.append(("checkpoint", step, written[-1], (run.checkpointer.directory / str(step)).exists()))
+
+    def on_end(self, run, result):
+        self.calls.append(("end", result.step))
+
+
+def test_metrics_are_written_as_jsonl_and_tensorboard_and_a_user_hook_sees_every_step(tmp_path):
+    recorder = Recorder()
+    result = train(_config(tmp_path / "run", "train.steps=3", "train.eval_every=2", "train.peak_tflops_per_device=1",
+                           "checkpoint.every=2"), log=lambda _: None, hooks=[recorder])
     records = _read_metrics(tmp_path / "run")
     train_records = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train_records] == [1, 2, 3]
@@ -89,6 +113,11 @@ def test_metrics_are_written_as_jsonl_and_tensorboard(tmp_path):
     assert result.losses[3] == train_records[-1]["loss"]
     events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+    assert {step: float(loss) for step, loss in recorder.step_losses.items()} == result.losses
+    assert recorder.eval_losses == result.eval_losses == {r["step"]: r["loss"] for r in records if r["kind"] == "eval"}
+    # Each checkpoint's steps are in metrics.jsonl before its save starts.
+    assert recorder.calls == [("start", 0), ("checkpoint", 2, 2, False), ("checkpoint", 3, 3, False), ("end", 3)]
 
 
 def _command(run_dir: Path, *overrides) -> list[str]:

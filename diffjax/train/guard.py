@@ -27,28 +27,17 @@ class DivergedError(RuntimeError):
     """A step gave a non-finite loss or gradient under train.on_nonfinite=stop."""
 
 
-class NonFiniteWatch:
-    """Host side: looks at each step's `ok` as its metrics are written and remembers the newest saved
-    step, so a stop can name the checkpoint to go back to."""
-
-    def __init__(self, mode: str, checkpoint_dir, last_saved: int | None):
-        self.mode, self.checkpoint_dir, self.last_saved = mode, checkpoint_dir, last_saved
-        self.skipped: list[int] = []
-
-    def saved(self, step: int) -> None:
-        self.last_saved = step
-
-    def check(self, step: int, values: dict) -> bool:
-        """Whether `step` was finite; raises DivergedError for a bad step in stop mode."""
-        if values["ok"]:
-            return True
-        if self.mode == "skip":
-            self.skipped.append(step)
-            return False
-        good = (f"the newest good checkpoint, {self.checkpoint_dir / str(self.last_saved)}, is kept"
-                if self.last_saved is not None else "no checkpoint had been saved")
-        raise DivergedError(
-            f"training diverged at step {step} (loss {values['loss']}, gradient norm {values['grad_norm']}): "
-            f"nothing from that step on was saved; {good}. Lower optim.lr, or set train.on_nonfinite=skip "
-            "to skip such steps"
-        )
+def check_step(step: int, values: dict, mode: str, newest_checkpoint) -> bool:
+    """Host side, as a step's metrics are written: whether `step` was finite (values["ok"]). A bad step
+    raises DivergedError in stop mode, naming `newest_checkpoint` (a path, or None) to go back to."""
+    if values["ok"]:
+        return True
+    if mode == "skip":
+        return False
+    good = (f"the newest good checkpoint, {newest_checkpoint}, is kept" if newest_checkpoint is not None
+            else "no checkpoint had been saved")
+    raise DivergedError(
+        f"training diverged at step {step} (loss {values['loss']}, gradient norm {values['grad_norm']}): "
+        f"nothing from that step on was saved; {good}. Lower optim.lr, or set train.on_nonfinite=skip "
+        "to skip such steps"
+    )

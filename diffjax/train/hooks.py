@@ -1,0 +1,126 @@
+"""Hooks: what the training loop calls besides stepping. The trainer's metrics, progress display and
+non-finite check are one (MetricsLog); `train(config, hooks=[...])` adds the user's after it.
+
+The loop calls, on each hook in order:
+  on_start(run)                 before the first step
+  on_step(run, step, metrics)   after each step is dispatched. metrics: device arrays (loss, grad_norm, lr,
+                                ok, loss_tokens; lambda [L] for DIFF); reading one waits for the step, so
+                                read them rarely (MetricsLog reads a window of steps in one transfer)
+  on_eval(run, step, loss)      after each held-out evaluation, the final one included (mean loss per token)
+  on_checkpoint(run, step)      before checkpoint `step` is saved: write out what the hook holds of steps
+                                <= step; raising stops the save
+  on_end(run, result)           when the run ends: its TrainResult, or None when it ends on an error
+`run` is the Run (run.py): config, run_dir, state, step, log, ...
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from diffjax.train.guard import check_step
+from diffjax.train.metrics import (METRICS_FILE, MetricsWriter, peak_flops_per_device, read_records,
+                                   training_flops_per_token)
+from diffjax.train.progress import Progress
+
+
+class Hook:
+    """Override the calls you need (module docstring); the others do nothing."""
+
+    def on_start(self, run) -> None:
+        pass
+
+    def on_step(self, run, step: int, metrics: dict[str, jax.Array]) -> None:
+        pass
+
+    def on_eval(self, run, step: int, loss: float) -> None:
+        pass
+
+    def on_checkpoint(self, run, step: int) -> None:
+        pass
+
+    def on_end(self, run, result) -> None:
+        pass
+
+
+class MetricsLog(Hook):
+    """Each step's metrics into metrics.jsonl / TensorBoard and the progress display, with throughput and
+    MFU, each step checked finite (guard.py) as it is written.
+
+    Metrics stay on the device until a window of steps is written in one transfer: every train.log_every
+    steps, before an eval's record and before each checkpoint is saved, so every step <= a checkpoint is
+    in metrics.jsonl and checked finite before that checkpoint exists. The first step compiles: it is
+    written at once and not timed; time spent evaluating or saving is not counted (run.clock).
+    """
+
+    def __init__(self, run):
+        config = run.config
+        self.writer = MetricsWriter(run.run_dir, tensorboard=config.train.tensorboard, resume_step=run.start_step,
+                                    enabled=run.is_main_process)
+        self.progress = Progress(config.train.progress if run.is_main_process else "lines", run.start_step,
+                                 config.train.steps, run.tokens_per_step, run.log)
+        self.flops_per_token = training_flops_per_token(config.model, config.data.seq_len)
+        self.peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)
+        self.pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
+        self.losses: dict[int, float] = {}
+        self.tokens_per_second: float | None = None
+        self.window_start, self.timed_steps = 0.0, 0
+
+    def on_step(self, run, step, metrics):
+        self.pending.append((step, metrics))
+        if step == run.start_step + 1:  # compiled: time from here
+            self.flush(run)
+        else:
+            self.timed_steps += 1
+        if step % run.config.train.log_every == 0 or step == run.config.train.steps:
+            self.flush(run)
+
+    def on_eval(self, run, step, loss):
+        self.flush(run)
+        if step > run.start_step or not any(r["step"] == step and r["kind"] == "eval"  # a kill lost it
+                                            for r in read_records(run.run_dir / METRICS_FILE)):
+            self.writer.write(step, "eval", {"loss": loss})
+        self.progress.note(f"step {step}: eval loss {loss:.4f}")
+
+    def on_checkpoint(self, run, step):
+        self.flush(run, report=False)
+
+    def on_end(self, run, result):
+        try:
+            if result is not None:
+                self.flush(run)
+                if result.sample:
+                    self.progress.note(f"sample (temperature {run.config.train.sample_temperature}):\n{result.sample}")
+        finally:
+            self.progress.close()
+            self.writer.close()
+
+    def flush(self, run, report: bool = True):
+        """Writes the pending steps' metrics (checking each step was finite) and, if `report`, a progress line."""
+        if not self.pending:
+            return
+        rate = None
+        if self.timed_steps:
+            jax.block_until_ready(self.pending[-1][1])
+            rate = self.timed_steps * run.tokens_per_step / (run.clock.seconds() - self.window_start)
+            self.tokens_per_second = rate
+        newest = None if run.last_saved is None else run.checkpointer.directory / str(run.last_saved)
+        host_metrics = jax.device_get([metrics for _, metrics in self.pending])  # one transfer for the window
+        for (step, _), metrics in zip(self.pending, host_metrics):
+            values = {key: float(value) for key, value in metrics.items() if key not in ("lambda", "ok")}
+            if not check_step(step, metrics, run.config.train.on_nonfinite, newest):
+                values["skipped"] = 1.0
+                self.progress.note(f"step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}: skipped")
+            if "lambda" in metrics:
+                values.update({f"lambda/layer_{i}": float(x) for i, x in enumerate(np.asarray(metrics["lambda"]))})
+            if rate is not None:
+                values["tokens_per_second"] = rate
+                values["tflops_per_device"] = rate * self.flops_per_token / run.mesh.size / 1e12
+                if self.peak:
+                    values["mfu"] = rate * self.flops_per_token / run.mesh.size / self.peak
+            self.losses[step] = values["loss"]
+            self.writer.write(step, "train", values)
+        if report:
+            self.progress.update(self.pending[-1][0], values)
+        self.pending.clear()
+        self.window_start, self.timed_steps = run.clock.seconds(), 0

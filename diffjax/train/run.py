@@ -1,0 +1,273 @@
+"""`setup_run(config, log)`: everything a run needs before its first step, in one `Run`.
+
+Set-up checks the run directory (same model, newest intact checkpoint, already complete?), builds the
+mesh, tokenizer, data iterators, sharded state and jitted steps, and restores a checkpoint or initial
+params. The loop (loop.py) then only steps `run.state` and calls its hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from diffjax import parallel
+from diffjax.config import RUNTIME_FIELDS
+from diffjax.data import make_eval_batches, make_train_dataset, open_documents
+from diffjax.generate import sample
+from diffjax.tokenizers import make_tokenizer
+from diffjax.train.batching import BatchPlan, plan_batch
+from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params
+from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
+from diffjax.train.metrics import METRICS_FILE, read_records, training_flops_per_token
+from diffjax.train.optimizer import make_optimizer
+from diffjax.train.step import ShardedTraining, setup_sharded_state
+
+CONFIG_FILE = "config.yaml"
+
+
+@dataclasses.dataclass
+class TrainResult:
+    step: int  # the step the run ended at
+    losses: dict[int, float]  # train loss per step run in this call
+    eval_losses: dict[int, float]
+    tokens_per_second: float | None
+    sample: str | None
+    interrupted: str | None = None  # the signal's name when stopped by SIGTERM / SIGINT
+
+
+class TrainingClock:
+    """Seconds spent training: the loop stops it while it evaluates or saves, so throughput counts steps only."""
+
+    def __init__(self):
+        self.stopped_for = 0.0
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.stopped_for
+
+    @contextlib.contextmanager
+    def stopped(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stopped_for += time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class Run:
+    """A run set up: what the loop steps and what hooks may read. `state` and `step` move as it trains."""
+
+    config: RunConfig
+    run_dir: Path
+    log: Callable[[str], None]  # silent on all but process 0
+    checkpointer: Checkpointer
+    last_saved: int | None  # the newest checkpoint on disk
+    start_step: int
+    mesh: jax.sharding.Mesh
+    plan: BatchPlan
+    tokenizer: Any
+    training: ShardedTraining
+    train_step: Callable  # jitted (state, batch) -> (state, device metrics); donates the state
+    eval_step: Callable  # jitted (params, batch) -> (loss sum, counted tokens)
+    state: dict
+    data_iter: Any  # grain iterator of this process's rows; its position is checkpointed
+    eval_batches: list[dict[str, jax.Array]]  # fixed, on the devices
+    step: int = 0
+    clock: TrainingClock = dataclasses.field(default_factory=TrainingClock)
+
+    @property
+    def is_main_process(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.plan.global_batch * self.config.data.seq_len
+
+    def next_batch(self) -> dict[str, jax.Array]:
+        """The next step's batch, [accum, micro rows, T] per key, split over the mesh."""
+        with _setup_errors():  # a malformed record is the user's to fix
+            local = next(self.data_iter)
+        micro_rows = self.plan.global_batch // self.plan.accum_steps
+        stacked = {key: value.reshape(self.plan.accum_steps, -1, value.shape[-1]) for key, value in local.items()}
+        return _global_batch(stacked, self.training.step_batch_sharding, micro_rows, batch_axis=1)
+
+    def evaluate(self) -> float | None:
+        """Mean loss per token over the held-out batches (None without held-out data)."""
+        if not self.eval_batches:
+            return None
+        total, count = 0.0, 0.0
+        for batch in self.eval_batches:
+            loss_sum, tokens = self.eval_step(self.state["params"], batch)
+            total, count = total + float(loss_sum), count + float(tokens)
+        return total / max(count, 1.0)
+
+    def sample_text(self) -> str:
+        train = self.config.train
+        model = nnx.merge(self.training.graphdef, self.state["params"])
+        key = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), 0)
+        prompt = self.tokenizer.encode(train.sample_prompt)
+        # The prompt and the sample share the model's context (max_seq_len): a longer sample is cut there.
+        num_tokens = min(train.sample_tokens, self.config.model.max_seq_len - len(prompt))
+        ids = sample(model, prompt, num_tokens, key=key, temperature=train.sample_temperature)
+        return train.sample_prompt + self.tokenizer.decode(ids)
+
+
+@contextlib.contextmanager
+def _setup_errors():
+    """Marks the errors raised while a run is set up (a setting that does not fit the devices, data,
+    tokenizer or checkpoints), so train.py can print them as one line instead of a traceback."""
+    try:
+        yield
+    except (ValueError, OSError) as error:
+        error.during_setup = True
+        raise
+
+
+def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | TrainResult:
+    """The run set up (restored from its newest checkpoint, if any), or the TrainResult of a run already
+    complete: rerunning it redoes nothing."""
+    parallel.initialize_distributed(config.parallel)
+    if jax.process_index() != 0:  # one process speaks and writes metrics for all
+        log = lambda _: None  # noqa: E731
+    with _setup_errors():
+        run_dir = Path(config.train.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        check_resumable(run_dir, config, log)
+        checkpointer = Checkpointer(run_dir, config.checkpoint)
+        latest_step, start_step = checkpointer.newest_intact(log), 0
+        if (finished := _finished_run(run_dir, config, latest_step)) is not None:
+            checkpointer.close()
+            log(f"the run in {run_dir} is complete (step {latest_step} of train.steps = {config.train.steps}); nothing to do")
+            return finished
+
+        tokenizer = make_tokenizer(config.data.tokenizer)
+        if tokenizer.vocab_size > config.model.vocab_size:
+            raise ValueError(
+                f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
+            )
+        mesh = parallel.make_mesh(config.parallel)
+        plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
+                          micro_batch_per_device=config.train.micro_batch_per_device)
+        tx, schedule = make_optimizer(config.optim, config.train.steps)
+        training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
+        # Each process loads only the batch rows its devices hold.
+        shard_index, shard_count = parallel.process_batch_shard(
+            training.step_batch_sharding, (plan.accum_steps, plan.global_batch // plan.accum_steps, config.data.seq_len),
+            batch_axis=1,
+        )
+        documents = open_documents(config.data)
+        _check_not_empty(documents, config)
+        shard = {"shard_index": shard_index, "shard_count": shard_count, "source": documents}
+        data_iter = iter(make_train_dataset(config.data, tokenizer, batch_size=plan.global_batch // shard_count,
+                                            seed=config.train.seed, **shard))
+        eval_rows = plan.micro_batch_per_device * plan.batch_shards
+        eval_batches = [  # fixed: on the devices once
+            _global_batch(batch, training.eval_batch_sharding, eval_rows)
+            for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows // shard_count, **shard)
+        ]
+
+        if latest_step is not None:
+            step_dir = checkpointer.directory / str(latest_step)
+            if checkpointer.state_keys(latest_step) == {"params"}:  # a converted / exported model: train on from its params
+                state["params"] = load_params(step_dir, abstract_like(state["params"]))
+                log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
+            else:
+                start_step = latest_step
+                state, data_state = checkpointer.restore(start_step, abstract_like(state))
+                if data_state is None:
+                    log("note: the checkpoint's data position was saved by a different number of processes; "
+                        "this run's data order starts afresh")
+                else:
+                    data_iter.set_state(data_state)
+                log(f"resumed from {step_dir} (step {start_step})")
+        elif config.train.init_from:
+            state["params"] = restore_params(config.train.init_from, abstract_like(state))
+            log(f"initialized the params from {config.train.init_from}")
+    if jax.process_index() == 0:
+        save_run_config(config, run_dir / CONFIG_FILE)
+
+    model = config.model
+    log(
+        f"model: {model.attention} attention, d_model {model.d_model}, {model.num_layers} layers, "
+        f"{model.num_heads} heads of dim {model.head_dim}, {model.param_count():,} params; "
+        f"{training_flops_per_token(model, config.data.seq_len) / 1e6:,.1f} MFLOP per trained token"
+    )
+    log(f"mesh: {parallel.describe(mesh)} over {jax.process_count()} process(es)")
+    if training.unsharded:
+        log(f"note: kept whole because the mesh axes do not divide them: {'; '.join(training.unsharded)}")
+    log(f"data: {config.data.source}, tokenizer {tokenizer.name}; batch {plan.describe(config.data.seq_len)}")
+    log(f"run directory: {run_dir}")
+    if not eval_batches:
+        log(f"note: no held-out documents (data.eval_fraction = {config.data.eval_fraction}): no eval loss")
+    return Run(
+        config=config, run_dir=run_dir, log=log, checkpointer=checkpointer, last_saved=latest_step,
+        start_step=start_step, step=start_step, mesh=mesh, plan=plan, tokenizer=tokenizer, training=training,
+        train_step=training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk),
+        eval_step=training.jit_eval_step(config.model, config.train.loss_chunk), state=state, data_iter=data_iter, eval_batches=eval_batches,
+    )
+
+
+def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
+    """A run directory belongs to one model: refuse to resume with a different model section (fields
+    that only change how it computes, such as remat or the attention kernel, may change)."""
+    saved_path = run_dir / CONFIG_FILE
+    if not saved_path.exists():
+        return
+    saved = read_yaml(saved_path)
+    current = config.to_dict()
+    saved_model, current_model = saved.get("model", {}), current["model"]
+    keys = set(saved_model) | set(current_model)
+    differing = sorted(k for k in keys - set(RUNTIME_FIELDS) if saved_model.get(k) != current_model.get(k))
+    if differing:
+        raise ValueError(
+            f"run directory {run_dir} holds a run of a different model (model.{', model.'.join(differing)} differ "
+            f"from {saved_path}); choose another train.run_dir or restore those values"
+        )
+    changed = [f"model.{k}" for k in sorted(keys) if saved_model.get(k) != current_model.get(k)]
+    for section in SECTIONS[1:]:
+        changed += [f"{section}.{k}" for k in current[section] if saved.get(section, {}).get(k) != current[section][k]]
+    if changed:
+        log(f"note: resuming with changed {', '.join(changed)}")
+
+
+def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, global_rows: int, batch_axis: int = 0) -> dict[str, jax.Array]:
+    """This process's rows -> one global array per key, split over the mesh's batch axes."""
+    def make(value):
+        shape = list(value.shape)
+        shape[batch_axis] = global_rows
+        return jax.make_array_from_process_local_data(sharding, value, tuple(shape))
+
+    return {key: make(value) for key, value in local.items()}
+
+
+def _finished_run(run_dir: Path, config: RunConfig, latest_step: int | None) -> TrainResult | None:
+    """The result of a run already complete, its final record in metrics.jsonl (the final eval, or the last
+    train step without held-out data). None when there is anything left to do."""
+    if latest_step is None or latest_step < config.train.steps or jax.process_count() > 1:
+        return None
+    final_kind = "eval" if config.data.eval_fraction > 0 else "train"
+    final = [r for r in read_records(run_dir / METRICS_FILE) if r["step"] == latest_step and r["kind"] == final_kind]
+    if not final:
+        return None
+    eval_losses = {latest_step: final[-1]["loss"]} if final_kind == "eval" else {}
+    return TrainResult(step=latest_step, losses={}, eval_losses=eval_losses, tokens_per_second=None, sample=None)
+
+
+def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
+    """An empty corpus packs into rows with nothing to predict (and takes ages to pack): refuse it rather than
+    'train' at loss 0. The first `sample` documents tell, without reading a large corpus."""
+    n = min(len(documents), sample)
+    if not any(documents[i] for i in range(n)):
+        where = f"data.paths {list(config.data.paths)}" if config.data.paths else f"data.source {config.data.source!r}"
+        what = "all empty" if n == len(documents) else f"empty (the first {n})"
+        raise ValueError(f"the training data has no text to learn from ({where}: its documents are {what})")
