@@ -22,20 +22,22 @@ import pytest
 _FIGURES: list[tuple[str, str, float, float]] = []
 
 
-class Measured:
-    def __call__(self, name: str, what: str, value: float, tolerance: float) -> float:
-        _FIGURES.append((name, what, float(value), float(tolerance)))
-        return float(value)
-
-
 @pytest.fixture
 def measured(request):
-    recorder = Measured()
+    """record(what, value, tolerance) -> value. Figures travel in the test report's user_properties, so the
+    table is complete when pytest-xdist runs the tests in worker processes."""
 
     def record(what: str, value: float, tolerance: float = float("nan")) -> float:
-        return recorder(request.node.name, what, value, tolerance)
+        request.node.user_properties.append(("measured", (what, float(value), float(tolerance))))
+        return float(value)
 
     return record
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        name = report.nodeid.split("::")[-1]
+        _FIGURES.extend((name, *figure) for key, figure in report.user_properties if key == "measured")
 
 
 def pytest_collection_modifyitems(config, items):
