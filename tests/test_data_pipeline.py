@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from diffjax.data.config import DataConfig
-from diffjax.data import BATCH_KEYS, ListSource, make_eval_batches, make_train_dataset, pack_documents, pipeline
+from diffjax.data import BATCH_KEYS, ListSource, make_eval_batches, make_train_dataset, pack_documents
 from diffjax.tokenizers import ByteTokenizer
 
 SEQ_LEN = 16
@@ -36,15 +36,10 @@ def id_source(lengths) -> ListSource:
 LENGTHS = [5, 16, 40, 1, 9, 0, 23, 12, 3, 17, 8, 31, 2, 14, 6, 11, 7, 20, 4, 10]  # some longer than SEQ_LEN, one empty
 
 
-@pytest.fixture(autouse=True)
-def small_row_shuffle_window(monkeypatch):
-    """Shuffle packed rows within windows of 8 rows (the default window of 2^20 tokens would pack
-    tens of thousands of rows of these tiny documents before the first batch)."""
-    monkeypatch.setattr(pipeline, "ROW_SHUFFLE_TOKENS", 8 * SEQ_LEN)
-
-
 def config(**overrides) -> DataConfig:
-    return DataConfig(**{"seq_len": SEQ_LEN, "eval_fraction": 0.0, **overrides})
+    """Packed rows shuffled within windows of 8 rows (the default window of 2^20 tokens would pack tens of
+    thousands of rows of these tiny documents before the first batch)."""
+    return DataConfig(**{"seq_len": SEQ_LEN, "eval_fraction": 0.0, "shuffle_window_tokens": 8 * SEQ_LEN, **overrides})
 
 
 def train_batches(count, *, batch_size=4, seed=0, source=None, tokenizer=None, **config_overrides):
@@ -108,10 +103,12 @@ def test_eos_is_appended_when_the_tokenizer_has_one():
         assert [piece.tolist() for piece in segments(row["tokens"], row["segment_ids"])] == expected
 
 
-def one_document_per_row(monkeypatch, num_documents=12):
-    """Documents of exactly seq_len tokens and no row shuffle window: one row = one document,
-    so the row stream shows the document order directly."""
-    monkeypatch.setattr(pipeline, "ROW_SHUFFLE_TOKENS", 1)
+ONE_ROW_WINDOW = 1  # data.shuffle_window_tokens: no row shuffle
+
+
+def one_document_per_row(num_documents=12):
+    """Documents of exactly seq_len tokens (with ONE_ROW_WINDOW): one row = one document, so the row
+    stream shows the document order directly."""
     return id_source([SEQ_LEN] * num_documents)
 
 
@@ -119,14 +116,14 @@ def document_order(batches):
     return [int(t) // STRIDE for batch in batches for t in batch["tokens"][:, 0]]
 
 
-def test_order_is_deterministic_per_seed_and_reshuffled_every_epoch(monkeypatch):
-    source = one_document_per_row(monkeypatch)
-    order = document_order(train_batches(9, batch_size=4, source=source))  # 3 epochs of 12 documents
+def test_order_is_deterministic_per_seed_and_reshuffled_every_epoch():
+    source, window = one_document_per_row(), {"shuffle_window_tokens": ONE_ROW_WINDOW}
+    order = document_order(train_batches(9, batch_size=4, source=source, **window))  # 3 epochs of 12 documents
     epochs = [order[0:12], order[12:24], order[24:36]]
     assert all(sorted(epoch) == list(range(12)) for epoch in epochs), "each document once per epoch"
     assert epochs[0] != epochs[1] != epochs[2]
-    assert order == document_order(train_batches(9, batch_size=4, source=source)), "same seed, same order"
-    assert order != document_order(train_batches(9, batch_size=4, seed=1, source=source))
+    assert order == document_order(train_batches(9, batch_size=4, source=source, **window)), "same seed, same order"
+    assert order != document_order(train_batches(9, batch_size=4, seed=1, source=source, **window))
     assert document_order(train_batches(3, batch_size=4, source=source, shuffle=False)) == list(range(12))
 
 
@@ -139,11 +136,11 @@ def test_default_pipeline_is_deterministic_and_seed_dependent():
     assert any((a["tokens"] != b["tokens"]).any() for a, b in zip(first, other))
 
 
-def test_process_shards_are_disjoint_and_cover_the_documents(monkeypatch):
-    source = one_document_per_row(monkeypatch, num_documents=10)
+def test_process_shards_are_disjoint_and_cover_the_documents():
+    source = one_document_per_row(num_documents=10)
     seen = []
     for shard in range(3):
-        ds = make_train_dataset(config(), IdTokenizer(), batch_size=2, seed=0, shard_index=shard, shard_count=3, source=source)
+        ds = make_train_dataset(config(shuffle_window_tokens=ONE_ROW_WINDOW), IdTokenizer(), batch_size=2, seed=0, shard_index=shard, shard_count=3, source=source)
         it = iter(ds)
         seen.append(set(document_order([next(it) for _ in range(4)])))
     assert seen == [{0, 3, 6, 9}, {1, 4, 7}, {2, 5, 8}]

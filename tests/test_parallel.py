@@ -4,6 +4,7 @@ other meshes, remat and scan do not change the numbers, and bad meshes are clear
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import jax
@@ -20,10 +21,10 @@ from diffjax.config import ModelConfig
 from diffjax.train.mesh import ParallelConfig
 from diffjax.model import TransformerLM
 from diffjax.train import load_run_config, train
-from diffjax.train.checkpoint import Checkpointer, abstract_like
+from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.config import CheckpointConfig
 from diffjax.train.optimizer import OptimizerConfig, make_optimizer
-from diffjax.train.step import setup_sharded_state
+from diffjax.train.step import setup_sharded_state, sharded_init
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices: see tests/conftest.py")
 
@@ -165,6 +166,7 @@ def _run_config(run_dir, *overrides):
     small = [
         "model.d_model=64", "model.num_layers=2", "model.num_heads=4", "model.max_seq_len=32", "model.vocab_size=264",
         "data.seq_len=32", "data.builtin_bytes=100000", "data.eval_batches=1", "data.eval_fraction=0.1",
+        "data.shuffle_window_tokens=4096",  # the default packs the corpus 10 times over before the first batch
         "train.batch_size=8", "train.log_every=1", "train.eval_every=0", "train.sample_tokens=0",
         "train.progress=lines", "train.tensorboard=false", "optim.warmup_steps=1", "optim.decay_steps=8",
         "checkpoint.async_save=false",
@@ -174,17 +176,19 @@ def _run_config(run_dir, *overrides):
 
 def test_checkpoint_restores_onto_other_meshes_and_training_continues(tmp_path):
     fsdp = ["parallel.data=1", "parallel.fsdp=8"]
-    straight = train(_run_config(tmp_path / "straight", "train.steps=3", *fsdp), log=lambda _: None)
-    train(_run_config(tmp_path / "moved", "train.steps=2", *fsdp), log=lambda _: None)
+    straight = train(_run_config(tmp_path / "straight", "train.steps=3", "checkpoint.every=1", *fsdp), log=lambda _: None)
+    # Its step-2 checkpoint, as if it had stopped there, is moved onto other meshes.
+    shutil.copytree(tmp_path / "straight", tmp_path / "moved")
+    shutil.rmtree(tmp_path / "moved" / "checkpoints" / "3")
     saved = Checkpointer(tmp_path / "moved", CheckpointConfig()).read(2)["state"]
 
     for name, mesh_config in (("data=2,tensor=4", ParallelConfig(data=2, tensor=4)), ("one device", ParallelConfig(data=1))):
         config = _run_config(tmp_path / "moved")
         mesh = parallel.make_mesh(mesh_config)
         tx, _ = make_optimizer(config.optim, config.train.steps)
-        training, fresh = setup_sharded_state(config.model, tx, 0, mesh)
+        training, init = sharded_init(config.model, tx, mesh)
         checkpointer = Checkpointer(tmp_path / "moved", config.checkpoint)
-        restored, _ = checkpointer.restore(2, abstract_like(fresh))
+        restored, _ = checkpointer.restore(2, jax.eval_shape(init, jax.random.key(0)))  # the state's shapes and shardings
         checkpointer.close()
         for x, y, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(training.state_shardings)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"restored on {name}")

@@ -114,7 +114,8 @@ def _main(*argv) -> int:
 @pytest.mark.parametrize("case, message", [
     ("yaml file", r"^config error: config file \S+bad\.yaml line 3, column 1: not valid YAML"),
     ("yaml override", r"^config error: override 'data\.paths=\[a, b': the value is not a valid YAML list"),
-    ("config after overrides", r"^config error: unknown config key model\.num_layerz"),
+    ("config after overrides", r"^config error: unknown config key model\.num_layerz.*num_layers"),
+    ("mesh", r"^error: parallel\.tensor \(8\) must divide model\.num_heads \(4\)"),  # tiny.yaml: 4 heads, 8 devices here
     ("jsonl line", r"^error: \S+a\.jsonl line 2: invalid JSON"),
     ("empty corpus", r"^error: the training data has no text to learn from \(data\.paths \['\S+empty\.txt'\]: its documents are all empty"),
 ])
@@ -127,6 +128,7 @@ def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, case, message)
         "yaml file": ["--config", str(tmp_path / "bad.yaml")],
         "yaml override": ["data.paths=[a, b"],
         "config after overrides": ["model.num_layerz=2", "--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "train.steps=3"],
+        "mesh": ["parallel.tensor=8", "parallel.data=1", f"train.run_dir={tmp_path / 'run'}"],
         "jsonl line": [*small, "data.source=jsonl", f"data.paths=[{tmp_path / 'a.jsonl'}]"],
         "empty corpus": [*small, "data.source=text", f"data.paths=[{tmp_path / 'empty.txt'}]"],
     }[case]

@@ -27,6 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=64",
     "data.seq_len=32", "data.builtin_bytes=200000", "data.eval_batches=2", "data.eval_fraction=0.2",
+    "data.shuffle_window_tokens=4096",  # the default window packs the corpus 5 times over before the first batch
     "train.batch_size=4", "train.log_every=1", "train.eval_every=0", "train.sample_tokens=8",
     "train.progress=lines", "optim.warmup_steps=2", "parallel.data=1",  # one of conftest's 8 devices
 ]
@@ -175,22 +176,6 @@ def test_sigterm_saves_the_current_step(tmp_path):
     assert saved, out
     step = int(saved.group(1))
     assert 3 <= step < 500 and _checkpoint_steps(run_dir) == [step]  # every=1000: only the SIGTERM save
-
-
-def test_config_errors_exit_cleanly(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "train.py", "model.num_layerz=2", f"train.run_dir={tmp_path}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 2
-    assert "unknown config key model.num_layerz" in result.stderr and "num_layers" in result.stderr
-    # A setting that does not fit the devices: a one-line error too (the tiny model has 4 heads, 8 devices here).
-    result = subprocess.run(
-        [sys.executable, "train.py", "parallel.tensor=8", "parallel.data=1", f"train.run_dir={tmp_path}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith("error: parallel.tensor (8) must divide model.num_heads (4)"), result.stderr
 
 
 def test_a_run_directory_refuses_a_different_model(tmp_path):

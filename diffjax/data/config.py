@@ -20,6 +20,10 @@ class DataConfig:
     builtin_bytes: int = 4_000_000  # size budget of the builtin corpus
     append_eos: bool = True  # end every document with the tokenizer's eos id (when it has one)
     shuffle: bool = True  # shuffle documents (per epoch, from the run seed)
+    # Packed rows are shuffled within windows of about this many tokens: pieces of one long document come
+    # out of the packer in a run, and would otherwise fill whole batches. The first batch (and a resume)
+    # packs up to one window: smaller starts faster on a small corpus, larger mixes better.
+    shuffle_window_tokens: int = 1 << 20
     worker_count: int = 0  # grain worker processes (0: in the training process)
     tokenizer: TokenizerConfig = TokenizerConfig()
 
@@ -35,7 +39,7 @@ class DataConfig:
             raise ValueError(f"data.seq_len must be a positive integer, got {self.seq_len!r}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
-        for name in ("eval_batches", "builtin_bytes"):
+        for name in ("eval_batches", "builtin_bytes", "shuffle_window_tokens"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
                 raise ValueError(f"data.{name} must be a positive integer, got {getattr(self, name)!r}")
         if not (isinstance(self.worker_count, int) and self.worker_count >= 0):

@@ -28,11 +28,6 @@ from diffjax.data.sources import open_documents
 from diffjax.data.split import split_documents
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
-# Packed rows are shuffled within windows of about this many tokens: pieces of one long document
-# come out of the packer in a run, and would otherwise fill whole batches. Restoring an iterator
-# re-packs up to one window.
-ROW_SHUFFLE_TOKENS = 1 << 20
-
 
 class _TokenizeDocument(grain.transforms.Map):
     """Document index -> list of {"tokens": int32 [<= seq_len]}: the document's tokens (+ eos) in pieces.
@@ -142,7 +137,7 @@ def make_train_dataset(
         indices = indices.shuffle(seed)  # each epoch of the repeat below reshuffles (seed + epoch)
     ds = pack_documents(source, indices.repeat(), tokenizer, config, num_bins=batch_size)
     if config.shuffle:
-        window_rows = max(batch_size, ROW_SHUFFLE_TOKENS // config.seq_len)
+        window_rows = max(batch_size, config.shuffle_window_tokens // config.seq_len)
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window_rows, seed=seed)
     ds = ds.batch(batch_size, drop_remainder=True)
     if config.worker_count > 0:

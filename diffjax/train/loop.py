@@ -48,14 +48,14 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print, hooks: Seque
     if isinstance(run, TrainResult):  # complete already: nothing to do
         return run
     steps = config.train.steps
-    result = TrainResult(step=run.start_step, losses={}, eval_losses={}, tokens_per_second=None, sample=None)
     if run.start_step >= steps:
         run.log(f"the run in {run.run_dir} is complete (step {run.start_step} of train.steps = {steps}); recording its final eval")
     all_hooks, ended = [], None
     try:
         metrics_log = MetricsLog(run)
         all_hooks = [metrics_log, *hooks]
-        result.losses = metrics_log.losses
+        result = TrainResult(step=run.start_step, losses=metrics_log.losses, eval_losses={}, tokens_per_second=None,
+                             sample=None)
         for hook in all_hooks:
             hook.on_start(run)
         with StopSignals() as stop:
