@@ -191,14 +191,14 @@ def test_default_run_learns(tmp_path):
     """`python train.py` with the default config, shortened: the loss falls well below uniform."""
     one_cpu = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as on a user's CPU: one device
     result = subprocess.run(
-        [sys.executable, "train.py", "train.steps=60", "train.eval_every=30", f"train.run_dir={tmp_path / 'run'}",
-         "train.progress=lines"],
+        [sys.executable, "train.py", "train.steps=30", "train.eval_every=15", f"train.run_dir={tmp_path / 'run'}",
+         "train.progress=lines", "train.sample_tokens=40"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=one_cpu,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    progress = re.findall(r"^step\s+(\d+)/60 \| loss ([\d.]+) \|", out, flags=re.M)
-    assert {1, 25, 50, 60} <= {int(s) for s, _ in progress}, out  # (an eval also prints a line)
+    progress = re.findall(r"^step\s+(\d+)/30 \| loss ([\d.]+) \|", out, flags=re.M)
+    assert {1, 15, 25, 30} <= {int(s) for s, _ in progress}, out  # every log_every = 25 steps, and at an eval
     first, last = float(progress[0][1]), float(progress[-1][1])
     assert abs(first - math.log(257)) < 0.2, out  # starts near uniform over the byte vocabulary
     assert last < first - 1.5, out
@@ -251,6 +251,6 @@ def test_params_only_checkpoint_loads_trains_on_and_initializes(tmp_path):
     for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(trained)):  # lr 1e-12: the same params
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-9)
     with pytest.raises(ValueError, match="does not match"):
-        load_model_config = _config(tmp_path / "other", "train.steps=1", "model.d_model=64",
+        load_model_config = _config(tmp_path / "other", "train.steps=1", "model.num_layers=3",
                                     f"train.init_from={tmp_path / 'converted' / 'checkpoints' / '0'}")
         train(load_model_config, log=lambda _: None)
