@@ -18,7 +18,7 @@ from flax import nnx
 
 from diffjax import ops
 from diffjax.model import DiffAttention, StandardAttention
-from diffjax.model.rope import apply_rope, inv_frequencies, rope_tables
+from diffjax.model.rope import inv_frequencies, rope_tables
 
 QUANTIZATION_BITS = (8, 6, 4)  # the paper's Figure 8 (16 bits: unquantized)
 
@@ -71,35 +71,33 @@ def _maps_times_v(p_MBHTS, v_BSHv):
     return o_MBTHv.astype(v_BSHv.dtype)
 
 
-def _diff_attention(attn: DiffAttention, x_BTD, cos_sin, allowed_BTS, counted_BTS, constants, bits):
-    """DiffAttention.__call__ with the maps made explicit: (logits, effective map, output)."""
-    config, dtype = attn.config, x_BTD.dtype
-    n_rep, d = config.num_query_groups, config.head_dim
-    q_BTH2d, k_BSK2d, v_BSKv = attn.project(x_BTD, cos_sin)
-    v_BSHv = jnp.repeat(v_BSKv, n_rep, axis=2)
-    s_MBHTS = jnp.einsum("bthmd,bshmd->mbhts", q_BTH2d, jnp.repeat(k_BSK2d, n_rep, axis=2),
+def _explicit_maps(attn, x_BTD, cos_sin, allowed_BTS, counted_BTS, bits):
+    """The layer's q, k, v by its own projections, then per map (M = 2 for DIFF, 1 for the baseline): logits
+    [M, B, H, T, S] (quantized when bits > 0), softmax maps [M, B, H, T, S] and P V [M, B, T, H, v]."""
+    n_rep, d = attn.config.num_query_groups, attn.config.head_dim
+    q_BTHMd, k_BSKMd, v_BSKv = attn.project(x_BTD, cos_sin)
+    if q_BTHMd.ndim == 4:  # standard attention: one map
+        q_BTHMd, k_BSKMd = q_BTHMd[..., None, :], k_BSKMd[..., None, :]
+    s_MBHTS = jnp.einsum("bthmd,bshmd->mbhts", q_BTHMd, jnp.repeat(k_BSKMd, n_rep, axis=2),
                          preferred_element_type=jnp.float32) * jnp.float32(d**-0.5)
     s_MBHTS = _quantized_logits(s_MBHTS, counted_BTS, bits)
     p_MBHTS = _softmax(s_MBHTS, allowed_BTS)
-    lam = attn.lambda_full(dtype, constants["lambda_init"])
-    o_MBTHv = _maps_times_v(p_MBHTS, v_BSHv)
-    o_BTHv = o_MBTHv[0] - lam.astype(v_BSHv.dtype) * o_MBTHv[1]
+    return s_MBHTS, p_MBHTS, _maps_times_v(p_MBHTS, jnp.repeat(v_BSKv, n_rep, axis=2))
+
+
+def _diff_attention(attn: DiffAttention, x_BTD, cos_sin, allowed_BTS, counted_BTS, constants, bits):
+    """DiffAttention.__call__ with the maps made explicit: (logits, effective map, output)."""
+    s_MBHTS, p_MBHTS, o_MBTHv = _explicit_maps(attn, x_BTD, cos_sin, allowed_BTS, counted_BTS, bits)
+    lam = attn.lambda_full(x_BTD.dtype, constants["lambda_init"])
+    o_BTHv = o_MBTHv[0] - lam.astype(o_MBTHv.dtype) * o_MBTHv[1]
     out_BTD = attn.output(o_BTHv, constants)  # per-head RMSNorm, subln scale, (1 - lambda_init), out projection
     return s_MBHTS, p_MBHTS[0] - lam.astype(jnp.float32) * p_MBHTS[1], out_BTD
 
 
 def _standard_attention(attn: StandardAttention, x_BTD, cos_sin, allowed_BTS, counted_BTS, constants, bits):
     """StandardAttention.__call__ with the map made explicit: (logits [1, B, N, T, S], map, output)."""
-    config, dtype = attn.config, x_BTD.dtype
-    n_rep, d = config.num_query_groups, config.head_dim
-    q_BTNd, k_BSKd, v_BSKd = attn.project(x_BTD, cos_sin)
-    v_BSNd = jnp.repeat(v_BSKd, n_rep, axis=2)
-    s_MBNTS = jnp.einsum("btnd,bsnd->bnts", q_BTNd, jnp.repeat(k_BSKd, n_rep, axis=2),
-                         preferred_element_type=jnp.float32)[None] * jnp.float32(d**-0.5)
-    s_MBNTS = _quantized_logits(s_MBNTS, counted_BTS, bits)
-    p_MBNTS = _softmax(s_MBNTS, allowed_BTS)
-    o_BTNd = _maps_times_v(p_MBNTS, v_BSNd)[0]
-    return s_MBNTS, p_MBNTS[0], jnp.einsum("btnd,ndD->btD", o_BTNd, attn.o_kernel[...].astype(dtype))
+    s_MBNTS, p_MBNTS, o_MBTNd = _explicit_maps(attn, x_BTD, cos_sin, allowed_BTS, counted_BTS, bits)
+    return s_MBNTS, p_MBNTS[0], jnp.einsum("btnd,ndD->btD", o_MBTNd[0], attn.o_kernel[...].astype(x_BTD.dtype))
 
 
 _ATTENTIONS = {DiffAttention: _diff_attention, StandardAttention: _standard_attention}
