@@ -6,7 +6,11 @@ convert -> data, tokenizers -> train. `import diffjax` loads the first four (and
 generates with a KV cache (the module diffjax.generate, callable).
 """
 
-from diffjax import generate
+from diffjax.jax_compat import check_jax_version
+
+check_jax_version()  # one line for a jax outside the tested range, before any kernel module loads
+
+from diffjax import generate  # noqa: E402
 from diffjax.config import ModelConfig, lambda_init_for_depth
 from diffjax.losses import next_token_loss
 from diffjax.model import DiffAttention, DiffAttentionV2, SharedDiffAttention, StandardAttention, TransformerLM

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from diffjax import ops
+from diffjax.jax_compat import H100, lowering_target
 from diffjax.ops.pallas_gpu import Tuning, default_tuning, diff_attention_pallas_gpu, dot_product_attention_pallas_gpu, unsupported
 from diffjax.ops.reference import diff_attention_xla, dot_product_attention_xla
 from test_ops_pallas_tpu import BF16_SLACK, _fully_masked_rows, _rel, _segments
@@ -168,7 +169,8 @@ def test_pallas_gpu_single_lowers_for_cuda(d):
     def loss(q, k, v):
         return jnp.sum(dot_product_attention_pallas_gpu(q, k, v, causal=True, segment_ids=seg, interpret=False).astype(jnp.float32))
 
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    with lowering_target(H100) as cuda:
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=(cuda,)).as_text()
     for kernel in ("diffjax_mgpu_single_fwd", "diffjax_mgpu_single_bwd_dq", "diffjax_mgpu_single_bwd_dkdv"):
         assert kernel in text, f"{kernel} missing from the lowered module ({default_tuning(d, d, 1, jnp.bfloat16, single=True)})"
 
@@ -196,7 +198,8 @@ def _lower_for_cuda(d, dv, G, variant, tuning):
         o = diff_attention_pallas_gpu(q, k, v, lam, causal=causal, segment_ids=seg, tuning=tuning, interpret=False)
         return jnp.sum(o.astype(jnp.float32))
 
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, lam).lower(lowering_platforms=("cuda",))
+    with lowering_target(H100) as cuda:
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, lam).lower(lowering_platforms=(cuda,))
     text = lowered.as_text()
     for kernel in ("diffjax_mgpu_fwd", "diffjax_mgpu_bwd_dq", "diffjax_mgpu_bwd_dkdv"):
         assert kernel in text, f"{kernel} missing from the lowered module ({tuning or default_tuning(d, dv, G, dtype)})"

@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from diffjax.jax_compat import lowering_target
 from diffjax.ops.pallas_tpu import diff_attention_pallas, dot_product_attention_pallas
 
 B, T, H, K = 1, 1000, 4, 2  # T not a multiple of the 128 blocks: the padded path; GQA (2 q heads per kv head)
@@ -22,10 +22,9 @@ B, T, H, K = 1, 1000, 4, 2  # T not a multiple of the 128 blocks: the padded pat
 
 def _lower_for_tpu(loss, args, device_kind="TPU v5p"):
     """The StableHLO text of grad(loss) lowered for `device_kind` (raises what Mosaic's front end raises)."""
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu"))
     argnums = tuple(range(len(args) - 1))  # every input but the segment ids
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = jax.jit(jax.grad(loss, argnums=argnums)).trace(*args).lower(lowering_platforms=("tpu",))
+    with lowering_target(device_kind, platform="tpu") as target:
+        lowered = jax.jit(jax.grad(loss, argnums=argnums)).trace(*args).lower(lowering_platforms=(target,))
     return lowered.as_text()
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from typing import NamedTuple
 
@@ -54,13 +53,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from diffjax import jax_compat
 from diffjax.ops.reference import split_segment_ids
 
 LOG2E = math.log2(math.e)
 WGMMA = plgpu.Layout.WGMMA  # the register layout of wgmma accumulators; .reduce(1) rows, .reduce(0) columns
 SMEM_BYTES = 227 * 1024  # Hopper: dynamic shared memory a CTA may use
 SMEM_MARGIN = 2048  # barriers, alignment padding
-_LOAD_TAKES_IDX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty  # jax 0.10
 
 
 class Tuning(NamedTuple):
@@ -92,7 +91,7 @@ class _Ops:
         """ref's whole contents in `layout` (row vectors: WGMMA.reduce(1), column vectors: .reduce(0))."""
         if self.interpret:
             return ref[...]
-        return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_IDX else plgpu.load(ref, layout=layout)
+        return jax_compat.mosaic_gpu_load(plgpu, ref, layout)
 
     def iota(self, shape, dim):
         if self.interpret:
@@ -823,17 +822,9 @@ def _launch(st, kernel, out_type, scratch, grid, grid_names, name):
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params() if st.interpret else None,
+        interpret=jax_compat.mosaic_gpu_interpret_params(plgpu) if st.interpret else None,
         kernel_name=name,
     )
-
-
-def _interpret_params():
-    if hasattr(plgpu, "InterpretGPUParams"):  # jax >= 0.11
-        return plgpu.InterpretGPUParams()
-    from jax._src.pallas.mosaic_gpu.interpret import params
-
-    return params.InterpretGPUParams()
 
 
 # ------------------------------------------------------------------------------ public
