@@ -14,6 +14,8 @@
 # trainstep    benchmarks/train_step.py (imports the trainer: .whl/ too): the 1.4B DIFF and its twin at seq $SEQ
 #              (4096), remat $REMAT (attention): largest micro-batch, tokens/s, MFU, peak memory
 #                                                               -> train_step_gpu_<seq>_<remat>.json, trainstep_*.log
+# The phases run on the image's jax (0.11.2 in 2026-11) or, where .whl-jax/ holds the wheels of another
+# (NOTES.md, "Supported JAX versions"), on that one; gpu.txt records which. No code differs between them.
 # Everything lands in $OUT, which the device tool brings back (gpu.txt says what ran where). Commit
 # the JSON to benchmarks/results/ and the figures to NOTES.md. The device image has jax (CUDA),
 # flax, optax, orbax, pyyaml and pytest: nothing is installed here.
@@ -26,6 +28,11 @@ phases=${*:-tests bench}
 if [ -d .whl ]; then  # wheels the device image lacks (the trainer's data and logging packages)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+if [ -d .whl-jax ]; then  # a newer jax than the image's (jax, jaxlib, jax-cuda13-plugin, jax-cuda13-pjrt wheels)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-jax .whl-jax/*.whl \
+    && export PYTHONPATH="/tmp/site-jax:$PYTHONPATH"
 fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/gpu.txt"

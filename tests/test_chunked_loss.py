@@ -112,9 +112,10 @@ def test_model_train_loss_with_chunks_equals_full_logits_in_every_param_gradient
         return chunked_packed_loss_sum_and_count(hidden, model.head(hidden.dtype), tokens, segment_ids, chunk_tokens)[0]
 
     grads = {chunk: jax.jit(jax.grad(loss), static_argnums=1)(params, chunk) for chunk in (0, CHUNK_TOKENS)}
-    # 5e-5: the lambda vectors' gradients are sums of many cancelling terms, ~1e-3 of the others (1.5e-5 seen)
-    error = measured("max rel grad diff per param, fp32", max_relative_error(grads[CHUNK_TOKENS], grads[0]), 5e-5)
-    assert error < 5e-5
+    # 1e-4: the lambda vectors' gradients are sums of many cancelling terms, ~1e-3 of the others, so fp32
+    # summation order shows (1.5e-5 seen on jax 0.10.2, 5.2e-5 on 0.12), far below a chunking error (a token's terms lost or counted twice)
+    error = measured("max rel grad diff per param, fp32", max_relative_error(grads[CHUNK_TOKENS], grads[0]), 1e-4)
+    assert error < 1e-4
 
 
 def test_chunked_loss_rejects_bad_chunks_and_shapes():
