@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -137,19 +139,40 @@ def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, case, message)
     assert re.search(message, err) and "\n" not in err, err
 
 
-def test_progress_bar_shows_the_current_loss_on_a_0x0_terminal(monkeypatch, capsys):
+def test_progress_bar_shows_the_current_loss_on_a_0x0_terminal():
+    """A real pseudo-terminal of 0 x 0 (as `script` and some `docker exec -t` give) on the child's stderr:
+    tqdm sizes itself from it (-1 x -1) and drew nothing before the fix."""
+    import fcntl
     import os
+    import pty
+    import struct
+    import termios
 
-    from diffjax.train import progress
-
-    monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: os.terminal_size((0, 0)))  # some containers
-    display = progress.Progress("bar", 0, 10, 128, print)
-    assert display.bar.ncols == 100  # tqdm's dynamic width would be 0 columns: nothing drawn
-    for step, loss in ((5, 1.2345), (9, 0.5)):
-        display.update(step, {"loss": loss, "grad_norm": 1.0, "lr": 0.1})
-    shown = capsys.readouterr().err.split("\r")[-1]
-    assert "9/10" in shown and "loss=0.5000" in shown, shown
-    display.close()
+    child = (
+        "from diffjax.train.progress import Progress\n"
+        "display = Progress('auto', 0, 10, 128, print)\n"
+        "for step, loss in ((5, 1.2345), (9, 0.5)):\n"
+        "    display.update(step, {'loss': loss, 'grad_norm': 1.0, 'lr': 0.1})\n"
+        "display.close()\n"
+    )
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    process = subprocess.Popen([sys.executable, "-c", child], stdin=terminal, stdout=terminal, stderr=terminal,
+                               cwd=REPO_ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    assert process.wait(timeout=120) == 0, shown.decode()
+    last = shown.decode().split("\r")[-2]  # the bar as close() leaves it
+    assert "9/10" in last and "loss=0.5000" in last, shown.decode()
 
 
 def test_help_keys_shows_the_values_the_run_will_use(capsys):

@@ -20,13 +20,12 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def terminal_columns() -> int:
-    """stderr's terminal width; 0 where it reports none (some containers give 0x0, where tqdm's
-    dynamic width would draw nothing)."""
+def terminal_size() -> os.terminal_size:
+    """stderr's terminal (columns, lines); 0 where it reports none (`script`, some `docker exec -t` give 0x0)."""
     try:
-        return os.get_terminal_size(sys.stderr.fileno()).columns
+        return os.get_terminal_size(sys.stderr.fileno())
     except (OSError, ValueError):
-        return 0
+        return os.terminal_size((0, 0))
 
 
 class Progress:
@@ -37,9 +36,11 @@ class Progress:
         if use_bar and start_step < total_steps:
             from tqdm import tqdm
 
-            columns = terminal_columns()
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=columns > 0,
-                            ncols=None if columns > 0 else 100)
+            # tqdm reads the size itself, minus one: on a 0x0 terminal a width of -1 and a height of -1,
+            # which hides the bar ("more hidden" below row -1). There, a fixed 100 x 20.
+            sized = min(terminal_size()) > 0
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=sized,
+                            ncols=None if sized else 100, nrows=None if sized else 20)
 
     def update(self, step: int, values: dict[str, float]):
         rate = values.get("tokens_per_second")
