@@ -243,13 +243,14 @@ def byte_run_dir(tmp_path_factory):
 
 
 def test_cli_prints_each_prompt_and_its_continuation(byte_run_dir, capsys):
+    """No --temperature: greedy, the CLI's default as the API's (compared with diffjax.generate's default)."""
     from diffjax.checkpoint import load_model
     from diffjax.generate.__main__ import main
     from diffjax.tokenizers import ByteTokenizer
 
     prompts = ["def f(x):", "import"]
     assert main(["--checkpoint", str(byte_run_dir), "--prompt", prompts[0], "--prompt", prompts[1],
-                 "--max-new-tokens", "6", "--temperature", "0"]) == 0
+                 "--max-new-tokens", "6"]) == 0
     out, err = capsys.readouterr()
     tokenizer = ByteTokenizer()
     new = diffjax.generate(load_model(byte_run_dir), [tokenizer.encode(p) for p in prompts], 6, stop_tokens=[tokenizer.eos_id])

@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     prompts.add_argument("--prompt-ids", action="append", metavar="IDS",
                          help="a prompt as comma-separated token ids (repeat for a batch); prints ids, needs no tokenizer")
     parser.add_argument("--max-new-tokens", type=int, default=100, help="new tokens per prompt at most (default 100)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 (the default): greedy")
     parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
     parser.add_argument("--top-p", type=float, help="sample from the most likely tokens whose probability reaches p")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
