@@ -124,7 +124,11 @@ def test_notebook_runs(path, kernel_env, tmp_path):
     missing = missing_imports(nbformat.read(path, as_version=4))
     if missing:
         pytest.skip(f"{path.name} imports {', '.join(missing)}, not installed here")
-    notebook = execute(nbformat.read(path, as_version=4), kernel_env, tmp_path)
+    scratch = tmp_path / "tmp"  # the kernel's temporary directory: what the notebook leaves there
+    scratch.mkdir()
+    notebook = execute(nbformat.read(path, as_version=4), {**kernel_env, "TMPDIR": str(scratch)}, tmp_path)
+    leftovers = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own cache
+    assert not leftovers, f"{path.name} left temporary files behind: {leftovers}"
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     if path.name.startswith("01"):
