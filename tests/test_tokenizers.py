@@ -23,6 +23,7 @@ import tiktoken_ext.openai_public
 from diffjax.tokenizers.config import TokenizerConfig
 from diffjax.tokenizers import (
     ByteTokenizer,
+    HFTokenizer,
     SentencePieceTokenizer,
     TiktokenNotCachedError,
     TiktokenTokenizer,
@@ -362,13 +363,88 @@ def test_tiktoken_cache_dir_follows_tiktoken(monkeypatch, tmp_path):
     assert tiktoken_cache_dir() == str(tmp_path / "tik")
 
 
+# --- Hugging Face tokenizer.json -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, corpus) -> Path:
+    """A byte-level BPE trained here with the `tokenizers` library and saved as an HF checkpoint ships it:
+    tokenizer.json, and tokenizer_config.json naming eos (a string) and bos (an AddedToken dict)."""
+    import json
+
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory = tmp_path_factory.mktemp("hf")
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory
+
+
+def test_hf_tokenizer_matches_the_library_and_round_trips(hf_dir):
+    from tokenizers import Tokenizer as RustTokenizer
+
+    tokenizer = HFTokenizer(hf_dir)
+    library = RustTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    assert (tokenizer.eos_id, tokenizer.bos_id) == (library.token_to_id("</s>"), library.token_to_id("<s>"))
+    assert tokenizer.vocab_size == library.get_vocab_size(with_added_tokens=True)
+    texts = FIXED_TEXTS + _random_texts(50, seed=4)
+    for text in texts:
+        assert tokenizer.encode(text).tolist() == library.encode(text, add_special_tokens=False).ids
+    _check_common(tokenizer, texts)
+    assert HFTokenizer(hf_dir / "tokenizer.json").encode("hello").tolist() == tokenizer.encode("hello").tolist()
+
+
+def test_hf_tokenizer_agrees_with_transformers(hf_dir):
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    ours = HFTokenizer(hf_dir)
+    assert (ours.eos_id, ours.bos_id) == (theirs.eos_token_id, theirs.bos_token_id)
+    for text in FIXED_TEXTS + _random_texts(20, seed=5):
+        ids = theirs.encode(text, add_special_tokens=False)
+        assert ours.encode(text).tolist() == ids
+        assert ours.decode(ids + [ours.eos_id]) == theirs.decode(ids + [ours.eos_id], skip_special_tokens=True)
+
+
+def test_hf_tokenizer_errors_name_the_file(tmp_path, hf_dir):
+    import json
+    import shutil
+
+    with pytest.raises(FileNotFoundError, match=r"directory .* has no tokenizer.json.*nothing is downloaded"):
+        HFTokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"'.*absent.json' does not exist"):
+        HFTokenizer(tmp_path / "absent.json")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer.json' is not a Hugging Face tokenizer.json"):
+        HFTokenizer(tmp_path)
+    shutil.copy(hf_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|no such token|>"}))
+    with pytest.raises(ValueError, match=r"the eos_token '<\|no such token\|>' named beside it is not in its vocabulary"):
+        HFTokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json' must hold a JSON object, got list"):
+        HFTokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    assert (HFTokenizer(tmp_path).eos_id, HFTokenizer(tmp_path).bos_id) == (None, None)  # nothing names them
+    with pytest.raises(ValueError, match="data.tokenizer.path must name a tokenizer.json"):
+        TokenizerConfig(kind="hf")
+
+
 # --- make_tokenizer -------------------------------------------------------------------------
 
 
-def test_make_tokenizer_builds_each_kind(tmp_path, sp_model):
+def test_make_tokenizer_builds_each_kind(tmp_path, sp_model, hf_dir):
     assert isinstance(make_tokenizer(TokenizerConfig()), ByteTokenizer)
     sentencepiece = make_tokenizer(TokenizerConfig(kind="sentencepiece", path=sp_model))
     assert isinstance(sentencepiece, SentencePieceTokenizer) and sentencepiece.vocab_size == 400
     _write_tiktoken(tmp_path / "v.tiktoken", _small_ranks())
     tiktoken_file = make_tokenizer(TokenizerConfig(kind="tiktoken", path=str(tmp_path / "v.tiktoken")))
     assert isinstance(tiktoken_file, TiktokenTokenizer) and tiktoken_file.name == "tiktoken(v.tiktoken)"
+    hf = make_tokenizer(TokenizerConfig(kind="hf", path=str(hf_dir)))
+    assert isinstance(hf, HFTokenizer) and hf.vocab_size == 400

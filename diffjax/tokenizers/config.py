@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-TOKENIZER_KINDS = ("byte", "sentencepiece", "tiktoken")
+TOKENIZER_KINDS = ("byte", "sentencepiece", "tiktoken", "hf")
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
-    kind: str = "byte"  # "byte" | "sentencepiece" | "tiktoken"
-    path: str | None = None  # sentencepiece: a .model file; tiktoken: a .tiktoken file (instead of `encoding`)
+    kind: str = "byte"  # "byte" | "sentencepiece" | "tiktoken" | "hf"
+    # sentencepiece: a .model file; tiktoken: a .tiktoken file (instead of `encoding`); hf: a tokenizer.json or
+    # the directory holding it (a Hugging Face checkpoint's)
+    path: str | None = None
     encoding: str | None = None  # tiktoken: a named encoding (e.g. "cl100k_base") from the local cache
 
     def __post_init__(self):
@@ -18,6 +20,9 @@ class TokenizerConfig:
             raise ValueError(f"data.tokenizer.kind must be one of {TOKENIZER_KINDS}, got {self.kind!r}")
         if self.kind == "sentencepiece" and not self.path:
             raise ValueError("data.tokenizer.path must name a sentencepiece .model file when data.tokenizer.kind is 'sentencepiece'")
+        if self.kind == "hf" and not self.path:
+            raise ValueError("data.tokenizer.path must name a tokenizer.json (or the directory holding it) when "
+                             "data.tokenizer.kind is 'hf'")
         if self.kind == "tiktoken" and bool(self.path) == bool(self.encoding):
             raise ValueError(
                 "data.tokenizer.kind 'tiktoken' needs exactly one of data.tokenizer.encoding (a named encoding such as "
