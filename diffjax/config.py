@@ -1,6 +1,7 @@
 """Model configuration: one dataclass for the Differential Transformer, its variants and the baseline twin.
 
-`attention` picks the attention module:
+`attention` picks the attention kind, a row of diffjax.attention_kinds (its module under
+diffjax/model/attention/ says what it computes):
   "diff"         differential attention V1 (unilm `multihead_flashdiff_1`): `num_heads` = H differential heads
                  (half the baseline's), each with q1, q2, k1, k2 of `head_dim` d = d_model / 2H and values of 2d
   "standard"     the MHA / GQA baseline: `num_heads` ordinary heads of d = d_model / num_heads
@@ -8,7 +9,7 @@
                  d = d_model / h, 2h query heads paired (2j, 2j+1), k and v with num_kv_heads heads of d,
                  per-token lambda = sigmoid(x W_lambda); no per-head norm, no lambda_init
   "shared_diff"  Shared DIFF Transformer (arXiv:2501.17900): V1 whose two maps' q (and k) projections are one
-                 shared base plus a low-rank update each, rank `shared_diff_rank` (diffjax/model/shared_diff.py)
+                 shared base plus a low-rank update each, rank `shared_diff_rank`
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import dataclasses
 import math
 from typing import Any
 
-ATTENTION_KINDS = ("diff", "standard", "diff_v2", "shared_diff")
-DIFF_V1_KINDS = ("diff", "shared_diff")  # the V1 operator: scalar lambda per layer, lambda_init, per-head norm
+from diffjax import attention_kinds
+
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 ROPE_STYLES = ("interleaved", "rotate_half")
 ROPE_TYPES = ("default", "llama3")
@@ -26,6 +27,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "minimal", "attention", "full")  # what a decoder block keeps for the backward pass
 # Fields that change how the model computes, not what it computes: a run may resume with others.
 RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")
+_KIND_FIELDS = ("shared_diff_rank",)  # ModelConfig fields that belong to some kinds (AttentionKind.own_fields)
 MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
 
 
@@ -41,9 +43,9 @@ class ModelConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int | None = None  # None: num_heads (no GQA)
-    head_dim: int | None = None  # None: d_model / (2 num_heads) for diff and shared_diff, d_model / num_heads otherwise
+    head_dim: int | None = None  # None: d_model / (value_width num_heads) (value_width: 2 for diff and shared_diff, else 1)
     mlp_dim: int | None = None  # None: 8/3 d_model rounded to a multiple of MLP_MULTIPLE
-    attention: str = "diff"  # one of ATTENTION_KINDS (module docstring)
+    attention: str = "diff"  # one of attention_kinds.names() (module docstring)
     activation: str = "silu"  # gate activation of the gated MLP (SwiGLU with silu)
     norm_eps: float = 1e-5  # block RMSNorms and the per-head subln
     tie_embeddings: bool = False
@@ -94,11 +96,13 @@ class ModelConfig:
                 value is None or (isinstance(value, int) and value > 0),
                 f"{name} must be a positive integer or None, got {value!r}",
             )
-        check(self.attention in ATTENTION_KINDS, f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
-        check(
-            self.shared_diff_rank is None or self.attention == "shared_diff",
-            f"shared_diff_rank is only used by attention 'shared_diff', got {self.shared_diff_rank!r} with attention {self.attention!r}",
-        )
+        kind = attention_kinds.get(self.attention) if self.attention in attention_kinds.names() else None
+        check(kind is not None, f"attention must be one of {attention_kinds.names()}, got {self.attention!r}")
+        for name in _KIND_FIELDS:  # fields that only some kinds use
+            users = [k.name for k in map(attention_kinds.get, attention_kinds.names()) if name in k.own_fields]
+            check(getattr(self, name) is None or kind is None or name in kind.own_fields,
+                  f"{name} is only used by attention {' / '.join(map(repr, users))}, got {getattr(self, name)!r} with "
+                  f"attention {self.attention!r}")
         check(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         check(self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}")
         check(self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
@@ -131,13 +135,12 @@ class ModelConfig:
             raise ValueError("invalid ModelConfig: " + "; ".join(errors))
 
         # Resolve the derived sizes so that every field is concrete after construction.
-        derivable = ("num_kv_heads", "head_dim", "mlp_dim") + (("shared_diff_rank",) if self.attention == "shared_diff" else ())
+        derivable = ("num_kv_heads", "head_dim", "mlp_dim") + tuple(kind.own_fields)
         object.__setattr__(self, "derived", tuple(n for n in derivable if getattr(self, n) is None))
-        two_maps_wide = self.attention in DIFF_V1_KINDS  # values 2d wide: d = d_model / 2H
-        heads_per_width = 2 * self.num_heads if two_maps_wide else self.num_heads
+        heads_per_width = kind.value_width * self.num_heads  # d = d_model / (value_width H): values fill d_model
         if self.head_dim is None:
             if self.d_model % heads_per_width:
-                what = "2 * num_heads" if two_maps_wide else "num_heads"
+                what = f"{kind.value_width} * num_heads" if kind.value_width > 1 else "num_heads"
                 raise ValueError(
                     f"invalid ModelConfig: d_model ({self.d_model}) must be divisible by {what} "
                     f"({heads_per_width}) when head_dim is not given; set head_dim explicitly or change num_heads"
@@ -146,19 +149,19 @@ class ModelConfig:
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.num_heads % self.num_kv_heads:
-            why = (" (diff_v2 pairs query heads 2j and 2j+1 of one kv group: unilm V2 needs num_heads % num_kv_heads == 0)"
-                   if self.attention == "diff_v2" else "")
             raise ValueError(
                 f"invalid ModelConfig: num_heads ({self.num_heads}) must be divisible by "
-                f"num_kv_heads ({self.num_kv_heads}){why}"
+                f"num_kv_heads ({self.num_kv_heads}) (attention {self.attention!r}: each kv head serves a whole group "
+                "of query heads)"
             )
         if self.head_dim % 2:
             raise ValueError(f"invalid ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
         if self.mlp_dim is None:
             multiple = MLP_MULTIPLE
             object.__setattr__(self, "mlp_dim", max(multiple, round(8 * self.d_model / 3 / multiple) * multiple))
-        if self.attention == "shared_diff" and self.shared_diff_rank is None:
-            object.__setattr__(self, "shared_diff_rank", max(1, self.d_model // 16))
+        for name, default in kind.own_fields.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default(self))
 
     # ----------------------------------------------------------------------------------------
 
@@ -189,22 +192,8 @@ class ModelConfig:
 
     def param_counts(self) -> dict[str, int]:
         """Parameters per part, counted from the shapes (tied embeddings count once)."""
-        D, H, K, d, F = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
-        if self.attention == "diff":
-            # q (D,H,2,d), k (D,K,2,d), v (D,K,2d), o (H,2d,D), four lambda vectors, subln (2d,)
-            attention = D * H * 2 * d + 2 * D * K * 2 * d + H * 2 * d * D + 4 * d + 2 * d
-        elif self.attention == "shared_diff":
-            # bases q (D,H,d), k (D,K,d); per map a (D,r) and an (r, heads, d) factor for q and for k
-            # (diffjax/model/shared_diff.py); then v, o, lambda vectors and subln as for diff
-            r = self.shared_diff_rank
-            low_rank = 4 * D * r + 2 * r * (H + K) * d
-            attention = D * (H + K) * d + low_rank + D * K * 2 * d + H * 2 * d * D + 4 * d + 2 * d
-        elif self.attention == "diff_v2":
-            # q (D,H,2,d), k (D,K,d), v (D,K,d), o (H,d,D), lambda projection (D,H)
-            attention = D * H * 2 * d + 2 * D * K * d + H * d * D + D * H
-        else:
-            attention = 2 * D * H * d + 2 * D * K * d
-        per_layer = attention + 3 * D * F + 2 * D
+        D, F = self.d_model, self.mlp_dim
+        per_layer = attention_kinds.get(self.attention).attention_params(self) + 3 * D * F + 2 * D
         return {
             "embedding": self.vocab_size * D,
             "layers": self.num_layers * per_layer,

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import numpy as np
 import yaml
 
+from diffjax import attention_kinds
 from diffjax.data.config import DataConfig
 from diffjax.tokenizers import Tokenizer
 
@@ -26,9 +27,11 @@ class Checkpoint:
 
 
 def describe(model) -> str:
+    """'DIFF (4 diff heads, 0.82M params)': the kind's label, its heads, the parameter count."""
     config = model.config
-    heads = f"{config.num_heads} diff heads" if config.attention == "diff" else f"{config.num_heads} heads"
-    return f"{'DIFF' if config.attention == 'diff' else 'Transformer'} ({heads}, {model.num_params() / 1e6:.2f}M params)"
+    kind = attention_kinds.get(config.attention)
+    heads = f"{config.num_heads} {'diff ' if kind.maps == 2 else ''}heads"
+    return f"{kind.label} ({heads}, {model.num_params() / 1e6:.2f}M params)"
 
 
 def load_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:

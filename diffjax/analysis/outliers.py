@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffjax import attention_kinds
 from diffjax.analysis import common
 from diffjax.analysis.probe import LayerView, make_probe
 
@@ -59,7 +60,7 @@ def statistics(model, batches: Sequence[dict], *, median_sample: int = 1 << 16, 
     """Table 5's figures for `model` over packed `batches` (tokens / segment_ids / positions [B, T])."""
     probe = make_probe(model, magnitudes)
     config, rng = model.config, np.random.default_rng(seed)
-    maps, heads = (2 if config.attention == "diff" else 1), config.num_heads
+    maps, heads = attention_kinds.get(config.attention).maps, config.num_heads
     tops = {kind: [] for kind in KINDS}
     samples = {kind: [] for kind in KINDS}
     tokens = 0

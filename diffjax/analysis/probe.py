@@ -1,9 +1,9 @@
 """The model's forward pass with every layer's attention open to inspection, and optionally its attention
 logits quantized.
 
-The attention layers never materialise their score matrices (the fused kernels cannot), so this module
-recomputes each layer's attention from the layer's own projections, as `attention_maps` does, and runs
-the rest of the block through the block's own modules: the output equals `model(tokens)` (tested in
+The attention layers never materialise their score matrices (the fused kernels cannot), so this module runs
+each layer's attention through the layer's own `explicit_maps` (every attention kind has one:
+diffjax/model/attention/base.py) and the rest of the block through the block's own modules: the output equals `model(tokens)` (tested in
 float32), and the logits, maps and hidden states on the way are handed to an `observe` function that
 reduces them inside the same jitted program (so a [B, H, T, S] map never leaves the device).
 """
@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import ops
-from diffjax.model import DiffAttention, StandardAttention
 from diffjax.model.rope import inv_frequencies, rope_tables
 
 QUANTIZATION_BITS = (8, 6, 4)  # the paper's Figure 8 (16 bits: unquantized)
@@ -53,54 +52,9 @@ def absmax_quantize(values, bits, counted=True, *, scale_axis: int = 0):
     return jnp.round(values / scale) * scale
 
 
-def _softmax(s_MBHTS, allowed_BTS):
-    """Row softmax over the allowed keys in float32; rows with no allowed key are 0 (as the ops do)."""
-    allowed = allowed_BTS[None, :, None]
-    p = jax.nn.softmax(jnp.where(allowed, s_MBHTS, jnp.finfo(jnp.float32).min), axis=-1)
-    return jnp.where(jnp.any(allowed, axis=-1, keepdims=True), p, 0.0)
-
-
 def _quantized_logits(s_MBHTS, counted_BTS, bits):
     """One scale per sequence, over all heads and (DIFF) both maps of the layer; bits 0: unquantized."""
     return jnp.where(bits > 0, absmax_quantize(s_MBHTS, jnp.maximum(bits, 2), counted_BTS[None, :, None], scale_axis=1), s_MBHTS)
-
-
-def _maps_times_v(p_MBHTS, v_BSHv):
-    """Each map's P V as the XLA reference computes it: P rounded to v's dtype, float32 accumulation."""
-    o_MBTHv = jnp.einsum("mbhts,bshv->mbthv", p_MBHTS.astype(v_BSHv.dtype), v_BSHv, preferred_element_type=jnp.float32)
-    return o_MBTHv.astype(v_BSHv.dtype)
-
-
-def _explicit_maps(attn, x_BTD, cos_sin, allowed_BTS, counted_BTS, bits):
-    """The layer's q, k, v by its own projections, then per map (M = 2 for DIFF, 1 for the baseline): logits
-    [M, B, H, T, S] (quantized when bits > 0), softmax maps [M, B, H, T, S] and P V [M, B, T, H, v]."""
-    n_rep, d = attn.config.num_query_groups, attn.config.head_dim
-    q_BTHMd, k_BSKMd, v_BSKv = attn.project(x_BTD, cos_sin)
-    if q_BTHMd.ndim == 4:  # standard attention: one map
-        q_BTHMd, k_BSKMd = q_BTHMd[..., None, :], k_BSKMd[..., None, :]
-    s_MBHTS = jnp.einsum("bthmd,bshmd->mbhts", q_BTHMd, jnp.repeat(k_BSKMd, n_rep, axis=2),
-                         preferred_element_type=jnp.float32) * jnp.float32(d**-0.5)
-    s_MBHTS = _quantized_logits(s_MBHTS, counted_BTS, bits)
-    p_MBHTS = _softmax(s_MBHTS, allowed_BTS)
-    return s_MBHTS, p_MBHTS, _maps_times_v(p_MBHTS, jnp.repeat(v_BSKv, n_rep, axis=2))
-
-
-def _diff_attention(attn: DiffAttention, x_BTD, cos_sin, allowed_BTS, counted_BTS, constants, bits):
-    """DiffAttention.__call__ with the maps made explicit: (logits, effective map, output)."""
-    s_MBHTS, p_MBHTS, o_MBTHv = _explicit_maps(attn, x_BTD, cos_sin, allowed_BTS, counted_BTS, bits)
-    lam = attn.lambda_full(x_BTD.dtype, constants["lambda_init"])
-    o_BTHv = o_MBTHv[0] - lam.astype(o_MBTHv.dtype) * o_MBTHv[1]
-    out_BTD = attn.output(o_BTHv, constants)  # per-head RMSNorm, subln scale, (1 - lambda_init), out projection
-    return s_MBHTS, p_MBHTS[0] - lam.astype(jnp.float32) * p_MBHTS[1], out_BTD
-
-
-def _standard_attention(attn: StandardAttention, x_BTD, cos_sin, allowed_BTS, counted_BTS, constants, bits):
-    """StandardAttention.__call__ with the map made explicit: (logits [1, B, N, T, S], map, output)."""
-    s_MBNTS, p_MBNTS, o_MBTNd = _explicit_maps(attn, x_BTD, cos_sin, allowed_BTS, counted_BTS, bits)
-    return s_MBNTS, p_MBNTS[0], jnp.einsum("btnd,ndD->btD", o_MBTNd[0], attn.o_kernel[...].astype(x_BTD.dtype))
-
-
-_ATTENTIONS = {DiffAttention: _diff_attention, StandardAttention: _standard_attention}
 
 
 def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
@@ -111,10 +65,6 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
     of the compiled program, so every bit width runs the same one."""
     graphdef, state = nnx.split(model)
     config = model.config
-    attention = next((f for kind, f in _ATTENTIONS.items() if isinstance(model.blocks.attn, kind)), None)
-    if attention is None:  # DIFF V2's per-token lambda is not written out here yet
-        raise TypeError(f"the analyses know DiffAttention (and SharedDiffAttention, a subclass) and StandardAttention, "
-                        f"not {type(model.blocks.attn).__name__}")
     observe = observe or (lambda view, aux: None)
 
     @jax.jit
@@ -134,9 +84,10 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
         for depth in range(config.num_layers):
             block = nnx.merge(graph, jax.tree.map(lambda x: x[depth], params))
             layer_constants = jax.tree.map(lambda x: x[depth], constants)
-            s, effective, attn_out = attention(block.attn, block.attn_norm(x_BTD), cos_sin, allowed_BTS, counted_BTS,
-                                               layer_constants, logit_bits)
-            h_BTD = x_BTD + attn_out
+            explicit = block.attn.explicit_maps(block.attn_norm(x_BTD), cos_sin, allowed_BTS, layer_constants,
+                                                lambda s: _quantized_logits(s, counted_BTS, logit_bits))
+            s, effective = explicit.logits_MBHTS, explicit.effective_BHTS
+            h_BTD = x_BTD + explicit.out_BTD
             x_BTD = h_BTD + block.mlp(block.mlp_norm(h_BTD))
             observed.append(observe(LayerView(depth, s, effective, counted_BTS, x_BTD, real_BT), aux))
         x_BTD = model.final_norm(x_BTD)

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diffjax import attention_kinds
 from diffjax.config import ModelConfig, lambda_init_for_depth
 from diffjax.convert.common import ConversionError, flatten, path_name, prepare_output_dir
-from diffjax.convert.hf import stacked_path, weight_table
+from diffjax.convert.hf import MODEL_TYPES, is_diffllama, stacked_path, weight_table
 from diffjax.convert.safetensors_io import write_safetensors
 from diffjax.model.rope import interleaved_from_rotate_half
 
@@ -44,11 +45,12 @@ _DERIVED_FIELDS = {
 def check_exportable(config: ModelConfig) -> None:
     """Raise ConversionError naming each setting of `config` that HF DiffLlama / Llama cannot express."""
     problems = []
-    if config.attention not in ("diff", "standard"):
-        problems.append(
-            f"attention={config.attention!r}: Hugging Face has DiffLlama (attention 'diff') and Llama ('standard') only"
-        )
-    if config.attention == "diff" and config.lambda_init is not None:
+    kind = attention_kinds.get(config.attention)
+    if kind.hf_model_type not in MODEL_TYPES:
+        counterparts = [f"{k.hf_architecture.removesuffix('ForCausalLM')} (attention {k.name!r})"
+                        for k in map(attention_kinds.get, attention_kinds.names()) if k.hf_model_type in MODEL_TYPES]
+        problems.append(f"attention={config.attention!r}: Hugging Face has {' and '.join(counterparts)} only")
+    if kind.lambda_form == "per_layer" and config.lambda_init is not None:
         schedule = [lambda_init_for_depth(i) for i in range(config.num_layers)]
         if any(abs(config.lambda_init - value) > 1e-12 for value in schedule):
             problems.append(
@@ -80,15 +82,15 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
     """config.json for `config`. base: an original HF config whose other fields (token ids,
     initializer_range, ...) are kept when it describes the same model_type."""
     check_exportable(config)
-    diff = config.attention == "diff"
-    model_type = "diffllama" if diff else "llama"
-    heads = 2 if diff else 1  # HF counts DiffLlama's sub-heads
+    kind = attention_kinds.get(config.attention)
+    model_type = kind.hf_model_type
+    heads = kind.maps  # HF counts DiffLlama's sub-heads
     values = {k: v for k, v in (base or {}).items() if k not in _DERIVED_FIELDS} if (base or {}).get("model_type") == model_type else {}
     values.setdefault("initializer_range", float(config.init_std))
     values.setdefault("use_cache", True)
     dtype = dtype or config.param_dtype
     values.update(
-        architectures=["DiffLlamaForCausalLM" if diff else "LlamaForCausalLM"],
+        architectures=[kind.hf_architecture],
         model_type=model_type,
         vocab_size=config.vocab_size,
         hidden_size=config.d_model,
@@ -107,7 +109,7 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
         torch_dtype=dtype,
         **_rope_config(config),
     )
-    if diff:
+    if is_diffllama(config):
         values["lambda_std_dev"] = float(config.lambda_std)
     else:
         values.update(mlp_bias=False, pretraining_tp=1)
@@ -165,7 +167,7 @@ def _inverse(config: ModelConfig, path: tuple, read, read_layer):
     else:
         get = lambda: np.asarray(read(path))  # noqa: E731
     if path[0] == "blocks" and path[2] == "attn":
-        if config.attention == "diff":
+        if is_diffllama(config):
             if name in ("q_kernel", "k_kernel"):
                 return lambda: _qk_to_hf(get(), permute)
             if name == "v_kernel":

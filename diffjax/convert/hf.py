@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diffjax import attention_kinds
 from diffjax.config import ModelConfig
 from diffjax.convert.common import ConversionError, build_module, to_numpy
 from diffjax.convert.hf_files import HFWeights
@@ -26,12 +27,17 @@ from diffjax.model.transformer import TransformerLM
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("diffllama", "llama")
+MODEL_TYPES = ("diffllama", "llama")  # the HF formats whose weights this module maps (attention_kinds.hf_model_type)
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 _DEFAULT_EPS = {"diffllama": 1e-5, "llama": 1e-6}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Buffers some checkpoints carry that are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def is_diffllama(config: ModelConfig) -> bool:
+    """Whether `config`'s attention kind is HF DiffLlama's (else Llama's: check_exportable refuses the rest)."""
+    return attention_kinds.get(config.attention).hf_model_type == "diffllama"
 
 
 def _rope_fields(hf: dict) -> dict:
@@ -87,7 +93,8 @@ def config_from_hf(hf: dict, *, dtype=None, param_dtype=None) -> ModelConfig:
     n_kv = hf.get("num_key_value_heads") or n_heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
     extra = {}
-    if model_type == "diffllama":
+    kind = attention_kinds.for_hf_model_type(model_type)
+    if kind.maps == 2:  # HF counts DiffLlama's sub-heads: two per differential head
         if n_heads % 2 or n_kv % 2:
             raise ConversionError(
                 f"config.json: DiffLlama needs even num_attention_heads and num_key_value_heads "
@@ -108,7 +115,7 @@ def config_from_hf(hf: dict, *, dtype=None, param_dtype=None) -> ModelConfig:
             num_kv_heads=n_kv,
             head_dim=head_dim,
             mlp_dim=hf["intermediate_size"],
-            attention="diff" if model_type == "diffllama" else "standard",
+            attention=kind.name,
             activation=_ACTIVATIONS[act],
             norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_EPS[model_type])),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -175,7 +182,7 @@ def weight_table(config: ModelConfig):
             (hf + "mlp.down_proj.weight", (D, F), ours + ("mlp", "down_kernel"), T),
         ]
         attn, att = hf + "self_attn.", ours + ("attn",)
-        if config.attention == "diff":
+        if is_diffllama(config):
             table += [
                 (attn + "q_proj.weight", (2 * H * d, D), att + ("q_kernel",), lambda w: _qk_from_hf(w, H, d, permute)),
                 (attn + "k_proj.weight", (2 * K * d, D), att + ("k_kernel",), lambda w: _qk_from_hf(w, K, d, permute)),
@@ -274,7 +281,7 @@ class _Converter:
         self.params[stacked][path[1]] = array
 
     def finish(self) -> dict:
-        if self.config.attention == "diff":  # HF DiffLlama's per-head norm has no weight: the subln scale is ones
+        if is_diffllama(self.config):  # HF DiffLlama's per-head norm has no weight: the subln scale is ones
             shape = (self.config.num_layers, 2 * self.config.head_dim)
             self.params[("blocks", "attn", "subln_scale")] = np.ones(shape, self.dtype or np.dtype(np.float32))
         return self.params

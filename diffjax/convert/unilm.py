@@ -38,14 +38,14 @@ from flax import nnx
 
 from diffjax.config import ModelConfig
 from diffjax.convert.common import build_module, to_numpy
-from diffjax.model.attention import DiffAttention
-from diffjax.model.attention_v2 import DiffAttentionV2
-from diffjax.model.shared_diff import SharedDiffAttention
+from diffjax import attention_kinds
+from diffjax.model.attention import DiffAttention, DiffAttentionV2
 
 __all__ = ["UNILM_ATTENTION_KEYS", "UNILM_V2_ATTENTION_KEYS", "load_unilm_attention", "unilm_attention_state_dict"]
 
 LAMBDA_KEYS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 UNILM_ATTENTION_KEYS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight", *LAMBDA_KEYS, "subln.weight")
+V1_MODULE, V2_MODULE = "MultiheadFlashDiff1", "MultiheadFlashDiffV2"  # attention_kinds' unilm_module entries
 UNILM_V2_ATTENTION_KEYS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "lambda_proj.weight")
 _OPTIONAL_KEYS = ("subln.weight",)
 # Keys only one variant has: a state_dict is the variant whose own keys it holds more of.
@@ -278,7 +278,7 @@ def load_unilm_attention(
         rope_theta=float(rope_theta), dtype=dtype, param_dtype=param_dtype,
     )
     if variant == "V2":
-        config = ModelConfig(num_layers=1, attention="diff_v2", **common)
+        config = ModelConfig(num_layers=1, attention=attention_kinds.for_unilm_module(V2_MODULE).name, **common)
         params = {
             ("q_kernel",): arrays["q_proj.weight"].T.reshape(E, H, 2, d),
             ("k_kernel",): arrays["k_proj.weight"].T.reshape(E, K, d),
@@ -289,7 +289,7 @@ def load_unilm_attention(
         return build_module(lambda: DiffAttentionV2(config, rngs=nnx.Rngs(0)), params, _NP_DTYPES[param_dtype])
 
     config = ModelConfig(
-        num_layers=int(depth) + 1, attention="diff", lambda_init=None if lambda_init is None else float(lambda_init),
+        num_layers=int(depth) + 1, attention=attention_kinds.for_unilm_module(V1_MODULE).name, lambda_init=None if lambda_init is None else float(lambda_init),
         norm_eps=float(norm_eps), **common,
     )
     subln = arrays.get("subln.weight")
@@ -320,9 +320,11 @@ def unilm_attention_state_dict(
     unilm recomputes lambda_init from the module's depth, so a layer built with a lambda_init override
     does not round-trip through unilm's own module.
     """
-    if isinstance(layer, SharedDiffAttention):
-        raise ValueError("a SharedDiffAttention layer has no unilm counterpart (unilm has V1 and V2 modules only)")
     config = layer.config
+    kind = attention_kinds.get(config.attention)
+    if kind.unilm_module is None:
+        raise ValueError(f"a {kind.label} layer (attention {kind.name!r}) has no unilm counterpart "
+                         f"(unilm has {V1_MODULE} and {V2_MODULE} only)")
     if config.rope_style != "interleaved":
         raise ValueError(
             f"unilm uses interleaved (GPT-J) RoPE; this layer uses rope_style={config.rope_style!r}, whose q/k "
@@ -333,7 +335,7 @@ def unilm_attention_state_dict(
     def get(name):
         return np.asarray(getattr(layer, name)[...])
 
-    if isinstance(layer, DiffAttentionV2):
+    if kind.unilm_module == V2_MODULE:
         out = {
             "q_proj.weight": get("q_kernel").reshape(E, 2 * H * d).T,
             "k_proj.weight": get("k_kernel").reshape(E, K * d).T,

@@ -7,11 +7,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from diffjax.config import DIFF_V1_KINDS, ModelConfig
-from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, DiffAttention, StandardAttention, depth_constants
-from diffjax.model.attention_v2 import DiffAttentionV2
+from diffjax import attention_kinds
+from diffjax.config import ModelConfig
+from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache
-from diffjax.model.shared_diff import SharedDiffAttention
 from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param, prepend_axis
 from diffjax.model.rope import inv_frequencies, rope_tables
 from diffjax.sharding import constrain
@@ -33,25 +32,19 @@ class DecoderBlock(nnx.Module):
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
-        if config.attention == "diff":
-            self.attn = DiffAttention(config, depth, rngs=rngs)
-        elif config.attention == "shared_diff":
-            self.attn = SharedDiffAttention(config, depth, rngs=rngs)
-        elif config.attention == "diff_v2":
-            self.attn = DiffAttentionV2(config, rngs=rngs)
-        else:
-            self.attn = StandardAttention(config, rngs=rngs)
+        self.attn = module_class(config)(config, depth, rngs=rngs)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         self.mlp = GatedMLP(config, rngs=rngs)
 
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
-        """The block's output [B, T, D]; with this layer's KVCache (generation), (output, updated cache)."""
-        attn_BTD = self.attn(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants, cache)
-        if cache is not None:
-            attn_BTD, cache = attn_BTD
+    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
+        """The block's output [B, T, D]."""
+        return self.call_with_cache(x_BTD, rope_cos_sin, segment_ids, constants, None)[0]
+
+    def call_with_cache(self, x_BTD, rope_cos_sin, segment_ids, constants, cache):
+        """(output [B, T, D], this layer's updated KVCache) (generation); cache None: (output, None)."""
+        attn_BTD, cache = self.attn.call_with_cache(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants, cache)
         h_BTD = checkpoint_name(x_BTD + attn_BTD, "attention_residual")
-        out_BTD = constrain(h_BTD + self.mlp(self.mlp_norm(h_BTD)), BTD)
-        return out_BTD if cache is None else (out_BTD, cache)
+        return constrain(h_BTD + self.mlp(self.mlp_norm(h_BTD)), BTD), cache
 
 
 class TransformerLM(nnx.Module):
@@ -126,16 +119,14 @@ class TransformerLM(nnx.Module):
         return self.lm_head[...].astype(dtype)
 
     def depth_constants(self, dtype) -> dict:
-        """Each layer's depth constants, [L] arrays ({} for the baseline and V2, which have none)."""
-        if self.config.attention not in DIFF_V1_KINDS:
-            return {}
-        return depth_constants([self.config.lambda_init_at(depth) for depth in range(self.config.num_layers)], dtype)
+        """Each layer's depth constants, [L] arrays ({} for kinds without any: the baseline, V2)."""
+        return module_class(self.config).depth_constants(self.config, range(self.config.num_layers), dtype)
 
     def layer_lambdas(self) -> jax.Array | None:
         """lambda of every layer [L] (float32), by the attention's own formula and roundings in the compute
         dtype (the values the layers use); None for the baseline and for V2, whose lambda is per token and head
         (sigmoid(x W_lambda): a function of the activations, not of the params alone)."""
-        if self.config.attention not in DIFF_V1_KINDS:
+        if attention_kinds.get(self.config.attention).lambda_form != "per_layer":
             return None
         dtype = jnp.dtype(self.config.dtype)
         return self.blocks.attn.lambda_full(dtype, self.depth_constants(dtype)["lambda_init"]).astype(jnp.float32)
@@ -158,7 +149,8 @@ class TransformerLM(nnx.Module):
             block = nnx.merge(graphdef, layer_params)
             if cache is None:
                 return block(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants), None
-            x_BTD, layer_cache = block(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants, cache.layer(*layer_kv))
+            x_BTD, layer_cache = block.call_with_cache(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants,
+                                                       cache.layer(*layer_kv))
             return x_BTD, (layer_cache.k, layer_cache.v)
 
         if remat != "none":

@@ -23,7 +23,8 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from diffjax.config import DIFF_V1_KINDS, ModelConfig
+from diffjax import attention_kinds
+from diffjax.config import ModelConfig
 
 # Dense bf16 peak FLOP/s per device (vendor figures, no sparsity), matched against jax's device_kind.
 PEAK_FLOPS = (
@@ -41,20 +42,14 @@ PEAK_FLOPS = (
 
 def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the LM head counts even when tied)."""
-    D, d = config.d_model, config.head_dim
-    vectors_per_layer = 2 * D + (6 * d if config.attention in DIFF_V1_KINDS else 0)  # norms; lambda vectors, subln
+    D = config.d_model
+    vectors_per_layer = 2 * D + attention_kinds.get(config.attention).vector_params(config)  # norms; the attention's
     return config.param_counts()["layers"] - config.num_layers * vectors_per_layer + D * config.vocab_size
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token (module docstring)."""
-    context = seq_len / 2
-    if config.attention in DIFF_V1_KINDS:
-        attention_forward = 12 * config.num_heads * config.head_dim * context
-    elif config.attention == "diff_v2":
-        attention_forward = 8 * config.num_heads * config.head_dim * context
-    else:
-        attention_forward = 4 * config.num_heads * config.head_dim * context
+    attention_forward = attention_kinds.get(config.attention).attention_flops(config, seq_len / 2)
     return 6 * matmul_params(config) + 3 * config.num_layers * attention_forward
 
 

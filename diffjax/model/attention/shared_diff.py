@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax.config import ModelConfig
-from diffjax.model.attention import DiffAttention
+from diffjax.model.attention.diff import DiffAttention
 from diffjax.model.layers import normal_param, ones_param
 from diffjax.model.rope import apply_rope
 from diffjax.sharding import constrain
@@ -41,8 +41,8 @@ from diffjax.sharding import constrain
 class SharedDiffAttention(DiffAttention):
     """Shared DIFF attention for the layer at 0-based `depth` (None: a layer of a stack, as DiffAttention).
 
-    Inherits everything from DiffAttention (lambda, constants, attention maps, the cached attend step, the
-    output path) except the query and key projections (`project`).
+    Inherits everything from DiffAttention (lambda, constants, the output path) except its parameters and
+    the query and key projections (`project`).
     """
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):

@@ -18,18 +18,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from diffjax import ops
 from diffjax.config import ModelConfig
-from diffjax.model.attention import BTD, _softmax_maps, attend
+from diffjax.model.attention.base import AttentionModule
 from diffjax.model.layers import normal_param
 from diffjax.model.rope import apply_rope
 from diffjax.sharding import constrain
 
 
-class DiffAttentionV2(nnx.Module):
-    """Multi-head differential attention V2 (module docstring). Depth-independent: no layer constants."""
+class DiffAttentionV2(AttentionModule):
+    """Multi-head differential attention V2 (module docstring). Depth-independent (`depth` is accepted and
+    unused): no layer constants."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
         D, H, K, d = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
         std, pdt = config.init_std, config.param_dtype
         self.config = config
@@ -39,12 +39,8 @@ class DiffAttentionV2(nnx.Module):
         self.o_kernel = normal_param(rngs, (H, d, D), std, pdt, ("heads", "head_dim", "embed"))
         self.lambda_kernel = normal_param(rngs, (D, H), std, pdt, ("embed", "heads"))
 
-    def layer_constants(self, dtype) -> dict:
-        return {}
-
     def project(self, x_BTD, rope_cos_sin):
-        """(q [B, T, H, 2, d], k [B, S, Hkv, 1, d], v [B, S, Hkv, d], lambda [B, T, H]): rotated q and k, and
-        lambda in the activation dtype (unilm's lambda_proj output, then the sigmoid)."""
+        """(q [B, T, H, 2, d], k [B, S, Hkv, 1, d], v [B, S, Hkv, d]): rotated q and k (the two maps share keys)."""
         dtype, (cos, sin) = x_BTD.dtype, rope_cos_sin
         q_BTH2d = jnp.einsum("btD,DhGd->bthGd", x_BTD, self.q_kernel[...].astype(dtype))
         k_BSKd = jnp.einsum("bsD,Dkd->bskd", x_BTD, self.k_kernel[...].astype(dtype))
@@ -54,21 +50,12 @@ class DiffAttentionV2(nnx.Module):
         v_BSKd = constrain(v_BSKd, ("batch", "length", "act_kv_heads", None))
         q_BTH2d = apply_rope(q_BTH2d, cos, sin, self.config.rope_style)
         k_BSK1d = apply_rope(k_BSKd, cos, sin, self.config.rope_style)[:, :, :, None]
-        lam_BTH = jax.nn.sigmoid(jnp.einsum("btD,Dh->bth", x_BTD, self.lambda_kernel[...].astype(dtype)))
-        return q_BTH2d, k_BSK1d, v_BSKd, constrain(lam_BTH, ("batch", "length", "act_heads"))
+        return q_BTH2d, k_BSK1d, v_BSKd
 
-    def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None):
-        """The two softmax maps (A1, A2) of every pair on x, each float32 [B, H, T, S] (kv heads repeated per
-        pair): the output before o_proj is A1 v - lambda A2 v with lambda per token. For plots and analysis."""
-        q_BTH2d, k_BSK1d, _, _ = self.project(x_BTD, rope_cos_sin)
-        k_BSHd = jnp.repeat(k_BSK1d[:, :, :, 0], self.config.num_query_groups, axis=2)
-        return tuple(_softmax_maps(q_BTH2d[..., m, :], k_BSHd, segment_ids) for m in (0, 1))
+    def op_arguments(self, x_BTD, constants) -> tuple:
+        """(lambda [B, T, H],) in the activation dtype: unilm's lambda_proj output, then the sigmoid."""
+        lam_BTH = jax.nn.sigmoid(jnp.einsum("btD,Dh->bth", x_BTD, self.lambda_kernel[...].astype(x_BTD.dtype)))
+        return (constrain(lam_BTH, ("batch", "length", "act_heads")),)
 
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None, cache=None):
-        """The attention output [B, T, D]; with a KVCache (generation), (output, updated cache).
-        A(q_2j) v - lambda_j A(q_2j+1) v per pair j is one ops.diff_attention call."""
-        o_BTHd, cache = attend(ops.diff_attention, *self.project(x_BTD, rope_cos_sin),
-                               segment_ids=segment_ids, impl=self.config.attention_impl, cache=cache)
-        o_BTHd = constrain(o_BTHd, ("batch", "length", "act_heads", None))
-        out_BTD = constrain(jnp.einsum("bthd,hdD->btD", o_BTHd, self.o_kernel[...].astype(x_BTD.dtype)), BTD)
-        return out_BTD if cache is None else (out_BTD, cache)
+    def output(self, o_BTHd, constants):
+        return self._out_projection(o_BTHd, o_BTHd.dtype)
