@@ -63,6 +63,11 @@ def register(kind: AttentionKind, *, replace: bool = False) -> AttentionKind:
     return kind
 
 
+def unregister(name: str) -> None:
+    """Remove a kind added with `register` (for tests that define one)."""
+    _KINDS.pop(name, None)
+
+
 def get(name: str) -> AttentionKind:
     if name not in _KINDS:
         raise ValueError(f"attention must be one of {names()}, got {name!r}")
