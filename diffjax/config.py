@@ -96,8 +96,11 @@ class ModelConfig:
                 value is None or (isinstance(value, int) and value > 0),
                 f"{name} must be a positive integer or None, got {value!r}",
             )
-        kind = attention_kinds.get(self.attention) if self.attention in attention_kinds.names() else None
-        check(kind is not None, f"attention must be one of {attention_kinds.names()}, got {self.attention!r}")
+        try:
+            kind = attention_kinds.get(self.attention)
+        except ValueError as e:
+            kind = None
+            errors.append(str(e))
         for name in _KIND_FIELDS:  # fields that only some kinds use
             users = [k.name for k in map(attention_kinds.get, attention_kinds.names()) if name in k.own_fields]
             check(getattr(self, name) is None or kind is None or name in kind.own_fields,
