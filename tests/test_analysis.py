@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from diffjax import ModelConfig, TransformerLM
-from diffjax.analysis import attention_scores, needles, outliers
+from diffjax.analysis import attention_scores, needles, outliers, quantization
 from diffjax.analysis.common import Checkpoint
 from diffjax.analysis.probe import LayerView, absmax_quantize, make_probe
 from diffjax.data.config import DataConfig
@@ -273,3 +273,38 @@ def test_text_batches_from_files(tmp_path):
     assert batches[0]["tokens"][0, :64].tolist() == [ord("a")] * 64  # document 0's first piece, in order
     with pytest.raises(ValueError, match="fewer than 8 rows"):
         text_batches(checkpoint, tokens=200, batch_size=8, seq_len=512, paths=[str(path)])
+
+
+def test_clis_fit_the_model_check_first_and_name_their_command(models, tmp_path, capsys, monkeypatch):
+    """Issue 29's rough edges: the default needle length is the longest the model fits (it was 1024 for any
+    model); a task that cannot fit is refused before any text is scored; bad counts are refused by argparse;
+    usage lines name `python -m ...`; a negative answer score is explained."""
+    from diffjax.checkpoint import save_params
+
+    model = models["diff"]
+    short = model.config.replace(max_seq_len=256)  # RoPE is computed, not stored: the same params fit
+    save_params(tmp_path / "short", nnx.to_pure_dict(nnx.state(model, nnx.Param)), short)
+    argv = ["--checkpoint", str(tmp_path / "short"), "--needles", "2", "--samples", "1", "--depths", "0", "--digits", "3"]
+    assert attention_scores.main(argv) == 0
+    out = capsys.readouterr().out
+    longest = needles.longest_context(TOKENIZER, 256, 1, 3)
+    assert f"context {longest} tokens" in out and "an answer score below 0" in out
+
+    def scored_too_early(*args, **kwargs):
+        raise AssertionError("text was scored before the needle task was checked")
+
+    monkeypatch.setattr(quantization, "text_metrics", scored_too_early)
+    assert quantization.main(["--checkpoint", str(tmp_path / "short"), "--length", "1024", "--digits", "3", "--tokens", "64"]) == 2
+    assert f"use lengths of at most {longest}" in capsys.readouterr().err
+
+    for main, extra in ((outliers.main, ["--tokens", "-5"]), (needles.main, ["--samples", "0"])):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--checkpoint", str(tmp_path / "short"), *extra])
+        assert exit_info.value.code == 2
+        assert "expected a positive integer" in capsys.readouterr().err
+    assert needles.main(["--write-training", str(tmp_path / "absent" / "x.jsonl"), "--count", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --write-training") and "does not exist" in err and "\n" not in err.strip()
+    with pytest.raises(SystemExit):
+        outliers.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m diffjax.analysis.outliers")

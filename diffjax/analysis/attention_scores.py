@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffjax.analysis import common
-from diffjax.analysis.needles import DEPTHS, NeedleExample, NeedleTask, batches
+from diffjax.analysis.needles import DEPTHS, NeedleExample, NeedleTask, batches, check_fits, longest_context
 from diffjax.analysis.probe import LayerView, make_probe
 
 OTHER_CONTEXT, OUTSIDE_CONTEXT = -1, -2  # key labels besides a query's index (its needle)
@@ -68,6 +68,7 @@ class ScoreResult:
 
 def evaluate(checkpoint: common.Checkpoint, task: NeedleTask, *, batch_size: int = 8) -> ScoreResult:
     """Table 3 for one model at task.lengths[0] (the first length only)."""
+    check_fits(task, checkpoint.tokenizer, checkpoint.model.config.max_seq_len)
     probe = make_probe(checkpoint.model, span_scores)
     length = task.lengths[0]
     examples = [example for depth in task.depths for example in task.examples(checkpoint.tokenizer, length, depth)]
@@ -92,23 +93,34 @@ def format_results(labels: Sequence[str], results: Sequence[ScoreResult]) -> str
             for label, r in zip(labels, results)]
     title = (f"Attention to the answer span (higher is better) and attention noise (lower is better), by answer depth; "
              f"context {task.lengths[0]} tokens, N={task.num_needles}, R={task.num_queries}, {task.samples} samples per depth, "
-             "mean over layers and heads of the row-normalized effective map")
+             "mean over layers and heads of the row-normalized effective map. A differential map A1 - lambda A2 can "
+             "weigh a span negatively: an answer score below 0 means the second map puts more on the answer than "
+             "the first (lambda-weighted), which is worse than 0")
     return common.table(header, rows, title=title)
 
 
 def main(argv=None) -> int:
-    parser = common.parser(__doc__)
-    parser.add_argument("--length", type=int, default=1024, help="context length in tokens (default 1024)")
-    parser.add_argument("--needles", type=int, default=4, help="N, needles per sample (default 4)")
-    parser.add_argument("--queries", type=int, default=1, help="R, query cities per sample (default 1)")
+    parser = common.parser(__doc__, "diffjax.analysis.attention_scores")
+    parser.add_argument("--length", type=common.positive_int, default=None,
+                        help="context length in tokens (default: the longest the models fit)")
+    parser.add_argument("--needles", type=common.positive_int, default=4, help="N, needles per sample (default 4)")
+    parser.add_argument("--queries", type=common.positive_int, default=1, help="R, query cities per sample (default 1)")
     parser.add_argument("--depths", type=common.int_list, default=DEPTHS)
-    parser.add_argument("--samples", type=int, default=20, help="samples per depth (default 20)")
-    parser.add_argument("--digits", type=int, default=7)
+    parser.add_argument("--samples", type=common.positive_int, default=20, help="samples per depth (default 20)")
+    parser.add_argument("--digits", type=common.positive_int, default=7)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=common.positive_int, default=4)
     args = parser.parse_args(argv)
-    task = NeedleTask((args.length,), args.needles, args.queries, args.depths, args.samples, args.digits, args.seed)
-    return common.run_cli(args, lambda c: evaluate(c, task, batch_size=args.batch_size), format_results)
+    tasks = []
+
+    def prepare(checkpoints):
+        length = args.length or min(longest_context(c.tokenizer, c.model.config.max_seq_len, args.queries, args.digits)
+                                    for c in checkpoints)
+        tasks.append(NeedleTask((length,), args.needles, args.queries, args.depths, args.samples, args.digits, args.seed))
+        for checkpoint in checkpoints:
+            check_fits(tasks[0], checkpoint.tokenizer, checkpoint.model.config.max_seq_len)
+
+    return common.run_cli(args, lambda c: evaluate(c, tasks[0], batch_size=args.batch_size), format_results, prepare)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,17 @@ def load_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:
     return Checkpoint(label or Path(path).name, model, tokenizer, data)
 
 
+def check_seq_len(checkpoint: Checkpoint, seq_len: int | None) -> int:
+    """The text rows' length (`seq_len`, or the run's data.seq_len capped at the model's max_seq_len); an
+    explicit seq_len longer than the model's max_seq_len is refused."""
+    max_seq_len = checkpoint.model.config.max_seq_len
+    if seq_len is None:
+        return min(checkpoint.data.seq_len, max_seq_len)
+    if seq_len > max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {max_seq_len}")
+    return seq_len
+
+
 def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = None, batch_size: int = 8,
                  paths: Sequence[str] = ()) -> list[dict]:
     """Packed batches (tokens / segment_ids / positions [batch, seq_len]) of about `tokens` real tokens (fewer
@@ -66,9 +77,7 @@ def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = N
     the held-out documents of the checkpoint's data config."""
     from diffjax.data import make_eval_batches, open_documents, pack_documents
 
-    seq_len = seq_len or checkpoint.data.seq_len
-    if seq_len > checkpoint.model.config.max_seq_len:
-        raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {checkpoint.model.config.max_seq_len}")
+    seq_len = check_seq_len(checkpoint, seq_len)
     count = max(1, -(-tokens // (seq_len * batch_size)))
     data = dataclasses.replace(checkpoint.data, seq_len=seq_len, eval_batches=count)
     if not paths:
@@ -89,9 +98,11 @@ def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = N
 # --- command line ---------------------------------------------------------------------------
 
 
-def parser(description: str, *, checkpoint_required: bool = True) -> argparse.ArgumentParser:
-    """An argument parser with the options every analysis takes: --checkpoint (one or more) and --label."""
-    result = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(description: str, module: str, *, checkpoint_required: bool = True) -> argparse.ArgumentParser:
+    """An argument parser with the options every analysis takes: --checkpoint (one or more) and --label; its
+    usage line names the command (`python -m <module>`), not the file."""
+    result = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     result.add_argument("--checkpoint", action="append", required=checkpoint_required, metavar="DIR",
                         help="a run directory or checkpoint; repeat to compare models side by side")
     result.add_argument("--label", action="append", default=[], metavar="NAME",
@@ -107,14 +118,37 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callable[[Sequence[str], Sequence], str]) -> int:
-    """Load each --checkpoint, analyse it, print the table; bad input is one line on stderr and exit 2."""
+def positive_int(text: str) -> int:
+    """An integer >= 1, for argparse (counts, sizes and lengths)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_int_list(text: str) -> tuple[int, ...]:
+    values = int_list(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callable[[Sequence[str], Sequence], str],
+            prepare: Callable[[Sequence[Checkpoint]], None] | None = None) -> int:
+    """Load each --checkpoint, analyse it, print the table; bad input is one line on stderr and exit 2.
+    prepare(checkpoints) runs before any analysis: defaults that depend on the models, and the checks that
+    refuse a task before anything is computed."""
     if args.label and len(args.label) != len(args.checkpoint):
         print(f"error: {len(args.label)} --label for {len(args.checkpoint)} --checkpoint", file=sys.stderr)
         return 2
     labels = args.label or [None] * len(args.checkpoint)
     try:
         checkpoints = [load_checkpoint(path, label) for path, label in zip(args.checkpoint, labels)]
+        if prepare is not None:
+            prepare(checkpoints)
         results = [analyse(checkpoint) for checkpoint in checkpoints]
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -155,6 +155,27 @@ def training_texts(tokenizer: Tokenizer, count: int, *, lengths: Sequence[int], 
     return texts
 
 
+def query_tokens(tokenizer: Tokenizer, num_queries: int, digits: int) -> int:
+    """The most tokens R queries and their answers can take after the context (the longest city's)."""
+    answer = len(tokenizer.encode(" " + "9" * digits)) + len(tokenizer.encode("."))
+    return num_queries * (max(len(tokenizer.encode(QUERY.format(city=city))) for city in CITIES) + answer)
+
+
+def longest_context(tokenizer: Tokenizer, max_seq_len: int, num_queries: int, digits: int) -> int:
+    """The longest context length whose samples fit a model of max_seq_len (the analyses' default length)."""
+    return max_seq_len - query_tokens(tokenizer, num_queries, digits)
+
+
+def check_fits(task: NeedleTask, tokenizer: Tokenizer, max_seq_len: int) -> None:
+    """Refuse, before anything is computed, a task whose longest samples exceed the model's max_seq_len."""
+    longest = max(task.lengths) + query_tokens(tokenizer, task.num_queries, task.digits)
+    if longest > max_seq_len:
+        raise ValueError(
+            f"a sample of context length {max(task.lengths)} with {task.num_queries} queries can take {longest} tokens, "
+            f"more than the model's max_seq_len {max_seq_len}: use lengths of at most "
+            f"{longest_context(tokenizer, max_seq_len, task.num_queries, task.digits)}")
+
+
 def batches(examples: Sequence[NeedleExample], batch_size: int, max_seq_len: int):
     """(examples, ids [batch_size, longest of all examples]) in order: every batch has the same shape (one
     compile), ids right-padded with 0 (causal attention: padding changes no earlier logit), and the last
@@ -189,6 +210,7 @@ def evaluate(checkpoint: common.Checkpoint, task: NeedleTask, *, batch_size: int
     through diffjax.analysis.probe, e.g. with quantized attention logits)."""
     from diffjax.analysis.probe import make_probe
 
+    check_fits(task, checkpoint.tokenizer, checkpoint.model.config.max_seq_len)
     forward = forward or make_probe(checkpoint.model)
     accuracy = {}
     for length in task.lengths:
@@ -214,24 +236,27 @@ def format_results(labels: Sequence[str], results: Sequence[NeedleResult]) -> st
 
 
 def main(argv=None) -> int:
-    parser = common.parser(__doc__, checkpoint_required=False)  # not needed to write training data
-    parser.add_argument("--lengths", type=common.int_list, default=(1024,), help="context lengths in tokens (default 1024)")
-    parser.add_argument("--needles", type=int, default=4, help="N, needles per sample (default 4)")
-    parser.add_argument("--queries", type=int, default=1, help="R, query cities per sample (default 1)")
+    parser = common.parser(__doc__, "diffjax.analysis.needles", checkpoint_required=False)  # not to write training data
+    parser.add_argument("--lengths", type=common.positive_int_list, default=None,
+                        help="context lengths in tokens (default: the longest the models fit; 1024 with --write-training)")
+    parser.add_argument("--needles", type=common.positive_int, default=4, help="N, needles per sample (default 4)")
+    parser.add_argument("--queries", type=common.positive_int, default=1, help="R, query cities per sample (default 1)")
     parser.add_argument("--depths", type=common.int_list, default=DEPTHS, help="answer depths in percent (default 0,25,50,75,100)")
-    parser.add_argument("--samples", type=int, default=50, help="samples per (length, depth) (default 50)")
-    parser.add_argument("--digits", type=int, default=7, help="digits of the magic numbers (default 7)")
+    parser.add_argument("--samples", type=common.positive_int, default=50, help="samples per (length, depth) (default 50)")
+    parser.add_argument("--digits", type=common.positive_int, default=7, help="digits of the magic numbers (default 7)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=common.positive_int, default=8)
     parser.add_argument("--write-training", type=Path, metavar="JSONL",
                         help="write --count training examples ({\"text\": ...} lines, byte tokenizer lengths) instead")
-    parser.add_argument("--count", type=int, default=1000, help="training examples to write (default 1000)")
+    parser.add_argument("--count", type=common.positive_int, default=1000, help="training examples to write (default 1000)")
     args = parser.parse_args(argv)
     if args.write_training:
         from diffjax.tokenizers import ByteTokenizer
 
         try:
-            texts = training_texts(ByteTokenizer(), args.count, lengths=args.lengths, max_needles=args.needles,
+            if not args.write_training.parent.is_dir():
+                raise ValueError(f"--write-training {args.write_training}: directory {args.write_training.parent} does not exist")
+            texts = training_texts(ByteTokenizer(), args.count, lengths=args.lengths or (1024,), max_needles=args.needles,
                                    max_queries=args.queries, digits=args.digits, seed=args.seed + 1)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
@@ -242,8 +267,16 @@ def main(argv=None) -> int:
         return 0
     if not args.checkpoint:
         parser.error("give --checkpoint DIR (one or more) or --write-training JSONL")
-    task = NeedleTask(args.lengths, args.needles, args.queries, args.depths, args.samples, args.digits, args.seed)
-    return common.run_cli(args, lambda c: evaluate(c, task, batch_size=args.batch_size), format_results)
+    tasks = []
+
+    def prepare(checkpoints):  # one task for all models: the longest length every one of them fits by default
+        lengths = args.lengths or (min(longest_context(c.tokenizer, c.model.config.max_seq_len, args.queries, args.digits)
+                                       for c in checkpoints),)
+        tasks.append(NeedleTask(lengths, args.needles, args.queries, args.depths, args.samples, args.digits, args.seed))
+        for checkpoint in checkpoints:
+            check_fits(tasks[0], checkpoint.tokenizer, checkpoint.model.config.max_seq_len)
+
+    return common.run_cli(args, lambda c: evaluate(c, tasks[0], batch_size=args.batch_size), format_results, prepare)
 
 
 if __name__ == "__main__":

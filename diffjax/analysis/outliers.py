@@ -89,13 +89,14 @@ def format_results(labels: Sequence[str], results: Sequence[OutlierResult]) -> s
 
 
 def main(argv=None) -> int:
-    parser = common.parser(__doc__)
-    parser.add_argument("--tokens", type=int, default=32768, help="held-out tokens to sample (default 32768)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: the run's data.seq_len)")
+    parser = common.parser(__doc__, "diffjax.analysis.outliers")
+    parser.add_argument("--tokens", type=common.positive_int, default=32768, help="held-out tokens to sample (default 32768)")
+    parser.add_argument("--seq-len", type=common.positive_int, default=None,
+                        help="tokens per row (default: the run's data.seq_len)")
     parser.add_argument("--text", action="append", default=[], metavar="PATH",
                         help="text to sample (.jsonl, else text files; repeatable); default: the run's held-out documents")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--median-sample", type=int, default=1 << 16, help="values per layer and batch for the median")
+    parser.add_argument("--batch-size", type=common.positive_int, default=8)
+    parser.add_argument("--median-sample", type=common.positive_int, default=1 << 16, help="values per layer and batch for the median")
     args = parser.parse_args(argv)
 
     def analyse(checkpoint):

@@ -51,6 +51,8 @@ def evaluate(checkpoint: common.Checkpoint, text: Sequence[dict], task: needles.
              bits: Sequence[int] = QUANTIZATION_BITS, batch_size: int = 8) -> QuantizationResult:
     """Every metric at every bit width (None first: unquantized). task None: no needle evaluation."""
     all_bits = (None, *bits)
+    if task is not None:  # before anything is computed
+        needles.check_fits(task, checkpoint.tokenizer, checkpoint.model.config.max_seq_len)
     metrics, probe = {}, make_probe(checkpoint.model)
     for width in all_bits:
         quantized = functools.partial(probe, logit_bits=width)
@@ -71,27 +73,43 @@ def format_results(labels: Sequence[str], results: Sequence[QuantizationResult])
 
 
 def main(argv=None) -> int:
-    parser = common.parser(__doc__)
+    parser = common.parser(__doc__, "diffjax.analysis.quantization")
     parser.add_argument("--bits", type=common.int_list, default=QUANTIZATION_BITS, help="bit widths (default 8,6,4)")
-    parser.add_argument("--tokens", type=int, default=16384, help="held-out text tokens (default 16384)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per text row (default: the run's data.seq_len)")
+    parser.add_argument("--tokens", type=common.positive_int, default=16384, help="held-out text tokens (default 16384)")
+    parser.add_argument("--seq-len", type=common.positive_int, default=None,
+                        help="tokens per text row (default: the run's data.seq_len)")
     parser.add_argument("--text", action="append", default=[], metavar="PATH",
                         help="text to sample (.jsonl, else text files; repeatable); default: the run's held-out documents")
-    parser.add_argument("--length", type=int, default=1024, help="needle context length in tokens (default 1024; 0: no needles)")
-    parser.add_argument("--needles", type=int, default=4)
-    parser.add_argument("--queries", type=int, default=1)
-    parser.add_argument("--samples", type=int, default=10, help="needle samples per depth (default 10)")
-    parser.add_argument("--digits", type=int, default=7)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--length", type=int, default=None,
+                        help="needle context length in tokens (default: the longest the models fit; 0: no needles)")
+    parser.add_argument("--needles", type=common.positive_int, default=4)
+    parser.add_argument("--queries", type=common.positive_int, default=1)
+    parser.add_argument("--samples", type=common.positive_int, default=10, help="needle samples per depth (default 10)")
+    parser.add_argument("--digits", type=common.positive_int, default=7)
+    parser.add_argument("--batch-size", type=common.positive_int, default=8)
     args = parser.parse_args(argv)
-    task = needles.NeedleTask((args.length,), args.needles, args.queries, samples=args.samples, digits=args.digits) if args.length else None
+    if args.length is not None and args.length < 0:
+        parser.error(f"argument --length: expected a positive integer or 0 (no needles), got {args.length}")
+    tasks = []
+
+    def prepare(checkpoints):
+        length = args.length
+        if length is None:
+            length = min(needles.longest_context(c.tokenizer, c.model.config.max_seq_len, args.queries, args.digits)
+                         for c in checkpoints)
+        task = needles.NeedleTask((length,), args.needles, args.queries, samples=args.samples, digits=args.digits) if length else None
+        for checkpoint in checkpoints:
+            if task is not None:
+                needles.check_fits(task, checkpoint.tokenizer, checkpoint.model.config.max_seq_len)
+            common.check_seq_len(checkpoint, args.seq_len)
+        tasks.append(task)
 
     def analyse(checkpoint):
         text = common.text_batches(checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
-                                       paths=args.text)
-        return evaluate(checkpoint, text, task, bits=args.bits, batch_size=args.batch_size)
+                                   paths=args.text)
+        return evaluate(checkpoint, text, tasks[0], bits=args.bits, batch_size=args.batch_size)
 
-    return common.run_cli(args, analyse, format_results)
+    return common.run_cli(args, analyse, format_results, prepare)
 
 
 if __name__ == "__main__":
