@@ -1,45 +1,40 @@
 """diffjax: the Differential Transformer in JAX / Flax NNX.
 
-Layers, each importing only those before it: config -> sharding -> ops -> model -> checkpoint ->
-convert -> data, tokenizers -> train. `import diffjax` loads the first four (and the losses);
-`load_hf` / `save_hf` load the converter when first used. `diffjax.generate(model, tokens, max_new_tokens)`
-generates with a KV cache (the module diffjax.generate, callable).
+Layers, each importing only those before it: jax_compat, attention_kinds, config -> sharding -> ops -> model ->
+checkpoint -> convert -> data, tokenizers -> train (generate and analysis beside train). The package face is
+lazy: `import diffjax` (and `import diffjax.config` / `diffjax.ops`, which import it first) loads only the jax
+version check; `diffjax.TransformerLM`, `diffjax.generate(model, tokens, max_new_tokens)` (the module
+diffjax.generate, callable), `diffjax.load_hf` ... import their module when first used.
 """
 
 from diffjax.jax_compat import check_jax_version
 
 check_jax_version()  # one line for a jax outside the tested range, before any kernel module loads
 
-from diffjax import generate  # noqa: E402
-from diffjax.config import ModelConfig, lambda_init_for_depth
-from diffjax.losses import next_token_loss
-from diffjax.model import DiffAttention, DiffAttentionV2, SharedDiffAttention, StandardAttention, TransformerLM
-from diffjax.ops import diff_attention, dot_product_attention
-
-_CONVERTER_NAMES = ("load_hf", "save_hf")
+# name -> the module that defines it (imported on first access)
+_EXPORTS = {
+    "ModelConfig": "diffjax.config", "lambda_init_for_depth": "diffjax.config",
+    "next_token_loss": "diffjax.losses",
+    "AttentionModule": "diffjax.model", "DiffAttention": "diffjax.model", "DiffAttentionV2": "diffjax.model",
+    "SharedDiffAttention": "diffjax.model", "StandardAttention": "diffjax.model", "TransformerLM": "diffjax.model",
+    "diff_attention": "diffjax.ops", "dot_product_attention": "diffjax.ops",
+    "load_hf": "diffjax.convert", "save_hf": "diffjax.convert",
+}
 
 
 def __getattr__(name: str):
-    if name in _CONVERTER_NAMES:
-        from diffjax import convert
+    import importlib
 
-        return getattr(convert, name)
+    if name == "generate":  # the module itself (callable)
+        return importlib.import_module("diffjax.generate")
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'diffjax' has no attribute {name!r}")
 
 
-__all__ = [
-    "DiffAttention",
-    "DiffAttentionV2",
-    "ModelConfig",
-    "SharedDiffAttention",
-    "StandardAttention",
-    "TransformerLM",
-    "diff_attention",
-    "dot_product_attention",
-    "generate",
-    "lambda_init_for_depth",
-    "load_hf",
-    "next_token_loss",
-    "save_hf",
-]
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | {"generate"})
+
+
+__all__ = sorted([*_EXPORTS, "generate"])
 __version__ = "0.1.0"

@@ -23,3 +23,32 @@ def loaded_packages(code: str) -> set[str]:
 def test_core_imports_load_no_trainer_packages(code):
     assert loaded_packages(code).isdisjoint(TRAINER_PACKAGES), code
 
+
+
+def loaded_diffjax_modules(code: str) -> set[str]:
+    script = code + "\nimport sys\nprint(' '.join(sorted(name for name in sys.modules if name.startswith('diffjax'))))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return set(result.stdout.split())
+
+
+@pytest.mark.parametrize("code, refused", [
+    ("import diffjax.config", ("diffjax.model", "diffjax.generate", "diffjax.train", "diffjax.ops")),
+    ("import diffjax.ops", ("diffjax.model", "diffjax.generate", "diffjax.train")),
+    ("import diffjax", ("diffjax.model", "diffjax.generate", "diffjax.train", "diffjax.ops", "diffjax.config")),
+])
+def test_the_package_face_is_lazy(code, refused):
+    """`import diffjax.config` / `diffjax.ops` import neither the model, generate nor the trainer (the package's
+    names are imported on first use); `import diffjax.config` does not even load jax."""
+    loaded = loaded_diffjax_modules(code)
+    assert not {name for name in loaded for prefix in refused if name == prefix or name.startswith(prefix + ".")}, loaded
+    if code == "import diffjax.config":
+        assert "jax" not in loaded_packages(code)
+
+
+def test_the_package_names_still_resolve():
+    script = ("import diffjax, numpy as np\nfrom flax import nnx\n"
+              "m = diffjax.TransformerLM(diffjax.ModelConfig(d_model=32, num_layers=1, num_heads=2), rngs=nnx.Rngs(0))\n"
+              "print(np.asarray(diffjax.generate(m, [[1, 2]], 2)).shape, diffjax.load_hf.__name__, "
+              "'diff_attention' in dir(diffjax))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["(1,", "2)", "load_hf", "True"]

@@ -1,5 +1,6 @@
 """The GPU paths that need no GPU to check: the Pallas Triton composition (interpret mode against the
-XLA reference, and lowered for CUDA on this CPU), and what impl="auto" picks on each kind of GPU.
+XLA reference, and lowered for CUDA on this CPU), and what impl="auto" picks on each device (the public
+chooser, diffjax.ops.choose: CPU, H100, A100, TPU v5e; packed or not; head dims 64 / 96 / 128; decode).
 
 Errors are relative to the reference's largest magnitude; both sides are float32, so only summation
 order differs (tolerance 1e-5, measured ~1e-7).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -97,57 +99,98 @@ def test_triton_refuses_what_it_cannot_run():
         ops.dot_product_attention(q[:, :, :, 0], q[:, :, :, 0], q[:, :, :, 0], segment_ids=(ids, ids), impl="triton")
 
 
-def _shapes(d, dv, G=2, T=128):
-    bf16 = jnp.bfloat16
-    return jnp.zeros((1, T, 2, 2, d), bf16), jnp.zeros((1, T, 2, G, d), bf16), jnp.zeros((1, T, 2, dv), bf16)
+# --- what impl="auto" picks: diffjax.ops.choose, a pure function of the call's shapes and the device ----------
 
 
-@pytest.fixture
-def on_gpu(monkeypatch):
-    """Pretend the default backend is a GPU; the returned function sets whether it is a Hopper."""
-    monkeypatch.setattr(ops, "_platform", lambda: "gpu")
-    return lambda hopper: monkeypatch.setattr(ops, "_is_hopper", lambda: hopper)
+def _call(d, dv, *, op="diff_attention", G=2, T=128, S=None, segments=None, causal=True, dtype="bfloat16"):
+    S = S or T
+    if op == "diff_attention":
+        return ops.AttentionCall(op, (1, T, 4, 2, d), (1, S, 2, G, d), (1, S, 2, dv), dtype, causal, segments)
+    return ops.AttentionCall(op, (1, T, 4, d), (1, S, 2, d), (1, S, 2, dv), dtype, causal, segments)
 
 
-def test_auto_on_hopper_picks_the_fused_kernel_for_packed_batches(on_gpu):
-    on_gpu(True)
-    packed = jnp.zeros((1, 128), jnp.int32)
-    q, k, v = _shapes(128, 256)
-    # Packed rows: cuDNN takes no segment ids, so the fused kernel, whatever the table says.
-    assert ops._resolve("diff_attention", "auto", q, k, v, True, packed) == "pallas_gpu"
-    # Unpacked, where cuDNN was measured faster (CUDNN_FASTER_ON_HOPPER): cuDNN.
-    assert ("diff_attention", 128, 256, True) in ops.CUDNN_FASTER_ON_HOPPER
-    assert ops._resolve("diff_attention", "auto", q, k, v, True, None) == "cudnn"
-    # Unpacked and not measured slower (non-causal): the fused kernel.
-    assert ops._resolve("diff_attention", "auto", q, k, v, False, None) == "pallas_gpu"
-    # The baseline twin (2H heads of d, dv = d): the kernel's single-map mode, packed or not.
-    qs, ks, vs = q[:, :, :, 0], k[:, :, :, 0], v[..., :128]
-    assert ops._resolve("dot_product_attention", "auto", qs, ks, vs, True, packed) == "pallas_gpu"
-    assert ops._resolve("dot_product_attention", "auto", qs, ks, vs, True, None) == "pallas_gpu"
-    # A head dim the fused kernel does not take (96, the 830M config's): cuDNN without segment ids, triton with.
-    q96, k96, v96 = _shapes(96, 192)
-    assert ops._resolve("diff_attention", "auto", q96, k96, v96, True, None) == "cudnn"
-    assert ops._resolve("diff_attention", "auto", q96, k96, v96, True, packed) == "triton"
+def _auto(call, device):
+    return ops.choose(call, "auto", ops.DEVICES[device])[0]
 
 
-def test_auto_on_other_gpus_picks_triton_for_packed_batches(on_gpu, caplog):
-    on_gpu(False)
-    packed = jnp.zeros((1, 128), jnp.int32)
-    q, k, v = _shapes(64, 128)
-    assert ops._resolve("diff_attention", "auto", q, k, v, True, None) == "cudnn"
-    ops._LOGGED.clear()
+# (device, op, d, packed) -> the impl auto picks (bf16, T = 128, causal); the table of README "Attention kernels".
+AUTO_TABLE = {
+    # Hopper: the fused kernel wherever it runs (d 64 / 128), packed or not, except where cuDNN was measured
+    # faster (CUDNN_FASTER_ON_HOPPER: diff, d 128, dv 256, causal) and takes the call (no segment ids).
+    ("h100", "diff_attention", 64, True): "pallas_gpu", ("h100", "diff_attention", 64, False): "pallas_gpu",
+    ("h100", "diff_attention", 128, True): "pallas_gpu", ("h100", "diff_attention", 128, False): "cudnn",
+    ("h100", "diff_attention", 96, True): "triton", ("h100", "diff_attention", 96, False): "cudnn",
+    ("h100", "dot_product_attention", 128, True): "pallas_gpu", ("h100", "dot_product_attention", 128, False): "pallas_gpu",
+    ("h100", "dot_product_attention", 96, True): "triton", ("h100", "dot_product_attention", 64, False): "pallas_gpu",
+    # Other CUDA GPUs: cuDNN without segment ids, Pallas Triton with them.
+    ("a100", "diff_attention", 64, True): "triton", ("a100", "diff_attention", 64, False): "cudnn",
+    ("a100", "diff_attention", 96, True): "triton", ("a100", "diff_attention", 128, False): "cudnn",
+    ("a100", "dot_product_attention", 128, True): "triton", ("a100", "dot_product_attention", 96, False): "cudnn",
+    # TPU: the fused Pallas TPU kernel; CPU: xla (the Pallas impls would run interpreted).
+    ("v5e", "diff_attention", 64, True): "pallas_tpu", ("v5e", "diff_attention", 96, False): "pallas_tpu",
+    ("v5e", "dot_product_attention", 128, True): "pallas_tpu",
+    ("cpu", "diff_attention", 128, True): "xla", ("cpu", "dot_product_attention", 64, False): "xla",
+}
+
+
+@pytest.mark.parametrize("device, op, d, packed", list(AUTO_TABLE), ids=[f"{dev}-{op[:4]}-d{d}-{'packed' if p else 'unpacked'}"
+                                                                          for dev, op, d, p in AUTO_TABLE])
+def test_auto_picks_by_device_head_dim_and_packing(device, op, d, packed):
+    dv = 2 * d if op == "diff_attention" else d
+    assert _auto(_call(d, dv, op=op, segments="one" if packed else None), device) == AUTO_TABLE[device, op, d, packed]
+
+
+def test_auto_edges_decode_and_reasons():
+    # Decode (one query against a cache's slots, q / kv segment ids): xla everywhere, no warning case.
+    decode = _call(128, 256, T=1, S=4096, segments="pair", causal=False)
+    assert decode.is_decode
+    for device in ("h100", "a100", "v5e", "cpu"):
+        impl, reason = ops.choose(decode, "auto", ops.DEVICES[device])
+        assert impl == "xla" and reason.startswith("decode"), (device, reason)
+    # A TPU call shorter than one kernel block; a non-causal diff call on Hopper (not measured slower).
+    assert ops.choose(_call(64, 128, T=64), "auto", ops.DEVICES["v5e"]) == ("xla", "T=64 < 128 is below one kernel block")
+    assert _auto(_call(128, 256, causal=False), "h100") == "pallas_gpu"
+    # A q / kv segment pair that is not a decode (T != S, T > 1) runs nowhere but xla: every reason named.
+    impl, reason = ops.choose(_call(64, 128, T=64, S=128, segments="pair"), "auto", ops.DEVICES["a100"])
+    assert impl == "xla" and "pallas_gpu needs a Hopper GPU" in reason and "triton needs T == S" in reason
+    # float32 on a GPU: neither cuDNN nor the fused kernel; the Triton composition.
+    assert _auto(_call(64, 128, dtype="float32", segments="one"), "h100") == "triton"
+
+
+def test_explicit_impls_are_checked_by_the_chooser():
+    with pytest.raises(ValueError, match=r"impl='cudnn' needs a CUDA GPU \(platform is 'cpu'\)"):
+        ops.choose(_call(64, 128), "cudnn", ops.DEVICES["cpu"])
+    with pytest.raises(ValueError, match=r"impl='pallas_gpu' needs the q and k head dim d in \(64, 128\), got 96"):
+        ops.choose(_call(96, 192), "pallas_gpu", ops.DEVICES["h100"])
+    with pytest.raises(ValueError, match="attention impl must be one of"):
+        ops.choose(_call(64, 128), "flash", ops.DEVICES["h100"])
+    assert ops.choose(_call(64, 128), "pallas_tpu", ops.DEVICES["cpu"]) == ("pallas_tpu", "asked for; runs in Pallas interpret mode (slow)")
+
+
+def test_auto_logs_its_choice_once_and_warns_for_xla_on_an_accelerator(monkeypatch, caplog):
+    """Through ops.dot_product_attention / diff_attention on an A100 (the running device replaced by the public
+    current_device): the choice and its reason are logged once; xla on an accelerator is a warning."""
+    monkeypatch.setattr(ops, "current_device", lambda: ops.DEVICES["a100"])
+    q, k, v = jnp.zeros((1, 64, 4, 2, 64)), jnp.zeros((1, 128, 2, 2, 64)), jnp.zeros((1, 128, 2, 128))
+    ids = (jnp.ones((1, 64), jnp.int32), jnp.ones((1, 128), jnp.int32))
     with caplog.at_level(logging.INFO, logger="diffjax.ops"):
-        assert ops._resolve("diff_attention", "auto", q, k, v, True, packed) == "triton"
-        assert ops._resolve("dot_product_attention", "auto", q[:, :, :, 0], k[:, :, :, 0], v[..., :64], True, packed) == "triton"
-    assert any("chose 'triton' (Pallas Triton flash composition; cudnn does not take segment_ids" in r.getMessage() for r in caplog.records)
-    # q/kv segment pairs (T != S decoding, say) run nowhere but xla: a warning that names every reason.
-    caplog.clear()
-    q_short = q[:, :64]
-    with caplog.at_level(logging.INFO, logger="diffjax.ops"):
-        assert ops._resolve("diff_attention", "auto", q_short, k, v, True, (packed[:, :64], packed)) == "xla"
+        for _ in range(2):
+            ops.diff_attention(q, k, v, 0.5, segment_ids=ids)
     (record,) = [r for r in caplog.records if "chose 'xla'" in r.getMessage()]
-    assert record.levelno == logging.WARNING
-    assert "pallas_gpu needs a Hopper GPU" in record.getMessage() and "triton needs T == S" in record.getMessage()
+    assert record.levelno == logging.WARNING and "triton needs T == S" in record.getMessage()
+
+
+def test_the_command_prints_each_calls_choice(capsys):
+    from diffjax.ops.__main__ import main
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    assert main(["--config", str(configs / "paper" / "diff-1.4b.yaml"), "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "train step (packed rows): diff_attention q [1, 2048, 8, 2, 128]" in out
+    assert "-> pallas_gpu: fused Mosaic GPU kernel" in out and "-> xla: decode" in out
+    assert main(["--config", str(configs / "tiny.yaml"), "--device", "a100", "model.attention=standard",
+                 "model.dtype=bfloat16"]) == 0
+    assert "dot_product_attention q [1, 128, 4, 32]" in capsys.readouterr().out
 
 
 @pytest.mark.gpu

@@ -52,7 +52,8 @@ class KVCache:
 
         Prefill (buffers None): the T prompt tokens go to slots [0, T) and attend one another as without a
         cache (the caller's `attend`). Decode (T must be 1): the token goes to slot lengths_B[b] of row b and
-        attends slots 0..lengths_B[b] of the whole buffer, on the XLA path (segment ids mark the slots).
+        attends slots 0..lengths_B[b] of the whole buffer (segment ids mark the slots), by the impl
+        diffjax.ops.choose picks for a decode call (xla today).
         """
         B, T = k_new.shape[:2]
         if self.k is None:
@@ -70,7 +71,9 @@ class KVCache:
                 for x, buf in ((k_new, self.k), (v_new, self.v)))
         kv_ids_BS = (slots_BS <= self.lengths_B[:, None]).astype(jnp.int32)  # 1: a stored slot, 0: not yet
         q_ids_B1 = jnp.ones((B, 1), jnp.int32)
-        attend = dict(attend, causal=False, segment_ids=(q_ids_B1, kv_ids_BS), impl="xla")
+        # impl "auto": diffjax.ops.choose picks the decode path (xla: no fused decode kernel yet), whatever the
+        # model's impl for full sequences.
+        attend = dict(attend, causal=False, segment_ids=(q_ids_B1, kv_ids_BS), impl="auto")
         return self._stored(k, v), k, v, attend
 
     def _stored(self, k, v) -> "KVCache":

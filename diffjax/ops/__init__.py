@@ -17,9 +17,11 @@ impl:
   "auto"        TPU -> "pallas_tpu" (T >= 128). GPU -> "pallas_gpu" on Hopper for every shape it runs,
                 with or without segment ids, except where cuDNN was measured faster on a call cuDNN
                 takes (CUDNN_FASTER_ON_HOPPER); else "cudnn" when it takes the call (no segment ids);
-                else "triton" (segment ids, any CUDA GPU); "xla" only when none of them runs. The
-                choice and its reason are logged once per (op, platform, choice, reason); "xla" on an
-                accelerator is a warning.
+                else "triton" (segment ids, any CUDA GPU); "xla" only when none of them runs; a decode
+                step (one query against a KV cache) runs "xla". The choice is `diffjax.ops.choose`, a pure
+                function of the shapes and the device (choice.py; `python -m diffjax.ops --config ...
+                --device h100` prints it per attention call); it and its reason are logged once per (op,
+                platform, choice, reason); "xla" on an accelerator is a warning.
 """
 
 from __future__ import annotations
@@ -31,14 +33,8 @@ import jax.numpy as jnp
 
 from diffjax import sharding
 from diffjax.ops import compositions
+from diffjax.ops.choice import CUDNN_FASTER_ON_HOPPER, DEVICES, IMPLS, AttentionCall, Device, choose, current_device
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
-
-IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "splash", "cudnn", "triton")  # ModelConfig.attention_impl
-# (op, d, dv, causal) where the cuDNN composition was measured faster than pallas_gpu on Hopper (fwd+bwd,
-# bf16, T = 8192): for these "auto" takes cuDNN when cuDNN takes the call (no segment ids). Measured on an
-# H100 with jax 0.11.2 (NOTES.md, GPU results): diff, d 128, dv 256, causal: pallas_gpu 377 TFLOP/s vs 468.
-CUDNN_FASTER_ON_HOPPER: frozenset[tuple[str, int, int, bool]] = frozenset({("diff_attention", 128, 256, True)})
-
 
 def config_problems(impl: str, dtype: str) -> list[str]:
     """What is wrong with running `impl` at a model's compute dtype (ModelConfig checks this at
@@ -61,84 +57,19 @@ def _log_once(level, key, message):
         logger.log(level, message)
 
 
-def _platform() -> str:
-    return jax.default_backend()
-
-
-def _is_hopper() -> bool:
-    kind = jax.devices()[0].device_kind
-    return any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200"))
-
-
-# impl: (why it cannot run a call, the platform it compiles for, what to use instead)
-_PALLAS_COMPOSITIONS = {
-    "splash": (compositions.splash_unsupported, "tpu", "'pallas_tpu' or 'xla'"),
-    "triton": (compositions.triton_unsupported, "gpu", "'xla'"),
-}
-
-
-def _pallas_gpu_unsupported(q, k, v, tuning=None):
-    from diffjax.ops.pallas_gpu import unsupported
-
-    return unsupported(q, k, v, tuning)
-
-
-def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> str:
-    """The impl to run, or a ValueError naming the impl, the platform/shape and what is allowed."""
-    if impl not in IMPLS:
-        raise ValueError(f"{op}: attention impl must be one of {IMPLS}, got {impl!r}")
-    platform = _platform()
+def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> tuple[str, Device]:
+    """(the impl to run, the device) by `choice.choose`, logging auto's choice once per (op, platform, choice,
+    reason) ("xla" on an accelerator is a warning) and an explicit impl that runs interpreted."""
+    device, call = current_device(), AttentionCall.of(op, q, k, v, causal, segment_ids)
+    choice, reason = choose(call, impl, device)
     if impl == "auto":
-        choice, reason = _auto(op, platform, q, k, v, causal, segment_ids)
-        level = logging.WARNING if (platform in ("tpu", "gpu") and choice == "xla") else logging.INFO
-        _log_once(level, (op, platform, choice, reason), f"{op}: impl='auto' on {platform} chose {choice!r} ({reason})")
-        return choice
-    if impl == "cudnn":
-        why_not = compositions.cudnn_unsupported(q, k, v, causal, segment_ids, platform)
-        if why_not:
-            raise ValueError(
-                f"{op}: impl='cudnn' {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}, dtype {q.dtype}. "
-                f"Use impl='xla' (any platform) or 'pallas_tpu'."
-            )
-    if impl in _PALLAS_COMPOSITIONS:  # JAX's own Pallas kernels: interpreted off their platform
-        unsupported, home, instead = _PALLAS_COMPOSITIONS[impl]
-        why_not = unsupported(q, k, v, causal, segment_ids, platform, interpret=True)
-        if why_not:
-            raise ValueError(f"{op}: impl={impl!r} {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}. Use impl={instead}.")
-        if platform != home:
-            _log_once(logging.WARNING, (op, platform, impl), f"{op}: impl={impl!r} on {platform} runs in Pallas interpret mode (slow)")
-    if impl == "pallas_gpu":
-        why_not = _pallas_gpu_unsupported(q, k, v)
-        if why_not:
-            raise ValueError(f"{op}: impl='pallas_gpu' {why_not}; shapes q {q.shape}, k {k.shape}, v {v.shape}, dtype {q.dtype}.")
-        if platform != "gpu":
-            _log_once(logging.WARNING, (op, platform, "pallas_gpu"), f"{op}: impl='pallas_gpu' on {platform} runs in Mosaic GPU interpret mode (very slow)")
-    if impl == "pallas_tpu" and platform != "tpu":
-        _log_once(logging.INFO, (op, platform, "pallas_tpu"), f"{op}: impl='pallas_tpu' on {platform} runs in Pallas interpret mode (slow)")
-    return impl
-
-
-def _auto(op, platform, q, k, v, causal, segment_ids) -> tuple[str, str]:
-    """(impl, why) for impl="auto"."""
-    T = q.shape[1]
-    if platform == "tpu":
-        return ("pallas_tpu", "fused Pallas TPU kernel") if T >= 128 else ("xla", f"T={T} < 128 is below one kernel block")
-    if platform != "gpu":
-        return "xla", f"platform {platform!r} has no compiled flash kernel (the Pallas impls would run interpreted)"
-    why_not = {
-        "pallas_gpu": _pallas_gpu_unsupported(q, k, v) if _is_hopper() else "needs a Hopper GPU",
-        "cudnn": compositions.cudnn_unsupported(q, k, v, causal, segment_ids, platform),
-    }
-    if why_not["pallas_gpu"] is None:
-        if why_not["cudnn"] is None and (op, q.shape[-1], v.shape[-1], bool(causal)) in CUDNN_FASTER_ON_HOPPER:
-            return "cudnn", "cuDNN flash composition, measured faster than pallas_gpu for this shape"
-        return "pallas_gpu", "fused Mosaic GPU kernel"
-    if why_not["cudnn"] is None:
-        return "cudnn", "cuDNN flash composition"
-    why_not["triton"] = compositions.triton_unsupported(q, k, v, causal, segment_ids, platform)
-    if why_not["triton"] is None:
-        return "triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"
-    return "xla", "; ".join(f"{name} {why}" for name, why in why_not.items())
+        slow = device.platform in ("tpu", "gpu") and choice == "xla" and not call.is_decode
+        level = logging.WARNING if slow else logging.INFO
+        _log_once(level, (op, device.platform, choice, reason), f"{op}: impl='auto' on {device.platform} chose {choice!r} ({reason})")
+    elif "interpret" in reason:
+        level = logging.INFO if impl == "pallas_tpu" else logging.WARNING
+        _log_once(level, (op, device.platform, impl), f"{op}: impl={impl!r} on {device.platform} {reason.removeprefix('asked for; ')}")
+    return choice, device
 
 
 def _partitioned(kernel, q, k, v, lam, segment_ids):
@@ -173,7 +104,7 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
     block_sizes: (block_q, block_k) for impl="pallas_tpu" (default 128, 128); a
     diffjax.ops.pallas_gpu.Tuning for impl="pallas_gpu" (default: pallas_gpu.default_tuning).
     """
-    choice = _resolve("diff_attention", impl, q, k, v, causal, segment_ids)
+    choice, device = _resolve("diff_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import diff_attention_pallas
@@ -189,10 +120,10 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
         return compositions.diff_attention_cudnn(q, k, v, lam, **kwargs)
     if choice == "triton":
         return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_triton(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "gpu"), q, k, v, lam, segment_ids)
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "gpu"), q, k, v, lam, segment_ids)
     if choice == "splash":
         return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_splash(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "tpu"),
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "tpu"),
             q, k, v, lam, segment_ids)
     return diff_attention_xla(q, k, v, lam, **kwargs)
 
@@ -204,7 +135,7 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
     single-map mode of the fused kernels, "cudnn" calls jax.nn.dot_product_attention directly).
     block_sizes: as for diff_attention.
     """
-    choice = _resolve("dot_product_attention", impl, q, k, v, causal, segment_ids)
+    choice, device = _resolve("dot_product_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import dot_product_attention_pallas
@@ -220,12 +151,15 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
         return compositions.dot_product_attention_cudnn(q, k, v, **kwargs)
     if choice == "triton":
         return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_triton(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "gpu"), q, k, v, None, segment_ids)
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "gpu"), q, k, v, None, segment_ids)
     if choice == "splash":
         return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_splash(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=_platform() != "tpu"),
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "tpu"),
             q, k, v, None, segment_ids)
     return dot_product_attention_xla(q, k, v, **kwargs)
 
 
-__all__ = ["IMPLS", "attention_mask", "config_problems", "diff_attention", "dot_product_attention"]
+__all__ = [
+    "CUDNN_FASTER_ON_HOPPER", "DEVICES", "IMPLS", "AttentionCall", "Device", "attention_mask", "choose", "config_problems",
+    "current_device", "diff_attention", "dot_product_attention",
+]

@@ -1,0 +1,77 @@
+"""Which attention implementation each attention call of a model runs, and why, on a device you may not have.
+
+    python -m diffjax.ops --config configs/paper/diff-1.4b.yaml --device h100 [key=value ...]
+
+prints, for the training step (packed rows: segment ids), a generation prefill and a decode step, the op's
+shapes and `diffjax.ops.choose`'s answer for the config's `model.attention_impl` (default auto). The shapes
+come from the attention module's own `project` (abstractly: nothing is computed); they are per micro-batch
+row (B = 1) and unsharded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from diffjax.ops.choice import DEVICES, AttentionCall, choose, current_device
+
+
+def attention_calls(config, seq_len: int) -> list[tuple[str, AttentionCall]]:
+    """(what, call) for a model config's training step, prefill and decode step, shapes by abstract evaluation."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from diffjax import attention_kinds
+    from diffjax.model.attention import module_class
+    from diffjax.model.rope import inv_frequencies, rope_tables
+
+    op = "diff_attention" if attention_kinds.get(config.attention).maps == 2 else "dot_product_attention"
+    dtype = jnp.dtype(config.dtype)
+    module = nnx.eval_shape(lambda: module_class(config)(config, 0, rngs=nnx.Rngs(0)))
+
+    def shapes(T):
+        x = jax.ShapeDtypeStruct((1, T, config.d_model), dtype)
+        positions = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        rope = jax.eval_shape(lambda p: rope_tables(p, inv_frequencies(config), dtype), positions)
+        return nnx.eval_shape(lambda m, x, r: m.project(x, r), module, x, rope)
+
+    q, k, v = shapes(seq_len)
+    q1, k1, v1 = shapes(1)
+    S = config.max_seq_len  # the cache's slots
+    cache = lambda x: (1, S) + tuple(x.shape[2:])  # noqa: E731
+    return [
+        ("train step (packed rows)", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, "one")),
+        ("generation prefill", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, None)),
+        ("generation decode step", AttentionCall(op, q1.shape, cache(k1), cache(v1), dtype.name, False, "pair")),
+    ]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffjax.ops", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="a run config (train.py's YAML)")
+    parser.add_argument("--device", choices=sorted(DEVICES), default=None, help="default: this machine's first device")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as train.py takes them")
+    args = parser.parse_args(argv)
+    from diffjax.train.config import load_run_config
+
+    try:
+        config = load_run_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    device = DEVICES[args.device] if args.device else current_device()
+    model = config.model
+    print(f"{model.attention} attention, attention_impl={model.attention_impl!r}, on {device.kind} ({device.platform})")
+    for what, call in attention_calls(model, config.data.seq_len):
+        try:
+            impl, reason = choose(call, model.attention_impl, device)
+        except ValueError as error:
+            impl, reason = "refused", str(error)
+        print(f"  {what}: {call.describe()}\n    -> {impl}: {reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Which attention implementation runs a call, and why: a pure function of the call's shapes and the device,
+so "what would `auto` pick on an H100 for these shapes" needs no H100 (`python -m diffjax.ops --config ...
+--device h100` prints it for a model's every attention call).
+
+`choose(call, impl, device) -> (impl, reason)`; an explicit impl that cannot run the call is a ValueError naming
+the impl, the shapes and what to use instead. diffjax.ops' diff_attention / dot_product_attention and the KV
+cache's decode step call it with the running device (`current_device()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.ops import compositions
+
+IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "splash", "cudnn", "triton")  # ModelConfig.attention_impl
+# (op, d, dv, causal) where the cuDNN composition was measured faster than pallas_gpu on Hopper (fwd+bwd,
+# bf16, T = 8192): for these "auto" takes cuDNN when cuDNN takes the call (no segment ids). Measured on an
+# H100 with jax 0.11.2 (NOTES.md, GPU results): diff, d 128, dv 256, causal: pallas_gpu 377 TFLOP/s vs 468.
+CUDNN_FASTER_ON_HOPPER: frozenset[tuple[str, int, int, bool]] = frozenset({("diff_attention", 128, 256, True)})
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+TPU_MIN_T = 128  # below one Pallas TPU block, auto takes xla
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    platform: str  # "cpu" | "gpu" | "tpu", as jax.default_backend() names it
+    kind: str  # jax's device_kind, e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite"
+
+    @property
+    def is_hopper(self) -> bool:
+        return self.platform == "gpu" and any(name in self.kind for name in HOPPER_KINDS)
+
+
+DEVICES = {  # short names for the command line and tests
+    "cpu": Device("cpu", "cpu"),
+    "h100": Device("gpu", "NVIDIA H100 80GB HBM3"),
+    "h200": Device("gpu", "NVIDIA H200"),
+    "a100": Device("gpu", "NVIDIA A100-SXM4-80GB"),
+    "l4": Device("gpu", "NVIDIA L4"),
+    "v5e": Device("tpu", "TPU v5 lite"),
+    "v5p": Device("tpu", "TPU v5p"),
+    "v6e": Device("tpu", "TPU v6 lite"),
+}
+
+
+def current_device() -> Device:
+    return Device(jax.default_backend(), jax.devices()[0].device_kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """An attention op call by its shapes: q [B, T, H, 2, d] (diff_attention) or [B, T, H, d]
+    (dot_product_attention), k [B, S, Hkv, G, d] or [B, S, Hkv, d], v [B, S, Hkv, dv]. segments: None, "one"
+    (one [B, T] id array, T == S) or "pair" (q ids and kv ids: decoding against a cache)."""
+
+    op: str
+    q_shape: tuple
+    k_shape: tuple
+    v_shape: tuple
+    dtype: str
+    causal: bool = True
+    segments: str | None = None
+
+    @classmethod
+    def of(cls, op, q, k, v, causal, segment_ids) -> "AttentionCall":
+        segments = None if segment_ids is None else "pair" if isinstance(segment_ids, (tuple, list)) else "one"
+        return cls(op, tuple(q.shape), tuple(k.shape), tuple(v.shape), jnp.dtype(q.dtype).name, bool(causal), segments)
+
+    def arrays(self):
+        """(q, k, v, segment_ids) as ShapeDtypeStructs: what the kernels' `unsupported` checks read."""
+        sds = jax.ShapeDtypeStruct
+        B, T, S = self.q_shape[0], self.q_shape[1], self.k_shape[1]
+        ids = {None: None, "one": sds((B, T), jnp.int32), "pair": (sds((B, T), jnp.int32), sds((B, S), jnp.int32))}
+        return (sds(self.q_shape, self.dtype), sds(self.k_shape, self.dtype), sds(self.v_shape, self.dtype),
+                ids[self.segments])
+
+    @property
+    def is_decode(self) -> bool:
+        """One query per row against a KV cache's slots (q / kv segment ids)."""
+        return self.segments == "pair" and self.q_shape[1] == 1
+
+    def describe(self) -> str:
+        ids = {None: "", "one": ", segment ids", "pair": ", q / kv segment ids"}[self.segments]
+        return (f"{self.op} q {list(self.q_shape)} k {list(self.k_shape)} v {list(self.v_shape)} {self.dtype}"
+                f"{', causal' if self.causal else ''}{ids}")
+
+
+def _pallas_gpu_unsupported(call: AttentionCall) -> str | None:
+    from diffjax.ops.pallas_gpu import unsupported
+
+    return unsupported(*call.arrays()[:3])
+
+
+# impl: (why it cannot run a call, the platform it compiles for, what to use instead)
+_PALLAS_COMPOSITIONS = {
+    "splash": (compositions.splash_unsupported, "tpu", "'pallas_tpu' or 'xla'"),
+    "triton": (compositions.triton_unsupported, "gpu", "'xla'"),
+}
+
+
+def choose(call: AttentionCall, impl: str = "auto", device: Device | None = None) -> tuple[str, str]:
+    """(the impl that runs `call` on `device`, why). device None: the running one."""
+    device = device or current_device()
+    if impl not in IMPLS:
+        raise ValueError(f"{call.op}: attention impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return _auto(call, device)
+    q, k, v, segment_ids = call.arrays()
+    where = f"shapes q {call.q_shape}, k {call.k_shape}, v {call.v_shape}"
+    if impl == "cudnn":
+        why_not = compositions.cudnn_unsupported(q, k, v, call.causal, segment_ids, device.platform)
+        if why_not:
+            raise ValueError(f"{call.op}: impl='cudnn' {why_not}; {where}, dtype {call.dtype}. "
+                             "Use impl='xla' (any platform) or 'pallas_tpu'.")
+        return impl, "asked for"
+    if impl in _PALLAS_COMPOSITIONS:  # JAX's own Pallas kernels: interpreted off their platform
+        unsupported, home, instead = _PALLAS_COMPOSITIONS[impl]
+        why_not = unsupported(q, k, v, call.causal, segment_ids, device.platform, interpret=True)
+        if why_not:
+            raise ValueError(f"{call.op}: impl={impl!r} {why_not}; {where}. Use impl={instead}.")
+        return impl, "asked for" if device.platform == home else "asked for; runs in Pallas interpret mode (slow)"
+    if impl == "pallas_gpu":
+        why_not = _pallas_gpu_unsupported(call)
+        if why_not:
+            raise ValueError(f"{call.op}: impl='pallas_gpu' {why_not}; {where}, dtype {call.dtype}.")
+        return impl, "asked for" if device.platform == "gpu" else "asked for; runs in Mosaic GPU interpret mode (very slow)"
+    if impl == "pallas_tpu" and device.platform != "tpu":
+        return impl, "asked for; runs in Pallas interpret mode (slow)"
+    return impl, "asked for"
+
+
+def _auto(call: AttentionCall, device: Device) -> tuple[str, str]:
+    T, d, dv = call.q_shape[1], call.q_shape[-1], call.v_shape[-1]
+    if call.is_decode:
+        return "xla", "decode: one query against the KV cache (no fused decode kernel yet)"
+    if device.platform == "tpu":
+        return ("pallas_tpu", "fused Pallas TPU kernel") if T >= TPU_MIN_T else ("xla", f"T={T} < {TPU_MIN_T} is below one kernel block")
+    if device.platform != "gpu":
+        return "xla", f"platform {device.platform!r} has no compiled flash kernel (the Pallas impls would run interpreted)"
+    q, k, v, segment_ids = call.arrays()
+    why_not = {
+        "pallas_gpu": _pallas_gpu_unsupported(call) if device.is_hopper else "needs a Hopper GPU",
+        "cudnn": compositions.cudnn_unsupported(q, k, v, call.causal, segment_ids, device.platform),
+    }
+    if why_not["pallas_gpu"] is None:
+        if why_not["cudnn"] is None and (call.op, d, dv, call.causal) in CUDNN_FASTER_ON_HOPPER:
+            return "cudnn", "cuDNN flash composition, measured faster than pallas_gpu for this shape"
+        return "pallas_gpu", "fused Mosaic GPU kernel"
+    if why_not["cudnn"] is None:
+        return "cudnn", "cuDNN flash composition"
+    why_not["triton"] = compositions.triton_unsupported(q, k, v, call.causal, segment_ids, device.platform)
+    if why_not["triton"] is None:
+        return "triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"
+    return "xla", "; ".join(f"{name} {why}" for name, why in why_not.items())
