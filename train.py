@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
 
     from diffjax.train import load_run_config, train
-    from diffjax.train.checkpoint import SaveError
+    from diffjax.train.state_checkpoints import SaveError
     from diffjax.train.guard import DivergedError
 
     try:

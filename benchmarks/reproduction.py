@@ -25,6 +25,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffjax.analysis import attention_scores, common, needles, outliers, quantization  # noqa: E402
 from diffjax.data import builtin_documents  # noqa: E402
+from diffjax.run_dir import RunDir  # noqa: E402
 from diffjax.tokenizers import ByteTokenizer  # noqa: E402
 from diffjax.train import train  # noqa: E402
 from diffjax.train.config import RunConfig, build_config, merge  # noqa: E402
@@ -89,7 +90,7 @@ def run_config(values: dict, kind: str, data_path: Path, run_dir: Path) -> RunCo
 def final_losses(run_dir: Path) -> tuple[float | None, float | None]:
     """(last train loss, last eval loss) from the run's metrics.jsonl."""
     losses = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in RunDir(run_dir).metrics_file.read_text().splitlines():
         record = json.loads(line)
         losses[record["kind"]] = record.get("loss", losses.get(record["kind"]))
     return losses.get("train"), losses.get("eval")

@@ -83,3 +83,47 @@ def test_errors_in_process_exit_2(tmp_path, capsys):
     assert "config.json does not exist" in capsys.readouterr().err
     assert main(["diffjax-to-hf", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "no checkpoint under" in capsys.readouterr().err
+
+
+def test_a_conversion_names_its_tokenizer_for_training_and_generation(tmp_path, capsys):
+    """hf-to-diffjax carries the checkpoint's tokenizer.json: config.yaml names it (data.tokenizer kind hf), so
+    training on from the conversion and the generate CLI use it. Before, the config named none: training fell
+    back to bytes and died decoding its sample; generate asked for --prompt-ids."""
+    import json
+
+    import yaml
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from diffjax.convert import hf_to_diffjax
+    from diffjax.generate.__main__ import main as generate_main
+    from diffjax.train import load_run_config, train
+
+    source = tmp_path / "hf"
+    make_hf_model("llama", vocab_size=320).save_pretrained(source)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    corpus = ["def f(x):\n    return x + 1\n", "the quick brown fox jumps over the lazy dog\n"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+
+    run_dir = tmp_path / "run"
+    hf_to_diffjax(source, run_dir)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["data"]["tokenizer"] == {"kind": "hf", "path": str((run_dir / "hf").absolute())}
+
+    assert generate_main(["--checkpoint", str(run_dir), "--prompt", "def f", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("def f")
+    config = load_run_config(run_dir / "config.yaml", [
+        f"train.run_dir={run_dir}", "train.steps=1", "train.batch_size=2", "train.sample_tokens=4", "train.eval_every=0",
+        "train.progress=lines", "data.seq_len=32", "data.builtin_bytes=20000", "data.shuffle_window_tokens=4096",
+        "data.eval_fraction=0", "parallel.data=1"])
+    result = train(config, log=lambda _: None)
+    assert np.isfinite(list(result.losses.values())).all() and result.sample
+    # An older conversion's config names no tokenizer: refused in one line before training, not a crash at sampling.
+    saved["data"].pop("tokenizer")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ValueError, match=r"data.tokenizer is the byte tokenizer, but .* holds a converted model"):
+        train(load_run_config(run_dir / "config.yaml", [f"train.run_dir={run_dir}", "train.steps=2", "parallel.data=1"]),
+              log=lambda _: None)

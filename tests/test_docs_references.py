@@ -38,7 +38,7 @@ def resolves(dotted: str) -> bool:
 
 def test_resolves_tells_a_missing_name():
     assert resolves("diffjax.ops.diff_attention") and resolves("diffjax.train")
-    assert not resolves("diffjax.train.checkpoint.no_such_function") and not resolves("diffjax.no_such_module")
+    assert not resolves("diffjax.train.state_checkpoints.no_such_function") and not resolves("diffjax.no_such_module")
 
 
 @pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])

@@ -21,7 +21,7 @@ from diffjax.config import ModelConfig
 from diffjax.train.mesh import ParallelConfig
 from diffjax.model import TransformerLM
 from diffjax.train import load_run_config, train
-from diffjax.train.checkpoint import Checkpointer
+from diffjax.train.state_checkpoints import Checkpointer
 from diffjax.train.config import CheckpointConfig
 from diffjax.train.optimizer import OptimizerConfig, make_optimizer
 from diffjax.train.step import setup_sharded_state, sharded_init

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from diffjax.train import train
-from diffjax.train.checkpoint import Checkpointer
+from diffjax.train.state_checkpoints import Checkpointer
 from diffjax.train.config import CheckpointConfig
 from test_trainer import REPO_ROOT, SMALL, _read_metrics
 from test_trainer import _config as _trainer_config
@@ -186,7 +186,7 @@ def test_a_full_disk_stops_with_one_line_and_leaves_the_checkpoints_intact(tmp_p
     import shutil
 
     from diffjax.train import integrity
-    from diffjax.train.checkpoint import SaveError
+    from diffjax.train.state_checkpoints import SaveError
 
     # Free space below one checkpoint's size: refused before Orbax starts writing.
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 0))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from diffjax.train import Hook, load_run_config, train
-from diffjax.train.checkpoint import Checkpointer
+from diffjax.train.state_checkpoints import Checkpointer
 from diffjax.train.config import CheckpointConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

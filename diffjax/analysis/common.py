@@ -13,6 +13,7 @@ import yaml
 
 from diffjax import attention_kinds
 from diffjax.data.config import DataConfig
+from diffjax.run_dir import RunDir
 from diffjax.tokenizers import Tokenizer
 
 
@@ -37,13 +38,13 @@ def describe(model) -> str:
 def load_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:
     """A run directory (or checkpoint) of train.py or the converter, with the tokenizer of its config.yaml's
     data section. A model whose config names no tokenizer must use the byte tokenizer's 257 ids."""
-    from diffjax.checkpoint import load_model, resolve_checkpoint
+    from diffjax.params_checkpoint import load_model, resolve_checkpoint
     from diffjax.tokenizers import make_tokenizer
     from diffjax.train.config import build_config
 
     step_dir = resolve_checkpoint(path, "--checkpoint")
     model = load_model(step_dir, what="--checkpoint")
-    values = yaml.safe_load((step_dir.parent.parent / "config.yaml").read_text()) or {}
+    values = yaml.safe_load(RunDir.of_step(step_dir).config_file.read_text()) or {}
     data_values = values.get("data") or {}
     data = build_config(DataConfig, data_values, prefix="data")
     if "tokenizer" not in data_values and model.config.vocab_size != 257:

@@ -3,7 +3,7 @@
 Command line: `python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, verify}` (README, "Convert").
 """
 
-from diffjax.convert.checkpoint import diffjax_to_hf, hf_to_diffjax
+from diffjax.convert.hf_directories import diffjax_to_hf, hf_to_diffjax
 from diffjax.convert.common import ConversionError
 from diffjax.convert.export import hf_config, save_hf
 from diffjax.convert.hf import config_from_hf, load_hf, params_from_hf

@@ -66,19 +66,20 @@ def main(argv=None) -> int:
     # Import jax, orbax and the checkpoint code before taking the memory baseline.
     import orbax.checkpoint  # noqa: F401
 
-    import diffjax.checkpoint  # noqa: F401
-    from diffjax.convert import checkpoint, verify  # noqa: F401
+    import diffjax.params_checkpoint  # noqa: F401
+    from diffjax.convert import hf_directories, verify  # noqa: F401
     from diffjax.convert.common import ConversionError
+    from diffjax.run_dir import RunDir
 
     start, base_rss = time.time(), _peak_rss_mb()
     try:
         if args.command == "hf-to-diffjax":
-            from diffjax.convert.checkpoint import hf_to_diffjax
+            from diffjax.convert.hf_directories import hf_to_diffjax
             step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress)
             print(f"wrote {step_dir} (run directory {args.dst}: train on with "
-                  f"`python train.py --config {os.path.join(args.dst, 'config.yaml')} train.run_dir={args.dst}`)")
+                  f"`python train.py --config {RunDir(args.dst).config_file} train.run_dir={args.dst}`)")
         elif args.command == "diffjax-to-hf":
-            from diffjax.convert.checkpoint import diffjax_to_hf
+            from diffjax.convert.hf_directories import diffjax_to_hf
             out = diffjax_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_size=args.shard_size,
                                 overwrite=args.overwrite, progress=_progress)
             print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")

@@ -132,8 +132,8 @@ def _diffjax_run(model: TransformerLM, tokens: np.ndarray):
 
 def load_diffjax_as(path, dtype: str) -> TransformerLM:
     """A diffjax run directory / checkpoint as a model whose params and compute are `dtype`."""
-    from diffjax.convert.checkpoint import read_run_config
-    from diffjax.checkpoint import load_params
+    from diffjax.convert.hf_directories import read_run_config
+    from diffjax.params_checkpoint import load_params
 
     _, step_dir, config = read_run_config(path)
     config = config.replace(dtype=dtype, param_dtype=dtype)

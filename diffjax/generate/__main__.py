@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from diffjax.run_dir import RunDir
+
 SEPARATOR = "\n" + "-" * 40
 
 
@@ -40,15 +42,16 @@ def load_tokenizer(step_dir: Path):
 
     from diffjax.tokenizers import TokenizerConfig, make_tokenizer
 
-    config_path = step_dir.parent.parent / "config.yaml"
+    run = RunDir.of_step(step_dir)
+    config_path = run.config_file
     if not config_path.exists():
         raise FileNotFoundError(f"--checkpoint: {config_path} is missing: cannot tell the model or its tokenizer")
     section = ((yaml.safe_load(config_path.read_text()) or {}).get("data") or {}).get("tokenizer")
     if not isinstance(section, dict):
-        hf_dir = config_path.parent / "hf"
-        hint = f" (a conversion keeps its source's tokenizer files in {hf_dir})" if hf_dir.is_dir() else ""
+        hint = f" (a conversion keeps its source's tokenizer files in {run.hf})" if run.hf.is_dir() else ""
+        example = f"{{kind: hf, path: {run.hf}}}" if run.hf.is_dir() else "{kind: sentencepiece, path: tokenizer.model}"
         raise ValueError(f"{config_path} names no tokenizer (data.tokenizer){hint}: add one, e.g. `data: {{tokenizer: "
-                         f"{{kind: sentencepiece, path: tokenizer.model}}}}`, or pass --prompt-ids")
+                         f"{example}}}`, or pass --prompt-ids")
     return make_tokenizer(TokenizerConfig(**section))
 
 
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
     import jax
 
     import diffjax
-    from diffjax.checkpoint import load_model, resolve_checkpoint
+    from diffjax.params_checkpoint import load_model, resolve_checkpoint
 
     try:
         step_dir = resolve_checkpoint(args.checkpoint, what="--checkpoint")

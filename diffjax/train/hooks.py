@@ -18,8 +18,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from diffjax.run_dir import RunDir
 from diffjax.train.guard import check_step
-from diffjax.train.metrics import (METRICS_FILE, MetricsWriter, peak_flops_per_device, read_records,
+from diffjax.train.metrics import (MetricsWriter, peak_flops_per_device, read_records,
                                    training_flops_per_token)
 from diffjax.train.progress import Progress
 
@@ -78,7 +79,7 @@ class MetricsLog(Hook):
     def on_eval(self, run, step, loss):
         self.flush(run)
         if step > run.start_step or not any(r["step"] == step and r["kind"] == "eval"  # a kill lost it
-                                            for r in read_records(run.run_dir / METRICS_FILE)):
+                                            for r in read_records(RunDir(run.run_dir).metrics_file)):
             self.writer.write(step, "eval", {"loss": loss})
         self.progress.note(f"step {step}: eval loss {loss:.4f}")
 

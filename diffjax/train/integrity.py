@@ -13,9 +13,9 @@ import os
 import shutil
 from pathlib import Path
 
-DIGEST_FILE = "digest.json"  # in the step directory, next to Orbax's items
+from diffjax.run_dir import DAMAGED_DIR, DIGEST_FILE, RunDir
+
 UNDIGESTED = {DIGEST_FILE, "_CHECKPOINT_METADATA"}  # Orbax updates the latter when it commits the save
-DAMAGED_DIR = "damaged-checkpoints"
 
 
 def _files(step_dir: Path) -> list[Path]:
@@ -74,7 +74,7 @@ def find_damage(step_dir: Path) -> str | None:
 def set_aside(step_dir: Path) -> Path:
     """Moves a damaged step directory to <run_dir>/damaged-checkpoints/<step>[.n]; returns where."""
     step_dir = Path(step_dir)
-    target_dir = step_dir.parent.parent / DAMAGED_DIR
+    target_dir = RunDir.of_step(step_dir).damaged_checkpoints
     target_dir.mkdir(exist_ok=True)
     target, n = target_dir / step_dir.name, 1
     while target.exists():

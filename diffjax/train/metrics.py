@@ -25,6 +25,7 @@ from flax import nnx
 
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
+from diffjax.run_dir import RunDir
 
 # Dense bf16 peak FLOP/s per device (vendor figures, no sparsity), matched against jax's device_kind.
 PEAK_FLOPS = (
@@ -68,7 +69,6 @@ def layer_lambdas(graphdef, params) -> jax.Array | None:
     return nnx.merge(graphdef, params).layer_lambdas()
 
 
-METRICS_FILE = "metrics.jsonl"
 
 
 def read_records(path: Path) -> list[dict]:
@@ -94,8 +94,8 @@ class MetricsWriter:
         self.enabled = enabled  # False on all but the main process of a multi-process run
         if not enabled:
             return
-        run_dir = Path(run_dir)
-        self.jsonl_path = run_dir / METRICS_FILE
+        run = RunDir(Path(run_dir))
+        self.jsonl_path = run.metrics_file
         if resume_step and self.jsonl_path.exists():
             self._truncate_after(resume_step)
         elif not resume_step and self.jsonl_path.exists():
@@ -105,7 +105,7 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            self._tensorboard = SummaryWriter(str(run.tensorboard), purge_step=resume_step + 1 if resume_step else None)
 
     def _truncate_after(self, step: int):
         kept = [record for record in read_records(self.jsonl_path) if record.get("step", 0) <= step]

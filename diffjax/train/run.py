@@ -25,13 +25,13 @@ from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
-from diffjax.train.checkpoint import Checkpointer, abstract_like, load_params, restore_params
+from diffjax.train.state_checkpoints import Checkpointer, abstract_like, load_params, restore_params
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
-from diffjax.train.metrics import METRICS_FILE, read_records, training_flops_per_token
+from diffjax.run_dir import RunDir
+from diffjax.train.metrics import read_records, training_flops_per_token
 from diffjax.train.optimizer import make_optimizer
 from diffjax.train.step import ShardedTraining, setup_sharded_state
 
-CONFIG_FILE = "config.yaml"
 
 
 @dataclasses.dataclass
@@ -139,8 +139,7 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
     if jax.process_index() != 0:  # one process speaks and writes metrics for all
         log = lambda _: None  # noqa: E731
     with _setup_errors():
-        run_dir = Path(config.train.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = RunDir.for_training(config.train.run_dir).path
         check_resumable(run_dir, config, log)
         checkpointer = Checkpointer(run_dir, config.checkpoint)
         latest_step, start_step = checkpointer.newest_intact(log), 0
@@ -154,6 +153,13 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
             raise ValueError(
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
                 f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
+            )
+        converted_tokenizer = RunDir(run_dir).hf / "tokenizer.json"
+        if config.data.tokenizer.kind == "byte" and converted_tokenizer.exists():
+            raise ValueError(
+                f"data.tokenizer is the byte tokenizer, but {run_dir} holds a converted model whose tokenizer is "
+                f"{converted_tokenizer} (vocab_size {config.model.vocab_size}): set data.tokenizer to "
+                f"{{kind: hf, path: {converted_tokenizer.parent}}} (conversions since 2026-11-25 name it in config.yaml)"
             )
         mesh = parallel.make_mesh(config.parallel)
         plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
@@ -194,7 +200,7 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
             state["params"] = restore_params(config.train.init_from, abstract_like(state))
             log(f"initialized the params from {config.train.init_from}")
     if jax.process_index() == 0:
-        save_run_config(config, run_dir / CONFIG_FILE)
+        save_run_config(config, RunDir(run_dir).config_file)
 
     model = config.model
     log(
@@ -220,7 +226,7 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
 def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
     """A run directory belongs to one model: refuse to resume with a different model section (fields
     that only change how it computes, such as remat or the attention kernel, may change)."""
-    saved_path = run_dir / CONFIG_FILE
+    saved_path = RunDir(run_dir).config_file
     if not saved_path.exists():
         return
     saved = read_yaml(saved_path)
@@ -256,7 +262,7 @@ def _finished_run(run_dir: Path, config: RunConfig, latest_step: int | None) -> 
     if latest_step is None or latest_step < config.train.steps or jax.process_count() > 1:
         return None
     final_kind = "eval" if config.data.eval_fraction > 0 else "train"
-    final = [r for r in read_records(run_dir / METRICS_FILE) if r["step"] == latest_step and r["kind"] == final_kind]
+    final = [r for r in read_records(RunDir(run_dir).metrics_file) if r["step"] == latest_step and r["kind"] == final_kind]
     if not final:
         return None
     eval_losses = {latest_step: final[-1]["loss"]} if final_kind == "eval" else {}

@@ -1,10 +1,10 @@
 """Orbax checkpoints of a run: train state (params, optimizer state, step, RNG) and data-iterator state.
 
-Layout: <run_dir>/checkpoints/<step>/{state, data, digest.json}. Orbax writes each checkpoint into a
+Layout (diffjax/run_dir.py): <run_dir>/checkpoints/<step>/{state, data, digest.json}. Orbax writes each checkpoint into a
 temporary directory and renames it when complete, so a crash during a save leaves the previous checkpoint
 as the latest restorable one (leftover temporary directories are removed on the next start). The digest
 (integrity.py) is written when a save is complete and checked before a restore.
-Params-only checkpoints (load_params, save_params, load_model): diffjax.checkpoint.
+Params-only checkpoints (load_params, save_params, load_model): diffjax.params_checkpoint (`diffjax.checkpoint`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from diffjax.checkpoint import check_same_params, load_params, refuse_per_layer
+from diffjax.params_checkpoint import check_same_params, load_params, refuse_per_layer
+from diffjax.run_dir import DATA_ITEM, STATE_ITEM, RunDir
 from diffjax.train import integrity
 from diffjax.train.config import CheckpointConfig
 from diffjax.train.mesh import allgather_json
@@ -28,7 +29,8 @@ class SaveError(RuntimeError):
 
 class Checkpointer:
     def __init__(self, run_dir: str | Path, config: CheckpointConfig):
-        self.directory = Path(run_dir).absolute() / "checkpoints"
+        self.run = RunDir(Path(run_dir).absolute())
+        self.directory = self.run.checkpoints
         self._async, self._saving = config.async_save, None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
@@ -37,7 +39,7 @@ class Checkpointer:
             create=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_digest) if config.async_save else None,
         )
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+        handlers = {STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
@@ -48,18 +50,18 @@ class Checkpointer:
         callback, before the temporary directory is renamed into place: the digest arrives with the checkpoint."""
         if jax.process_index() == 0:
             temporary = sorted(self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"))
-            integrity.write_digest(temporary[-1] if temporary else self.directory / str(self._saving))
+            integrity.write_digest(temporary[-1] if temporary else self.run.step_dir(self._saving))
 
     def state_keys(self, step: int) -> set[str]:
         """Top-level keys of a checkpoint's state: {"params"} alone for a params-only (converted) checkpoint."""
-        return set(self.manager.item_metadata(step)["state"].keys())
+        return set(self.manager.item_metadata(step)[STATE_ITEM].keys())
 
     def newest_intact(self, log) -> int | None:
         """The newest checkpoint whose files match their digest and whose metadata reads; each damaged
         newer one is reported and set aside (integrity.py). A checkpoint without a digest (params-only,
         or a kill right after its save) is used after the metadata check alone."""
         for step in sorted(self.manager.all_steps(), reverse=True):
-            step_dir = self.directory / str(step)
+            step_dir = self.run.step_dir(step)
             problem = integrity.find_damage(step_dir)
             if problem is None:
                 try:
@@ -88,7 +90,8 @@ class Checkpointer:
         self._check_space(step)
         self._saving = step
         self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True
+            step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: ocp.args.JsonSave(data)}),
+            force=True
         )
         if not self._async:
             self._write_digest()
@@ -97,20 +100,20 @@ class Checkpointer:
         """(state, this process's data-iterator state) of checkpoint `step`. `abstract_state` gives structure,
         shapes, dtypes and the shardings to restore onto (any mesh). The data state is None when the
         checkpoint was written by a different number of processes (their positions do not map)."""
-        saved_params = self.manager.item_metadata(step)["state"]["params"]
-        refuse_per_layer(self.directory / str(step), "resume", saved_params)
+        saved_params = self.manager.item_metadata(step)[STATE_ITEM]["params"]
+        refuse_per_layer(self.run.step_dir(step), "resume", saved_params)
         check_same_params(
             saved_params, abstract_state["params"],
-            f"checkpoint {self.directory / str(step)} holds a different model than this run's (resume it with the "
+            f"checkpoint {self.run.step_dir(step)} holds a different model than this run's (resume it with the "
             "model it was trained with, or choose another train.run_dir)",
         )
         restored = self.manager.restore(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()),
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: ocp.args.JsonRestore()}),
         )
-        per_process = restored["data"]["per_process"]
+        per_process = restored[DATA_ITEM]["per_process"]
         data_state = per_process[jax.process_index()] if len(per_process) == jax.process_count() else None
-        return restored["state"], data_state
+        return restored[STATE_ITEM], data_state
 
     def read(self, step: int) -> dict:
         """{"state": ..., "data": ...} of checkpoint `step` as saved (no target: host arrays), for inspection."""
@@ -120,7 +123,7 @@ class Checkpointer:
         """Refuse to start a save the disk cannot hold (the size of the newest checkpoint, from its digest):
         a clear stop now instead of Orbax's errors from its background thread one save later."""
         newest = self.manager.latest_step()
-        needed = integrity.saved_bytes(self.directory / str(newest)) if newest is not None else 0
+        needed = integrity.saved_bytes(self.run.step_dir(newest)) if newest is not None else 0
         free = shutil.disk_usage(self.directory).free
         if needed > free:
             raise SaveError(

@@ -1,0 +1,288 @@
+"""Params-only checkpoints: the format the converter writes, `load_model` reads and train.py trains on from.
+Users import it as `diffjax.checkpoint`. In the run directory (diffjax/run_dir.py):
+
+    <run_dir>/config.yaml               `model`: the ModelConfig (a run config: train.py resumes from it)
+    <run_dir>/checkpoints/<step>/state  Orbax, {"params": nnx pure dict} (a trainer checkpoint adds the
+                                        optimizer state, step and RNG; `load_params` reads either)
+
+The decoder blocks' params are stacked over depth ([L, ...] leaves under "blocks"). Checkpoints written
+before that (one "blocks/<i>" entry per layer) are stacked on read by `load_params`, `load_model` and
+`CheckpointParams`. Orbax is imported where a checkpoint is read or written, so that importing this
+module (and diffjax.convert) costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+
+from diffjax.config import ModelConfig
+from diffjax.run_dir import STATE_ITEM, RunDir, state_dir
+from diffjax.sharding import key_names
+
+STACKED = "blocks"  # the params key whose leaves carry the leading layers axis
+CHUNK_BYTES = 8 * 2**20
+
+
+def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
+    """One step's directory from `path`: a run directory or its checkpoints/ directory (newest step),
+    or a step directory itself. `what` names the setting in errors (e.g. "train.init_from")."""
+    return RunDir.for_reading(path, what)[1]
+
+
+def _saved_metadata(step_dir: Path) -> dict:
+    import orbax.checkpoint as ocp
+
+    return ocp.PyTreeCheckpointer().metadata(state_dir(step_dir)).item_metadata
+
+
+def state_keys(step_dir: Path) -> set[str]:
+    """Top-level keys of a checkpoint's state: {"params"} alone for a params-only (converted) checkpoint."""
+    return set(_saved_metadata(step_dir).keys())
+
+
+def is_per_layer(saved_params: Mapping) -> bool:
+    """True for params saved one entry per layer ({"blocks": {"0": ..., "1": ...}}), the layout before stacking."""
+    blocks = saved_params.get(STACKED)
+    return isinstance(blocks, Mapping) and bool(blocks) and all(str(key).isdigit() for key in blocks)
+
+
+def refuse_per_layer(step_dir: Path, what: str, saved_params: Mapping | None = None) -> None:
+    """A clear error for a full train state saved per layer: its optimizer state cannot be resumed as is.
+    saved_params: the checkpoint's params metadata when the caller has it (else read from step_dir)."""
+    saved = _saved_metadata(step_dir).get("params") if saved_params is None else saved_params
+    if saved is not None and is_per_layer(saved):
+        raise ValueError(
+            f"{what}: checkpoint {step_dir} stores the decoder blocks' params one entry per layer (written before "
+            "diffjax stacked them over depth), so its optimizer state cannot be resumed. Train on from its params "
+            f"in a new run directory with train.init_from={step_dir} (they are stacked on read; the optimizer "
+            "restarts), or load it with diffjax.checkpoint.load_model"
+        )
+
+
+def stack_layers(params: dict) -> dict:
+    """Per-layer params ({"blocks": {i: tree}}) -> stacked ({"blocks": tree of [L, ...]}), host numpy."""
+    blocks = params[STACKED]
+    layers = [blocks[key] for key in sorted(blocks, key=int)]
+    return {**params, STACKED: jax.tree.map(lambda *xs: np.stack(xs), *layers)}
+
+
+def _int_keys(tree: Any) -> Any:
+    """Digit-string dict keys back to ints (Orbax stores the layer indices of per-layer params as strings)."""
+    if not isinstance(tree, dict):
+        return tree
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in tree.items()}
+
+
+def check_same_params(saved: Any, expected: Any, message: str) -> None:
+    """Raise ValueError(message + the missing, unexpected and mis-shaped parameter paths)."""
+    def shapes(tree):
+        return {".".join(key_names(path)): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+    saved_shapes, expected_shapes = shapes(saved), shapes(expected)
+    problems = []
+    if missing := sorted(set(expected_shapes) - set(saved_shapes)):
+        problems.append(f"missing {missing}")
+    if unexpected := sorted(set(saved_shapes) - set(expected_shapes)):
+        problems.append(f"unexpected {unexpected}")
+    problems += [
+        f"{key} has shape {saved_shapes[key]}, expected {shape}"
+        for key, shape in sorted(expected_shapes.items()) if key in saved_shapes and saved_shapes[key] != shape
+    ]
+    if problems:  # one line: the first few, then how many more
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ValueError(f"{message}: {'; '.join(problems[:3])}{more}")
+
+
+def load_params(path: str | Path, abstract_params: Any = None, *, what: str = "checkpoint") -> Any:
+    """The params of a checkpoint (full train state or params-only), without reading the optimizer state.
+
+    `abstract_params` (ShapeDtypeStructs, optionally with shardings) checks shapes and places the arrays;
+    None gives host numpy arrays in the saved structure (per-layer checkpoints stacked).
+    """
+    import orbax.checkpoint as ocp
+
+    step_dir = resolve_checkpoint(path, what)
+    checkpointer = ocp.PyTreeCheckpointer()
+    saved = checkpointer.metadata(state_dir(step_dir)).item_metadata.get("params")
+    if saved is None:
+        raise ValueError(f"{what}: checkpoint {step_dir} holds no params")
+    per_layer = is_per_layer(saved)
+    message = f"{what}: checkpoint {step_dir} does not match this model"
+    if abstract_params is None or per_layer:  # per-layer: read to host, stack, then place
+        target = _int_keys(jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved))
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    else:
+        check_same_params(saved, abstract_params, message)
+        target, restore_args = abstract_params, ocp.checkpoint_utils.construct_restore_args(abstract_params)
+    try:
+        restored = checkpointer.restore(
+            state_dir(step_dir),
+            args=ocp.args.PyTreeRestore({"params": target}, restore_args={"params": restore_args}, partial_restore=True),
+        )["params"]
+    except (ValueError, KeyError) as error:
+        raise ValueError(f"{message} ({error})") from None
+    if not per_layer:
+        return restored
+    restored = stack_layers(restored)
+    if abstract_params is None:
+        return restored
+    check_same_params(restored, abstract_params, message)
+    return jax.tree.map(lambda x, target: jax.device_put(x.astype(target.dtype), target.sharding), restored, abstract_params)
+
+
+def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, step: int = 0,
+                data: dict | None = None) -> Path:
+    """A params-only checkpoint in run-directory layout: <run_dir>/config.yaml and checkpoints/<step>/state.
+
+    `train.py train.run_dir=<run_dir>` continues training from it (a fresh optimizer), `train.init_from`
+    fine-tunes from it and `load_model` loads it. Refuses a directory that already holds checkpoints.
+    """
+    import orbax.checkpoint as ocp
+
+    run = RunDir(Path(run_dir).absolute())
+    if run.has_checkpoints():
+        raise FileExistsError(f"{run.checkpoints} already holds checkpoints; choose an empty directory")
+    run.path.mkdir(parents=True, exist_ok=True)
+    # Peak memory ~ the params alone (the converter streams models larger than half the machine's memory):
+    # OCDBT would hold the whole encoded checkpoint until it commits, and the default numpy handler copies
+    # every array (needed only for asynchronous saves; this one is synchronous).
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+    )
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1, type_handler_registry=registry)
+    manager = ocp.CheckpointManager(run.checkpoints, item_handlers={STATE_ITEM: handler},
+                                    options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
+    params = jax.tree.map(np.asarray, params)  # jax arrays to host numpy (numpy arrays: no copy)
+    # Written in chunks of at most CHUNK_BYTES, stacked leaves split along the layers axis first: the encoding
+    # transient is one chunk, not a whole stack, and CheckpointParams.layer reads only one layer's chunks.
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
+    if STACKED in params:
+        save_args[STACKED] = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,)), params[STACKED])
+    manager.save(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave({"params": params},
+                                                                                    save_args={"params": save_args})}),
+                 force=True)
+    manager.wait_until_finished()
+    manager.close()
+    # A run config train.py reads (its other sections take their defaults); the data section's sequence
+    # length must fit the model; `data` adds to that section (a conversion names its tokenizer there).
+    run_config = {"model": model_config.to_dict(), "data": {"seq_len": min(128, model_config.max_seq_len), **(data or {})},
+                  "train": {"run_dir": str(run.path)}}
+    temporary = run.config_file.with_name(run.config_file.name + ".tmp")  # never a half-written config.yaml
+    temporary.write_text(yaml.safe_dump(run_config, sort_keys=False))
+    os.replace(temporary, run.config_file)
+    return run.step_dir(step)
+
+
+def saved_model_config(step_dir: Path, *, what: str = "checkpoint") -> ModelConfig:
+    """The ModelConfig of a checkpoint: the `model` section of its run directory's config.yaml."""
+    config_path = RunDir.of_step(step_dir).config_file
+    if not config_path.exists():
+        raise FileNotFoundError(f"{what}: {config_path} is missing: cannot tell which model {step_dir} holds")
+    model = (yaml.safe_load(config_path.read_text()) or {}).get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"{what}: {config_path} has no `model` section")
+    return ModelConfig.from_dict(model)
+
+
+def load_model(path: str | Path, *, what: str = "checkpoint"):
+    """The TransformerLM of a run directory or checkpoint (its config.yaml's model section, its saved params)."""
+    from flax import nnx
+
+    from diffjax.model import TransformerLM
+
+    step_dir = resolve_checkpoint(path, what)
+    model_config = saved_model_config(step_dir, what=what)
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(abstract_params))
+    params = load_params(step_dir, target, what=what)
+    nnx.replace_by_pure_dict(abstract_params, params)
+    return nnx.merge(graphdef, abstract_params)
+
+
+class CheckpointParams(Mapping):
+    """The params of a diffjax checkpoint (trainer-written or converted) as a read-only mapping
+    {path: numpy array} that reads one array from disk per access and keeps nothing: an export
+    then holds one stacked leaf at a time instead of the whole model. Per-layer checkpoints show
+    the stacked paths (each access reads and stacks the layers' arrays)."""
+
+    def __init__(self, step_dir: str | os.PathLike):
+        import orbax.checkpoint as ocp
+
+        self._directory = state_dir(step_dir)
+        self._checkpointer = ocp.PyTreeCheckpointer()
+        saved = self._checkpointer.metadata(self._directory).item_metadata.get("params")
+        if saved is None:
+            raise ValueError(f"checkpoint {step_dir} holds no params")
+        per_layer = is_per_layer(saved)
+        self._stored, self.shapes, self.dtypes = {}, {}, {}  # path -> the stored key paths it is read from
+        for key_path, meta in jax.tree_util.tree_leaves_with_path(saved):
+            stored = tuple(str(getattr(k, "key", k)) for k in key_path)
+            path, shape = stored, tuple(meta.shape)
+            if per_layer and stored[0] == STACKED:
+                path = (STACKED,) + stored[2:]
+                shape = (len(saved[STACKED]),) + shape
+            self._stored.setdefault(path, []).append(stored)
+            self.shapes[path], self.dtypes[path] = shape, np.dtype(meta.dtype)
+        for stored in self._stored.values():
+            stored.sort(key=lambda keys: int(keys[1]) if per_layer and keys[0] == STACKED else 0)
+
+    def _read(self, stored: tuple[str, ...], shape, dtype) -> np.ndarray:
+        import orbax.checkpoint as ocp
+
+        item = np.empty(shape, dtype)
+        for key in reversed(stored):
+            item = {key: item}
+        restore_args = {"params": _map_leaves(item, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))}
+        restored = self._checkpointer.restore(
+            self._directory, args=ocp.args.PyTreeRestore({"params": item}, restore_args=restore_args, partial_restore=True)
+        )["params"]
+        for key in stored:
+            restored = restored[key]
+        return restored
+
+    def _per_layer(self, path) -> bool:
+        stored = self._stored[path]
+        return len(stored) > 1 or len(stored[0]) > len(path)
+
+    def __getitem__(self, path) -> np.ndarray:
+        stored = self._stored[path]
+        if not self._per_layer(path):
+            return self._read(stored[0], self.shapes[path], self.dtypes[path])
+        return np.stack([self._read(keys, self.shapes[path][1:], self.dtypes[path]) for keys in stored])
+
+    def layer(self, path, depth: int) -> np.ndarray:
+        """Layer `depth` of the stacked leaf `path`, reading only the chunks that hold it (an export then
+        holds one layer's tensor, not a whole stack). Orbax restores whole arrays, so this opens the array
+        with tensorstore, Orbax's storage layer: a zarr array per parameter, in an OCDBT store when the
+        trainer wrote it."""
+        import tensorstore as ts
+
+        stored = self._stored[path]
+        if self._per_layer(path):
+            return self._read(stored[depth], self.shapes[path][1:], self.dtypes[path])
+        name = ".".join(("params",) + stored[0])
+        if (self._directory / "manifest.ocdbt").exists():
+            kvstore = {"driver": "ocdbt", "base": f"file://{self._directory}", "path": name}
+        else:
+            kvstore = {"driver": "file", "path": str(self._directory / name)}
+        array = ts.open({"driver": "zarr", "kvstore": kvstore}, open=True, read=True).result()
+        return np.asarray(array[depth].read().result(), self.dtypes[path])
+
+    def __iter__(self):
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
+def _map_leaves(tree, fn):
+    return {k: _map_leaves(v, fn) for k, v in tree.items()} if isinstance(tree, dict) else fn(tree)

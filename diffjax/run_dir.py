@@ -1,0 +1,139 @@
+"""The run directory: every path in it, in one place, and how it is opened (pure pathlib: no jax, no Orbax).
+
+    <run_dir>/config.yaml                     the run config (a conversion's: its `model` section)
+    <run_dir>/checkpoints/<step>/state        Orbax: params (+ optimizer state, step, RNG for the trainer's)
+    <run_dir>/checkpoints/<step>/data         the data iterator's state (the trainer's checkpoints)
+    <run_dir>/checkpoints/<step>/digest.json  size and SHA-256 of every file, written when a save is complete
+    <run_dir>/damaged-checkpoints/<step>      checkpoints that failed their digest, moved aside, never deleted
+    <run_dir>/metrics.jsonl                   one JSON record per logged step / eval
+    <run_dir>/tensorboard/                    TensorBoard events
+    <run_dir>/hf/                             a Hugging Face conversion's config.json, tokenizer and generation files
+
+Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; where the one-trainer
+lock of the reliability work belongs), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
+one step: the step to load, with one-line errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
+(an empty directory the converter fills), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
+Who writes what: diffjax.params_checkpoint (params-only checkpoints and config.yaml), diffjax.train.state_checkpoints
+(the trainer's Orbax checkpoints, digests via diffjax.train.integrity), diffjax.train.metrics (metrics.jsonl,
+TensorBoard), diffjax.convert.hf_directories (hf/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS_DIR = "checkpoints"
+STATE_ITEM = "state"  # Orbax item names inside a step directory
+DATA_ITEM = "data"
+DIGEST_FILE = "digest.json"
+DAMAGED_DIR = "damaged-checkpoints"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+HF_DIR = "hf"
+CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, HF_DIR)  # what a conversion writes (and --overwrite replaces)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+
+    # ---- opening
+
+    @classmethod
+    def for_training(cls, path: str | Path) -> "RunDir":
+        """A new run's or a resumed run's directory, created if absent."""
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(f"train.run_dir {path} exists and is not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path)
+
+    @classmethod
+    def for_reading(cls, path: str | Path, what: str = "checkpoint") -> tuple["RunDir", Path]:
+        """(the run, the step directory to load) from a run directory or its checkpoints/ directory (the newest
+        complete step) or one step directory. `what` names the setting in errors (e.g. "train.init_from")."""
+        path = Path(path).absolute()
+        if (path / CHECKPOINTS_DIR).is_dir():
+            path = path / CHECKPOINTS_DIR
+        if not (path.name.isdigit() and (path / STATE_ITEM).is_dir()):
+            if not path.is_dir():
+                raise FileNotFoundError(f"{what}: {path} is not a run directory or checkpoint")
+            steps = _complete_steps(path)
+            if not steps:
+                raise FileNotFoundError(f"{what}: no checkpoint under {path}")
+            path = path / str(steps[-1])
+        return cls.of_step(path), path
+
+    @classmethod
+    def for_conversion(cls, path: str | Path, *, overwrite: bool) -> "RunDir":
+        """An empty (or new) directory for a conversion; a non-empty one is refused unless `overwrite`, which
+        removes only what a conversion writes."""
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"{path} exists and is not a directory")
+        if path.is_dir() and any(path.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"{path} is not empty; choose an empty or new directory, or pass --overwrite")
+            for name in CONVERSION_OUTPUTS:
+                entry = path / name
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                elif entry.exists() or entry.is_symlink():
+                    entry.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path)
+
+    @classmethod
+    def of_step(cls, step_dir: str | Path) -> "RunDir":
+        return cls(Path(step_dir).parent.parent)
+
+    # ---- paths
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS_DIR
+
+    @property
+    def damaged_checkpoints(self) -> Path:
+        return self.path / DAMAGED_DIR
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD_DIR
+
+    @property
+    def hf(self) -> Path:
+        return self.path / HF_DIR
+
+    def step_dir(self, step: int) -> Path:
+        return self.checkpoints / str(step)
+
+    def steps(self) -> list[int]:
+        """The steps with a checkpoint (a state item), oldest first."""
+        return _complete_steps(self.checkpoints) if self.checkpoints.is_dir() else []
+
+    def has_checkpoints(self) -> bool:
+        return self.checkpoints.exists() and any(self.checkpoints.iterdir())
+
+
+def state_dir(step_dir: str | Path) -> Path:
+    """The Orbax state item of a checkpoint (params, and the trainer's optimizer state, step and RNG)."""
+    return Path(step_dir) / STATE_ITEM
+
+
+def _complete_steps(checkpoints: Path) -> list[int]:
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit() and (p / STATE_ITEM).is_dir())
