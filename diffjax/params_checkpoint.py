@@ -13,6 +13,7 @@ module (and diffjax.convert) costs nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +35,19 @@ def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
     """One step's directory from `path`: a run directory or its checkpoints/ directory (newest step),
     or a step directory itself. `what` names the setting in errors (e.g. "train.init_from")."""
     return RunDir.for_reading(path, what)[1]
+
+
+class _NoStateMetadataNote(logging.Filter):
+    """Drops Orbax's "Metadata file does not exist: .../state/_CHECKPOINT_METADATA" warning, logged on every load
+    of a checkpoint's state item (Orbax keeps that file one level up, in the step directory): noise, not damage."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Metadata file does not exist") and
+                    message.endswith(f"{os.sep}{STATE_ITEM}{os.sep}_CHECKPOINT_METADATA"))
+
+
+logging.getLogger("absl").addFilter(_NoStateMetadataNote())
 
 
 def _saved_metadata(step_dir: Path) -> dict:

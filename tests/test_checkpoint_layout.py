@@ -51,3 +51,15 @@ def test_stacked_checkpoints_read_one_layer(tmp_path):
     for depth in range(CONFIG.num_layers):
         np.testing.assert_array_equal(lazy.layer(("blocks", "mlp", "down_kernel"), depth),
                                       np.asarray(params["blocks"]["mlp"]["down_kernel"][depth]))
+
+
+def test_loading_logs_no_orbax_metadata_warning(per_layer_checkpoint, caplog):
+    """Orbax warned "Metadata file does not exist: .../state/_CHECKPOINT_METADATA" on every load (generate, the
+    analyses, load_model, init_from): the checkpoint is fine, so the loaders silence that one message."""
+    import logging
+
+    step_dir, _ = per_layer_checkpoint
+    with caplog.at_level(logging.WARNING):
+        load_model(step_dir)
+        load_params(step_dir)
+    assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]

@@ -105,7 +105,7 @@ class MetricsLog(Hook):
             jax.block_until_ready(self.pending[-1][1])
             rate = self.timed_steps * run.tokens_per_step / (run.clock.seconds() - self.window_start)
             self.tokens_per_second = rate
-        newest = None if run.last_saved is None else run.checkpointer.directory / str(run.last_saved)
+        newest = None if run.last_saved is None else run.checkpointer.run.step_dir(run.last_saved)
         host_metrics = jax.device_get([metrics for _, metrics in self.pending])  # one transfer for the window
         for (step, _), metrics in zip(self.pending, host_metrics):
             values = {key: float(value) for key, value in metrics.items() if key not in ("lambda", "ok")}

@@ -183,7 +183,7 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
         ]
 
         if latest_step is not None:
-            step_dir = checkpointer.directory / str(latest_step)
+            step_dir = checkpointer.run.step_dir(latest_step)
             if checkpointer.state_keys(latest_step) == {"params"}:  # a converted / exported model: train on from its params
                 state["params"] = load_params(step_dir, abstract_like(state["params"]))
                 log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
