@@ -23,18 +23,61 @@ import jax
 import numpy as np
 import yaml
 
+from diffjax import integrity
 from diffjax.config import ModelConfig
-from diffjax.run_dir import STATE_ITEM, RunDir, state_dir
+from diffjax.run_dir import DIGEST_FILE, STATE_ITEM, RunDir, state_dir
 from diffjax.sharding import key_names
 
 STACKED = "blocks"  # the params key whose leaves carry the leading layers axis
 CHUNK_BYTES = 8 * 2**20
 
 
+logger = logging.getLogger("diffjax.checkpoint")
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint's files differ from its digest (or the digest is malformed): it is not read."""
+
+
 def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
-    """One step's directory from `path`: a run directory or its checkpoints/ directory (newest step),
-    or a step directory itself. `what` names the setting in errors (e.g. "train.init_from")."""
-    return RunDir.for_reading(path, what)[1]
+    """The one verified step directory to read from `path`, for every reader of a checkpoint (load_params,
+    load_model, the converter's export, generate, the analyses, train.init_from).
+
+    `path`: a run directory or its checkpoints/ directory (the newest step whose files match its digest; each
+    newer damaged one is named in a warning) or a step directory itself (refused, DamagedCheckpointError,
+    when damaged). `what` names the setting in errors (e.g. "train.init_from"). Readers move nothing: the
+    trainer sets damaged checkpoints of its own run aside when it resumes.
+    """
+    run, step_dir = RunDir.for_reading(path, what)
+    if (problem := _damage(step_dir)) is None:
+        return step_dir
+    if Path(path).absolute() == step_dir:
+        raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read")
+    damaged = [f"{step_dir.name} ({problem})"]
+    for step in reversed(run.steps()):
+        older = run.step_dir(step)
+        if step >= int(step_dir.name):
+            continue
+        if (problem := _damage(older)) is None:
+            logger.warning(f"warning: {what}: skipped the damaged checkpoint(s) {'; '.join(damaged)} in "
+                           f"{run.checkpoints}; reading the newest intact one, {older}")
+            return older
+        damaged.append(f"{step} ({problem})")
+    raise DamagedCheckpointError(f"{what}: every checkpoint in {run.checkpoints} is damaged: {'; '.join(damaged)}")
+
+
+_intact: set[tuple[Path, int]] = set()  # (step dir, digest mtime) verified in this process: hash each once
+
+
+def _damage(step_dir: Path) -> str | None:
+    digest = step_dir / DIGEST_FILE
+    key = (step_dir, digest.stat().st_mtime_ns if digest.exists() else 0)
+    if key in _intact:
+        return None
+    problem = integrity.find_damage(step_dir)
+    if problem is None:
+        _intact.add(key)
+    return problem
 
 
 class _NoStateMetadataNote(logging.Filter):
@@ -184,6 +227,7 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
                  force=True)
     manager.wait_until_finished()
     manager.close()
+    integrity.write_digest(run.step_dir(step))  # its readers verify it (resolve_checkpoint)
     # A run config train.py reads (its other sections take their defaults); the data section's sequence
     # length must fit the model; `data` adds to that section (a conversion names its tokenizer there).
     run_config = {"model": model_config.to_dict(), "data": {"seq_len": min(128, model_config.max_seq_len), **(data or {})},

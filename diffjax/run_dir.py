@@ -8,20 +8,27 @@
     <run_dir>/metrics.jsonl                   one JSON record per logged step / eval
     <run_dir>/tensorboard/                    TensorBoard events
     <run_dir>/hf/                             a Hugging Face conversion's config.json, tokenizer and generation files
+    <run_dir>/trainer.lock                    held while a trainer runs here: its host, pid and start time
 
-Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; where the one-trainer
-lock of the reliability work belongs), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
+Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; then
+`lock_for_training()` makes it one trainer's), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
 one step: the step to load, with one-line errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
 (an empty directory the converter fills), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
 Who writes what: diffjax.params_checkpoint (params-only checkpoints and config.yaml), diffjax.train.state_checkpoints
-(the trainer's Orbax checkpoints, digests via diffjax.train.integrity), diffjax.train.metrics (metrics.jsonl,
+(the trainer's Orbax checkpoints, digests via diffjax.integrity), diffjax.train.metrics (metrics.jsonl,
 TensorBoard), diffjax.convert.hf_directories (hf/).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import errno
+import fcntl
+import json
+import os
 import shutil
+import socket
 from pathlib import Path
 
 CONFIG_FILE = "config.yaml"
@@ -33,6 +40,7 @@ DAMAGED_DIR = "damaged-checkpoints"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 HF_DIR = "hf"
+LOCK_FILE = "trainer.lock"
 CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, HF_DIR)  # what a conversion writes (and --overwrite replaces)
 
 
@@ -119,6 +127,17 @@ class RunDir:
     def hf(self) -> Path:
         return self.path / HF_DIR
 
+    @property
+    def lock_file(self) -> Path:
+        return self.path / LOCK_FILE
+
+    def lock_for_training(self) -> "TrainerLock":
+        """Makes this directory one trainer's until `release()` (or the process's end: an flock, which the
+        kernel drops when its holder dies). A second trainer gets RunDirInUseError naming the holder; the
+        lock file of a holder that died is taken over (TrainerLock.took_over names it). Multi-process runs:
+        process 0 alone calls this (diffjax.train.run)."""
+        return TrainerLock.take(self.lock_file)
+
     def step_dir(self, step: int) -> Path:
         return self.checkpoints / str(step)
 
@@ -137,3 +156,93 @@ def state_dir(step_dir: str | Path) -> Path:
 
 def _complete_steps(checkpoints: Path) -> list[int]:
     return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit() and (p / STATE_ITEM).is_dir())
+
+
+class RunDirInUseError(OSError):
+    """Another trainer holds the run directory's lock."""
+
+
+@dataclasses.dataclass
+class TrainerLock:
+    """The run directory's lock file, flock-ed while held and holding {host, pid, started} (what a second
+    trainer's error names). Released: unlocked and removed, so a lock file with a holder in it that nobody
+    flocks was left by a trainer that died (kill -9, power loss)."""
+
+    path: Path
+    took_over: dict | None  # the record of a dead holder whose lock this one took over
+    _fd: int | None = None
+
+    @classmethod
+    def take(cls, path: Path) -> "TrainerLock":
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EAGAIN, errno.EACCES):  # a file system without flock: the record decides
+                    if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        os.close(fd)
+                        raise
+                else:
+                    os.close(fd)
+                    raise RunDirInUseError(_in_use_message(path, _read_record(path))) from None
+            try:
+                if os.fstat(fd).st_ino != os.stat(path).st_ino:  # its holder removed it as we opened it: again
+                    raise FileNotFoundError
+            except FileNotFoundError:
+                os.close(fd)
+                continue
+            previous = _read_record(path)
+            if previous and _alive_here(previous):  # flock is a no-op on some network file systems
+                os.close(fd)
+                raise RunDirInUseError(_in_use_message(path, previous))
+            record = {"host": socket.gethostname(), "pid": os.getpid(),
+                      "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+            return cls(path, previous or None, fd)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # before unlocking: a trainer that opens it now retries
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def describe_takeover(self) -> str:
+        held = self.took_over
+        return (f"note: took over {self.path}, left by a trainer that is no longer running (pid {held.get('pid')} "
+                f"on {held.get('host')}, started {held.get('started')})")
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _alive_here(record: dict) -> bool:
+    """Whether the record's process runs on this host (another host's cannot be checked: False)."""
+    if record.get("host") != socket.gethostname() or not isinstance(record.get("pid"), int):
+        return False
+    if record["pid"] == os.getpid():
+        return False
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _in_use_message(path: Path, holder: dict) -> str:
+    who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder
+           else "a process that has not written its name yet")
+    return (f"train.run_dir {path.parent} is in use by another trainer ({who}; lock {path}): wait for it to end, "
+            "or choose another train.run_dir")

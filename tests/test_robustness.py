@@ -30,24 +30,35 @@ def _all_finite(run_dir, step) -> bool:
     return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state) if np.asarray(x).dtype.kind == "f")
 
 
-def test_a_diverging_run_stops_before_saving_a_nonfinite_state(tmp_path):
+def test_a_diverging_run_stops_before_saving_a_nonfinite_state_and_its_advice_works(tmp_path):
     from diffjax.train.guard import DivergedError
 
     run_dir = tmp_path / "run"
     diverging = ["train.steps=8", "optim.lr=1e3", "train.log_every=10", "checkpoint.every=1", "checkpoint.keep=3"]
-    with pytest.raises(DivergedError, match=r"diverged at step (\d+) .*the newest good checkpoint, (\S+), is kept") as info:
+    with pytest.raises(DivergedError, match=r"diverged at step (\d+) .*a rerun resumes from (\S+), the newest") as info:
         train(_config(run_dir, *diverging), **QUIET)
     bad_step, kept = map(int, re.search(r"step (\d+) .*checkpoints/(\d+),", str(info.value)).groups())
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
-    assert kept == bad_step - 1 == steps[-1], (steps, str(info.value))
+    # The checkpoint just before the bad step holds the params whose loss was not finite: set aside, not named.
+    assert kept == bad_step - 2 == steps[-1], (steps, str(info.value))
+    assert (run_dir / "damaged-checkpoints" / str(bad_step - 1)).is_dir()
     assert all(_all_finite(run_dir, step) for step in steps)
     assert max(r["step"] for r in _read_metrics(run_dir)) < bad_step
+    # The advice works: rerun with a lower lr, it resumes from the named checkpoint and trains to the end.
+    lines = []
+    result = train(_config(run_dir, *diverging[:1], "optim.lr=1e-3", *diverging[2:]), log=lines.append)
+    assert f"resumed from {run_dir / 'checkpoints' / str(kept)} (step {kept})" in lines
+    assert result.step == 8 and all(np.isfinite(loss) for loss in result.losses.values())
 
-    # skip mode: the run goes on, the bad steps are logged as skipped and the state stays finite.
+    # skip mode: the run goes on, the bad steps are logged as skipped and the state stays finite; more than
+    # train.max_skipped_steps in a row stop it with the same fall-back.
     result = train(_config(tmp_path / "skip", *diverging, "train.on_nonfinite=skip"), **QUIET)
     assert result.step == 8 and _all_finite(tmp_path / "skip", 8)
     skipped = [r["step"] for r in _read_metrics(tmp_path / "skip") if r.get("skipped")]
     assert skipped and skipped[-1] == 8
+    with pytest.raises(DivergedError, match=r"3 consecutive steps \((\d+)-(\d+)\) were not finite and skipped "
+                                            r"\(train.max_skipped_steps = 2.*"):
+        train(_config(tmp_path / "skip2", *diverging, "train.on_nonfinite=skip", "train.max_skipped_steps=2"), **QUIET)
 
 
 def _damage(step_dir, how):
@@ -185,7 +196,7 @@ def test_a_full_disk_stops_with_one_line_and_leaves_the_checkpoints_intact(tmp_p
     import errno
     import shutil
 
-    from diffjax.train import integrity
+    from diffjax import integrity
     from diffjax.train.state_checkpoints import SaveError
 
     # Free space below one checkpoint's size: refused before Orbax starts writing.

@@ -56,8 +56,8 @@ def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False
 
 def read_run_config(src) -> tuple[Path, Path, ModelConfig]:
     """(run dir, step dir, ModelConfig) of a diffjax run directory, checkpoints/ dir or step dir."""
-    run, step_dir = RunDir.for_reading(src)
-    return run.path, step_dir, saved_model_config(step_dir)
+    step_dir = resolve_checkpoint(src)
+    return RunDir.of_step(step_dir).path, step_dir, saved_model_config(step_dir)
 
 
 def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", overwrite: bool = False,

@@ -60,6 +60,9 @@ class TrainConfig:
     # A step whose loss or gradient is not finite: "stop" the run (nothing from that step on is saved)
     # or "skip" it (params and optimizer state stay as they were; the step is logged as skipped).
     on_nonfinite: str = "stop"
+    # skip mode: this many consecutive skipped steps stop the run (DivergedError, exit 3): the state they
+    # keep cannot recover by itself.
+    max_skipped_steps: int = 10
     # Tokens per chunk of the loss: the LM head and cross-entropy run chunk by chunk, so a micro-batch's
     # float32 [batch, seq_len, vocab] logits never exist at once (same loss). 0: no chunks; None: chunks
     # of 4096 tokens when model.vocab_size >= 32768 (diffjax.train.step.resolve_loss_chunk).
@@ -76,6 +79,7 @@ class TrainConfig:
         for name in ("batch_size", "batch_tokens", "micro_batch_per_device"):
             if getattr(self, name) is not None:
                 _check_int(self, name, minimum=1)
+        _check_int(self, "max_skipped_steps", minimum=1)
         for name in ("eval_every", "sample_tokens") + (("loss_chunk",) if self.loss_chunk is not None else ()):
             _check_int(self, name, minimum=0)
         if self.on_nonfinite not in NONFINITE_MODES:

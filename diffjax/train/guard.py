@@ -4,7 +4,8 @@ The jitted step computes `ok` (loss, gradient norm and update norm all finite) e
 `train.on_nonfinite=skip` it also keeps the old params and optimizer state when not ok, as large-scale
 trainers do. The host reads `ok` only where it syncs anyway: when it writes metrics, which it does
 before every checkpoint save. So no checkpoint of a state after a bad step is ever saved, and no
-step pays an extra device-to-host sync.
+step pays an extra device-to-host sync. The checkpoint just before a bad step is not kept either: the
+bad step's loss came from its params (NonfiniteGuard).
 """
 
 from __future__ import annotations
@@ -24,20 +25,35 @@ def keep_old_if_bad(ok: jax.Array, new, old):
 
 
 class DivergedError(RuntimeError):
-    """A step gave a non-finite loss or gradient under train.on_nonfinite=stop."""
+    """A step gave a non-finite loss or gradient under train.on_nonfinite=stop, or more consecutive steps than
+    train.max_skipped_steps did under skip."""
 
 
-def check_step(step: int, values: dict, mode: str, newest_checkpoint) -> bool:
-    """Host side, as a step's metrics are written: whether `step` was finite (values["ok"]). A bad step
-    raises DivergedError in stop mode, naming `newest_checkpoint` (a path, or None) to go back to."""
-    if values["ok"]:
-        return True
-    if mode == "skip":
-        return False
-    good = (f"the newest good checkpoint, {newest_checkpoint}, is kept" if newest_checkpoint is not None
-            else "no checkpoint had been saved")
-    raise DivergedError(
-        f"training diverged at step {step} (loss {values['loss']}, gradient norm {values['grad_norm']}): "
-        f"nothing from that step on was saved; {good}. Lower optim.lr, or set train.on_nonfinite=skip "
-        "to skip such steps"
-    )
+class NonfiniteGuard:
+    """Host side, as each step's metrics are written: whether the step was finite (values["ok"]), and when the
+    run must stop. A step's loss is computed from the params the previous step made, so when step k is not
+    finite the state saved at step k - 1 cannot be trained on either (its forward pass or gradient is not
+    finite whatever the learning rate): the stop falls back to a checkpoint before the bad stretch began."""
+
+    def __init__(self, mode: str, max_skipped_steps: int):
+        self.mode, self.max_skipped_steps = mode, max_skipped_steps
+        self.bad_since: int | None = None  # the first step of the current stretch of non-finite steps
+
+    def check(self, step: int, values: dict, fall_back) -> bool:
+        """True for a finite step, False for one skipped; raises fall_back(first bad step)'s DivergedError when
+        the run must stop (fall_back sets aside the checkpoints the stretch spoiled and names the newest left)."""
+        if values["ok"]:
+            self.bad_since = None
+            return True
+        if self.bad_since is None:
+            self.bad_since = step
+        skipped = step - self.bad_since + 1
+        if self.mode == "skip" and skipped <= self.max_skipped_steps:
+            return False
+        what = (f"training diverged at step {step} (loss {values['loss']}, gradient norm {values['grad_norm']})"
+                if self.mode == "stop" else
+                f"{skipped} consecutive steps ({self.bad_since}-{step}) were not finite and skipped "
+                f"(train.max_skipped_steps = {self.max_skipped_steps}; the last: loss {values['loss']}, "
+                f"gradient norm {values['grad_norm']})")
+        raise DivergedError(f"{what}: {fall_back(self.bad_since)}. Lower optim.lr"
+                            + (", or set train.on_nonfinite=skip to skip such steps" if self.mode == "stop" else ""))

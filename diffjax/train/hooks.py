@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from diffjax.run_dir import RunDir
-from diffjax.train.guard import check_step
+from diffjax.train.guard import NonfiniteGuard
 from diffjax.train.metrics import (MetricsWriter, peak_flops_per_device, read_records,
                                    training_flops_per_token)
 from diffjax.train.progress import Progress
@@ -58,10 +58,13 @@ class MetricsLog(Hook):
         config = run.config
         self.writer = MetricsWriter(run.run_dir, tensorboard=config.train.tensorboard, resume_step=run.start_step,
                                     enabled=run.is_main_process)
+        if getattr(self.writer, "kept_as", None):
+            run.log(f"note: this run starts at step 0; the metrics of its earlier start are kept in {self.writer.kept_as}")
         self.progress = Progress(config.train.progress if run.is_main_process else "lines", run.start_step,
                                  config.train.steps, run.tokens_per_step, run.log)
         self.flops_per_token = training_flops_per_token(config.model, config.data.seq_len)
         self.peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)
+        self.guard = NonfiniteGuard(config.train.on_nonfinite, config.train.max_skipped_steps)
         self.pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
         self.losses: dict[int, float] = {}
         self.tokens_per_second: float | None = None
@@ -105,11 +108,10 @@ class MetricsLog(Hook):
             jax.block_until_ready(self.pending[-1][1])
             rate = self.timed_steps * run.tokens_per_step / (run.clock.seconds() - self.window_start)
             self.tokens_per_second = rate
-        newest = None if run.last_saved is None else run.checkpointer.run.step_dir(run.last_saved)
         host_metrics = jax.device_get([metrics for _, metrics in self.pending])  # one transfer for the window
         for (step, _), metrics in zip(self.pending, host_metrics):
             values = {key: float(value) for key, value in metrics.items() if key not in ("lambda", "ok")}
-            if not check_step(step, metrics, run.config.train.on_nonfinite, newest):
+            if not self.guard.check(step, metrics, lambda first_bad: run.checkpointer.fall_back_before(first_bad, run.log)):
                 values["skipped"] = 1.0
                 self.progress.note(f"step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}: skipped")
             if "lambda" in metrics:

@@ -89,7 +89,7 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print, hooks: Seque
             for hook in all_hooks:
                 hook.on_end(run, ended)
         finally:
-            run.checkpointer.close()
+            run.close()
     if result.tokens_per_second:
         run.log(f"done at step {run.step}: {result.tokens_per_second:,.0f} tokens/s")
     return result

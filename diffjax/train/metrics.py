@@ -83,11 +83,20 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
+def _free_name(path: Path) -> Path:
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    return path.with_name(f"{path.name}.{n}")
+
+
 class MetricsWriter:
     """Appends records to <run_dir>/metrics.jsonl and, optionally, TensorBoard event files.
 
     On resume from `resume_step`, records of later steps (written after the last checkpoint by
-    a run that then died) are dropped from the JSONL and TensorBoard purges them too.
+    a run that then died) are dropped from the JSONL and TensorBoard purges them too. Nothing is deleted
+    to start over: a run starting at step 0 beside the records of an earlier start keeps them as
+    metrics.jsonl.1 (.2, ...), and TensorBoard hides the earlier events from step 1 on (they stay on disk).
     """
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool, resume_step: int = 0, enabled: bool = True):
@@ -96,16 +105,19 @@ class MetricsWriter:
             return
         run = RunDir(Path(run_dir))
         self.jsonl_path = run.metrics_file
+        self.kept_as = None  # where the records of an earlier start went
         if resume_step and self.jsonl_path.exists():
             self._truncate_after(resume_step)
-        elif not resume_step and self.jsonl_path.exists():
-            self.jsonl_path.unlink()
+        elif not resume_step and read_records(self.jsonl_path):
+            self.kept_as = _free_name(self.jsonl_path)
+            os.replace(self.jsonl_path, self.kept_as)
         self._jsonl = open(self.jsonl_path, "a", buffering=1)
         self._tensorboard = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tensorboard = SummaryWriter(str(run.tensorboard), purge_step=resume_step + 1 if resume_step else None)
+            earlier = run.tensorboard.is_dir() and any(run.tensorboard.iterdir())
+            self._tensorboard = SummaryWriter(str(run.tensorboard), purge_step=resume_step + 1 if resume_step or earlier else None)
 
     def _truncate_after(self, step: int):
         kept = [record for record in read_records(self.jsonl_path) if record.get("step", 0) <= step]

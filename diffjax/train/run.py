@@ -25,9 +25,11 @@ from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
-from diffjax.train.state_checkpoints import Checkpointer, abstract_like, load_params, restore_params
+from diffjax.train.state_checkpoints import (Checkpointer, UnreadableCheckpoint, abstract_like, load_params,
+                                             restore_params)
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
-from diffjax.run_dir import RunDir
+from diffjax.run_dir import RunDir, RunDirInUseError, TrainerLock
+from diffjax.train.mesh import allgather_json
 from diffjax.train.metrics import read_records, training_flops_per_token
 from diffjax.train.optimizer import make_optimizer
 from diffjax.train.step import ShardedTraining, setup_sharded_state
@@ -69,6 +71,7 @@ class Run:
     config: RunConfig
     run_dir: Path
     log: Callable[[str], None]  # silent on all but process 0
+    lock: TrainerLock  # the run directory's, held by process 0 until close()
     checkpointer: Checkpointer
     last_saved: int | None  # the newest checkpoint on disk
     start_step: int
@@ -83,6 +86,13 @@ class Run:
     eval_batches: list[dict[str, jax.Array]]  # fixed, on the devices
     step: int = 0
     clock: TrainingClock = dataclasses.field(default_factory=TrainingClock)
+
+    def close(self) -> None:
+        """Waits for the last save, then gives up the run directory (train() calls it as the run ends)."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.lock.release()
 
     @property
     def is_main_process(self) -> bool:
@@ -139,66 +149,117 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
     if jax.process_index() != 0:  # one process speaks and writes metrics for all
         log = lambda _: None  # noqa: E731
     with _setup_errors():
-        run_dir = RunDir.for_training(config.train.run_dir).path
-        check_resumable(run_dir, config, log)
-        checkpointer = Checkpointer(run_dir, config.checkpoint)
-        latest_step, start_step = checkpointer.newest_intact(log), 0
-        if (finished := _finished_run(run_dir, config, latest_step)) is not None:
-            checkpointer.close()
-            log(f"the run in {run_dir} is complete (step {latest_step} of train.steps = {config.train.steps}); nothing to do")
-            return finished
+        lock = _lock_run_dir(RunDir.for_training(config.train.run_dir), log)
+    opened = [lock]  # closed (in reverse) when set-up fails or finds the run complete
+    try:
+        with _setup_errors():
+            run = _set_up(config, log, lock, opened)
+    except BaseException:
+        _close(opened)
+        raise
+    if isinstance(run, TrainResult):
+        _close(opened)
+    return run
 
-        tokenizer = make_tokenizer(config.data.tokenizer)
-        if tokenizer.vocab_size > config.model.vocab_size:
-            raise ValueError(
-                f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
-                f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
-            )
-        converted_tokenizer = RunDir(run_dir).hf / "tokenizer.json"
-        if config.data.tokenizer.kind == "byte" and converted_tokenizer.exists():
-            raise ValueError(
-                f"data.tokenizer is the byte tokenizer, but {run_dir} holds a converted model whose tokenizer is "
-                f"{converted_tokenizer} (vocab_size {config.model.vocab_size}): set data.tokenizer to "
-                f"{{kind: hf, path: {converted_tokenizer.parent}}} (conversions since 2026-11-25 name it in config.yaml)"
-            )
-        mesh = parallel.make_mesh(config.parallel)
-        plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
-                          micro_batch_per_device=config.train.micro_batch_per_device)
-        tx, schedule = make_optimizer(config.optim, config.train.steps)
-        training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
-        # Each process loads only the batch rows its devices hold.
-        shard_index, shard_count = parallel.process_batch_shard(
-            training.step_batch_sharding, (plan.accum_steps, plan.global_batch // plan.accum_steps, config.data.seq_len),
-            batch_axis=1,
+
+def _close(opened: list) -> None:
+    for thing in reversed(opened):
+        if hasattr(thing, "release"):
+            thing.release()
+        else:
+            thing.close()
+
+
+def _lock_run_dir(run: RunDir, log) -> TrainerLock:
+    """Process 0 takes the run directory's lock (RunDir.lock_for_training) before anything is written there;
+    every process learns whether it did, so a refused multi-process run stops everywhere with the same line."""
+    lock, refused = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = run.lock_for_training()
+        except RunDirInUseError as error:
+            refused = str(error)
+    refused = allgather_json(refused)[0]
+    if refused is not None:
+        raise RunDirInUseError(refused)
+    if lock is None:  # the other processes of a multi-process run hold nothing
+        return TrainerLock(run.lock_file, None)
+    if lock.took_over:
+        log(lock.describe_takeover())
+    return lock
+
+
+def _set_up(config: RunConfig, log, lock: TrainerLock, opened: list) -> Run | TrainResult:
+    run_dir = lock.path.parent
+    check_resumable(run_dir, config, log)
+    checkpointer = Checkpointer(run_dir, config.checkpoint)
+    opened.append(checkpointer)
+    latest_step, start_step = checkpointer.newest_intact(log), 0
+    if latest_step is None:
+        _refuse_a_silent_restart(checkpointer.run)
+    if (finished := _finished_run(run_dir, config, latest_step)) is not None:
+        log(f"the run in {run_dir} is complete (step {latest_step} of train.steps = {config.train.steps}); nothing to do")
+        return finished
+
+    tokenizer = make_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
         )
-        documents = open_documents(config.data)
-        _check_not_empty(documents, config)
-        shard = {"shard_index": shard_index, "shard_count": shard_count, "source": documents}
-        data_iter = iter(make_train_dataset(config.data, tokenizer, batch_size=plan.global_batch // shard_count,
-                                            seed=config.train.seed, **shard))
-        eval_rows = plan.micro_batch_per_device * plan.batch_shards
-        eval_batches = [  # fixed: on the devices once
-            _global_batch(batch, training.eval_batch_sharding, eval_rows)
-            for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows // shard_count, **shard)
-        ]
+    converted_tokenizer = RunDir(run_dir).hf / "tokenizer.json"
+    if config.data.tokenizer.kind == "byte" and converted_tokenizer.exists():
+        raise ValueError(
+            f"data.tokenizer is the byte tokenizer, but {run_dir} holds a converted model whose tokenizer is "
+            f"{converted_tokenizer} (vocab_size {config.model.vocab_size}): set data.tokenizer to "
+            f"{{kind: hf, path: {converted_tokenizer.parent}}} (conversions since 2026-11-25 name it in config.yaml)"
+        )
+    mesh = parallel.make_mesh(config.parallel)
+    plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
+                      micro_batch_per_device=config.train.micro_batch_per_device)
+    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
+    # Each process loads only the batch rows its devices hold.
+    shard_index, shard_count = parallel.process_batch_shard(
+        training.step_batch_sharding, (plan.accum_steps, plan.global_batch // plan.accum_steps, config.data.seq_len),
+        batch_axis=1,
+    )
+    documents = open_documents(config.data)
+    _check_not_empty(documents, config)
+    shard = {"shard_index": shard_index, "shard_count": shard_count, "source": documents}
+    data_iter = iter(make_train_dataset(config.data, tokenizer, batch_size=plan.global_batch // shard_count,
+                                        seed=config.train.seed, **shard))
+    eval_rows = plan.micro_batch_per_device * plan.batch_shards
+    eval_batches = [  # fixed: on the devices once
+        _global_batch(batch, training.eval_batch_sharding, eval_rows)
+        for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows // shard_count, **shard)
+    ]
 
-        if latest_step is not None:
-            step_dir = checkpointer.run.step_dir(latest_step)
-            if checkpointer.state_keys(latest_step) == {"params"}:  # a converted / exported model: train on from its params
-                state["params"] = load_params(step_dir, abstract_like(state["params"]))
-                log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
-            else:
-                start_step = latest_step
-                state, data_state = checkpointer.restore(start_step, abstract_like(state))
-                if data_state is None:
-                    log("note: the checkpoint's data position was saved by a different number of processes; "
-                        "this run's data order starts afresh")
-                else:
-                    data_iter.set_state(data_state)
-                log(f"resumed from {step_dir} (step {start_step})")
-        elif config.train.init_from:
-            state["params"] = restore_params(config.train.init_from, abstract_like(state))
-            log(f"initialized the params from {config.train.init_from}")
+    while latest_step is not None:
+        step_dir = checkpointer.run.step_dir(latest_step)
+        if checkpointer.state_keys(latest_step) == {"params"}:  # a converted / exported model: train on from its params
+            state["params"] = load_params(step_dir, abstract_like(state["params"]))
+            log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
+            break
+        try:
+            restored, data_state = checkpointer.restore(latest_step, abstract_like(state))
+        except UnreadableCheckpoint as error:  # (one without a digest): set aside like a damaged one
+            checkpointer.set_aside(latest_step, str(error), log)
+            latest_step = checkpointer.newest_intact(log)
+            if latest_step is None:
+                _refuse_a_silent_restart(checkpointer.run)
+            continue
+        state, start_step = restored, latest_step
+        if data_state is None:
+            log("note: the checkpoint's data position was saved by a different number of processes; "
+                "this run's data order starts afresh")
+        else:
+            data_iter.set_state(data_state)
+        log(f"resumed from {step_dir} (step {start_step})")
+        break
+    if latest_step is None and config.train.init_from:
+        state["params"] = restore_params(config.train.init_from, abstract_like(state))
+        log(f"initialized the params from {config.train.init_from}")
     if jax.process_index() == 0:
         save_run_config(config, RunDir(run_dir).config_file)
 
@@ -216,7 +277,7 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
     if not eval_batches:
         log(f"note: no held-out documents (data.eval_fraction = {config.data.eval_fraction}): no eval loss")
     return Run(
-        config=config, run_dir=run_dir, log=log, checkpointer=checkpointer, last_saved=latest_step,
+        config=config, run_dir=run_dir, log=log, lock=lock, checkpointer=checkpointer, last_saved=latest_step,
         start_step=start_step, step=start_step, mesh=mesh, plan=plan, tokenizer=tokenizer, training=training,
         train_step=training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk),
         eval_step=training.jit_eval_step(config.model, config.train.loss_chunk), state=state, data_iter=data_iter, eval_batches=eval_batches,
@@ -254,6 +315,18 @@ def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, global_
         return jax.make_array_from_process_local_data(sharding, value, tuple(shape))
 
     return {key: make(value) for key, value in local.items()}
+
+
+def _refuse_a_silent_restart(run: RunDir) -> None:
+    """No intact checkpoint, but damaged ones set aside: the run's history would be restarted at step 0 by
+    accident. Stop, saying what is where and how to start over deliberately."""
+    damaged = sorted(p.name for p in run.damaged_checkpoints.iterdir()) if run.damaged_checkpoints.is_dir() else []
+    if damaged:
+        raise ValueError(
+            f"no intact checkpoint remains in {run.checkpoints}: {', '.join(damaged)} are in {run.damaged_checkpoints} "
+            f"(nothing was deleted). To start this run over from step 0, move {run.damaged_checkpoints} out of "
+            f"{run.path} (metrics.jsonl is kept beside the new one); or choose another train.run_dir"
+        )
 
 
 def _finished_run(run_dir: Path, config: RunConfig, latest_step: int | None) -> TrainResult | None:

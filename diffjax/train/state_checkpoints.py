@@ -18,9 +18,17 @@ import orbax.checkpoint as ocp
 
 from diffjax.params_checkpoint import check_same_params, load_params, refuse_per_layer
 from diffjax.run_dir import DATA_ITEM, STATE_ITEM, RunDir
-from diffjax.train import integrity
+from diffjax import integrity
 from diffjax.train.config import CheckpointConfig
 from diffjax.train.mesh import allgather_json
+
+
+class UnreadableCheckpoint(RuntimeError):
+    """Orbax could not restore a checkpoint (one without a digest, or damaged in a way it does not cover)."""
+
+
+def _first_line(error: BaseException) -> str:
+    return f"unreadable: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 class SaveError(RuntimeError):
@@ -67,20 +75,43 @@ class Checkpointer:
                 try:
                     self.state_keys(step)
                 except Exception as error:  # any failure to read it means the same: not usable
-                    problem = f"unreadable: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                    problem = _first_line(error)
             if problem is None:
                 if not integrity.has_digest(step_dir):
                     log(f"note: checkpoint {step_dir} has no digest; restoring it unverified")
                 return step
-            if jax.process_index() == 0:
-                moved = integrity.set_aside(step_dir)
-                log(f"warning: checkpoint {step_dir} is damaged ({problem}); skipped it and moved it to {moved}")
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
-            self.manager.reload()
+            self.set_aside(step, problem, log)
         return None
+
+    def set_aside(self, step: int, problem: str, log) -> None:
+        """Moves checkpoint `step` to damaged-checkpoints/ (process 0; every process waits for it), saying why."""
+        step_dir = self.run.step_dir(step)
+        if jax.process_index() == 0:
+            moved = integrity.set_aside(step_dir)
+            log(f"warning: checkpoint {step_dir} is damaged ({problem}); skipped it and moved it to {moved}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+        self.manager.reload()
+
+    def fall_back_before(self, first_bad: int, log) -> str:
+        """After the steps from `first_bad` on were not finite (guard.py): sets aside the checkpoints they spoiled
+        (step first_bad - 1 on: the step after each was not finite, whatever the learning rate) and says which
+        checkpoint a rerun continues from."""
+        self.wait()
+        spoiled = [step for step in self.manager.all_steps() if step >= first_bad - 1]
+        for step in spoiled:
+            self.set_aside(step, f"training from it was not finite at step {max(step + 1, first_bad)}", log)
+        moved = (f"checkpoint {', '.join(map(str, spoiled))} (training from it was not finite) was moved to "
+                 f"{self.run.damaged_checkpoints}; " if spoiled else "nothing from that step on was saved; ")
+        newest = self.manager.latest_step()
+        if newest is not None:
+            return moved + f"a rerun resumes from {self.run.step_dir(newest)}, the newest checkpoint training can continue from"
+        if spoiled:
+            return moved + (f"no checkpoint training can continue from remains: to start over from step 0, move "
+                            f"{self.run.damaged_checkpoints} out of {self.run.path}, or choose another train.run_dir")
+        return moved + "no checkpoint had been saved: a rerun starts over from step 0"
 
     def save(self, step: int, state: Any, data_state: dict) -> None:
         """Starts saving (in the background when async); every process calls it at the same step.
@@ -107,10 +138,13 @@ class Checkpointer:
             f"checkpoint {self.run.step_dir(step)} holds a different model than this run's (resume it with the "
             "model it was trained with, or choose another train.run_dir)",
         )
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: ocp.args.JsonRestore()}),
-        )
+        try:
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state), DATA_ITEM: ocp.args.JsonRestore()}),
+            )
+        except Exception as error:  # whatever Orbax or tensorstore met: this checkpoint cannot be used
+            raise UnreadableCheckpoint(_first_line(error)) from error
         per_process = restored[DATA_ITEM]["per_process"]
         data_state = per_process[jax.process_index()] if len(per_process) == jax.process_count() else None
         return restored[STATE_ITEM], data_state

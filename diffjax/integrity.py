@@ -13,9 +13,9 @@ import os
 import shutil
 from pathlib import Path
 
-from diffjax.run_dir import DAMAGED_DIR, DIGEST_FILE, RunDir
+from diffjax.run_dir import DIGEST_FILE, RunDir
 
-UNDIGESTED = {DIGEST_FILE, "_CHECKPOINT_METADATA"}  # Orbax updates the latter when it commits the save
+UNDIGESTED = {DIGEST_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"}  # Orbax writes the last two as it commits
 
 
 def _files(step_dir: Path) -> list[Path]:
@@ -42,7 +42,7 @@ def write_digest(step_dir: Path) -> None:
 def saved_bytes(step_dir: Path) -> int:
     """The size of a checkpoint as its digest records it (0 without one)."""
     try:
-        return sum(size for size, _ in json.loads((Path(step_dir) / DIGEST_FILE).read_text()).values())
+        return sum(size for size, _ in _read_digest(Path(step_dir)).values())
     except (OSError, ValueError):
         return 0
 
@@ -51,14 +51,29 @@ def has_digest(step_dir: Path) -> bool:
     return (Path(step_dir) / DIGEST_FILE).is_file()
 
 
+def _read_digest(step_dir: Path) -> dict[str, tuple[int, str]]:
+    """{relative path: (size, sha256)} of a digest.json; ValueError naming what is malformed."""
+    digest = json.loads((step_dir / DIGEST_FILE).read_text())
+    if not isinstance(digest, dict):
+        raise ValueError(f"its {DIGEST_FILE} is malformed (a JSON {type(digest).__name__}, not an object)")
+    for name, entry in digest.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and isinstance(entry[1], str)):
+            raise ValueError(f"its {DIGEST_FILE} is malformed (the entry of {name!r} is {entry!r}, not [size, sha256])")
+    return digest
+
+
 def find_damage(step_dir: Path) -> str | None:
-    """What is wrong with a checkpoint's files against its digest (None: intact or no digest)."""
+    """What is wrong with a checkpoint's files against its digest (None: intact or no digest). A digest that
+    cannot be read or is malformed is damage, and so is a file it does not list."""
     step_dir = Path(step_dir)
     try:
-        digest = json.loads((step_dir / DIGEST_FILE).read_text())
+        digest = _read_digest(step_dir)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as error:
+    except ValueError as error:  # JSONDecodeError included
+        message = str(error)
+        return message if message.startswith("its ") else f"its {DIGEST_FILE} is unreadable ({message})"
+    except OSError as error:
         return f"its {DIGEST_FILE} is unreadable ({error})"
     for name, (size, sha256) in digest.items():
         path = step_dir / name
@@ -68,6 +83,8 @@ def find_damage(step_dir: Path) -> str | None:
             return f"{name} has {path.stat().st_size} bytes, {size} were saved"
         if _sha256(path) != sha256:
             return f"{name} differs from what was saved (sha256 mismatch)"
+    if unlisted := [str(p.relative_to(step_dir)) for p in _files(step_dir) if str(p.relative_to(step_dir)) not in digest]:
+        return f"{unlisted[0]} is not in its {DIGEST_FILE}" + (f" ({len(unlisted) - 1} more files neither)" if len(unlisted) > 1 else "")
     return None
 
 
