@@ -22,7 +22,7 @@ from diffjax.config import ModelConfig
 from diffjax.convert.common import nested
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
-from diffjax.params_checkpoint import CheckpointParams, save_params, saved_model_config
+from diffjax.params_checkpoint import CheckpointParams, resolve_checkpoint, save_params, saved_model_config
 from diffjax.run_dir import RunDir
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")

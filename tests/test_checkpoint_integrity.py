@@ -1,0 +1,129 @@
+"""Every reader of a checkpoint checks it against its digest (issue 30 item 1): load_model, load_params, the
+converter's export, generate, the analyses and train.init_from refuse a damaged step in one line naming the
+file; from a run directory they read the newest intact step instead, naming the damaged one; a malformed
+digest is damage. A tiny params-only checkpoint (the converter's format), no training."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from diffjax.checkpoint import load_model, load_params, save_params
+from diffjax.config import ModelConfig
+from diffjax.integrity import find_damage
+from diffjax.model import TransformerLM
+
+CONFIG = ModelConfig(vocab_size=257, d_model=16, num_layers=1, num_heads=2, max_seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(TransformerLM(CONFIG, rngs=nnx.Rngs(0)), nnx.Param)))
+    step_dir = save_params(tmp_path_factory.mktemp("clean") / "run", params, CONFIG)
+    return step_dir.parent.parent, params
+
+
+def _largest_state_file(step_dir):
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def damaged_run(clean_run, tmp_path):
+    """A copy of the clean run whose step 0 has one flipped byte in its largest file; (run dir, that file)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(clean_run[0], run_dir)
+    damaged = _largest_state_file(run_dir / "checkpoints" / "0")
+    _flip_a_byte(damaged)
+    return run_dir, damaged.relative_to(run_dir / "checkpoints" / "0")
+
+
+@pytest.mark.parametrize("digest, expected", [
+    ("flipped byte", r"state/\S+ differs from what was saved"),
+    ([1, 2], r"digest.json is malformed \(a JSON list, not an object\)"),
+    (None, r"digest.json is malformed \(a JSON NoneType, not an object\)"),
+    ({"state/_METADATA": "abc"}, r"digest.json is malformed \(the entry of 'state/_METADATA' is 'abc', not \[size, sha256\]\)"),
+    ({}, r"\S+ is not in its digest.json \(\d+ more files neither\)"),  # with a flipped byte: undetectable before
+    ("{not json", r"digest.json is unreadable"),
+])
+def test_each_kind_of_damage_is_found(clean_run, tmp_path, digest, expected):
+    step_dir = tmp_path / "0"
+    shutil.copytree(clean_run[0] / "checkpoints" / "0", step_dir)
+    assert find_damage(step_dir) is None
+    if digest != "flipped byte":
+        text = digest if isinstance(digest, str) else json.dumps(digest)
+        (step_dir / "digest.json").write_text(text)
+    if digest in ("flipped byte", {}):
+        _flip_a_byte(_largest_state_file(step_dir))
+    assert find_damage(step_dir) is not None
+    assert __import__("re").search(expected, find_damage(step_dir)), find_damage(step_dir)
+
+
+def test_load_model_and_load_params_refuse_a_damaged_step(damaged_run):
+    from diffjax.checkpoint import DamagedCheckpointError
+
+    run_dir, damaged_file = damaged_run
+    step_dir = run_dir / "checkpoints" / "0"
+    for read in (load_model, load_params):
+        with pytest.raises(DamagedCheckpointError, match=rf"checkpoint {step_dir} is damaged: {damaged_file} differs"):
+            read(step_dir)
+    with pytest.raises(DamagedCheckpointError, match=rf"every checkpoint in {run_dir / 'checkpoints'} is damaged: 0 \("):
+        load_model(run_dir)
+
+
+def test_a_run_directory_is_read_at_its_newest_intact_step(clean_run, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    shutil.copytree(clean_run[0], run_dir)
+    shutil.copytree(run_dir / "checkpoints" / "0", run_dir / "checkpoints" / "5")  # a newer step, then damaged
+    _flip_a_byte(_largest_state_file(run_dir / "checkpoints" / "5"))
+    with caplog.at_level(logging.WARNING, logger="diffjax.checkpoint"):
+        model = load_model(run_dir)
+    assert f"skipped the damaged checkpoint(s) 5 (" in caplog.text
+    assert f"reading the newest intact one, {run_dir / 'checkpoints' / '0'}" in caplog.text
+    loaded = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded), clean_run[1])
+    assert (run_dir / "checkpoints" / "5").is_dir()  # readers move nothing
+
+
+def _one_line_error(capsys, code: int) -> str:
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    return err
+
+
+def test_the_command_line_readers_refuse_a_damaged_checkpoint_in_one_line(damaged_run, tmp_path, capsys):
+    from diffjax.analysis import outliers
+    from diffjax.convert.__main__ import main as convert
+    from diffjax.generate.__main__ import main as generate
+
+    run_dir, damaged_file = damaged_run
+    step_dir = run_dir / "checkpoints" / "0"
+    message = f"checkpoint {step_dir} is damaged: {damaged_file} differs from what was saved"
+    assert message in _one_line_error(capsys, convert(["diffjax-to-hf", str(step_dir), str(tmp_path / "hf")]))
+    assert not (tmp_path / "hf").exists()
+    assert message in _one_line_error(capsys, generate(["--checkpoint", str(step_dir), "--prompt-ids", "1,2"]))
+    assert message in _one_line_error(capsys, outliers.main(["--checkpoint", str(step_dir), "--tokens", "64"]))
+
+
+def test_init_from_a_damaged_checkpoint_is_refused(damaged_run, tmp_path, capsys):
+    from test_robustness import _main
+    from test_trainer import SMALL
+
+    run_dir, damaged_file = damaged_run
+    step_dir = run_dir / "checkpoints" / "0"
+    model = [f"model.{key}={value}" for key, value in CONFIG.to_dict().items() if key in ("d_model", "num_layers", "num_heads")]
+    code = _main(*SMALL, *model, f"train.run_dir={tmp_path / 'new'}", f"train.init_from={step_dir}")
+    err = _one_line_error(capsys, code)
+    assert err.startswith("error: train.init_from: checkpoint") and f"{damaged_file} differs" in err, err
