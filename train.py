@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from pathlib import Path
 
@@ -45,8 +46,9 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
 
     from diffjax.train import load_run_config, train
-    from diffjax.train.state_checkpoints import SaveError
     from diffjax.train.guard import DivergedError
+    from diffjax.train.loop import Interrupted
+    from diffjax.train.state_checkpoints import SaveError
 
     try:
         config = load_run_config(args.config or DEFAULT_CONFIG, args.overrides)
@@ -58,6 +60,9 @@ def main(argv=None) -> int:
         return 0
     try:
         result = train(config)
+    except Interrupted as stopped:
+        print(f"{stopped.signal}: stopped (the checkpoints saved so far are intact)", file=sys.stderr)
+        return 128 + signal.Signals[stopped.signal].value
     except DivergedError as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
@@ -70,7 +75,7 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if result.interrupted:
-        return 128 + {"SIGINT": 2, "SIGTERM": 15}.get(result.interrupted, 0)
+        return 128 + signal.Signals[result.interrupted].value
     return 0
 
 

@@ -60,6 +60,9 @@ class RunDir:
         if path.exists() and not path.is_dir():
             raise NotADirectoryError(f"train.run_dir {path} exists and is not a directory")
         path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"train.run_dir {path} is not writable: a run writes its checkpoints "
+                                  "and metrics there (copy it somewhere writable to train on from it)")
         return cls(path)
 
     @classmethod

@@ -122,6 +122,21 @@ def test_truncated_or_foreign_files(checkpoint):
         load_hf(checkpoint)
 
 
+def test_a_garbage_header_or_config_is_named_in_one_line(checkpoint):
+    import struct
+
+    safetensors = checkpoint / "model.safetensors"
+    safetensors.write_bytes(struct.pack("<Q", 8) + b"\xff{garbage")  # a plausible length, then no JSON
+    with pytest.raises(ValueError, match=rf"^{safetensors}: not a safetensors file \(its header is not valid JSON"):
+        load_hf(checkpoint)
+    safetensors.write_bytes(struct.pack("<Q", 6) + b"[1, 2]")
+    with pytest.raises(ValueError, match=rf"^{safetensors}: not a safetensors file \(its header is a JSON list"):
+        load_hf(checkpoint)
+    (checkpoint / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConversionError, match=r"config.json: a JSON list, not an object of the model's settings"):
+        load_hf(checkpoint)
+
+
 def test_index_naming_absent_shard(checkpoint):
     (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(ConversionError, match=r"names file\(s\) that do not exist: \['model-00001-of-00002.safetensors'\]"):

@@ -3,8 +3,11 @@ bad input. Tiny model, few steps (the helpers of test_trainer.py)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -12,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from diffjax.train import train
+from diffjax.train import Hook, train
 from diffjax.train.state_checkpoints import Checkpointer
 from diffjax.train.config import CheckpointConfig
 from test_trainer import REPO_ROOT, SMALL, _read_metrics
@@ -94,6 +97,42 @@ def test_damaged_checkpoints_are_skipped_for_the_newest_intact_one(tmp_path):
     # Set aside for inspection, not rotated away; the new checkpoints keep=3.
     assert sorted(int(p.name) for p in (run_dir / "damaged-checkpoints").iterdir()) == sorted(damage)
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [10, 12, 14]
+
+
+def test_no_intact_checkpoint_left_stops_instead_of_restarting_and_nothing_is_deleted(tmp_path):
+    run_dir = tmp_path / "run"
+    every = ["train.steps=4", "checkpoint.every=2"]
+    train(_config(run_dir, *every), **QUIET)
+    records = _read_metrics(run_dir)
+    for step in (2, 4):
+        _damage(run_dir / "checkpoints" / str(step), "flipped byte")
+    for attempt in range(2):  # the second rerun finds them already set aside: it stops just the same
+        with pytest.raises(ValueError, match=rf"no intact checkpoint remains in {run_dir / 'checkpoints'}: 2, 4 are in "
+                                             rf"{run_dir / 'damaged-checkpoints'} \(nothing was deleted\). To start this "
+                                             "run over from step 0, move"):
+            train(_config(run_dir, *every), **QUIET)
+        assert _read_metrics(run_dir) == records
+    # Starting over deliberately: the earlier records are kept beside the new ones.
+    (run_dir / "damaged-checkpoints").rename(tmp_path / "inspect")
+    lines = []
+    train(_config(run_dir, *every), log=lines.append)
+    assert f"note: this run starts at step 0; the metrics of its earlier start are kept in {run_dir / 'metrics.jsonl.1'}" in lines
+    assert [json.loads(line) for line in (run_dir / "metrics.jsonl.1").read_text().splitlines()] == records
+
+
+def test_an_unverified_checkpoint_that_fails_to_restore_is_set_aside_too(tmp_path):
+    run_dir = tmp_path / "run"
+    every = ["checkpoint.every=2", "checkpoint.keep=3"]
+    train(_config(run_dir, "train.steps=6", *every), **QUIET)
+    _damage(run_dir / "checkpoints" / "6", "flipped byte")
+    (run_dir / "checkpoints" / "4" / "digest.json").unlink()  # as a kill right after its save leaves it
+    _damage(run_dir / "checkpoints" / "4", "truncated")
+    lines = []
+    result = train(_config(run_dir, "train.steps=8", *every), log=lines.append)
+    warnings = [line for line in lines if line.startswith("warning: checkpoint")]
+    assert [int(re.search(r"checkpoints/(\d+) is damaged", w).group(1)) for w in warnings] == [6, 4], lines
+    assert "unreadable" in warnings[1] and "(step 2)" in [line for line in lines if line.startswith("resumed")][0]
+    assert result.step == 8
 
 
 def test_a_finished_run_is_not_redone_and_its_final_eval_survives_a_kill(tmp_path, caplog):
@@ -214,3 +253,93 @@ def test_a_full_disk_stops_with_one_line_and_leaves_the_checkpoints_intact(tmp_p
     with pytest.raises(SaveError, match=r"saving the checkpoint of step 4 .* failed: .*No space left on device"):
         train(_config(tmp_path / "run", "train.steps=6", "checkpoint.every=2"), **QUIET)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
+    # The first save of a run: there is no newest checkpoint to name (it said "step None").
+    with pytest.raises(SaveError, match=r"saving the checkpoint of step 2 .* failed: .*; no checkpoint had been saved before$"):
+        train(_config(tmp_path / "new", "train.steps=2"), **QUIET)
+
+
+class _SignalAt(Hook):
+    """Sends this process `signals` when the run reaches `when` (("step", n) or ("final eval", n))."""
+
+    def __init__(self, when, *signals):
+        self.when, self.signals = when, signals
+
+    def _send(self):
+        for signum in self.signals:
+            os.kill(os.getpid(), signum)
+
+    def on_step(self, run, step, metrics):
+        if self.when == ("step", step):
+            self._send()
+
+    def on_eval(self, run, step, loss):
+        if self.when == ("final eval", step):
+            self._send()
+
+
+@pytest.mark.parametrize("when, signals, expected", [
+    (("final eval", 3), (signal.SIGINT,), "SIGINT"),  # Ctrl-C during the final eval / sample: stops at once
+    (("step", 2), (signal.SIGTERM, signal.SIGTERM), "SIGTERM"),  # a second signal does not wait for the save
+])
+def test_a_signal_that_stops_at_once_exits_with_its_own_status(tmp_path, monkeypatch, capsys, when, signals, expected):
+    from diffjax.train.loop import Interrupted
+
+    with pytest.raises(Interrupted) as stopped:
+        train(_config(tmp_path / "run", "train.steps=3"), hooks=[_SignalAt(when, *signals)], **QUIET)
+    assert stopped.value.signal == expected
+    # train.py: one line, exit 128 + the signal's number (130 / 143), whichever signal it was.
+    import diffjax.train
+
+    def interrupted(config, **kwargs):
+        raise Interrupted(expected)
+
+    monkeypatch.setattr(diffjax.train, "train", interrupted)
+    code = _main(*SMALL, f"train.run_dir={tmp_path / 'other'}")
+    assert code == 128 + getattr(signal, expected)
+    err = capsys.readouterr().err.strip()
+    assert err == f"{expected}: stopped (the checkpoints saved so far are intact)", err
+
+
+def test_a_too_small_vocabulary_is_one_line_and_nothing_else(tmp_path):
+    command = [sys.executable, "train.py", *SMALL, f"train.run_dir={tmp_path / 'run'}", "model.vocab_size=100"]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: model.vocab_size (100) is smaller than the tokenizer's vocabulary (257, byte); leave model.vocab_size "
+        "out to use the tokenizer's"], result.stderr
+    assert not (tmp_path / "run" / "trainer.lock").exists()
+
+
+def test_a_read_only_run_dir_and_a_still_full_disk_are_one_line(tmp_path, monkeypatch, capsys):
+    import os as os_module
+    import pathlib
+
+    import diffjax.run_dir
+
+    run_dir = tmp_path / "run"
+    train(_config(run_dir, "train.steps=2"), **QUIET)
+    # Root may write anywhere, so the test stands in for the permission check where the run dir is opened.
+    monkeypatch.setattr(diffjax.run_dir.os, "access", lambda path, mode: False)
+    assert _main(*SMALL, f"train.run_dir={run_dir}", "train.steps=4") == 2
+    assert capsys.readouterr().err.strip() == f"error: train.run_dir {run_dir} is not writable: a run writes its " \
+                                             "checkpoints and metrics there (copy it somewhere writable to train on from it)"
+    monkeypatch.undo()
+
+    # A kill left records past the newest checkpoint; the rerun must rewrite metrics.jsonl, on a full disk.
+    records = (run_dir / "metrics.jsonl").read_text() + json.dumps({"step": 9, "kind": "train", "loss": 1.0}) + "\n"
+    (run_dir / "metrics.jsonl").write_text(records)
+    write_text = pathlib.Path.write_text
+
+    def no_space_for_metrics(path, *args, **kwargs):
+        if path.name.endswith(".jsonl.tmp"):
+            open(path, "w").close()  # as a full disk leaves it: created, nothing written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", no_space_for_metrics)
+    assert _main(*SMALL, f"train.run_dir={run_dir}", "train.steps=4", "train.sample_tokens=0") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: could not rewrite {run_dir / 'metrics.jsonl'} past step 2 (No space left on device)") \
+        and "\n" not in err, err
+    assert (run_dir / "metrics.jsonl").read_text() == records and not (run_dir / "metrics.jsonl.tmp").exists()
+    assert not (run_dir / "trainer.lock").exists()

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from diffjax.run_dir import RunDirInUseError
 from diffjax.train import Hook, load_run_config, train
 from diffjax.train.state_checkpoints import Checkpointer
 from diffjax.train.config import CheckpointConfig
@@ -147,6 +148,9 @@ def test_kill_9_then_rerun_continues_from_the_last_checkpoint(tmp_path):
     command = _command(run_dir, "train.steps=30", "checkpoint.every=3", "checkpoint.keep=2", "train.log_every=100")
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: len(_checkpoint_steps(run_dir)) >= 2 and _checkpoint_steps(run_dir)[-1] >= 9, process)
+    # A second trainer on the same directory (here with another lr) is refused, and changes nothing there.
+    with pytest.raises(RunDirInUseError, match=rf"train.run_dir {run_dir} is in use by another trainer \(pid {process.pid} "):
+        train(_config(run_dir, "train.steps=30", "optim.lr=1e-2"), log=lambda _: None)
     process.send_signal(signal.SIGKILL)
     process.wait()
     survivors = _checkpoint_steps(run_dir)
@@ -154,6 +158,8 @@ def test_kill_9_then_rerun_continues_from_the_last_checkpoint(tmp_path):
 
     rerun = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"note: took over {run_dir / 'trainer.lock'}, left by a trainer that is no longer running (pid {process.pid} " in rerun.stdout
+    assert not (run_dir / "trainer.lock").exists()  # released at the end
     resumed = re.search(r"^resumed from .* \(step (\d+)\)$", rerun.stdout, flags=re.M)
     assert resumed, rerun.stdout
     # It restored the newest complete checkpoint (an interrupted save is never chosen).

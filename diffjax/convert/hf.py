@@ -319,9 +319,12 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if not config_file.exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory: {config_file} does not exist")
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConversionError(f"{config_file}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{config_file}: a JSON {type(config).__name__}, not an object of the model's settings")
+    return config
 
 
 def load_hf(path: str | os.PathLike, dtype=None, *, param_dtype=None, rope_style: str = "interleaved") -> TransformerLM:

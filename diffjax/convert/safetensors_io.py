@@ -32,9 +32,16 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > os.path.getsize(path):
             raise ValueError(f"{path}: not a safetensors file (header length {header_len} exceeds the file size)")
-        header = json.loads(f.read(header_len))
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, ValueError) as error:
+            raise ValueError(f"{path}: not a safetensors file (its header is not valid JSON: {error})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is a JSON {type(header).__name__}, not an object)")
     header.pop("__metadata__", None)
     for name, info in header.items():
+        if not (isinstance(info, dict) and {"dtype", "shape", "data_offsets"} <= set(info)):
+            raise ValueError(f"{path}: not a safetensors file (the header entry of {name!r} is {info!r})")
         if info["dtype"] not in _DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}; supported: {sorted(_DTYPES)}")
     return header, 8 + header_len

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -311,4 +312,8 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -
 
 
 def save_run_config(config: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    """Written atomically: a kill mid-write leaves the previous config.yaml, never a cut one."""
+    path = Path(path)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    os.replace(temporary, path)

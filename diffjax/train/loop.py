@@ -15,22 +15,34 @@ import jax
 
 from diffjax.train.config import RunConfig
 from diffjax.train.hooks import Hook, MetricsLog
-from diffjax.train.run import Run, TrainResult, setup_run
+from diffjax.train.run import Run, TrainResult, setup_errors, setup_run
 
-__all__ = ["Hook", "StopSignals", "TrainResult", "train"]
+__all__ = ["Hook", "Interrupted", "StopSignals", "TrainResult", "train"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal that stopped the run at once: a second SIGTERM / SIGINT, or one during the final eval and sample
+    (the checkpoints are all saved by then). `signal` is its name; train.py exits 128 + its number."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal = signal_name
 
 
 class StopSignals:
-    """Turns SIGTERM / SIGINT into a flag the loop checks after each step (a second signal exits at once)."""
+    """Turns SIGTERM / SIGINT into a flag the loop checks after each step; a second signal, or any once
+    `immediate` is set (after the last checkpoint), raises Interrupted at once."""
 
     def __init__(self):
         self.received: str | None = None
+        self.immediate = False
         self._previous = {}
 
     def _handle(self, signum, frame):
-        if self.received is not None:
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.received is not None or self.immediate:
+            raise Interrupted(name)
+        self.received = name
 
     def __enter__(self):
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -52,7 +64,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print, hooks: Seque
         run.log(f"the run in {run.run_dir} is complete (step {run.start_step} of train.steps = {steps}); recording its final eval")
     all_hooks, ended = [], None
     try:
-        metrics_log = MetricsLog(run)
+        with setup_errors():  # (rewriting metrics.jsonl on a full disk)
+            metrics_log = MetricsLog(run)
         all_hooks = [metrics_log, *hooks]
         result = TrainResult(step=run.start_step, losses=metrics_log.losses, eval_losses={}, tokens_per_second=None,
                              sample=None)
@@ -77,11 +90,12 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print, hooks: Seque
                     run.log(f"{stop.received}: saved a checkpoint of step {run.step} in {run.checkpointer.directory}; exiting")
                     result.interrupted = stop.received
                     break
-        result.step = run.step
-        if result.interrupted is None and run.step >= steps:
-            _evaluate(run, all_hooks, result)
-            if config.train.sample_tokens:
-                result.sample = run.sample_text()
+            result.step = run.step
+            if result.interrupted is None and run.step >= steps:
+                stop.immediate = True  # the final checkpoint is saved: a signal now stops the eval and sample at once
+                _evaluate(run, all_hooks, result)
+                if config.train.sample_tokens:
+                    result.sample = run.sample_text()
         result.tokens_per_second = metrics_log.tokens_per_second
         ended = result
     finally:

@@ -122,7 +122,12 @@ class MetricsWriter:
     def _truncate_after(self, step: int):
         kept = [record for record in read_records(self.jsonl_path) if record.get("step", 0) <= step]
         temporary = self.jsonl_path.with_suffix(".jsonl.tmp")  # a kill while rewriting must not lose the file
-        temporary.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        try:
+            temporary.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        except OSError as error:  # a full disk, most often: the file stays as it was, no stub is left
+            temporary.unlink(missing_ok=True)
+            raise OSError(f"could not rewrite {self.jsonl_path} past step {step} ({error.strerror}); "
+                          "it is unchanged: free some space and rerun") from None
         os.replace(temporary, self.jsonl_path)
 
     def write(self, step: int, kind: str, values: dict[str, float]):

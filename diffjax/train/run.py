@@ -104,7 +104,7 @@ class Run:
 
     def next_batch(self) -> dict[str, jax.Array]:
         """The next step's batch, [accum, micro rows, T] per key, split over the mesh."""
-        with _setup_errors():  # a malformed record is the user's to fix
+        with setup_errors():  # a malformed record is the user's to fix
             local = next(self.data_iter)
         micro_rows = self.plan.global_batch // self.plan.accum_steps
         stacked = {key: value.reshape(self.plan.accum_steps, -1, value.shape[-1]) for key, value in local.items()}
@@ -132,7 +132,7 @@ class Run:
 
 
 @contextlib.contextmanager
-def _setup_errors():
+def setup_errors():
     """Marks the errors raised while a run is set up (a setting that does not fit the devices, data,
     tokenizer or checkpoints), so train.py can print them as one line instead of a traceback."""
     try:
@@ -148,11 +148,11 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
     parallel.initialize_distributed(config.parallel)
     if jax.process_index() != 0:  # one process speaks and writes metrics for all
         log = lambda _: None  # noqa: E731
-    with _setup_errors():
+    with setup_errors():
         lock = _lock_run_dir(RunDir.for_training(config.train.run_dir), log)
     opened = [lock]  # closed (in reverse) when set-up fails or finds the run complete
     try:
-        with _setup_errors():
+        with setup_errors():
             run = _set_up(config, log, lock, opened)
     except BaseException:
         _close(opened)

@@ -23,12 +23,19 @@ from diffjax.train.config import CheckpointConfig
 from diffjax.train.mesh import allgather_json
 
 
+TEMPORARY_MARK = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress: <step>.orbax-checkpoint-tmp-<n>
+
+
 class UnreadableCheckpoint(RuntimeError):
     """Orbax could not restore a checkpoint (one without a digest, or damaged in a way it does not cover)."""
 
 
 def _first_line(error: BaseException) -> str:
     return f"unreadable: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def _newest_is_intact(step: int | None) -> str:
+    return "no checkpoint had been saved before" if step is None else f"the newest checkpoint, step {step}, is intact"
 
 
 class SaveError(RuntimeError):
@@ -40,15 +47,26 @@ class Checkpointer:
         self.run = RunDir(Path(run_dir).absolute())
         self.directory = self.run.checkpoints
         self._async, self._saving = config.async_save, None
+        self._remove_unfinished_saves()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             enable_async_checkpointing=config.async_save,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=False,  # done above: Orbax's runs in a thread its close() does not wait for
             create=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_digest) if config.async_save else None,
         )
         handlers = {STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def _remove_unfinished_saves(self) -> None:
+        """The temporary directories of saves a crash interrupted (their checkpoints never became visible)."""
+        if jax.process_index() == 0 and self.directory.is_dir():
+            for temporary in self.directory.glob(f"*{TEMPORARY_MARK}*"):
+                shutil.rmtree(temporary, ignore_errors=True)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("removed unfinished saves")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -57,7 +75,7 @@ class Checkpointer:
         """The digest of the save just completed. Asynchronous saves call this from Orbax's post-finalization
         callback, before the temporary directory is renamed into place: the digest arrives with the checkpoint."""
         if jax.process_index() == 0:
-            temporary = sorted(self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"))
+            temporary = sorted(self.directory.glob(f"{self._saving}{TEMPORARY_MARK}*"))
             integrity.write_digest(temporary[-1] if temporary else self.run.step_dir(self._saving))
 
     def state_keys(self, step: int) -> set[str]:
@@ -163,7 +181,7 @@ class Checkpointer:
             raise SaveError(
                 f"not enough disk space to save the checkpoint of step {step} in {self.directory} "
                 f"({free / 2**20:.1f} MiB free, a checkpoint takes {needed / 2**20:.1f} MiB); "
-                f"the newest checkpoint, step {newest}, is intact: free some space and rerun to resume"
+                f"{_newest_is_intact(newest)}: free some space and rerun to resume"
             )
 
     def wait(self) -> None:
@@ -171,11 +189,11 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as error:  # Orbax re-raises whatever its background thread met
-            for temporary in self.directory.glob(f"{self._saving}.orbax-checkpoint-tmp*"):
+            for temporary in self.directory.glob(f"{self._saving}{TEMPORARY_MARK}*"):
                 shutil.rmtree(temporary, ignore_errors=True)
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise SaveError(f"saving the checkpoint of step {self._saving} in {self.directory} failed: {message}; "
-                            f"the newest checkpoint, step {self.manager.latest_step()}, is intact") from None
+                            f"{_newest_is_intact(self.manager.latest_step())}") from None
 
     def close(self) -> None:
         try:
