@@ -9,6 +9,7 @@ Params-only checkpoints (load_params, save_params, load_model): diffjax.params_c
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,18 @@ def _newest_is_intact(step: int | None) -> str:
 
 class SaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, most often); the earlier ones are intact."""
+
+
+class _SaveFailureReportedByUs(logging.Filter):
+    """Drops Orbax's two ERROR logs (with tracebacks, ~100 lines) of a save that failed in its background thread:
+    the failure reaches Checkpointer.wait, which reports it in one line (SaveError)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("in background save thread" in message or "Save Finalize thread (save_finalize) failed" in message)
+
+
+logging.getLogger("absl").addFilter(_SaveFailureReportedByUs())
 
 
 class Checkpointer:
