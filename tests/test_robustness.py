@@ -79,24 +79,27 @@ def _damage(step_dir, how):
         files[-1].write_bytes(files[-1].read_bytes()[: files[-1].stat().st_size // 2])
     elif how == "bad data/metadata":
         (step_dir / "data" / "metadata").write_text("{not json")
+    elif how == "digest a list":  # a traceback and a stuck run before, not damage
+        (step_dir / "digest.json").write_text("[1, 2]")
 
 
 def test_damaged_checkpoints_are_skipped_for_the_newest_intact_one(tmp_path):
     run_dir = tmp_path / "run"
     every = ["checkpoint.every=2", "checkpoint.keep=3"]
-    train(_config(run_dir, "train.steps=12", *every, "checkpoint.keep=10"), **QUIET)
-    damage = {12: "emptied", 10: "flipped byte", 8: "no _METADATA", 6: "truncated", 4: "bad data/metadata"}
+    train(_config(run_dir, "train.steps=14", *every, "checkpoint.keep=10"), **QUIET)
+    damage = {14: "digest a list", 12: "emptied", 10: "flipped byte", 8: "no _METADATA", 6: "truncated",
+              4: "bad data/metadata"}
     for step, how in damage.items():
         _damage(run_dir / "checkpoints" / str(step), how)
     lines = []
-    result = train(_config(run_dir, "train.steps=14", *every), log=lines.append)
+    result = train(_config(run_dir, "train.steps=16", *every), log=lines.append)
     warnings = [line for line in lines if line.startswith("warning: checkpoint")]
     assert [int(re.search(r"checkpoints/(\d+) is damaged", w).group(1)) for w in warnings] == sorted(damage, reverse=True)
     assert any(line.startswith("resumed from") and line.endswith("(step 2)") for line in lines), lines
-    assert result.step == 14 and sorted(result.losses) == list(range(3, 15))
+    assert result.step == 16 and sorted(result.losses) == list(range(3, 17))
     # Set aside for inspection, not rotated away; the new checkpoints keep=3.
     assert sorted(int(p.name) for p in (run_dir / "damaged-checkpoints").iterdir()) == sorted(damage)
-    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [10, 12, 14]
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [12, 14, 16]
 
 
 def test_no_intact_checkpoint_left_stops_instead_of_restarting_and_nothing_is_deleted(tmp_path):

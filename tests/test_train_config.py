@@ -207,3 +207,26 @@ def test_gradient_accumulation_equals_one_big_batch():
     np.testing.assert_allclose(float(small["loss"]), float(big["loss"]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(small_state["params"]), jax.tree.leaves(big_state["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_config_yaml_is_never_left_half_written(tmp_path, monkeypatch):
+    """A crash (here: a full disk) while config.yaml is rewritten leaves the previous one, not a cut one."""
+    import errno
+    import pathlib
+
+    from diffjax.train.config import save_run_config
+
+    path = tmp_path / "config.yaml"
+    config = load_run_config(CONFIGS / "tiny.yaml", [])
+    save_run_config(config, path)
+    before = path.read_text()
+
+    def half_then_full(self, text, *args, **kwargs):
+        with open(self, "w") as file:
+            file.write(text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", half_then_full)
+    with pytest.raises(OSError):
+        save_run_config(load_run_config(CONFIGS / "tiny.yaml", ["optim.lr=1e-2"]), path)
+    assert path.read_text() == before
