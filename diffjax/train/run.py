@@ -150,24 +150,13 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
         log = lambda _: None  # noqa: E731
     with setup_errors():
         lock = _lock_run_dir(RunDir.for_training(config.train.run_dir), log)
-    opened = [lock]  # closed (in reverse) when set-up fails or finds the run complete
-    try:
+    with contextlib.ExitStack() as opened:  # undone (checkpointer closed, lock released) unless a Run takes them
+        opened.callback(lock.release)
         with setup_errors():
             run = _set_up(config, log, lock, opened)
-    except BaseException:
-        _close(opened)
-        raise
-    if isinstance(run, TrainResult):
-        _close(opened)
+        if isinstance(run, Run):
+            opened.pop_all()  # Run.close() gives them back
     return run
-
-
-def _close(opened: list) -> None:
-    for thing in reversed(opened):
-        if hasattr(thing, "release"):
-            thing.release()
-        else:
-            thing.close()
 
 
 def _lock_run_dir(run: RunDir, log) -> TrainerLock:
@@ -189,11 +178,11 @@ def _lock_run_dir(run: RunDir, log) -> TrainerLock:
     return lock
 
 
-def _set_up(config: RunConfig, log, lock: TrainerLock, opened: list) -> Run | TrainResult:
+def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitStack) -> Run | TrainResult:
     run_dir = lock.path.parent
     check_resumable(run_dir, config, log)
     checkpointer = Checkpointer(run_dir, config.checkpoint)
-    opened.append(checkpointer)
+    opened.callback(checkpointer.close)
     latest_step, start_step = checkpointer.newest_intact(log), 0
     if latest_step is None:
         _refuse_a_silent_restart(checkpointer.run)
