@@ -58,7 +58,7 @@ class MetricsLog(Hook):
         config = run.config
         self.writer = MetricsWriter(run.run_dir, tensorboard=config.train.tensorboard, resume_step=run.start_step,
                                     enabled=run.is_main_process)
-        if getattr(self.writer, "kept_as", None):
+        if self.writer.kept_as:
             run.log(f"note: this run starts at step 0; the metrics of its earlier start are kept in {self.writer.kept_as}")
         self.progress = Progress(config.train.progress if run.is_main_process else "lines", run.start_step,
                                  config.train.steps, run.tokens_per_step, run.log)

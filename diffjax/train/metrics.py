@@ -101,11 +101,11 @@ class MetricsWriter:
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool, resume_step: int = 0, enabled: bool = True):
         self.enabled = enabled  # False on all but the main process of a multi-process run
+        self.kept_as = None  # where the records of an earlier start went
         if not enabled:
             return
         run = RunDir(Path(run_dir))
         self.jsonl_path = run.metrics_file
-        self.kept_as = None  # where the records of an earlier start went
         if resume_step and self.jsonl_path.exists():
             self._truncate_after(resume_step)
         elif not resume_step and read_records(self.jsonl_path):
