@@ -10,6 +10,7 @@ Params-only checkpoints (load_params, save_params, load_model): diffjax.params_c
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -43,16 +44,13 @@ class SaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, most often); the earlier ones are intact."""
 
 
-class _SaveFailureReportedByUs(logging.Filter):
-    """Drops Orbax's two ERROR logs (with tracebacks, ~100 lines) of a save that failed in its background thread:
-    the failure reaches Checkpointer.wait, which reports it in one line (SaveError)."""
+class _OrbaxErrorsWeReport(logging.Filter):
+    """Drops the exceptions Orbax logs with their tracebacks (~100 lines for a full disk, from whichever of its
+    threads met it) while a Checkpointer is open: Orbax raises each to its caller too, and the Checkpointer
+    reports it in one line (SaveError, UnreadableCheckpoint)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not ("in background save thread" in message or "Save Finalize thread (save_finalize) failed" in message)
-
-
-logging.getLogger("absl").addFilter(_SaveFailureReportedByUs())
+        return not (record.exc_info and record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
 class Checkpointer:
@@ -60,6 +58,8 @@ class Checkpointer:
         self.run = RunDir(Path(run_dir).absolute())
         self.directory = self.run.checkpoints
         self._async, self._saving = config.async_save, None
+        self._quiet = _OrbaxErrorsWeReport()
+        logging.getLogger("absl").addFilter(self._quiet)
         self._remove_unfinished_saves()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
@@ -213,6 +213,7 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+            logging.getLogger("absl").removeFilter(self._quiet)
 
 
 def restore_params(path: str | Path, abstract_state: Any) -> Any:
