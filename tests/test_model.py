@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -163,3 +164,23 @@ def test_causality(tiny_model):
     a, b = np.asarray(tiny_model(tokens)), np.asarray(tiny_model(changed))
     np.testing.assert_allclose(a[0, :7], b[0, :7], atol=1e-6)
     assert np.abs(a[0, 7:] - b[0, 7:]).max() > 1e-4
+
+
+@pytest.mark.parametrize("shape, dtype", [((3,), "float32"), ((257, 64), "float32"), ((64, 2, 2, 16), "bfloat16")])
+def test_normal_param_draws_exactly_what_a_draw_in_its_shape_gives(shape, dtype):
+    """normal_param draws the head of a flat power-of-two draw (XLA compiles it several times faster); the values
+    must be those of std * jax.random.normal(key, shape), eagerly, under vmap (the stacked layers' init) and jit."""
+    from diffjax.model.layers import normal_param
+
+    def drawn(rngs):
+        return normal_param(rngs, shape, 0.02, dtype, ("x",) * len(shape))[...]
+
+    def expected(rngs):
+        return (0.02 * jax.random.normal(rngs.params(), shape, dtype=jnp.float32)).astype(dtype)
+
+    np.testing.assert_array_equal(np.asarray(drawn(nnx.Rngs(3))), np.asarray(expected(nnx.Rngs(3))))
+    keys = jax.random.split(jax.random.key(4), 2)
+    stacked = jax.vmap(lambda key: drawn(nnx.Rngs(key)))(keys)
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(jax.vmap(lambda key: expected(nnx.Rngs(key)))(keys)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda key: drawn(nnx.Rngs(key)))(keys[0])),
+                                  np.asarray(expected(nnx.Rngs(keys[0]))))
