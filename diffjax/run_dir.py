@@ -181,14 +181,15 @@ class TrainerLock:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                flocked = True
+            except BlockingIOError:
+                os.close(fd)
+                raise RunDirInUseError(_in_use_message(path, _read_record(path))) from None
             except OSError as error:
-                if error.errno not in (errno.EAGAIN, errno.EACCES):  # a file system without flock: the record decides
-                    if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                        os.close(fd)
-                        raise
-                else:
+                if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     os.close(fd)
-                    raise RunDirInUseError(_in_use_message(path, _read_record(path))) from None
+                    raise
+                flocked = False  # a file system without flock: the record decides
             try:
                 if os.fstat(fd).st_ino != os.stat(path).st_ino:  # its holder removed it as we opened it: again
                     raise FileNotFoundError
@@ -196,7 +197,7 @@ class TrainerLock:
                 os.close(fd)
                 continue
             previous = _read_record(path)
-            if previous and _alive_here(previous):  # flock is a no-op on some network file systems
+            if not flocked and previous and _alive_here(previous):
                 os.close(fd)
                 raise RunDirInUseError(_in_use_message(path, previous))
             record = {"host": socket.gethostname(), "pid": os.getpid(),

@@ -3,6 +3,8 @@ spells the layout's names."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 
@@ -71,3 +73,24 @@ def test_no_other_module_spells_the_layout():
         offenders += [f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}"
                       for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_trainer_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
+    import subprocess
+    import sys
+
+    from diffjax.run_dir import RunDirInUseError
+
+    run = RunDir.for_training(tmp_path / "run")
+    lock = run.lock_for_training()
+    assert lock.took_over is None and json.loads(run.lock_file.read_text())["pid"] == os.getpid()
+    with pytest.raises(RunDirInUseError, match=rf"train.run_dir {run.path} is in use by another trainer \(pid {os.getpid()} "):
+        run.lock_for_training()
+    lock.release()
+    assert not run.lock_file.exists()
+    # A holder that dies without releasing (kill -9): its record stays, its flock goes with it.
+    code = f"import os; from diffjax.run_dir import RunDir; RunDir({str(run.path)!r}).lock_for_training(); os._exit(0)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    taken = run.lock_for_training()
+    assert taken.took_over["pid"] != os.getpid() and "left by a trainer that is no longer running" in taken.describe_takeover()
+    taken.release()
