@@ -360,13 +360,12 @@ def test_a_real_full_disk_is_one_line_and_the_checkpoints_stay_intact(tmp_path):
         run_dir = disk / "run"
         command = [sys.executable, "train.py", *SMALL, f"train.run_dir={run_dir}", "train.steps=40", "checkpoint.every=5",
                    "checkpoint.keep=10", "train.log_every=5", "train.sample_tokens=0"]
-        for attempt in range(2):  # and a rerun on the still-full disk
-            result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-            assert result.returncode == 1, result.stdout + result.stderr
-            lines = [line for line in result.stderr.strip().splitlines() if "uses 1 of the 8 devices" not in line]  # conftest's 8
-            assert len(lines) == 1 and re.match(r"error: saving the checkpoint of step \d+ in \S+ failed: .*; "
-                                                r"(the newest checkpoint, step \d+, is intact|no checkpoint had been saved before)",
-                                                lines[0]), result.stderr
+        result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1, result.stdout + result.stderr
+        lines = [line for line in result.stderr.strip().splitlines() if "uses 1 of the 8 devices" not in line]  # conftest's 8
+        assert len(lines) == 1 and re.match(r"error: saving the checkpoint of step \d+ in \S+ failed: .*; "
+                                            r"(the newest checkpoint, step \d+, is intact|no checkpoint had been saved before)",
+                                            lines[0]), result.stderr
         steps = sorted((run_dir / "checkpoints").iterdir())
         assert all(step.name.isdigit() and find_damage(step) is None for step in steps), steps
         assert not (run_dir / "trainer.lock").exists() and not list(run_dir.glob("*.tmp"))
