@@ -74,12 +74,16 @@ class Checkpointer:
     def _remove_unfinished_saves(self) -> None:
         """The temporary directories of saves a crash interrupted (their checkpoints never became visible)."""
         if jax.process_index() == 0 and self.directory.is_dir():
-            for temporary in self.directory.glob(f"*{TEMPORARY_MARK}*"):
-                shutil.rmtree(temporary, ignore_errors=True)
+            self._remove_temporaries("*")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("removed unfinished saves")
+
+    def _remove_temporaries(self, step: str) -> None:
+        """Orbax's temporary directories of step `step` ("*": of every step)."""
+        for temporary in self.directory.glob(f"{step}{TEMPORARY_MARK}*"):
+            shutil.rmtree(temporary, ignore_errors=True)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -202,8 +206,7 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as error:  # Orbax re-raises whatever its background thread met
-            for temporary in self.directory.glob(f"{self._saving}{TEMPORARY_MARK}*"):
-                shutil.rmtree(temporary, ignore_errors=True)
+            self._remove_temporaries(str(self._saving))
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise SaveError(f"saving the checkpoint of step {self._saving} in {self.directory} failed: {message}; "
                             f"{_newest_is_intact(self.manager.latest_step())}") from None
