@@ -34,15 +34,28 @@ def packed_target_mask(segment_ids_BT):
     return (segment_ids_BT[:, :-1] == segment_ids_BT[:, 1:]) & (segment_ids_BT[:, 1:] != 0)
 
 
+def next_token_targets(tokens_BT, segment_ids_BT):
+    """(targets [B, T] int, weights [B, T] float32): position t predicts tokens[t + 1], counted where
+    packed_target_mask allows; the last position has no target (weight 0). Stated per position, so a batch
+    may be permuted after this (the context-parallel layout) and the loss stays the same."""
+    weights_BT = jnp.pad(packed_target_mask(segment_ids_BT).astype(jnp.float32), ((0, 0), (0, 1)))
+    targets_BT = jnp.pad(jnp.asarray(tokens_BT)[:, 1:], ((0, 0), (0, 1)))
+    return targets_BT, weights_BT
+
+
+def loss_sum_and_count(logits_BTV, targets_BT, weights_BT):
+    """(sum of weighted cross-entropies, sum of weights); targets and weights from next_token_targets."""
+    losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
+    return jnp.sum(losses_BT * weights_BT), jnp.sum(weights_BT)
+
+
 def packed_loss_sum_and_count(logits_BTV, tokens_BT, segment_ids_BT):
     """(sum of next-token cross-entropies, number of targets) within the documents of packed rows.
 
     Targets as in packed_target_mask. Summing (not averaging) per micro-batch lets gradient
     accumulation and eval weight every target equally.
     """
-    weights_BT = packed_target_mask(segment_ids_BT).astype(jnp.float32)
-    losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV[:, :-1].astype(jnp.float32), tokens_BT[:, 1:])
-    return jnp.sum(losses_BT * weights_BT), jnp.sum(weights_BT)
+    return loss_sum_and_count(logits_BTV, *next_token_targets(tokens_BT, segment_ids_BT))
 
 
 def packed_next_token_loss(logits_BTV, tokens_BT, segment_ids_BT):
@@ -63,14 +76,17 @@ def chunked_packed_loss_sum_and_count(hidden_BTD, head_DV, tokens_BT, segment_id
     the last function, so its cotangent is a scalar) and only scaled in the backward: no recomputation.
     """
     B, T, _ = hidden_BTD.shape
-    if not (isinstance(chunk_tokens, int) and chunk_tokens > 0):
-        raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
     if tokens_BT.shape != (B, T) or segment_ids_BT.shape != (B, T):
         raise ValueError(f"tokens {tokens_BT.shape} and segment_ids {segment_ids_BT.shape} must be [B, T] = {(B, T)} "
                          f"like hidden {hidden_BTD.shape}")
-    # Position t predicts tokens[t + 1]; the last position has no target (weight 0).
-    weights_BT = jnp.pad(packed_target_mask(segment_ids_BT).astype(jnp.float32), ((0, 0), (0, 1)))
-    targets_BT = jnp.pad(jnp.asarray(tokens_BT)[:, 1:], ((0, 0), (0, 1)))
+    return chunked_loss_sum_and_count(hidden_BTD, head_DV, *next_token_targets(tokens_BT, segment_ids_BT), chunk_tokens)
+
+
+def chunked_loss_sum_and_count(hidden_BTD, head_DV, targets_BT, weights_BT, chunk_tokens: int):
+    """loss_sum_and_count of logits = hidden @ head, chunked as chunked_packed_loss_sum_and_count says."""
+    B, T, _ = hidden_BTD.shape
+    if not (isinstance(chunk_tokens, int) and chunk_tokens > 0):
+        raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
     chunk = min(max(chunk_tokens // B, 1), T)
     num_chunks = -(-T // chunk)
 

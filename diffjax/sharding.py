@@ -6,6 +6,9 @@ LOGICAL_AXIS_RULES maps those names onto the mesh axes:
   data    splits the batch; params replicated (data parallel)
   fsdp    splits the batch and every parameter's "embed" axis, optimizer state included (ZeRO-3 /
           FSDP: the compiler all-gathers a layer's weights where it is used)
+  context splits the sequence of every activation (context parallelism: diffjax.ops.context_parallel, whose
+          layout the train and eval steps put batches in) and, as fsdp does, every parameter's "embed" axis, so
+          params and optimizer state shrink with it too (MaxText shards them the same way)
   tensor  splits heads, kv heads, the MLP width and the vocabulary (Megatron-style tensor parallel)
 
 "layers" (the stacked depth axis of the decoder blocks' params) is never split: a scan over layers
@@ -32,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("layers", None),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -41,7 +44,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("rank", None),  # Shared DIFF's low-rank factors: small, split by their heads axis only
     # activations
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    ("length", "context"),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
@@ -59,7 +62,7 @@ def _mesh_axes(logical_name: str | None, mesh: Mesh) -> tuple[str, ...]:
         raise KeyError(f"no sharding rule for the logical axis {logical_name!r}; rules exist for {sorted(_RULES)}")
     axes = _RULES[logical_name]
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return tuple(axis for axis in axes if mesh.shape[axis] > 1)
+    return tuple(axis for axis in axes if dict(mesh.shape).get(axis, 1) > 1)  # a mesh may lack an axis
 
 
 def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
@@ -166,12 +169,16 @@ def active_mesh() -> Mesh | None:
     return mesh if mesh is not None and mesh.size > 1 else None
 
 
-def shard_map_by_logical_axes(f, mesh: Mesh, arrays_and_axes: Sequence[tuple[Any, Sequence[str | None]]], out_axes):
+def shard_map_by_logical_axes(f, mesh: Mesh, arrays_and_axes: Sequence[tuple[Any, Sequence[str | None]]], out_axes,
+                              out_shape=None):
     """f(*arrays) run per device under jax.shard_map, each array split as its logical axes say (() for a
-    scalar). For kernels the compiler cannot partition (Pallas): each device runs on its rows and heads."""
+    scalar). For kernels the compiler cannot partition (Pallas): each device runs on its rows and heads.
+    out_shape: the global output's shape (default: f evaluated abstractly on the global arrays, which an f
+    using collectives cannot be)."""
     arrays = [array for array, _ in arrays_and_axes]
     in_specs = tuple(logical_spec(axes, array.shape, mesh) for array, axes in arrays_and_axes)
-    out_spec = logical_spec(out_axes, jax.eval_shape(f, *arrays).shape, mesh)
+    out_shape = jax.eval_shape(f, *arrays) if out_shape is None else out_shape
+    out_spec = logical_spec(out_axes, out_shape.shape, mesh)
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*arrays)
 
 

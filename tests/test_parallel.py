@@ -199,7 +199,7 @@ def test_checkpoint_restores_onto_other_meshes_and_training_continues(tmp_path):
     moved = train(_run_config(tmp_path / "moved", "train.steps=3", no_eval, "parallel.data=2", "parallel.tensor=4"),
                   log=lines.append)
     assert any(line.startswith("resumed from") and "(step 2)" in line for line in lines), lines
-    assert any("mesh: data=2 x fsdp=1 x tensor=4" in line for line in lines), lines
+    assert any("mesh: data=2 x fsdp=1 x context=1 x tensor=4" in line for line in lines), lines
     np.testing.assert_allclose(moved.losses[3], straight.losses[3], rtol=1e-5)
 
 

@@ -13,6 +13,7 @@ from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache
 from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param, prepend_axis
 from diffjax.model.rope import inv_frequencies, rope_tables
+from diffjax.ops.context_parallel import context_size, to_context_order
 from diffjax.sharding import constrain
 
 BTD = ("batch", "length", "act_embed")
@@ -50,7 +51,8 @@ class DecoderBlock(nnx.Module):
 class TransformerLM(nnx.Module):
     """Decoder-only LM: `model(tokens[B, T]) -> float32 logits [B, T, vocab]`.
 
-    positions default to 0..T-1; with packed sequences pass per-document positions and
+    positions default to 0..T-1 (in the context layout under a mesh with a context axis, which the tokens must
+    then be in: diffjax.ops.context_parallel); with packed sequences pass per-document positions and
     segment_ids so that attention never crosses documents. With a KVCache (generation, diffjax.generate)
     the call returns (logits, updated cache) and the positions are the cache's: each row's tokens continue
     from the row's stored length.
@@ -99,7 +101,8 @@ class TransformerLM(nnx.Module):
         elif positions_BT is None:
             if T > self.config.max_seq_len:
                 raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
-            positions_BT = jnp.broadcast_to(jnp.arange(T), tokens_BT.shape)
+            # Under a context axis the tokens are in its layout (ops.context_parallel), and so their positions.
+            positions_BT = jnp.broadcast_to(to_context_order(jnp.arange(T)[None], context_size()), tokens_BT.shape)
         dtype = jnp.dtype(self.config.dtype)
         x_BTD = constrain(self.embed(tokens_BT, dtype), BTD)
         rope_cos_sin = rope_tables(positions_BT, inv_frequencies(self.config), dtype)

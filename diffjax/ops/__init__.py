@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from diffjax import sharding
-from diffjax.ops import compositions
+from diffjax.ops import compositions, context_parallel
 from diffjax.ops.choice import CUDNN_FASTER_ON_HOPPER, DEVICES, IMPLS, AttentionCall, Device, choose, current_device
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
 
@@ -95,6 +95,15 @@ def _partitioned(kernel, q, k, v, lam, segment_ids):
     return sharding.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None))
 
 
+def _over_context_axis(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, impl):
+    """Per-map outputs [B, T, K, R, M, dv] with the sequence split over the active mesh's context axis."""
+    _log_once(logging.INFO, ("context", impl), f"attention over the context axis: all-gathered K/V, blockwise XLA "
+              f"attention (diffjax.ops.context_parallel); impl={impl!r} is not used on this path")
+    scale = q_BTKRMd.shape[-1] ** -0.5 if scale is None else scale
+    return context_parallel.context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, causal=causal, segment_ids=segment_ids,
+                                                       scale=scale, mesh=sharding.active_mesh())
+
+
 def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
     """o[B, T, H, dv] = softmax(q1 k1^T scale) v - lam softmax(q2 k2^T scale) v.
 
@@ -103,7 +112,13 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
     segment_ids: None, [B, T] (T == S) or a pair (q ids [B, T], kv ids [B, S]).
     block_sizes: (block_q, block_k) for impl="pallas_tpu" (default 128, 128); a
     diffjax.ops.pallas_gpu.Tuning for impl="pallas_gpu" (default: pallas_gpu.default_tuning).
+    Under an activation-sharding mesh with a context axis, the sequence is split over it (context_parallel.py).
     """
+    if context_parallel.context_size() > 1:
+        B, T, H, _, d = q.shape
+        K = k.shape[2]
+        o_BTKRMv = _over_context_axis(q.reshape(B, T, K, H // K, 2, d), k, v, causal, segment_ids, scale, impl)
+        return compositions.lam_epilogue(o_BTKRMv.reshape(B, T, H, 2, v.shape[-1]), lam, v.dtype)
     choice, device = _resolve("diff_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
     if choice == "pallas_tpu":
@@ -133,8 +148,13 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
 
     The baseline Transformer's op; every impl name works ("pallas_tpu" and "pallas_gpu" run the
     single-map mode of the fused kernels, "cudnn" calls jax.nn.dot_product_attention directly).
-    block_sizes: as for diff_attention.
+    block_sizes: as for diff_attention. A context axis splits the sequence as for diff_attention.
     """
+    if context_parallel.context_size() > 1:
+        B, T, N, d = q.shape
+        K = k.shape[2]
+        o = _over_context_axis(q.reshape(B, T, K, N // K, 1, d), k[:, :, :, None], v, causal, segment_ids, scale, impl)
+        return o.reshape(B, T, N, v.shape[-1])
     choice, device = _resolve("dot_product_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
     if choice == "pallas_tpu":

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _lam_epilogue(o_BTH2v, lam, dtype):
+def lam_epilogue(o_BTH2v, lam, dtype):
     lam_BTH1 = jnp.asarray(lam, dtype)
     if lam_BTH1.ndim:
         lam_BTH1 = lam_BTH1[..., None]
@@ -74,7 +74,7 @@ def _fold_maps(q_BTH2d, k_BSKGd, v_BSKv, lam, call):
         v_BSKd = v_BSKv[..., c * d : (c + 1) * d]
         pieces.append(call(q_BTNd, k_BSNd, jnp.concatenate([v_BSKd, v_BSKd], axis=2)))
     o_BTH2v = jnp.concatenate(pieces, axis=-1).reshape(B, T, 2, H, dv).transpose(0, 1, 3, 2, 4)
-    return _lam_epilogue(o_BTH2v, lam, v_BSKv.dtype)
+    return lam_epilogue(o_BTH2v, lam, v_BSKv.dtype)
 
 
 def _split_values(q_BTNd, k_BSKd, v_BSKv, call):
@@ -212,7 +212,7 @@ def diff_attention_splash(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment
         for m in range(2)
     ]
     o_BTH2v = jnp.stack(outs, axis=3).transpose(0, 4, 1, 2, 3, 5).reshape(B, T, H, 2, -1)
-    return _lam_epilogue(o_BTH2v, lam, v_BSKv.dtype)
+    return lam_epilogue(o_BTH2v, lam, v_BSKv.dtype)
 
 
 def dot_product_attention_splash(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, interpret=False, block=128):

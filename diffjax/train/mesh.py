@@ -20,17 +20,18 @@ from diffjax.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 DISTRIBUTED_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """The device mesh (axes data x fsdp x tensor; one of them may be -1: what the devices leave) and
+    """The device mesh (axes data x fsdp x context x tensor; one of them may be -1: what the devices leave) and
     multi-process start-up. See diffjax/sharding.py for which tensors each axis splits."""
 
     data: int = -1  # batch split, params replicated
     fsdp: int = 1  # batch split, params / optimizer state split too (gathered per layer)
+    context: int = 1  # the sequence split (context parallelism); params / optimizer state split like fsdp
     tensor: int = 1  # heads and MLP width split (Megatron style)
     # jax.distributed: "auto" initializes when coordinator_address is set or a cluster environment
     # (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never.
@@ -66,7 +67,7 @@ def mesh_shape(config: ParallelConfig, num_devices: int) -> dict[str, int]:
     if num_devices % fixed:
         raise ValueError(
             f"the mesh {described} needs a multiple of {fixed} devices, but there are {num_devices}; "
-            f"choose parallel.data / parallel.fsdp / parallel.tensor whose product divides {num_devices}"
+            f"choose {' / '.join(f'parallel.{axis}' for axis in MESH_AXES)} whose product divides {num_devices}"
         )
     for axis, size in sizes.items():
         if size == -1:
@@ -75,7 +76,7 @@ def mesh_shape(config: ParallelConfig, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh. With one process the mesh may use fewer devices than exist
+    """The (data, fsdp, context, tensor) mesh. With one process the mesh may use fewer devices than exist
     (the first ones); across processes it must use them all (every process takes part in each step)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(config, len(devices))
@@ -84,7 +85,7 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
         if jax.process_count() > 1:
             raise ValueError(
                 f"the mesh {sizes} uses {count} of {len(devices)} devices; a multi-process run must use all of "
-                "them: set one of parallel.data / parallel.fsdp / parallel.tensor to -1"
+                f"them: set one of {' / '.join(f'parallel.{axis}' for axis in MESH_AXES)} to -1"
             )
         log.warning("the mesh %s uses %d of the %d devices", sizes, count, len(devices))
         devices = devices[:count]

@@ -23,6 +23,7 @@ from diffjax import parallel
 from diffjax.config import RUNTIME_FIELDS
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
+from diffjax.ops.context_parallel import context_order
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.state_checkpoints import (Checkpointer, UnreadableCheckpoint, abstract_like, load_params,
@@ -204,6 +205,7 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
             f"{{kind: hf, path: {converted_tokenizer.parent}}} (conversions since 2026-11-25 name it in config.yaml)"
         )
     mesh = parallel.make_mesh(config.parallel)
+    context_order(config.data.seq_len, mesh.shape["context"])  # the sequence must split over the context axis
     plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
                       micro_batch_per_device=config.train.micro_batch_per_device)
     tx, schedule = make_optimizer(config.optim, config.train.steps)

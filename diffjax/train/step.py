@@ -19,8 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from diffjax import sharding
 from diffjax.config import ModelConfig
-from diffjax.losses import chunked_packed_loss_sum_and_count, packed_loss_sum_and_count
+from diffjax.losses import chunked_loss_sum_and_count, loss_sum_and_count, next_token_targets
 from diffjax.model import TransformerLM
+from diffjax.ops.context_parallel import context_size, to_context_order
 from diffjax.train import guard
 from diffjax.train.mesh import check_model_fits_mesh
 from diffjax.train.metrics import layer_lambdas
@@ -51,12 +52,18 @@ def resolve_loss_chunk(loss_chunk: int | None, vocab_size: int) -> int:
 
 
 def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int):
+    """The batch's loss sum and target count. Targets and weights are stated per position first, so that under
+    a context axis every [B, T] array can be put in the context layout (ops.context_parallel) together."""
     model = nnx.merge(graphdef, params)
-    hidden_BTD = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])
+    targets_BT, weights_BT = next_token_targets(batch["tokens"], batch["segment_ids"])
+    context = context_size()
+    tokens_BT, positions_BT, segment_ids_BT, targets_BT, weights_BT = (
+        to_context_order(x, context)
+        for x in (batch["tokens"], batch["positions"], batch["segment_ids"], targets_BT, weights_BT))
+    hidden_BTD = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT)
     if loss_chunk:
-        return chunked_packed_loss_sum_and_count(hidden_BTD, model.head(hidden_BTD.dtype), batch["tokens"],
-                                                 batch["segment_ids"], loss_chunk)
-    return packed_loss_sum_and_count(model.logits(hidden_BTD), batch["tokens"], batch["segment_ids"])
+        return chunked_loss_sum_and_count(hidden_BTD, model.head(hidden_BTD.dtype), targets_BT, weights_BT, loss_chunk)
+    return loss_sum_and_count(model.logits(hidden_BTD), targets_BT, weights_BT)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, model_config: ModelConfig,

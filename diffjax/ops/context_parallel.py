@@ -1,0 +1,233 @@
+"""Attention over a sequence split across the mesh's `context` axis (context parallelism).
+
+Layout. With C devices on the context axis the length axis is cut into 2C chunks and device i holds chunks
+i and 2C-1-i (`context_order`, the "zig-zag" layout of Llama 3 and ring-flash-attention): under a causal
+mask a query chunk's work grows with its index, so each device pairs an early chunk with a late one and every
+device does the same work. The train and eval steps put a batch in this order (tokens, positions, segment ids,
+targets and loss weights alike: diffjax.train.step); token-wise layers do not care, and attention alone needs
+each token's place in the sequence, which `context_order` gives.
+
+Attention. Each device all-gathers K, V and the key segment ids over the context axis and attends its own
+queries to them blockwise (`blockwise_attention`): a scan over key blocks with an online softmax per map,
+blocks wholly in a query chunk's future skipped, and a flash-style custom backward that recomputes each
+block's probabilities from the saved log-sum-exp. No device holds more than one query chunk x one key block
+of scores, forward or backward. Why an all-gather rather than a ring of K/V blocks: it is exact for any mask
+(packed documents need no special case), it is one collective per layer that XLA's scheduler can overlap with
+the previous layer, and with GQA the gathered K/V are a fraction of the activations (Llama 3 trains its 128K
+stage this way); a ring's memory advantage (K/V of T / C tokens, not T) matters only when K/V of the whole
+sequence do not fit, which the memory benchmark (benchmarks/context_memory.py) shows they do for the paper's
+64K recipe. The gradient of the all-gather is a reduce-scatter (JAX derives it).
+
+The per-block computation is XLA's; the fused Pallas kernels do not take part yet (they would need a
+log-sum-exp output and query / key offsets), so `impl` is not used on this path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffjax import sharding
+
+CONTEXT_AXIS = "context"
+DEFAULT_BLOCK = 512  # keys per block of the scan: scores of one query chunk x 512 keys at a time
+_MASKED = jnp.finfo(jnp.float32).min
+
+
+def context_order(length: int, context: int) -> np.ndarray:
+    """[length] int: the sequence index of each position of the context layout (device i holds chunks i and
+    2C-1-i of 2C equal chunks, in that order). context 1: 0..length-1."""
+    if context == 1:
+        return np.arange(length)
+    if length % (2 * context):
+        raise ValueError(f"a sequence of length {length} cannot be split over context={context} devices: the length "
+                         f"must be a multiple of 2 x context = {2 * context} (data.seq_len, or parallel.context)")
+    chunks = np.arange(length).reshape(2 * context, length // (2 * context))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * context - 1 - i]]) for i in range(context)])
+
+
+def context_size(mesh=None) -> int:
+    """The size of the context axis of `mesh` (default: the active activation-sharding mesh); 1 when none."""
+    mesh = sharding.active_mesh() if mesh is None else mesh
+    return 1 if mesh is None else dict(mesh.shape).get(CONTEXT_AXIS, 1)
+
+
+def to_context_order(x, context: int, axis: int = 1):
+    """x with its `axis` (the sequence) permuted into the context layout (a no-op for context 1)."""
+    if context == 1:
+        return x
+    return jnp.take(x, jnp.asarray(context_order(x.shape[axis], context)), axis=axis)
+
+
+# --- blockwise attention with an online softmax and a flash-style backward --------------------------------
+
+
+def _block_visible(q_index, kv_index_block, causal):
+    """Whether any query may see any key of the block (causally); segment ids are left to the mask."""
+    if not causal:
+        return jnp.bool_(True)
+    return jnp.min(kv_index_block) <= jnp.max(q_index)
+
+
+def _block_mask(q_index, kv_index, q_seg, kv_seg, causal):
+    """[B, T, S] bool: key s visible to query t."""
+    mask = jnp.ones((1, q_index.shape[0], kv_index.shape[0]), bool)
+    if causal:
+        mask = (q_index[:, None] >= kv_index[None, :])[None]
+    if q_seg is not None:
+        mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
+    return mask
+
+
+def _scores(q, k, scale):
+    """[B, K, R, M, T, S] float32 scores; q [B, T, K, R, M, d], k [B, S, K, G, d] (G 1 broadcasts over maps)."""
+    return jnp.einsum("btkrmd,bskmd->bkrmts", q, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
+
+
+def _blocks(x, block):
+    """[B, S, ...] -> [S / block, B, block, ...] (the scan's leading axis)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:]), 1, 0)
+
+
+def _kv_blocks(k, v, kv_index, kv_seg, block):
+    index = kv_index.reshape(-1, block)
+    return _blocks(k, block), _blocks(v, block), index, None if kv_seg is None else _blocks(kv_seg, block)
+
+
+def _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block):
+    """(o [B, T, K, R, M, dv] float32, lse [B, K, R, M, T] float32; _MASKED where a query sees no key)."""
+    B, T, K, R, M, _ = q.shape
+    dv = v.shape[-1]
+
+    def step(carry, kv_block):
+        k_b, v_b, index_b, seg_b = kv_block
+
+        def attend(carry):
+            m, l, acc = carry
+            s = _scores(q, k_b, scale)
+            mask = _block_mask(q_index, index_b, q_seg, seg_b, causal)[:, None, None, None]
+            s = jnp.where(mask, s, _MASKED)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            correction = jnp.exp(m - m_new)
+            l = l * correction + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bkrmts,bskv->btkrmv", p.astype(v_b.dtype), v_b, preferred_element_type=jnp.float32)
+            acc = acc * jnp.moveaxis(correction, -1, 1)[..., None] + pv
+            return m_new, l, acc
+
+        return jax.lax.cond(_block_visible(q_index, index_b, causal), attend, lambda c: c, carry), None
+
+    init = (jnp.full((B, K, R, M, T), _MASKED), jnp.zeros((B, K, R, M, T), jnp.float32),
+            jnp.zeros((B, T, K, R, M, dv), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(step, init, _kv_blocks(k, v, kv_index, kv_seg, block))
+    seen = l > 0
+    o = acc / jnp.moveaxis(jnp.where(seen, l, 1.0), -1, 1)[..., None]
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _MASKED)
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def blockwise_attention(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block):
+    """Softmax attention of M maps, normalized per map: o [B, T, K, R, M, dv] float32.
+
+    q [B, T, K, R, M, d] (kv head, GQA repeat, map); k [B, S, K, G, d] (G = M, or 1 shared by the maps);
+    v [B, S, K, dv]; q_index [T] / kv_index [S]: each token's place in the sequence (the causal mask compares
+    them); q_seg [B, T] / kv_seg [B, S] or None: segment ids. S must be a multiple of `block`. Numerics as the
+    XLA reference: float32 scores and softmax, P rounded to v's dtype for P V, float32 accumulation; a query
+    that sees no key gives 0."""
+    return _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block)[0]
+
+
+def _blockwise_fwd(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block):
+    o, lse = _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block)
+    return o, (q, k, v, q_index, kv_index, q_seg, kv_seg, o, lse)
+
+
+def _blockwise_bwd(causal, scale, block, residuals, do):
+    """The flash backward: per key block, P = exp(s - lse) again, dS = P (dP - D) with D = rowsum(dO O)."""
+    q, k, v, q_index, kv_index, q_seg, kv_seg, o, lse = residuals
+    G = k.shape[3]
+    D = jnp.moveaxis(jnp.sum(do * o, axis=-1), 1, -1)  # [B, K, R, M, T]
+    do_v = do.astype(v.dtype)
+
+    def step(dq, kv_block):
+        k_b, v_b, index_b, seg_b = kv_block
+
+        def grads(dq):
+            mask = _block_mask(q_index, index_b, q_seg, seg_b, causal)[:, None, None, None]
+            p = jnp.where(mask, jnp.exp(_scores(q, k_b, scale) - lse[..., None]), 0.0)
+            dv_b = jnp.einsum("bkrmts,btkrmv->bskv", p.astype(v.dtype), do_v, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("btkrmv,bskv->bkrmts", do_v, v_b, preferred_element_type=jnp.float32)
+            ds = p * (dp - D[..., None]) * jnp.float32(scale)
+            dq = dq + jnp.einsum("bkrmts,bskmd->btkrmd", ds.astype(q.dtype), k_b, preferred_element_type=jnp.float32)
+            dk_b = jnp.einsum("bkrmts,btkrmd->bskmd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+            if G == 1:
+                dk_b = jnp.sum(dk_b, axis=3, keepdims=True)
+            return dq, (dk_b, dv_b)
+
+        def skip(dq):
+            return dq, (jnp.zeros(k_b.shape, jnp.float32), jnp.zeros(v_b.shape, jnp.float32))
+
+        return jax.lax.cond(_block_visible(q_index, index_b, causal), grads, skip, dq)
+
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), _kv_blocks(k, v, kv_index, kv_seg, block))
+    unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])  # noqa: E731
+    return dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), None, None, None, None
+
+
+blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+# --- the op over the context axis -------------------------------------------------------------------------
+
+
+def _key_block(chunk: int, block: int) -> int:
+    """The largest divisor of the chunk length not above `block` (blocks must not straddle chunks)."""
+    return max(b for b in range(1, min(chunk, block) + 1) if chunk % b == 0)
+
+
+def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale, mesh, block=DEFAULT_BLOCK):
+    """Per-map outputs o [B, T, K, R, M, dv] (v's dtype) of queries and keys in the context layout, computed
+    with the length axis split over the mesh's context axis (batch and heads split as the rules say)."""
+    B, T, K, R, M, d = q_BTKRMd.shape
+    if k_BSKGd.shape[1] != T:
+        raise ValueError(f"context parallelism needs self-attention (as many keys as queries), got T={T} and "
+                         f"S={k_BSKGd.shape[1]}")
+    C = context_size(mesh)
+    chunk = T // (2 * C)
+    context_order(T, C)  # checks that T splits
+    kv_block = _key_block(chunk, block)
+    if isinstance(segment_ids, (tuple, list)):
+        q_ids, kv_ids = segment_ids
+        if q_ids is not kv_ids and q_ids.shape != kv_ids.shape:
+            raise ValueError("context parallelism needs one segment-id array for queries and keys (self-attention)")
+        segment_ids = q_ids
+
+    def per_device(q, k, v, *ids):
+        seg = ids[0] if ids else None
+        order = jnp.asarray(context_order(T, C), jnp.int32)
+        index = jax.lax.axis_index(CONTEXT_AXIS)
+        gather = lambda x: jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)  # noqa: E731
+        k_all, v_all = gather(k), gather(v)
+        seg_all = None if seg is None else gather(seg)
+        outs = []
+        for half in range(2):  # the device's early and late chunk: each skips the key blocks in its future
+            start = index * 2 * chunk + half * chunk
+            q_index = jax.lax.dynamic_slice_in_dim(order, start, chunk)
+            q_half = q[:, half * chunk:(half + 1) * chunk]
+            seg_half = None if seg is None else seg[:, half * chunk:(half + 1) * chunk]
+            outs.append(blockwise_attention(q_half, k_all, v_all, q_index, order, seg_half, seg_all,
+                                            causal, scale, kv_block))
+        return jnp.concatenate(outs, axis=1).astype(v.dtype)
+
+    arrays = [(q_BTKRMd, ("batch", "length", "act_kv_heads", None, None, None)),
+              (k_BSKGd, ("batch", "length", "act_kv_heads", None, None)),
+              (v_BSKv, ("batch", "length", "act_kv_heads", None))]
+    if segment_ids is not None:
+        arrays.append((jnp.asarray(segment_ids), ("batch", "length")))
+    out = jax.ShapeDtypeStruct(q_BTKRMd.shape[:-1] + v_BSKv.shape[-1:], v_BSKv.dtype)
+    return sharding.shard_map_by_logical_axes(per_device, mesh, arrays,
+                                              ("batch", "length", "act_kv_heads", None, None, None), out_shape=out)
