@@ -1,7 +1,11 @@
 """Attention operators behind one interface, selected by `impl`.
 
 impl:
-  "xla"         the reference (einsum + fp32 softmax), every platform; materialises T x S scores.
+  "xla"         the reference (einsum + fp32 softmax), every platform; materialises T x S scores, except for
+                self-attention from context_parallel.BLOCKWISE_FROM (8192) tokens on, which runs blockwise (online
+                softmax over key blocks, flash-style backward: memory of one query piece x one key block).
+  A mesh with a context axis (parallel.context > 1) splits the sequence: attention then all-gathers K/V over
+  that axis and runs blockwise on each device, whatever the impl (context_parallel.py).
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
@@ -104,6 +108,11 @@ def _over_context_axis(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, im
                                                        scale=scale, mesh=sharding.active_mesh())
 
 
+def _blockwise(q, k) -> bool:
+    """Whether the XLA path attends blockwise (long self-attention: context_parallel.BLOCKWISE_FROM)."""
+    return q.shape[1] == k.shape[1] >= context_parallel.BLOCKWISE_FROM
+
+
 def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
     """o[B, T, H, dv] = softmax(q1 k1^T scale) v - lam softmax(q2 k2^T scale) v.
 
@@ -140,6 +149,11 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
         return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_splash(
             q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "tpu"),
             q, k, v, lam, segment_ids)
+    if _blockwise(q, k):
+        B, T, H, _, d = q.shape
+        o = context_parallel.blockwise_xla_attention(q.reshape(B, T, k.shape[2], -1, 2, d), k, v, causal=causal,
+                                                     segment_ids=segment_ids, scale=d**-0.5 if scale is None else scale)
+        return compositions.lam_epilogue(o.reshape(B, T, H, 2, v.shape[-1]), lam, v.dtype)
     return diff_attention_xla(q, k, v, lam, **kwargs)
 
 
@@ -176,6 +190,12 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
         return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_splash(
             q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "tpu"),
             q, k, v, None, segment_ids)
+    if _blockwise(q, k):
+        B, T, N, d = q.shape
+        o = context_parallel.blockwise_xla_attention(q.reshape(B, T, k.shape[2], -1, 1, d), k[:, :, :, None], v,
+                                                     causal=causal, segment_ids=segment_ids,
+                                                     scale=d**-0.5 if scale is None else scale)
+        return o.reshape(B, T, N, v.shape[-1])
     return dot_product_attention_xla(q, k, v, **kwargs)
 
 

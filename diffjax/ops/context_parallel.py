@@ -33,7 +33,11 @@ import numpy as np
 from diffjax import sharding
 
 CONTEXT_AXIS = "context"
-DEFAULT_BLOCK = 512  # keys per block of the scan: scores of one query chunk x 512 keys at a time
+DEFAULT_BLOCK = 512  # keys per block of the inner scan
+QUERY_BLOCK = 2048  # queries per piece: one piece x one key block of scores exist at a time
+# The XLA path attends blockwise from this sequence length on (self-attention): the reference's T x T float32
+# scores would be 256 MiB per head and map there.
+BLOCKWISE_FROM = 8192
 _MASKED = jnp.finfo(jnp.float32).min
 
 
@@ -129,53 +133,79 @@ def _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block):
     return o, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def blockwise_attention(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block):
+def _pieces(x, size):
+    """[B, T, ...] -> [T / size, B, size, ...] (None stays None)."""
+    return None if x is None else _blocks(x, size)
+
+
+def _unpieces(x):
+    """[N, B, size, ...] -> [B, N size, ...]."""
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def blockwise_attention(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, q_block, kv_block):
     """Softmax attention of M maps, normalized per map: o [B, T, K, R, M, dv] float32.
 
     q [B, T, K, R, M, d] (kv head, GQA repeat, map); k [B, S, K, G, d] (G = M, or 1 shared by the maps);
     v [B, S, K, dv]; q_index [T] / kv_index [S]: each token's place in the sequence (the causal mask compares
-    them); q_seg [B, T] / kv_seg [B, S] or None: segment ids. S must be a multiple of `block`. Numerics as the
-    XLA reference: float32 scores and softmax, P rounded to v's dtype for P V, float32 accumulation; a query
-    that sees no key gives 0."""
-    return _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block)[0]
+    them); q_seg [B, T] / kv_seg [B, S] or None: segment ids. Queries go in pieces of q_block and keys in blocks
+    of kv_block (dividing T and S; pieces and blocks of contiguous indices skip the most). Numerics as the XLA
+    reference: float32 scores and softmax, P rounded to v's dtype for P V, float32 accumulation; a query that
+    sees no key gives 0."""
+    return _blockwise_fwd(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, q_block, kv_block)[0]
 
 
-def _blockwise_fwd(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block):
-    o, lse = _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block)
-    return o, (q, k, v, q_index, kv_index, q_seg, kv_seg, o, lse)
+def _blockwise_fwd(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, q_block, kv_block):
+    pieces = (_pieces(q, q_block), q_index.reshape(-1, q_block), _pieces(q_seg, q_block))
+    o_pieces, lse_pieces = jax.lax.map(
+        lambda piece: _forward(piece[0], k, v, piece[1], kv_index, piece[2], kv_seg, causal, scale, kv_block), pieces)
+    return _unpieces(o_pieces), (pieces, k, v, kv_index, kv_seg, o_pieces, lse_pieces)
 
 
-def _blockwise_bwd(causal, scale, block, residuals, do):
-    """The flash backward: per key block, P = exp(s - lse) again, dS = P (dP - D) with D = rowsum(dO O)."""
-    q, k, v, q_index, kv_index, q_seg, kv_seg, o, lse = residuals
+def _piece_grads(q, k, v, q_index, kv_index, q_seg, kv_seg, o, lse, do, causal, scale, kv_block):
+    """(dq, dk, dv) float32 of one query piece: per key block, P = exp(s - lse) again, dS = P (dP - D) with
+    D = rowsum(dO O) (the flash backward)."""
     G = k.shape[3]
     D = jnp.moveaxis(jnp.sum(do * o, axis=-1), 1, -1)  # [B, K, R, M, T]
     do_v = do.astype(v.dtype)
 
-    def step(dq, kv_block):
-        k_b, v_b, index_b, seg_b = kv_block
+    def step(dq, kv_block_arrays):
+        k_b, v_b, index_b, seg_b = kv_block_arrays
 
         def grads(dq):
             mask = _block_mask(q_index, index_b, q_seg, seg_b, causal)[:, None, None, None]
             p = jnp.where(mask, jnp.exp(_scores(q, k_b, scale) - lse[..., None]), 0.0)
             dv_b = jnp.einsum("bkrmts,btkrmv->bskv", p.astype(v.dtype), do_v, preferred_element_type=jnp.float32)
             dp = jnp.einsum("btkrmv,bskv->bkrmts", do_v, v_b, preferred_element_type=jnp.float32)
-            ds = p * (dp - D[..., None]) * jnp.float32(scale)
-            dq = dq + jnp.einsum("bkrmts,bskmd->btkrmd", ds.astype(q.dtype), k_b, preferred_element_type=jnp.float32)
-            dk_b = jnp.einsum("bkrmts,btkrmd->bskmd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
-            if G == 1:
-                dk_b = jnp.sum(dk_b, axis=3, keepdims=True)
-            return dq, (dk_b, dv_b)
+            ds = (p * (dp - D[..., None]) * jnp.float32(scale)).astype(q.dtype)
+            dq = dq + jnp.einsum("bkrmts,bskmd->btkrmd", ds, k_b, preferred_element_type=jnp.float32)
+            dk_b = jnp.einsum("bkrmts,btkrmd->bskmd", ds, q, preferred_element_type=jnp.float32)
+            return dq, (jnp.sum(dk_b, axis=3, keepdims=True) if G == 1 else dk_b, dv_b)
 
         def skip(dq):
             return dq, (jnp.zeros(k_b.shape, jnp.float32), jnp.zeros(v_b.shape, jnp.float32))
 
         return jax.lax.cond(_block_visible(q_index, index_b, causal), grads, skip, dq)
 
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), _kv_blocks(k, v, kv_index, kv_seg, block))
-    unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])  # noqa: E731
-    return dq.astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), None, None, None, None
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), _kv_blocks(k, v, kv_index, kv_seg, kv_block))
+    return dq, _unpieces(dk), _unpieces(dv)
+
+
+def _blockwise_bwd(causal, scale, q_block, kv_block, residuals, do):
+    (q_pieces, index_pieces, seg_pieces), k, v, kv_index, kv_seg, o_pieces, lse_pieces = residuals
+
+    def piece(dkv, x):
+        q_p, index_p, seg_p, o_p, lse_p, do_p = x
+        dq_p, dk_p, dv_p = _piece_grads(q_p, k, v, index_p, kv_index, seg_p, kv_seg, o_p, lse_p, do_p, causal, scale,
+                                        kv_block)
+        return (dkv[0] + dk_p, dkv[1] + dv_p), dq_p
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dk, dv), dq_pieces = jax.lax.scan(
+        piece, zeros, (q_pieces, index_pieces, seg_pieces, o_pieces, lse_pieces, _pieces(do, q_block)))
+    return (_unpieces(dq_pieces).astype(q_pieces.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            None, None, None, None)
 
 
 blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -184,12 +214,32 @@ blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
 # --- the op over the context axis -------------------------------------------------------------------------
 
 
-def _key_block(chunk: int, block: int) -> int:
-    """The largest divisor of the chunk length not above `block` (blocks must not straddle chunks)."""
-    return max(b for b in range(1, min(chunk, block) + 1) if chunk % b == 0)
+def _divisor_block(length: int, block: int) -> int:
+    """The largest divisor of `length` not above `block` (pieces and blocks must not straddle chunks)."""
+    return max(b for b in range(1, min(length, block) + 1) if length % b == 0)
 
 
-def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale, mesh, block=DEFAULT_BLOCK):
+def _single_segment_ids(segment_ids):
+    if isinstance(segment_ids, (tuple, list)):
+        q_ids, kv_ids = segment_ids
+        if q_ids is not kv_ids and q_ids.shape != kv_ids.shape:
+            raise ValueError("blockwise attention needs one segment-id array for queries and keys (self-attention)")
+        return q_ids
+    return segment_ids
+
+
+def blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale):
+    """Per-map outputs [B, T, K, R, M, dv] (v's dtype) of self-attention on one device (or partitioned by XLA),
+    blockwise: what the XLA path runs for long sequences, where the reference's T x S scores would not fit."""
+    T = q_BTKRMd.shape[1]
+    index = jnp.arange(T, dtype=jnp.int32)
+    ids = _single_segment_ids(segment_ids)
+    o = blockwise_attention(q_BTKRMd, k_BSKGd, v_BSKv, index, index, ids, ids, causal, scale,
+                            _divisor_block(T, QUERY_BLOCK), _divisor_block(T, DEFAULT_BLOCK))
+    return o.astype(v_BSKv.dtype)
+
+
+def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale, mesh):
     """Per-map outputs o [B, T, K, R, M, dv] (v's dtype) of queries and keys in the context layout, computed
     with the length axis split over the mesh's context axis (batch and heads split as the rules say)."""
     B, T, K, R, M, d = q_BTKRMd.shape
@@ -197,31 +247,19 @@ def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids
         raise ValueError(f"context parallelism needs self-attention (as many keys as queries), got T={T} and "
                          f"S={k_BSKGd.shape[1]}")
     C = context_size(mesh)
-    chunk = T // (2 * C)
     context_order(T, C)  # checks that T splits
-    kv_block = _key_block(chunk, block)
-    if isinstance(segment_ids, (tuple, list)):
-        q_ids, kv_ids = segment_ids
-        if q_ids is not kv_ids and q_ids.shape != kv_ids.shape:
-            raise ValueError("context parallelism needs one segment-id array for queries and keys (self-attention)")
-        segment_ids = q_ids
+    chunk = T // (2 * C)
+    q_block, kv_block = _divisor_block(chunk, QUERY_BLOCK), _divisor_block(chunk, DEFAULT_BLOCK)
+    segment_ids = _single_segment_ids(segment_ids)
 
     def per_device(q, k, v, *ids):
         seg = ids[0] if ids else None
         order = jnp.asarray(context_order(T, C), jnp.int32)
-        index = jax.lax.axis_index(CONTEXT_AXIS)
-        gather = lambda x: jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)  # noqa: E731
-        k_all, v_all = gather(k), gather(v)
-        seg_all = None if seg is None else gather(seg)
-        outs = []
-        for half in range(2):  # the device's early and late chunk: each skips the key blocks in its future
-            start = index * 2 * chunk + half * chunk
-            q_index = jax.lax.dynamic_slice_in_dim(order, start, chunk)
-            q_half = q[:, half * chunk:(half + 1) * chunk]
-            seg_half = None if seg is None else seg[:, half * chunk:(half + 1) * chunk]
-            outs.append(blockwise_attention(q_half, k_all, v_all, q_index, order, seg_half, seg_all,
-                                            causal, scale, kv_block))
-        return jnp.concatenate(outs, axis=1).astype(v.dtype)
+        q_index = jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(CONTEXT_AXIS) * 2 * chunk, 2 * chunk)
+        gather = lambda x: None if x is None else jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)  # noqa: E731
+        o = blockwise_attention(q, gather(k), gather(v), q_index, order, seg, gather(seg), causal, scale,
+                                q_block, kv_block)
+        return o.astype(v.dtype)
 
     arrays = [(q_BTKRMd, ("batch", "length", "act_kv_heads", None, None, None)),
               (k_BSKGd, ("batch", "length", "act_kv_heads", None, None)),
