@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import jax.numpy as jnp
 
 from diffjax import sharding
