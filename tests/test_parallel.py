@@ -136,6 +136,7 @@ def test_optimizer_state_is_created_sharded_like_the_params(mesh_name):
         assert on_device <= total / 8 + vectors, (on_device, total)
 
 
+@pytest.mark.single_leg  # jax's remat and scan are exercised on the newest leg by the trainer tests
 def test_remat_and_scan_give_the_same_step():
     """Rematerialization and scanning change memory and compile time, not the numbers (float32)."""
     reference = None
