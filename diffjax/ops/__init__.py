@@ -98,18 +98,28 @@ def _partitioned(kernel, q, k, v, lam, segment_ids):
     return sharding.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None))
 
 
-def _over_context_axis(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, impl):
-    """Per-map outputs [B, T, K, R, M, dv] with the sequence split over the active mesh's context axis."""
+def _runs_blockwise(q, k, choice) -> bool:
+    """Whether attention runs blockwise (context_parallel.py): always over a context axis (choice None), and on the
+    XLA path for long self-attention (context_parallel.BLOCKWISE_FROM)."""
+    return choice is None or (choice == "xla" and q.shape[1] == k.shape[1] >= context_parallel.BLOCKWISE_FROM)
+
+
+def _blockwise(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, impl):
+    """Per-map outputs [B, T, K, R, M, dv]: over the active mesh's context axis when it has one, else on one device."""
+    scale = q_BTKRMd.shape[-1] ** -0.5 if scale is None else scale
+    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
+    if context_parallel.context_size() == 1:
+        return context_parallel.blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, **kwargs)
     _log_once(logging.INFO, ("context", impl), f"attention over the context axis: all-gathered K/V, blockwise XLA "
               f"attention (diffjax.ops.context_parallel); impl={impl!r} is not used on this path")
-    scale = q_BTKRMd.shape[-1] ** -0.5 if scale is None else scale
-    return context_parallel.context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, causal=causal, segment_ids=segment_ids,
-                                                       scale=scale, mesh=sharding.active_mesh())
+    return context_parallel.context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, mesh=sharding.active_mesh(), **kwargs)
 
 
-def _blockwise(q, k) -> bool:
-    """Whether the XLA path attends blockwise (long self-attention: context_parallel.BLOCKWISE_FROM)."""
-    return q.shape[1] == k.shape[1] >= context_parallel.BLOCKWISE_FROM
+def _choose(op: str, impl: str, q, k, v, causal, segment_ids) -> tuple[str | None, Device | None]:
+    """_resolve's choice, or (None, None) under a context axis, where attention always runs blockwise."""
+    if context_parallel.context_size() > 1:
+        return None, None
+    return _resolve(op, impl, q, k, v, causal, segment_ids)
 
 
 def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
@@ -122,12 +132,7 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
     diffjax.ops.pallas_gpu.Tuning for impl="pallas_gpu" (default: pallas_gpu.default_tuning).
     Under an activation-sharding mesh with a context axis, the sequence is split over it (context_parallel.py).
     """
-    if context_parallel.context_size() > 1:
-        B, T, H, _, d = q.shape
-        K = k.shape[2]
-        o_BTKRMv = _over_context_axis(q.reshape(B, T, K, H // K, 2, d), k, v, causal, segment_ids, scale, impl)
-        return compositions.lam_epilogue(o_BTKRMv.reshape(B, T, H, 2, v.shape[-1]), lam, v.dtype)
-    choice, device = _resolve("diff_attention", impl, q, k, v, causal, segment_ids)
+    choice, device = _choose("diff_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import diff_attention_pallas
@@ -148,11 +153,10 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
         return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_splash(
             q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "tpu"),
             q, k, v, lam, segment_ids)
-    if _blockwise(q, k):
+    if _runs_blockwise(q, k, choice):
         B, T, H, _, d = q.shape
-        o = context_parallel.blockwise_xla_attention(q.reshape(B, T, k.shape[2], -1, 2, d), k, v, causal=causal,
-                                                     segment_ids=segment_ids, scale=d**-0.5 if scale is None else scale)
-        return compositions.lam_epilogue(o.reshape(B, T, H, 2, v.shape[-1]), lam, v.dtype)
+        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 2, d), k, v, causal, segment_ids, scale, impl)
+        return compositions.lam_epilogue(o_BTKRMv.reshape(B, T, H, 2, v.shape[-1]), lam, v.dtype)
     return diff_attention_xla(q, k, v, lam, **kwargs)
 
 
@@ -163,12 +167,7 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
     single-map mode of the fused kernels, "cudnn" calls jax.nn.dot_product_attention directly).
     block_sizes: as for diff_attention. A context axis splits the sequence as for diff_attention.
     """
-    if context_parallel.context_size() > 1:
-        B, T, N, d = q.shape
-        K = k.shape[2]
-        o = _over_context_axis(q.reshape(B, T, K, N // K, 1, d), k[:, :, :, None], v, causal, segment_ids, scale, impl)
-        return o.reshape(B, T, N, v.shape[-1])
-    choice, device = _resolve("dot_product_attention", impl, q, k, v, causal, segment_ids)
+    choice, device = _choose("dot_product_attention", impl, q, k, v, causal, segment_ids)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import dot_product_attention_pallas
@@ -189,12 +188,10 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
         return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_splash(
             q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "tpu"),
             q, k, v, None, segment_ids)
-    if _blockwise(q, k):
+    if _runs_blockwise(q, k, choice):
         B, T, N, d = q.shape
-        o = context_parallel.blockwise_xla_attention(q.reshape(B, T, k.shape[2], -1, 1, d), k[:, :, :, None], v,
-                                                     causal=causal, segment_ids=segment_ids,
-                                                     scale=d**-0.5 if scale is None else scale)
-        return o.reshape(B, T, N, v.shape[-1])
+        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 1, d), k[:, :, :, None], v, causal, segment_ids, scale, impl)
+        return o_BTKRMv.reshape(B, T, N, v.shape[-1])
     return dot_product_attention_xla(q, k, v, **kwargs)
 
 
