@@ -188,6 +188,8 @@ def test_bad_meshes_are_clear_errors(tmp_path):
         parallel.check_model_fits_mesh(MODEL, mesh)
     with pytest.raises(ValueError, match=r"does not split evenly over 8 batch shards"):
         train(_run_config(tmp_path, "train.batch_size=4", "parallel.data=8"), log=lambda _: None)
+    with pytest.raises(ValueError, match=r"length 20 cannot be split over context=8 .* multiple of 2 x context = 16"):
+        train(_run_config(tmp_path, "data.seq_len=20", "parallel.data=1", "parallel.context=8"), log=lambda _: None)
 
 
 def test_a_vocabulary_the_tensor_axis_does_not_divide_stays_whole():
