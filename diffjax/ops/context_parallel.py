@@ -229,13 +229,11 @@ def _divisor_block(length: int, block: int) -> int:
     return max(b for b in range(1, min(length, block) + 1) if length % b == 0)
 
 
-def _single_segment_ids(segment_ids):
+def _segment_pair(segment_ids):
+    """(query ids, key ids) of None, one [B, T] array (self-attention) or a pair."""
     if isinstance(segment_ids, (tuple, list)):
-        q_ids, kv_ids = segment_ids
-        if q_ids is not kv_ids and q_ids.shape != kv_ids.shape:
-            raise ValueError("blockwise attention needs one segment-id array for queries and keys (self-attention)")
-        return q_ids
-    return segment_ids
+        return tuple(jnp.asarray(ids) for ids in segment_ids)
+    return (None, None) if segment_ids is None else (jnp.asarray(segment_ids),) * 2
 
 
 def blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale):
@@ -243,8 +241,7 @@ def blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, s
     blockwise: what the XLA path runs for long sequences, where the reference's T x S scores would not fit."""
     T = q_BTKRMd.shape[1]
     index = jnp.arange(T, dtype=jnp.int32)
-    ids = _single_segment_ids(segment_ids)
-    o = blockwise_attention(q_BTKRMd, k_BSKGd, v_BSKv, index, index, ids, ids, causal, scale,
+    o = blockwise_attention(q_BTKRMd, k_BSKGd, v_BSKv, index, index, *_segment_pair(segment_ids), causal, scale,
                             _divisor_block(T, QUERY_BLOCK), _divisor_block(T, DEFAULT_BLOCK))
     return o.astype(v_BSKv.dtype)
 
@@ -252,7 +249,7 @@ def blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, s
 def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale, mesh):
     """Per-map outputs o [B, T, K, R, M, dv] (v's dtype) of queries and keys in the context layout, computed
     with the length axis split over the mesh's context axis (batch and heads split as the rules say)."""
-    B, T, K, R, M, d = q_BTKRMd.shape
+    T = q_BTKRMd.shape[1]
     if k_BSKGd.shape[1] != T:
         raise ValueError(f"context parallelism needs self-attention (as many keys as queries), got T={T} and "
                          f"S={k_BSKGd.shape[1]}")
@@ -260,22 +257,21 @@ def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids
     context_order(T, C)  # checks that T splits
     chunk = T // (2 * C)
     q_block, kv_block = _divisor_block(chunk, QUERY_BLOCK), _divisor_block(chunk, DEFAULT_BLOCK)
-    segment_ids = _single_segment_ids(segment_ids)
+    q_ids, kv_ids = _segment_pair(segment_ids)
 
-    def per_device(q, k, v, *ids):
-        seg = ids[0] if ids else None
+    def per_device(q, k, v, q_seg=None, kv_seg=None):
         order = jnp.asarray(context_order(T, C), jnp.int32)
         q_index = jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(CONTEXT_AXIS) * 2 * chunk, 2 * chunk)
         gather = lambda x: None if x is None else jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)  # noqa: E731
-        o = blockwise_attention(q, gather(k), gather(v), q_index, order, seg, gather(seg), causal, scale,
+        o = blockwise_attention(q, gather(k), gather(v), q_index, order, q_seg, gather(kv_seg), causal, scale,
                                 q_block, kv_block)
         return o.astype(v.dtype)
 
     arrays = [(q_BTKRMd, ("batch", "length", "act_kv_heads", None, None, None)),
               (k_BSKGd, ("batch", "length", "act_kv_heads", None, None)),
               (v_BSKv, ("batch", "length", "act_kv_heads", None))]
-    if segment_ids is not None:
-        arrays.append((jnp.asarray(segment_ids), ("batch", "length")))
+    if q_ids is not None:
+        arrays += [(q_ids, ("batch", "length")), (kv_ids, ("batch", "length"))]
     out = jax.ShapeDtypeStruct(q_BTKRMd.shape[:-1] + v_BSKv.shape[-1:], v_BSKv.dtype)
     return sharding.shard_map_by_logical_axes(per_device, mesh, arrays,
                                               ("batch", "length", "act_kv_heads", None, None, None), out_shape=out)
