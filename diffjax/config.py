@@ -63,6 +63,12 @@ class ModelConfig:
     lambda_std: float = 0.1  # init std of lambda_q1, lambda_k1, lambda_q2, lambda_k2
     # Shared DIFF: rank r of the low-rank q / k updates; None: d_model // 16 (the paper's 830M and 1.4B ranks).
     shared_diff_rank: int | None = None
+    # Sliding-window attention (every kind): each query sees its `attention_window` latest keys, itself included
+    # (None: the whole causal context). flash-attn / unilm flashdiff's window_size=(W - 1, 0); HF Mistral's
+    # sliding_window=W. global_layers: 0-based indices of layers that attend the whole context anyway (Gemma and
+    # Phi-4-mini-flash interleave them, e.g. [5, 11, 17] for one global layer in six).
+    attention_window: int | None = None
+    global_layers: tuple[int, ...] = ()
     # Numerics and init.
     dtype: str = "float32"  # compute dtype of activations
     param_dtype: str = "float32"
@@ -106,6 +112,21 @@ class ModelConfig:
             check(getattr(self, name) is None or kind is None or name in kind.own_fields,
                   f"{name} is only used by attention {' / '.join(map(repr, users))}, got {getattr(self, name)!r} with "
                   f"attention {self.attention!r}")
+        check(self.attention_window is None or (isinstance(self.attention_window, int)
+                                                and not isinstance(self.attention_window, bool) and self.attention_window > 0),
+              f"attention_window must be None (whole context) or a positive integer (keys per query), got "
+              f"{self.attention_window!r}")
+        if isinstance(self.global_layers, (list, tuple)):
+            object.__setattr__(self, "global_layers", tuple(self.global_layers))
+            bad = [i for i in self.global_layers
+                   if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers]
+            check(not bad, f"global_layers must hold 0-based layer indices below num_layers ({self.num_layers}), got {bad}")
+            check(len(set(self.global_layers)) == len(self.global_layers),
+                  f"global_layers has repeats: {list(self.global_layers)}")
+            check(not self.global_layers or self.attention_window is not None,
+                  f"global_layers {list(self.global_layers)} needs an attention_window (without one every layer is global)")
+        else:
+            errors.append(f"global_layers must be a list of layer indices, got {self.global_layers!r}")
         check(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         check(self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}")
         check(self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
@@ -179,11 +200,28 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields as given: derived sizes are None again, so a saved config re-derives them."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        return {**values, **{name: None for name in self.derived}}
+        return {**values, "global_layers": list(self.global_layers), **{name: None for name in self.derived}}
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with `changes`; sizes that were derived are derived again from the new fields."""
         return dataclasses.replace(self, **{**{name: None for name in self.derived}, **changes})
+
+    def window_at(self, depth: int) -> int | None:
+        """The sliding window of layer `depth` (None: it attends the whole causal context)."""
+        return None if depth in self.global_layers else self.attention_window
+
+    @property
+    def mixes_windows(self) -> bool:
+        """Whether some layers are windowed and others global (a scanned stack then picks per layer at run time)."""
+        return self.attention_window is not None and bool(self.global_layers)
+
+    def mean_context(self, depth: int, seq_len: int) -> float:
+        """Keys a query of layer `depth` attends on average over a causal sequence of seq_len tokens (T / 2 without a
+        window, the FLOP-counting convention; W - W^2 / 2T under a window W < T)."""
+        window = self.window_at(depth)
+        if window is None or window >= seq_len:
+            return seq_len / 2
+        return window - window * window / (2 * seq_len)
 
     def lambda_init_at(self, depth: int) -> float:
         return lambda_init_for_depth(depth) if self.lambda_init is None else float(self.lambda_init)

@@ -73,10 +73,7 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
         B, T = tokens_BT.shape
         dtype = jnp.dtype(config.dtype)
         graph, params = nnx.split(model.blocks)
-        allowed_BTS = ops.attention_mask(T, T, causal=True, segment_ids=segment_ids_BT)
-        allowed_BTS = jnp.broadcast_to(allowed_BTS, (B, T, T))
         real_BT = jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0
-        counted_BTS = allowed_BTS & real_BT[:, :, None]
         cos_sin = rope_tables(positions_BT, inv_frequencies(config), dtype)
         constants = model.depth_constants(dtype)
         x_BTD = model.embed(tokens_BT, dtype)
@@ -84,6 +81,9 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
         for depth in range(config.num_layers):
             block = nnx.merge(graph, jax.tree.map(lambda x: x[depth], params))
             layer_constants = jax.tree.map(lambda x: x[depth], constants)
+            mask = ops.attention_mask(T, T, causal=True, segment_ids=segment_ids_BT, window=config.window_at(depth))
+            allowed_BTS = jnp.broadcast_to(mask, (B, T, T))
+            counted_BTS = allowed_BTS & real_BT[:, :, None]
             explicit = block.attn.explicit_maps(block.attn_norm(x_BTD), cos_sin, allowed_BTS, layer_constants,
                                                 lambda s: _quantized_logits(s, counted_BTS, logit_bits))
             s, effective = explicit.logits_MBHTS, explicit.effective_BHTS

@@ -59,6 +59,9 @@ def check_exportable(config: ModelConfig) -> None:
             )
     if config.activation not in _ACTIVATIONS:
         problems.append(f"activation={config.activation!r}: HF exports support {sorted(_ACTIVATIONS)}")
+    if config.attention_window is not None:
+        problems.append(f"attention_window={config.attention_window}: HF DiffLlama and Llama attend the whole context "
+                        "(they have no sliding window); a model trained with one would compute something else there")
     if problems:
         raise ConversionError("cannot export to Hugging Face: " + "; ".join(problems))
 

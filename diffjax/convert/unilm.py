@@ -198,6 +198,7 @@ def load_unilm_attention(
     norm_eps: float = 1e-5,
     dtype: str = "float32",
     param_dtype: str | None = None,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> DiffAttention | DiffAttentionV2:
     """One unilm differential attention module's weights: V1 as a diffjax `DiffAttention`, V2 as a
     `DiffAttentionV2` (the variant is recognised from the keys).
@@ -214,6 +215,9 @@ def load_unilm_attention(
       (unilm takes caller-built tables and stores no theta).
     dtype: compute dtype of the returned layer. param_dtype: storage dtype of its parameters; None keeps the
       checkpoint's dtype when all its tensors share one, else float32 (lossless).
+    window_size: the (left, right) that unilm's `flashdiff.FlashDiffAttention` (flash-attn's window_size) ran
+      the module with; (-1, -1) is the whole context. The layer is causal, so right is ignored as flash-attn
+      ignores it under causal=True, and left = W - 1 gives `attention_window` W (`unilm_window_size` inverts it).
 
     Sizes are inferred. V1: d from the lambda vectors, E from the projections, H = E / (2d), Hkv from
     k_proj.weight's rows. V2: h from lambda_proj.weight's rows, d from o_proj.weight, Hkv from k_proj.weight.
@@ -275,7 +279,7 @@ def load_unilm_attention(
         param_dtype = names.pop() if len(names) == 1 and None not in names else "float32"
     common = dict(
         d_model=E, num_heads=H, num_kv_heads=K, head_dim=d, rope_style="interleaved", rope_type="default",
-        rope_theta=float(rope_theta), dtype=dtype, param_dtype=param_dtype,
+        rope_theta=float(rope_theta), dtype=dtype, param_dtype=param_dtype, attention_window=window_from_unilm(window_size),
     )
     if variant == "V2":
         config = ModelConfig(num_layers=1, attention=attention_kinds.for_unilm_module(V2_MODULE).name, **common)
@@ -304,6 +308,25 @@ def load_unilm_attention(
         ("subln_scale",): subln,
     }
     return build_module(lambda: DiffAttention(config, int(depth), rngs=nnx.Rngs(0)), params, _NP_DTYPES[param_dtype])
+
+
+def window_from_unilm(window_size) -> int | None:
+    """attention_window of flash-attn / unilm flashdiff's causal window_size=(left, right): left + 1 keys (the
+    query's own and `left` before it); left = -1 is the whole context. right is ignored (causal)."""
+    is_int = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool)  # noqa: E731
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(map(is_int, window_size))):
+        raise ValueError(f"window_size must be a pair of ints (left, right) as flash-attn takes it, got {window_size!r}")
+    left, right = map(int, window_size)
+    if left < -1:
+        raise ValueError(f"window_size=({left}, {right}): left must be -1 (whole context) or >= 0 keys before the query")
+    return None if left == -1 else left + 1
+
+
+def unilm_window_size(config: ModelConfig, depth: int = 0) -> tuple[int, int]:
+    """The window_size=(left, right) for unilm's flashdiff.FlashDiffAttention (flash-attn) that computes what layer
+    `depth` of `config` computes: (W - 1, 0) under attention_window W, (-1, -1) for a global layer or none."""
+    window = config.window_at(depth)
+    return (-1, -1) if window is None else (window - 1, 0)
 
 
 def unilm_attention_state_dict(

@@ -46,14 +46,15 @@ class KVCache:
         """Positions [B, T] of the T tokens this call adds (for RoPE)."""
         return self.lengths_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)
 
-    def update(self, k_new, v_new, attend: dict):
+    def update(self, k_new, v_new, attend: dict, windowed=True):
         """Store this call's keys / values [B, T, K, ...]; returns (cache, k, v, attend): the keys, values
-        and op keywords (`causal`, `segment_ids`, `impl`) the module's attention op is to use.
+        and op keywords (`causal`, `segment_ids`, `impl`, `window`) the module's attention op is to use.
 
         Prefill (buffers None): the T prompt tokens go to slots [0, T) and attend one another as without a
         cache (the caller's `attend`). Decode (T must be 1): the token goes to slot lengths_B[b] of row b and
         attends slots 0..lengths_B[b] of the whole buffer (segment ids mark the slots), by the impl
-        diffjax.ops.choose picks for a decode call (xla today).
+        diffjax.ops.choose picks for a decode call (xla today); under a sliding window W (attend["window"], where
+        `windowed`, a bool or a traced one) only slots lengths_B[b] - W + 1 .. lengths_B[b].
         """
         B, T = k_new.shape[:2]
         if self.k is None:
@@ -69,11 +70,14 @@ class KVCache:
         # when the cache is donated.
         k, v = (jnp.where(write_BS.reshape(write_BS.shape + (1,) * (x.ndim - 2)), x, buf)
                 for x, buf in ((k_new, self.k), (v_new, self.v)))
-        kv_ids_BS = (slots_BS <= self.lengths_B[:, None]).astype(jnp.int32)  # 1: a stored slot, 0: not yet
+        visible_BS = slots_BS <= self.lengths_B[:, None]
+        if attend.get("window") is not None:  # the window is a mask over slots, like the stored ones
+            visible_BS = visible_BS & ((self.lengths_B[:, None] - slots_BS < attend["window"]) | jnp.logical_not(windowed))
+        kv_ids_BS = visible_BS.astype(jnp.int32)  # 1: a slot the token sees, 0: not
         q_ids_B1 = jnp.ones((B, 1), jnp.int32)
         # impl "auto": diffjax.ops.choose picks the decode path (xla: no fused decode kernel yet), whatever the
         # model's impl for full sequences.
-        attend = dict(attend, causal=False, segment_ids=(q_ids_B1, kv_ids_BS), impl="auto")
+        attend = dict(attend, causal=False, segment_ids=(q_ids_B1, kv_ids_BS), impl="auto", window=None)
         return self._stored(k, v), k, v, attend
 
     def _stored(self, k, v) -> "KVCache":

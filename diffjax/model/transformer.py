@@ -32,6 +32,9 @@ class DecoderBlock(nnx.Module):
     """h = x + attn(norm(x)); out = h + mlp(norm(h)). depth None: a layer of TransformerLM's stack."""
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
+        # A standalone layer's own flag for models that mix windowed and global layers (a stack's come with its
+        # depth constants).
+        self.global_attention = None if depth is None or not config.mixes_windows else depth in config.global_layers
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         self.attn = module_class(config)(config, depth, rngs=rngs)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
@@ -43,6 +46,8 @@ class DecoderBlock(nnx.Module):
 
     def call_with_cache(self, x_BTD, rope_cos_sin, segment_ids, constants, cache):
         """(output [B, T, D], this layer's updated KVCache) (generation); cache None: (output, None)."""
+        if constants is None and self.global_attention is not None:
+            constants = {**self.attn.layer_constants(x_BTD.dtype), "global_attention": self.global_attention}
         attn_BTD, cache = self.attn.call_with_cache(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants, cache)
         h_BTD = checkpoint_name(x_BTD + attn_BTD, "attention_residual")
         return constrain(h_BTD + self.mlp(self.mlp_norm(h_BTD)), BTD), cache
@@ -122,8 +127,13 @@ class TransformerLM(nnx.Module):
         return self.lm_head[...].astype(dtype)
 
     def depth_constants(self, dtype) -> dict:
-        """Each layer's depth constants, [L] arrays ({} for kinds without any: the baseline, V2)."""
-        return module_class(self.config).depth_constants(self.config, range(self.config.num_layers), dtype)
+        """Each layer's depth constants, [L] arrays ({} for kinds without any: the baseline, V2), and with global
+        layers among windowed ones each layer's "global_attention" flag."""
+        constants = module_class(self.config).depth_constants(self.config, range(self.config.num_layers), dtype)
+        if self.config.mixes_windows:
+            layers = range(self.config.num_layers)
+            constants["global_attention"] = jnp.asarray([depth in self.config.global_layers for depth in layers])
+        return constants
 
     def layer_lambdas(self) -> jax.Array | None:
         """lambda of every layer [L] (float32), by the attention's own formula and roundings in the compute

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from diffjax import sharding
 from diffjax.ops import compositions, context_parallel
 from diffjax.ops.choice import CUDNN_FASTER_ON_HOPPER, DEVICES, IMPLS, AttentionCall, Device, choose, current_device
-from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
+from diffjax.ops.reference import attention_mask, check_window, diff_attention_xla, dot_product_attention_xla
 
 def config_problems(impl: str, dtype: str) -> list[str]:
     """What is wrong with running `impl` at a model's compute dtype (ModelConfig checks this at
@@ -60,10 +60,10 @@ def _log_once(level, key, message):
         logger.log(level, message)
 
 
-def _resolve(op: str, impl: str, q, k, v, causal, segment_ids) -> tuple[str, Device]:
+def _resolve(op: str, impl: str, q, k, v, causal, segment_ids, window) -> tuple[str, Device]:
     """(the impl to run, the device) by `choice.choose`, logging auto's choice once per (op, platform, choice,
     reason) ("xla" on an accelerator is a warning) and an explicit impl that runs interpreted."""
-    device, call = current_device(), AttentionCall.of(op, q, k, v, causal, segment_ids)
+    device, call = current_device(), AttentionCall.of(op, q, k, v, causal, segment_ids, window)
     choice, reason = choose(call, impl, device)
     if impl == "auto":
         slow = device.platform in ("tpu", "gpu") and choice == "xla" and not call.is_decode
@@ -98,16 +98,21 @@ def _partitioned(kernel, q, k, v, lam, segment_ids):
     return sharding.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None))
 
 
-def _runs_blockwise(q, k, choice) -> bool:
+def _runs_blockwise(q, k, choice, window) -> bool:
     """Whether attention runs blockwise (context_parallel.py): always over a context axis (choice None), and on the
-    XLA path for long self-attention (context_parallel.BLOCKWISE_FROM)."""
-    return choice is None or (choice == "xla" and q.shape[1] == k.shape[1] >= context_parallel.BLOCKWISE_FROM)
+    XLA path for self-attention from context_parallel.BLOCKWISE_FROM tokens on, or under a sliding window longer
+    than one key block (out-of-window blocks are skipped: cost T x window)."""
+    if choice is None:
+        return True
+    T = q.shape[1]
+    long_enough = T >= context_parallel.BLOCKWISE_FROM or (window is not None and T > context_parallel.DEFAULT_BLOCK)
+    return choice == "xla" and T == k.shape[1] and long_enough
 
 
-def _blockwise(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, impl):
+def _blockwise(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, window, impl):
     """Per-map outputs [B, T, K, R, M, dv]: over the active mesh's context axis when it has one, else on one device."""
     scale = q_BTKRMd.shape[-1] ** -0.5 if scale is None else scale
-    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
+    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale, window=window)
     if context_parallel.context_size() == 1:
         return context_parallel.blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, **kwargs)
     _log_once(logging.INFO, ("context", impl), f"attention over the context axis: all-gathered K/V, blockwise XLA "
@@ -115,14 +120,16 @@ def _blockwise(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, impl):
     return context_parallel.context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, mesh=sharding.active_mesh(), **kwargs)
 
 
-def _choose(op: str, impl: str, q, k, v, causal, segment_ids) -> tuple[str | None, Device | None]:
+def _choose(op: str, impl: str, q, k, v, causal, segment_ids, window) -> tuple[str | None, Device | None]:
     """_resolve's choice, or (None, None) under a context axis, where attention always runs blockwise."""
+    check_window(window, causal)
     if context_parallel.context_size() > 1:
         return None, None
-    return _resolve(op, impl, q, k, v, causal, segment_ids)
+    return _resolve(op, impl, q, k, v, causal, segment_ids, window)
 
 
-def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
+def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None,
+                   window=None):
     """o[B, T, H, dv] = softmax(q1 k1^T scale) v - lam softmax(q2 k2^T scale) v.
 
     q: [B, T, H, 2, d]; k: [B, S, Hkv, G, d] (G = 2, or 1 when both maps share keys);
@@ -130,15 +137,17 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
     segment_ids: None, [B, T] (T == S) or a pair (q ids [B, T], kv ids [B, S]).
     block_sizes: (block_q, block_k) for impl="pallas_tpu" (default 128, 128); a
     diffjax.ops.pallas_gpu.Tuning for impl="pallas_gpu" (default: pallas_gpu.default_tuning).
+    window: None, or W: a sliding window, each query sees its W latest keys (itself included; causal only).
     Under an activation-sharding mesh with a context axis, the sequence is split over it (context_parallel.py).
     """
-    choice, device = _choose("diff_attention", impl, q, k, v, causal, segment_ids)
-    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
+    choice, device = _choose("diff_attention", impl, q, k, v, causal, segment_ids, window)
+    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale, window=window)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import diff_attention_pallas
 
         return _partitioned(lambda q, k, v, lam, ids: diff_attention_pallas(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, lam, segment_ids)
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window),
+            q, k, v, lam, segment_ids)
     if choice == "pallas_gpu":
         from diffjax.ops.pallas_gpu import diff_attention_pallas_gpu
 
@@ -151,29 +160,31 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
             q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "gpu"), q, k, v, lam, segment_ids)
     if choice == "splash":
         return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_splash(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "tpu"),
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, window=window, interpret=device.platform != "tpu"),
             q, k, v, lam, segment_ids)
-    if _runs_blockwise(q, k, choice):
+    if _runs_blockwise(q, k, choice, window):
         B, T, H, _, d = q.shape
-        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 2, d), k, v, causal, segment_ids, scale, impl)
+        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 2, d), k, v, causal, segment_ids, scale, window, impl)
         return compositions.lam_epilogue(o_BTKRMv.reshape(B, T, H, 2, v.shape[-1]), lam, v.dtype)
     return diff_attention_xla(q, k, v, lam, **kwargs)
 
 
-def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None):
+def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None,
+                          window=None):
     """o[B, T, N, dv] = softmax(q k^T scale) v with q: [B, T, N, d], k: [B, S, K, d], v: [B, S, K, dv].
 
     The baseline Transformer's op; every impl name works ("pallas_tpu" and "pallas_gpu" run the
     single-map mode of the fused kernels, "cudnn" calls jax.nn.dot_product_attention directly).
-    block_sizes: as for diff_attention. A context axis splits the sequence as for diff_attention.
+    block_sizes, window: as for diff_attention. A context axis splits the sequence as for diff_attention.
     """
-    choice, device = _choose("dot_product_attention", impl, q, k, v, causal, segment_ids)
-    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale)
+    choice, device = _choose("dot_product_attention", impl, q, k, v, causal, segment_ids, window)
+    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale, window=window)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import dot_product_attention_pallas
 
         return _partitioned(lambda q, k, v, _, ids: dot_product_attention_pallas(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes), q, k, v, None, segment_ids)
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window),
+            q, k, v, None, segment_ids)
     if choice == "pallas_gpu":
         from diffjax.ops.pallas_gpu import dot_product_attention_pallas_gpu
 
@@ -186,11 +197,12 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
             q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "gpu"), q, k, v, None, segment_ids)
     if choice == "splash":
         return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_splash(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "tpu"),
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, window=window, interpret=device.platform != "tpu"),
             q, k, v, None, segment_ids)
-    if _runs_blockwise(q, k, choice):
+    if _runs_blockwise(q, k, choice, window):
         B, T, N, d = q.shape
-        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 1, d), k[:, :, :, None], v, causal, segment_ids, scale, impl)
+        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 1, d), k[:, :, :, None], v, causal, segment_ids, scale,
+                              window, impl)
         return o_BTKRMv.reshape(B, T, N, v.shape[-1])
     return dot_product_attention_xla(q, k, v, **kwargs)
 

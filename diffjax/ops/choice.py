@@ -55,7 +55,8 @@ def current_device() -> Device:
 class AttentionCall:
     """An attention op call by its shapes: q [B, T, H, 2, d] (diff_attention) or [B, T, H, d]
     (dot_product_attention), k [B, S, Hkv, G, d] or [B, S, Hkv, d], v [B, S, Hkv, dv]. segments: None, "one"
-    (one [B, T] id array, T == S) or "pair" (q ids and kv ids: decoding against a cache)."""
+    (one [B, T] id array, T == S) or "pair" (q ids and kv ids: decoding against a cache). window: None or the
+    sliding window's keys per query."""
 
     op: str
     q_shape: tuple
@@ -64,11 +65,13 @@ class AttentionCall:
     dtype: str
     causal: bool = True
     segments: str | None = None
+    window: int | None = None
 
     @classmethod
-    def of(cls, op, q, k, v, causal, segment_ids) -> "AttentionCall":
+    def of(cls, op, q, k, v, causal, segment_ids, window=None) -> "AttentionCall":
         segments = None if segment_ids is None else "pair" if isinstance(segment_ids, (tuple, list)) else "one"
-        return cls(op, tuple(q.shape), tuple(k.shape), tuple(v.shape), jnp.dtype(q.dtype).name, bool(causal), segments)
+        return cls(op, tuple(q.shape), tuple(k.shape), tuple(v.shape), jnp.dtype(q.dtype).name, bool(causal), segments,
+                   None if window is None else int(window))
 
     def arrays(self):
         """(q, k, v, segment_ids) as ShapeDtypeStructs: what the kernels' `unsupported` checks read."""
@@ -85,13 +88,16 @@ class AttentionCall:
 
     def describe(self) -> str:
         ids = {None: "", "one": ", segment ids", "pair": ", q / kv segment ids"}[self.segments]
+        window = "" if self.window is None else f", window {self.window}"
         return (f"{self.op} q {list(self.q_shape)} k {list(self.k_shape)} v {list(self.v_shape)} {self.dtype}"
-                f"{', causal' if self.causal else ''}{ids}")
+                f"{', causal' if self.causal else ''}{ids}{window}")
 
 
 def _pallas_gpu_unsupported(call: AttentionCall) -> str | None:
     from diffjax.ops.pallas_gpu import unsupported
 
+    if call.window is not None:
+        return "takes no sliding window yet (use 'cudnn', or 'xla', which skips blocks outside the window)"
     return unsupported(*call.arrays()[:3])
 
 
@@ -119,7 +125,7 @@ def choose(call: AttentionCall, impl: str = "auto", device: Device | None = None
         return impl, "asked for"
     if impl in _PALLAS_COMPOSITIONS:  # JAX's own Pallas kernels: interpreted off their platform
         unsupported, home, instead = _PALLAS_COMPOSITIONS[impl]
-        why_not = unsupported(q, k, v, call.causal, segment_ids, device.platform, interpret=True)
+        why_not = unsupported(q, k, v, call.causal, segment_ids, device.platform, interpret=True, window=call.window)
         if why_not:
             raise ValueError(f"{call.op}: impl={impl!r} {why_not}; {where}. Use impl={instead}.")
         return impl, "asked for" if device.platform == home else "asked for; runs in Pallas interpret mode (slow)"
@@ -152,7 +158,8 @@ def _auto(call: AttentionCall, device: Device) -> tuple[str, str]:
         return "pallas_gpu", "fused Mosaic GPU kernel"
     if why_not["cudnn"] is None:
         return "cudnn", "cuDNN flash composition"
-    why_not["triton"] = compositions.triton_unsupported(q, k, v, call.causal, segment_ids, device.platform)
+    why_not["triton"] = compositions.triton_unsupported(q, k, v, call.causal, segment_ids, device.platform,
+                                                        window=call.window)
     if why_not["triton"] is None:
         return "triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"
     return "xla", "; ".join(f"{name} {why}" for name, why in why_not.items())

@@ -55,8 +55,11 @@ def cudnn_unsupported(q, k, v, causal, segment_ids, platform) -> str | None:
     return None
 
 
-def _cudnn_call(q, k, v, causal, scale):
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+def _cudnn_call(q, k, v, causal, scale, window=None):
+    # jax.nn's local_window_size (left, right) counts keys besides the query's own: W keys are (W - 1, 0).
+    local_window = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, local_window_size=local_window,
+                                        implementation="cudnn")
 
 
 def _fold_maps(q_BTH2d, k_BSKGd, v_BSKv, lam, call):
@@ -85,14 +88,14 @@ def _split_values(q_BTNd, k_BSKd, v_BSKv, call):
     return jnp.concatenate([call(q_BTNd, k_BSKd, v_BSKv[..., c * d : (c + 1) * d]) for c in range(dv // d)], axis=-1)
 
 
-def diff_attention_cudnn(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None):
+def diff_attention_cudnn(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, window=None):
     scale = q_BTH2d.shape[-1] ** -0.5 if scale is None else scale
-    return _fold_maps(q_BTH2d, k_BSKGd, v_BSKv, lam, lambda q, k, v: _cudnn_call(q, k, v, causal, scale))
+    return _fold_maps(q_BTH2d, k_BSKGd, v_BSKv, lam, lambda q, k, v: _cudnn_call(q, k, v, causal, scale, window))
 
 
-def dot_product_attention_cudnn(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None):
+def dot_product_attention_cudnn(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, window=None):
     scale = q_BTNd.shape[-1] ** -0.5 if scale is None else scale
-    return _split_values(q_BTNd, k_BSKd, v_BSKv, lambda q, k, v: _cudnn_call(q, k, v, causal, scale))
+    return _split_values(q_BTNd, k_BSKd, v_BSKv, lambda q, k, v: _cudnn_call(q, k, v, causal, scale, window))
 
 
 # ------------------------------------------------------------------------------------------ triton
@@ -100,12 +103,14 @@ def dot_product_attention_cudnn(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_
 TRITON_BLOCK = 128  # the kernel's default q / kv block; T is zero-padded to a multiple of it
 
 
-def triton_unsupported(q, k, v, causal, segment_ids, platform, *, interpret=False) -> str | None:
+def triton_unsupported(q, k, v, causal, segment_ids, platform, *, interpret=False, window=None) -> str | None:
     """Why the Pallas Triton composition cannot run this call (None when it can)."""
     d, dv = q.shape[-1], v.shape[-1]
     T, S = q.shape[1], k.shape[1]
     if platform != "gpu" and not interpret:
         return f"needs a CUDA GPU (platform is {platform!r})"
+    if window is not None:
+        return "takes no sliding window (JAX's Pallas Triton kernel has no local mask)"
     if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         return f"needs float16, bfloat16 or float32 inputs (got {q.dtype})"
     if d % 16 or d > 128:  # the kernel pads d to a power of two (masked), so d = 96 runs as 128
@@ -155,7 +160,8 @@ def dot_product_attention_triton(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment
 # ------------------------------------------------------------------------------------------ splash
 
 
-def splash_unsupported(q, k, v, causal, segment_ids, platform, *, interpret=False, block=128) -> str | None:
+def splash_unsupported(q, k, v, causal, segment_ids, platform, *, interpret=False, block=128, window=None) -> str | None:
+    """Why the splash composition cannot run this call (None when it can); any sliding window runs (LocalMask)."""
     T, S = q.shape[1], k.shape[1]
     if platform != "tpu" and not interpret:
         return f"needs a TPU (platform is {platform!r})"
@@ -167,10 +173,13 @@ def splash_unsupported(q, k, v, causal, segment_ids, platform, *, interpret=Fals
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(T, S, causal, n_rep, interpret, block):
+def _splash_kernel(T, S, causal, window, n_rep, interpret, block):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    mask_cls = splash.CausalMask((T, S), offset=S - T) if causal else splash.FullMask((T, S))
+    if window is not None:  # causal and windowed: keys S - T + t - (W - 1) .. S - T + t; splash skips other blocks
+        mask_cls = splash.LocalMask((T, S), window_size=(window - 1, 0), offset=S - T)
+    else:
+        mask_cls = splash.CausalMask((T, S), offset=S - T) if causal else splash.FullMask((T, S))
     mask = splash.MultiHeadMask([mask_cls] * n_rep)
     sizes = splash.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
@@ -179,12 +188,12 @@ def _splash_kernel(T, S, causal, n_rep, interpret, block):
     return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
-def _splash_map(q_BKRTd, k_BKSd, v_BKSv, segment_ids, causal, interpret, block):
+def _splash_map(q_BKRTd, k_BKSd, v_BKSv, segment_ids, causal, window, interpret, block):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     B, K, R, T, d = q_BKRTd.shape
     S = k_BKSd.shape[2]
-    kernel = _splash_kernel(T, S, causal, R, interpret, block)
+    kernel = _splash_kernel(T, S, causal, window, R, interpret, block)
     if segment_ids is None:
         f = lambda q, k, v: kernel(q, k, v)  # noqa: E731
         return jax.vmap(jax.vmap(f))(q_BKRTd, k_BKSd, v_BKSv)
@@ -197,7 +206,8 @@ def _splash_map(q_BKRTd, k_BKSd, v_BKSv, segment_ids, causal, interpret, block):
     return jax.vmap(per_batch)(q_BKRTd, k_BKSd, v_BKSv, q_ids, kv_ids)
 
 
-def diff_attention_splash(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, interpret=False, block=128):
+def diff_attention_splash(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, window=None,
+                          interpret=False, block=128):
     """Two splash MQA calls (one per map); splash does not scale q, so q is scaled first (in q's dtype)."""
     B, T, H, _, d = q_BTH2d.shape
     _, S, K, G, _ = k_BSKGd.shape
@@ -208,21 +218,24 @@ def diff_attention_splash(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment
     k_BKGSd = k_BSKGd.transpose(0, 2, 3, 1, 4)
     v_BKSv = v_BSKv.transpose(0, 2, 1, 3)
     outs = [
-        _splash_map(q_BKR2Td[:, :, :, m], k_BKGSd[:, :, m if G == 2 else 0], v_BKSv, segment_ids, causal, interpret, block)
+        _splash_map(q_BKR2Td[:, :, :, m], k_BKGSd[:, :, m if G == 2 else 0], v_BKSv, segment_ids, causal, window, interpret,
+                    block)
         for m in range(2)
     ]
     o_BTH2v = jnp.stack(outs, axis=3).transpose(0, 4, 1, 2, 3, 5).reshape(B, T, H, 2, -1)
     return lam_epilogue(o_BTH2v, lam, v_BSKv.dtype)
 
 
-def dot_product_attention_splash(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, interpret=False, block=128):
+def dot_product_attention_splash(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, window=None,
+                                 interpret=False, block=128):
     B, T, N, d = q_BTNd.shape
     _, S, K, _ = k_BSKd.shape
     scale = d**-0.5 if scale is None else scale
     if segment_ids is not None and not isinstance(segment_ids, (tuple, list)):
         segment_ids = (segment_ids, segment_ids)
     q_BKRTd = (q_BTNd * jnp.asarray(scale, q_BTNd.dtype)).reshape(B, T, K, N // K, d).transpose(0, 2, 3, 1, 4)
-    o_BKRTv = _splash_map(q_BKRTd, k_BSKd.transpose(0, 2, 1, 3), v_BSKv.transpose(0, 2, 1, 3), segment_ids, causal, interpret, block)
+    o_BKRTv = _splash_map(q_BKRTd, k_BSKd.transpose(0, 2, 1, 3), v_BSKv.transpose(0, 2, 1, 3), segment_ids, causal, window,
+                          interpret, block)
     return o_BKRTv.transpose(0, 3, 1, 2, 4).reshape(B, T, N, -1)
 
 

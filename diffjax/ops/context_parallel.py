@@ -69,18 +69,24 @@ def to_context_order(x, context: int, axis: int = 1):
 # --- blockwise attention with an online softmax and a flash-style backward --------------------------------
 
 
-def _block_visible(q_index, kv_index_block, causal):
-    """Whether any query may see any key of the block (causally); segment ids are left to the mask."""
+def _block_visible(q_index, kv_index_block, causal, window):
+    """Whether any query may see any key of the block (causally, and within the sliding window); segment ids are
+    left to the mask. Blocks that fail are skipped: attention costs T x window, not T^2, under a window."""
     if not causal:
         return jnp.bool_(True)
-    return jnp.min(kv_index_block) <= jnp.max(q_index)
+    visible = jnp.min(kv_index_block) <= jnp.max(q_index)
+    if window is not None:
+        visible = visible & (jnp.max(kv_index_block) > jnp.min(q_index) - window)
+    return visible
 
 
-def _block_mask(q_index, kv_index, q_seg, kv_seg, causal):
+def _block_mask(q_index, kv_index, q_seg, kv_seg, causal, window):
     """[B, T, S] bool: key s visible to query t."""
     mask = jnp.ones((1, q_index.shape[0], kv_index.shape[0]), bool)
     if causal:
-        mask = (q_index[:, None] >= kv_index[None, :])[None]
+        distance = q_index[:, None] - kv_index[None, :]
+        mask = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+        mask = mask[None]
     if q_seg is not None:
         mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
     return mask
@@ -108,7 +114,7 @@ def _tied_to_the_queries(q, q_index, kv_index, q_seg, kv_seg):
     return jax.lax.optimization_barrier((q, q_index, kv_index, q_seg, kv_seg))
 
 
-def _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block):
+def _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, window, scale, block):
     """(o [B, T, K, R, M, dv] float32, lse [B, K, R, M, T] float32; _MASKED where a query sees no key)."""
     q, q_index, kv_index, q_seg, kv_seg = _tied_to_the_queries(q, q_index, kv_index, q_seg, kv_seg)
     B, T, K, R, M, _ = q.shape
@@ -120,7 +126,7 @@ def _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block):
         def attend(carry):
             m, l, acc = carry
             s = _scores(q, k_b, scale)
-            mask = _block_mask(q_index, index_b, q_seg, seg_b, causal)[:, None, None, None]
+            mask = _block_mask(q_index, index_b, q_seg, seg_b, causal, window)[:, None, None, None]
             s = jnp.where(mask, s, _MASKED)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -130,7 +136,7 @@ def _forward(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, block):
             acc = acc * jnp.moveaxis(correction, -1, 1)[..., None] + pv
             return m_new, l, acc
 
-        return jax.lax.cond(_block_visible(q_index, index_b, causal), attend, lambda c: c, carry), None
+        return jax.lax.cond(_block_visible(q_index, index_b, causal, window), attend, lambda c: c, carry), None
 
     init = (jnp.full((B, K, R, M, T), _MASKED), jnp.zeros((B, K, R, M, T), jnp.float32),
             jnp.zeros((B, T, K, R, M, dv), jnp.float32))
@@ -151,28 +157,30 @@ def _unpieces(x):
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def blockwise_attention(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, q_block, kv_block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def blockwise_attention(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, window, scale, q_block, kv_block):
     """Softmax attention of M maps, normalized per map: o [B, T, K, R, M, dv] float32.
 
     q [B, T, K, R, M, d] (kv head, GQA repeat, map); k [B, S, K, G, d] (G = M, or 1 shared by the maps);
     v [B, S, K, dv]; q_index [T] / kv_index [S]: each token's place in the sequence (the causal mask compares
-    them); q_seg [B, T] / kv_seg [B, S] or None: segment ids. Queries go in pieces of q_block and keys in blocks
+    them); q_seg [B, T] / kv_seg [B, S] or None: segment ids; window: None or W (causal only: query i sees keys
+    i - W < j <= i, and key blocks wholly outside every piece's window are skipped). Queries go in pieces of q_block and keys in blocks
     of kv_block (dividing T and S; pieces and blocks of contiguous indices skip the most). Numerics as the fused
     kernels': float32 scores and softmax statistics, the unnormalized P rounded to v's dtype for P V, float32
     accumulation, normalized at the end (so in 16-bit it differs from the XLA reference by a rounding of P); a
     query that sees no key gives 0."""
-    return _blockwise_fwd(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, q_block, kv_block)[0]
+    return _blockwise_fwd(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, window, scale, q_block, kv_block)[0]
 
 
-def _blockwise_fwd(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, scale, q_block, kv_block):
+def _blockwise_fwd(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, window, scale, q_block, kv_block):
     pieces = (_pieces(q, q_block), q_index.reshape(-1, q_block), _pieces(q_seg, q_block))
     o_pieces, lse_pieces = jax.lax.map(
-        lambda piece: _forward(piece[0], k, v, piece[1], kv_index, piece[2], kv_seg, causal, scale, kv_block), pieces)
+        lambda piece: _forward(piece[0], k, v, piece[1], kv_index, piece[2], kv_seg, causal, window, scale, kv_block),
+        pieces)
     return _unpieces(o_pieces), (pieces, k, v, kv_index, kv_seg, o_pieces, lse_pieces)
 
 
-def _piece_grads(q, k, v, q_index, kv_index, q_seg, kv_seg, o, lse, do, causal, scale, kv_block):
+def _piece_grads(q, k, v, q_index, kv_index, q_seg, kv_seg, o, lse, do, causal, window, scale, kv_block):
     """(dq, dk, dv) float32 of one query piece: per key block, P = exp(s - lse) again, dS = P (dP - D) with
     D = rowsum(dO O) (the flash backward)."""
     q, q_index, kv_index, q_seg, kv_seg = _tied_to_the_queries(q, q_index, kv_index, q_seg, kv_seg)
@@ -184,7 +192,7 @@ def _piece_grads(q, k, v, q_index, kv_index, q_seg, kv_seg, o, lse, do, causal, 
         k_b, v_b, index_b, seg_b = kv_block_arrays
 
         def grads(dq):
-            mask = _block_mask(q_index, index_b, q_seg, seg_b, causal)[:, None, None, None]
+            mask = _block_mask(q_index, index_b, q_seg, seg_b, causal, window)[:, None, None, None]
             p = jnp.where(mask, jnp.exp(_scores(q, k_b, scale) - lse[..., None]), 0.0)
             dv_b = jnp.einsum("bkrmts,btkrmv->bskv", p.astype(v.dtype), do_v, preferred_element_type=jnp.float32)
             dp = jnp.einsum("btkrmv,bskv->bkrmts", do_v, v_b, preferred_element_type=jnp.float32)
@@ -196,19 +204,19 @@ def _piece_grads(q, k, v, q_index, kv_index, q_seg, kv_seg, o, lse, do, causal, 
         def skip(dq):
             return dq, (jnp.zeros(k_b.shape, jnp.float32), jnp.zeros(v_b.shape, jnp.float32))
 
-        return jax.lax.cond(_block_visible(q_index, index_b, causal), grads, skip, dq)
+        return jax.lax.cond(_block_visible(q_index, index_b, causal, window), grads, skip, dq)
 
     dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), _kv_blocks(k, v, kv_index, kv_seg, kv_block))
     return dq, _unpieces(dk), _unpieces(dv)
 
 
-def _blockwise_bwd(causal, scale, q_block, kv_block, residuals, do):
+def _blockwise_bwd(causal, window, scale, q_block, kv_block, residuals, do):
     (q_pieces, index_pieces, seg_pieces), k, v, kv_index, kv_seg, o_pieces, lse_pieces = residuals
 
     def piece(dkv, x):
         q_p, index_p, seg_p, o_p, lse_p, do_p = x
-        dq_p, dk_p, dv_p = _piece_grads(q_p, k, v, index_p, kv_index, seg_p, kv_seg, o_p, lse_p, do_p, causal, scale,
-                                        kv_block)
+        dq_p, dk_p, dv_p = _piece_grads(q_p, k, v, index_p, kv_index, seg_p, kv_seg, o_p, lse_p, do_p, causal, window,
+                                        scale, kv_block)
         return (dkv[0] + dk_p, dkv[1] + dv_p), dq_p
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -236,17 +244,17 @@ def _segment_pair(segment_ids):
     return (None, None) if segment_ids is None else (jnp.asarray(segment_ids),) * 2
 
 
-def blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale):
+def blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale, window=None):
     """Per-map outputs [B, T, K, R, M, dv] (v's dtype) of self-attention on one device (or partitioned by XLA),
     blockwise: what the XLA path runs for long sequences, where the reference's T x S scores would not fit."""
     T = q_BTKRMd.shape[1]
     index = jnp.arange(T, dtype=jnp.int32)
-    o = blockwise_attention(q_BTKRMd, k_BSKGd, v_BSKv, index, index, *_segment_pair(segment_ids), causal, scale,
-                            _divisor_block(T, QUERY_BLOCK), _divisor_block(T, DEFAULT_BLOCK))
+    o = blockwise_attention(q_BTKRMd, k_BSKGd, v_BSKv, index, index, *_segment_pair(segment_ids), causal, window,
+                            scale, _divisor_block(T, QUERY_BLOCK), _divisor_block(T, DEFAULT_BLOCK))
     return o.astype(v_BSKv.dtype)
 
 
-def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale, mesh):
+def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale, mesh, window=None):
     """Per-map outputs o [B, T, K, R, M, dv] (v's dtype) of queries and keys in the context layout, computed
     with the length axis split over the mesh's context axis (batch and heads split as the rules say)."""
     T = q_BTKRMd.shape[1]
@@ -263,8 +271,8 @@ def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids
         order = jnp.asarray(context_order(T, C), jnp.int32)
         q_index = jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(CONTEXT_AXIS) * 2 * chunk, 2 * chunk)
         gather = lambda x: None if x is None else jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)  # noqa: E731
-        o = blockwise_attention(q, gather(k), gather(v), q_index, order, q_seg, gather(kv_seg), causal, scale,
-                                q_block, kv_block)
+        o = blockwise_attention(q, gather(k), gather(v), q_index, order, q_seg, gather(kv_seg), causal, window,
+                                scale, q_block, kv_block)
         return o.astype(v.dtype)
 
     arrays = [(q_BTKRMd, ("batch", "length", "act_kv_heads", None, None, None)),

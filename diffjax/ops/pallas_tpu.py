@@ -7,7 +7,9 @@ the baseline), loads each K and V block once for both maps, and applies lambda i
 
 GQA: query head h reads kv head h // n_rep through the BlockSpec index map (no repeated K/V).
 Causal: bottom-right aligned (query t sits at key position S - T + t); kv blocks above the
-diagonal are skipped (no compute, and the index map clamps so no new DMA is issued).
+diagonal are skipped (no compute, and the index map clamps so no new DMA is issued). A sliding window
+of W keys (query t sees positions S - T + t - W + 1 .. S - T + t) skips the kv blocks wholly behind it the
+same way, so a windowed call costs T x W, not T x S.
 Lengths that are not a multiple of the block size are zero-padded outside the kernel and the
 padded keys are masked inside it. Fully masked rows (no key allowed) give o = 0 and zero grads.
 
@@ -39,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax.ops.reference import split_segment_ids
+from diffjax.ops.reference import check_window, split_segment_ids
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - MASK) = 1, no inf - inf
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -70,6 +72,7 @@ class _Static(NamedTuple):
     bq: int
     bk: int
     causal: bool
+    window: int | None  # sliding window: keys per query (causal only)
     scale: float
     has_seg: bool
     has_lam: bool
@@ -89,6 +92,8 @@ def _mask(st: _Static, i, j):
     if st.causal:
         q_pos = i * st.bq + lax.broadcasted_iota(jnp.int32, (st.bq, st.bk), 0) + (st.S - st.T)
         mask = q_pos >= k_pos
+        if st.window is not None:
+            mask = mask & (q_pos - k_pos < st.window)
     if need_pad:
         valid = k_pos < st.S
         mask = valid if mask is None else mask & valid
@@ -105,10 +110,14 @@ def _block_mask(st: _Static, r, i, j):
 
 
 def _block_needed(st: _Static, i, j):
-    """False when kv block j lies entirely above the causal diagonal of q block i."""
+    """False when kv block j lies entirely above the causal diagonal of q block i, or entirely behind its
+    sliding window."""
     if not st.causal:
         return True
-    return j * st.bk <= i * st.bq + (st.bq - 1) + (st.S - st.T)
+    needed = j * st.bk <= i * st.bq + (st.bq - 1) + (st.S - st.T)
+    if st.window is not None:
+        needed = needed & (j * st.bk + st.bk - 1 > i * st.bq + (st.S - st.T) - st.window)
+    return needed
 
 
 def _last_kv_block(st: _Static, i, nk):
@@ -117,9 +126,25 @@ def _last_kv_block(st: _Static, i, nk):
     return jnp.clip(last, 0, nk - 1)
 
 
+def _first_kv_block(st: _Static, i, nk):
+    """First kv block q block i needs (0 without a window)."""
+    if st.window is None:
+        return 0
+    first = (i * st.bq + (st.S - st.T) - st.window + 1) // st.bk
+    return jnp.clip(first, 0, nk - 1)
+
+
 def _first_q_block(st: _Static, j, nq):
     first = (j * st.bk - (st.S - st.T)) // st.bq
     return jnp.clip(first, 0, nq - 1)
+
+
+def _last_q_block(st: _Static, j, nq):
+    """Last q block that needs kv block j (the last without a window)."""
+    if st.window is None:
+        return nq - 1
+    last = (j * st.bk + st.bk - 1 + st.window - 1 - (st.S - st.T)) // st.bq
+    return jnp.clip(last, 0, nq - 1)
 
 
 def _split_refs(refs, names):
@@ -215,7 +240,7 @@ def _query_major_index_maps(st: _Static, nk: int):
 
     def kv_index(b, h, i, j):
         if st.causal:
-            j = jnp.minimum(j, _last_kv_block(st, i, nk))
+            j = jnp.clip(j, _first_kv_block(st, i, nk), _last_kv_block(st, i, nk))
         return b, h // st.R, j
 
     return q_index, kv_index
@@ -404,7 +429,7 @@ def _backward(st: _Static, q, k, v, lam, q_seg, kv_seg, o, o2, lse, do):
     # dK, dV: grid (B, Hkv, kv blocks, n_rep, q blocks); the last two reduce into VMEM scratch
     def q_index2(b, kh, j, rep, i):
         if st.causal:
-            i = jnp.maximum(i, _first_q_block(st, j, nq))
+            i = jnp.clip(i, _first_q_block(st, j, nq), _last_q_block(st, j, nq))
         return b, kh * st.R + rep, i
 
     def kv_index2(b, kh, j, rep, i):
@@ -468,6 +493,11 @@ def _blocks(block_sizes, T, S, dtype):
     return min(bs.block_q, _round_up(T, sub)), min(bs.block_k, _round_up(S, sub))
 
 
+def _window(window, causal):
+    check_window(window, causal)
+    return None if window is None else int(window)
+
+
 def _check(name, q, k, v, d, dk_, H, K):
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{name} (impl='pallas_tpu'): q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -477,7 +507,8 @@ def _check(name, q, k, v, d, dk_, H, K):
         raise ValueError(f"{name} (impl='pallas_tpu'): query heads ({H}) must be a multiple of kv heads ({K})")
 
 
-def diff_attention_pallas(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, block_sizes=None, interpret=None):
+def diff_attention_pallas(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, block_sizes=None,
+                          interpret=None, window=None):
     """Fused differential attention; same contract as diffjax.ops.diff_attention."""
     B, T, H, two, d = q_BTH2d.shape
     _, S, K, G, dk_ = k_BSKGd.shape
@@ -495,7 +526,7 @@ def diff_attention_pallas(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment
     v = jnp.pad(v_BSKv.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, Sp - S), (0, 0)))
     q_seg, kv_seg = _segments(segment_ids, B, T, S, Tp, Sp)
     st = _Static(
-        M=2, G=G, R=H // K, T=T, S=S, bq=bq, bk=bk, causal=bool(causal),
+        M=2, G=G, R=H // K, T=T, S=S, bq=bq, bk=bk, causal=bool(causal), window=_window(window, causal),
         scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None, has_lam=True,
         interpret=_interpret() if interpret is None else bool(interpret),
     )
@@ -503,7 +534,8 @@ def diff_attention_pallas(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment
     return o_BHTv[:, :, :T].transpose(0, 2, 1, 3)
 
 
-def dot_product_attention_pallas(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, block_sizes=None, interpret=None):
+def dot_product_attention_pallas(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, block_sizes=None,
+                                 interpret=None, window=None):
     """Single-map flash attention with the same kernels (M = 1): the baseline's flash path."""
     B, T, N, d = q_BTNd.shape
     _, S, K, dk_ = k_BSKd.shape
@@ -515,7 +547,7 @@ def dot_product_attention_pallas(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment
     v = jnp.pad(v_BSKv.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, Sp - S), (0, 0)))
     q_seg, kv_seg = _segments(segment_ids, B, T, S, Tp, Sp)
     st = _Static(
-        M=1, G=1, R=N // K, T=T, S=S, bq=bq, bk=bk, causal=bool(causal),
+        M=1, G=1, R=N // K, T=T, S=S, bq=bq, bk=bk, causal=bool(causal), window=_window(window, causal),
         scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None, has_lam=False,
         interpret=_interpret() if interpret is None else bool(interpret),
     )

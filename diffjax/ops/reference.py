@@ -10,20 +10,37 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _MASKED = jnp.finfo(jnp.float32).min  # finite, so no inf - inf; fully masked rows are zeroed below
 
 
-def attention_mask(T: int, S: int, *, causal: bool, segment_ids=None):
+def check_window(window, causal: bool):
+    """A sliding window is a positive int (keys per query, the query's own included) and needs causal attention."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be None (no window) or a positive integer (keys each query sees, itself "
+                         f"included), got {window!r}")
+    if not causal:
+        raise ValueError(f"window={window} needs causal attention (a sliding window bounds the keys behind a query)")
+
+
+def attention_mask(T: int, S: int, *, causal: bool, segment_ids=None, window: int | None = None):
     """Boolean mask [B or 1, T, S]; True where query t may attend key s.
 
     Causal alignment is bottom-right: query t sits at position S - T + t.
     segment_ids: None, an int array [B, T] (self-attention, T == S), or a pair (q [B, T], kv [B, S]).
+    window: None, or W: query t sees only the W keys at positions S - T + t - W + 1 .. S - T + t (a sliding
+    window, flash-attn's window_size=(W - 1, 0); causal only).
     """
+    check_window(window, causal)
     mask_TS = jnp.ones((T, S), dtype=bool)
     if causal:
         q_pos = jnp.arange(T)[:, None] + (S - T)
         mask_TS = q_pos >= jnp.arange(S)[None, :]
+        if window is not None:
+            mask_TS = mask_TS & (q_pos - jnp.arange(S)[None, :] < window)
     mask_BTS = mask_TS[None]
     if segment_ids is not None:
         q_seg_BT, kv_seg_BS = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
@@ -67,7 +84,7 @@ def _check_heads(name: str, H: int, K: int):
         raise ValueError(f"{name}: query heads ({H}) must be a multiple of kv heads ({K})")
 
 
-def diff_attention_xla(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None):
+def diff_attention_xla(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, window=None):
     """(softmax(q1 k1^T s) - lam softmax(q2 k2^T s)) v for every differential head.
 
     q_BTH2d: [B, T, H, 2, d]; k_BSKGd: [B, S, Hkv, G, d] with G = 2 (k1, k2) or 1 (shared keys);
@@ -81,7 +98,7 @@ def diff_attention_xla(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_id
     _check_heads("diff_attention", H, K)
     scale = d**-0.5 if scale is None else scale
     q_BTKRMd = q_BTH2d.reshape(B, T, K, H // K, 2, d)
-    mask_BTS = attention_mask(T, S, causal=causal, segment_ids=segment_ids)
+    mask_BTS = attention_mask(T, S, causal=causal, segment_ids=segment_ids, window=window)
     o_BTKRMv = _grouped_softmax_attention(q_BTKRMd, k_BSKGd, v_BSKv, mask_BTS, scale)
     o_BTHMv = o_BTKRMv.reshape(B, T, H, 2, v_BSKv.shape[-1])
     lam_BTH1 = jnp.asarray(lam, dtype=v_BSKv.dtype)
@@ -90,13 +107,13 @@ def diff_attention_xla(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_id
     return o_BTHMv[..., 0, :] - lam_BTH1 * o_BTHMv[..., 1, :]
 
 
-def dot_product_attention_xla(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None):
+def dot_product_attention_xla(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, window=None):
     """Standard softmax attention with GQA (query head n uses kv head n // (N / K))."""
     B, T, N, d = q_BTNd.shape
     _, S, K, _ = k_BSKd.shape
     _check_heads("dot_product_attention", N, K)
     scale = d**-0.5 if scale is None else scale
     q_BTKRMd = q_BTNd.reshape(B, T, K, N // K, 1, d)
-    mask_BTS = attention_mask(T, S, causal=causal, segment_ids=segment_ids)
+    mask_BTS = attention_mask(T, S, causal=causal, segment_ids=segment_ids, window=window)
     o_BTKRMv = _grouped_softmax_attention(q_BTKRMd, k_BSKd[:, :, :, None], v_BSKv, mask_BTS, scale)
     return o_BTKRMv.reshape(B, T, N, v_BSKv.shape[-1])

@@ -4,7 +4,7 @@ FLOP convention (per trained token, multiply-add = 2 FLOPs, training = 3 x forwa
   dense:     6 x (every matmul parameter: q, k, v, o, the MLP and the LM head; not the embedding
              lookup, norms or lambda vectors)
   attention: 3 x forward score + value FLOPs with causal context T/2 (causal halves the T x T square;
-             packing is not discounted). Per layer and token the forward pass costs
+             packing is not discounted; a layer with a sliding window W < T: W - W^2 / 2T). Per layer and token the forward pass costs
              DIFF:      H heads x 2 maps x (2 d ctx for q k^T + 2 (2d) ctx for p v) = 12 H d ctx
                         (Shared DIFF too)
              DIFF V2:   H heads x 2 maps x (2 d ctx + 2 d ctx) = 8 H d ctx
@@ -50,8 +50,10 @@ def matmul_params(config: ModelConfig) -> int:
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token (module docstring)."""
-    attention_forward = attention_kinds.get(config.attention).attention_flops(config, seq_len / 2)
-    return 6 * matmul_params(config) + 3 * config.num_layers * attention_forward
+    kind = attention_kinds.get(config.attention)
+    attention_forward = sum(kind.attention_flops(config, config.mean_context(depth, seq_len))
+                            for depth in range(config.num_layers))
+    return 6 * matmul_params(config) + 3 * attention_forward
 
 
 def peak_flops_per_device(device_kind: str, override_tflops: float | None = None) -> float | None:

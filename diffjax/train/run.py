@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from diffjax import parallel
-from diffjax.config import RUNTIME_FIELDS
+from diffjax.config import RUNTIME_FIELDS, ModelConfig
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.ops.context_parallel import context_order
@@ -283,7 +283,10 @@ def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
         return
     saved = read_yaml(saved_path)
     current = config.to_dict()
-    saved_model, current_model = saved.get("model", {}), current["model"]
+    # A field the saved config predates has its default there.
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.init}
+    saved_model, current_model = {**defaults, **saved.get("model", {})}, current["model"]
+    saved_model["global_layers"] = list(saved_model["global_layers"])
     keys = set(saved_model) | set(current_model)
     differing = sorted(k for k in keys - set(RUNTIME_FIELDS) if saved_model.get(k) != current_model.get(k))
     if differing:

@@ -49,14 +49,24 @@ def masked_softmax(s, allowed):
     return jnp.where(jnp.any(allowed, axis=-1, keepdims=True), p, 0.0)
 
 
-def attend(op, q, k, v, *op_args, segment_ids, impl, cache=None):
+def attend(op, q, k, v, *op_args, segment_ids, impl, cache=None, window=None, windowed=True):
     """`op(q, k, v, *op_args)` causal. Returns (output, cache): with a KVCache (generation), k and v are stored
-    and the op attends over the cache (kv_cache.py). q, k, v and the output carry the names remat keeps."""
+    and the op attends over the cache (kv_cache.py). q, k, v and the output carry the names remat keeps.
+    window: the layer's sliding window (None: the whole context); windowed: whether it applies, True or a traced
+    bool (a layer of a scanned stack that mixes windowed and global layers: both calls compile, one runs)."""
     q, k, v = (checkpoint_name(x, "attention_qkv") for x in (q, k, v))
-    kwargs = dict(causal=True, segment_ids=segment_ids, impl=impl)
+    kwargs = dict(causal=True, segment_ids=segment_ids, impl=impl, window=window)
     if cache is not None:
-        cache, k, v, kwargs = cache.update(k, v, kwargs)
-    return checkpoint_name(op(q, k, v, *op_args, **kwargs), "attention_out"), cache
+        cache, k, v, kwargs = cache.update(k, v, kwargs, windowed)
+
+    def call(window):
+        return op(q, k, v, *op_args, **{**kwargs, "window": window})
+
+    if kwargs["window"] is None or isinstance(windowed, bool):
+        out = call(kwargs["window"] if windowed else None)
+    else:
+        out = jax.lax.cond(windowed, lambda: call(kwargs["window"]), lambda: call(None))
+    return checkpoint_name(out, "attention_out"), cache
 
 
 class AttentionModule(nnx.Module):
@@ -88,8 +98,25 @@ class AttentionModule(nnx.Module):
         constants = self.layer_constants(x_BTD.dtype) if constants is None else constants
         op = ops.diff_attention if self.kind.maps == 2 else ops.dot_product_attention
         o_BTHv, cache = attend(op, *self.project(x_BTD, rope_cos_sin), *self.op_arguments(x_BTD, constants),
-                               segment_ids=segment_ids, impl=self.config.attention_impl, cache=cache)
+                               segment_ids=segment_ids, impl=self.config.attention_impl, cache=cache,
+                               window=self.config.attention_window, windowed=self.windowed(constants))
         return self.output(o_BTHv, constants), cache
+
+    def windowed(self, constants):
+        """Whether this layer's sliding window applies: True unless the config has global layers, then the layer's
+        "global_attention" constant negated (TransformerLM.depth_constants; a standalone DecoderBlock adds its own)."""
+        if not self.config.mixes_windows:
+            return True
+        if "global_attention" not in constants:
+            raise ValueError("this layer's model mixes windowed and global layers (global_layers): pass the layer's "
+                             "constants with its 'global_attention' flag (TransformerLM.depth_constants)")
+        is_global = constants["global_attention"]
+        return not is_global if isinstance(is_global, bool) else jnp.logical_not(is_global)
+
+    def static_window(self, constants) -> int | None:
+        """This layer's window as a Python value (constants with a concrete 'global_attention' flag)."""
+        windowed = self.windowed(constants)
+        return self.config.attention_window if bool(windowed) else None
 
     def explicit_maps(self, x_BTD, rope_cos_sin, allowed_BTS, constants=None, transform_logits=None) -> ExplicitAttention:
         """This layer on x with its maps made explicit, for plots and the analyses (the layer itself never
@@ -121,12 +148,14 @@ class AttentionModule(nnx.Module):
             effective_BHTS = p_MBHTS[0] - jnp.asarray(lam_p).astype(jnp.float32) * p_MBHTS[1]
         return ExplicitAttention(s_MBHTS, p_MBHTS, effective_BHTS, self.output(o_BTHv, constants))
 
-    def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None):
+    def attention_maps(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
         """The softmax map(s) this layer computes on its (normalized) input x, float32 [B, H, T, S] each (kv heads
         repeated per query head): a tuple (A1, A2) for two maps, one array for one. For plots."""
         T = x_BTD.shape[1]
-        allowed_BTS = jnp.broadcast_to(ops.attention_mask(T, T, causal=True, segment_ids=segment_ids), (x_BTD.shape[0], T, T))
-        maps = self.explicit_maps(x_BTD, rope_cos_sin, allowed_BTS).maps_MBHTS
+        constants = self.layer_constants(x_BTD.dtype) if constants is None else constants
+        mask = ops.attention_mask(T, T, causal=True, segment_ids=segment_ids, window=self.static_window(constants))
+        allowed_BTS = jnp.broadcast_to(mask, (x_BTD.shape[0], T, T))
+        maps = self.explicit_maps(x_BTD, rope_cos_sin, allowed_BTS, constants).maps_MBHTS
         return tuple(maps) if self.kind.maps == 2 else maps[0]
 
     def _out_projection(self, o_BTHv, dtype):
