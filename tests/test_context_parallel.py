@@ -53,12 +53,14 @@ def _packed_ids(B, T):
     return jnp.asarray(ids)
 
 
-# op, mesh, packed, causal: every combination appears somewhere, and every mesh axis beside context.
+# op, mesh, packed, causal (, sliding window): every combination appears somewhere, and every mesh axis beside context.
 OP_CASES = {
     "diff,G=2,context=4,data=2,packed": ("diff", dict(context=4, data=2), True, True),
     "diff_v2(G=1,lam per token),context=8": ("diff_v2", dict(context=8), False, True),
     "standard(GQA),context=2,tensor=2,fsdp=2,packed": ("standard", dict(context=2, tensor=2, fsdp=2), True, True),
     "diff,not causal,context=4,tensor=2,packed": ("diff", dict(context=4, tensor=2), True, False),
+    "diff,window 11,context=4,data=2,packed": ("diff", dict(context=4, data=2), True, True, 11),
+    "standard(GQA),window 6,context=8": ("standard", dict(context=8), False, True, 6),
 }
 
 
@@ -66,7 +68,8 @@ OP_CASES = {
 def test_attention_over_the_context_axis_equals_the_xla_reference(case, measured):
     """Inputs put in the context layout, attention under the mesh, output put back: the XLA reference's output
     and gradients (q, k, v, lambda) within float32 rounding."""
-    op, mesh_sizes, packed, causal = OP_CASES[case]
+    op, mesh_sizes, packed, causal, *window = OP_CASES[case]
+    window = window[0] if window else None
     B, T, H, K, d = 4, 64, 4, 2, 8
     keys = jax.random.split(jax.random.key(1), 5)
     if op == "standard":
@@ -81,8 +84,8 @@ def test_attention_over_the_context_axis_equals_the_xla_reference(case, measured
 
     def attention(q, k, v, lam, ids, impl):
         if op == "standard":
-            return ops.dot_product_attention(q, k, v, causal=causal, segment_ids=ids, impl=impl)
-        return ops.diff_attention(q, k, v, lam, causal=causal, segment_ids=ids, impl=impl)
+            return ops.dot_product_attention(q, k, v, causal=causal, segment_ids=ids, impl=impl, window=window)
+        return ops.diff_attention(q, k, v, lam, causal=causal, segment_ids=ids, impl=impl, window=window)
 
     def over_context(q, k, v, lam):
         laid_out = [to_context_order(x, C) if jnp.ndim(x) else x for x in (q, k, v, lam)]
@@ -180,8 +183,19 @@ def _loss_and_grads(config: ModelConfig, parallel_config: ParallelConfig, params
 def test_loss_and_every_gradient_with_a_context_axis_equal_one_device(kind, measured):
     """Packed, unpacked and padded rows in one batch. DIFF V1 on context 2 (with data and tensor), 4 (with fsdp)
     and 8; the other kinds, whose op forms the tests above run on every mesh, on context 2 x data 2 x tensor 2."""
-    config, batch = MODEL.replace(attention=kind), _batch()
     meshes = CONTEXT_MESHES if kind == "diff" else {name: CONTEXT_MESHES[name] for name in ["context=2,data=2,tensor=2"]}
+    _check_context_meshes_equal_one_device(MODEL.replace(attention=kind), meshes, kind, measured)
+
+
+def test_windowed_and_global_layers_with_a_context_axis_equal_one_device(measured):
+    """A sliding window (5 keys) on layers 0 and 2 around a global layer 1, scanned (lax.cond picks per layer)."""
+    config = MODEL.replace(attention="diff_v2", num_layers=3, attention_window=5, global_layers=(1,), scan_layers=True)
+    meshes = {name: CONTEXT_MESHES[name] for name in ["context=4,fsdp=2"]}
+    _check_context_meshes_equal_one_device(config, meshes, "diff_v2 windowed", measured)
+
+
+def _check_context_meshes_equal_one_device(config, meshes, kind, measured):
+    batch = _batch()
     _, state = setup_sharded_state(config, optax.sgd(1.0), 0, parallel.make_mesh(ParallelConfig(data=1)))
     params = jax.device_get(state["params"])
     reference_loss, reference_grads = _loss_and_grads(config, ParallelConfig(data=1), params, batch)

@@ -33,6 +33,11 @@ CASES = {
     # The variants: V2's keys shared by each pair (G = 1) and per-token lambda; Shared DIFF's low-rank q / k.
     "diff_v2_gqa": ModelConfig(**{**TINY, "num_heads": 4}, attention="diff_v2", num_kv_heads=2),
     "shared_diff": ModelConfig(**TINY, attention="shared_diff"),
+    # A sliding window of 3 keys (shorter than every prompt plus its steps) on layer 0, layer 1 global: the decode
+    # step's mask over the cache slots, and a scanned stack that picks per layer.
+    "diff_window_and_global_layer_scanned": ModelConfig(**{**TINY, "d_model": 64}, attention_window=3, global_layers=(1,),
+                                                        scan_layers=True),
+    "standard_window": ModelConfig(**{**TINY, "num_heads": 4}, attention="standard", attention_window=4),
 }
 PROMPT_LENGTHS = [5, 2, 7]
 STEPS = 6

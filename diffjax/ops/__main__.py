@@ -40,11 +40,16 @@ def attention_calls(config, seq_len: int) -> list[tuple[str, AttentionCall]]:
     q1, k1, v1 = shapes(1)
     S = config.max_seq_len  # the cache's slots
     cache = lambda x: (1, S) + tuple(x.shape[2:])  # noqa: E731
-    return [
-        ("train step (packed rows)", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, "one")),
-        ("generation prefill", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, None)),
-        ("generation decode step", AttentionCall(op, q1.shape, cache(k1), cache(v1), dtype.name, False, "pair")),
-    ]
+    # Windowed layers and global layers make different calls (the decode step folds the window into its mask).
+    windows = sorted({config.window_at(depth) for depth in range(config.num_layers)}, key=lambda w: w or 0)
+    calls = []
+    for window in windows:
+        layers = "" if len(windows) == 1 else " (global layers)" if window is None else " (windowed layers)"
+        calls += [
+            (f"train step (packed rows){layers}", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, "one", window)),
+            (f"generation prefill{layers}", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, None, window)),
+        ]
+    return calls + [("generation decode step", AttentionCall(op, q1.shape, cache(k1), cache(v1), dtype.name, False, "pair"))]
 
 
 def main(argv=None) -> int:

@@ -63,7 +63,7 @@ def attend(op, q, k, v, *op_args, segment_ids, impl, cache=None, window=None, wi
         return op(q, k, v, *op_args, **{**kwargs, "window": window})
 
     if kwargs["window"] is None or isinstance(windowed, bool):
-        out = call(kwargs["window"] if windowed else None)
+        out = call(kwargs["window"] if windowed is True else None)
     else:
         out = jax.lax.cond(windowed, lambda: call(kwargs["window"]), lambda: call(None))
     return checkpoint_name(out, "attention_out"), cache
