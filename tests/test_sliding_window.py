@@ -144,7 +144,7 @@ def test_the_cudnn_composition_passes_the_window_as_jax_nn_local_window(monkeypa
     assert set(calls) == {(WINDOW - 1, 0)}
 
 
-@pytest.mark.parametrize("T_, W, block", [(4096, 256, 128), (1000, 100, 64), (512, 1, 128)])
+@pytest.mark.parametrize("T_, W, block", [(4096, 256, 128), (1000, 100, 64), (512, 66, 64), (512, 1, 128)])
 def test_skipped_blocks_are_exactly_those_behind_or_ahead_of_every_window(T_, W, block, measured):
     """Every block a kernel skips has no visible key (exact), and every block it runs has one (no work wasted): so
     attention costs T x W, not T^2. The Pallas TPU kernel's grid and the blockwise path's scan, against the mask."""
@@ -163,9 +163,12 @@ def test_skipped_blocks_are_exactly_those_behind_or_ahead_of_every_window(T_, W,
         np.testing.assert_array_equal(blockwise, has_key)
     np.testing.assert_array_equal(kernel, has_key)
     # The index maps fetch, for every step, a block the step needs or the nearest one (so skipped steps cost no DMA).
-    for i in range(n):
+    for i in range(n):  # the forward and dq grids: kv blocks per q block
         first, last = int(pallas_tpu._first_kv_block(st, i, n)), int(pallas_tpu._last_kv_block(st, i, n))
         assert np.flatnonzero(has_key[i]).tolist() == list(range(first, last + 1))
+    for j in range(n):  # the dk / dv grid: q blocks per kv block
+        first, last = int(pallas_tpu._first_q_block(st, j, n)), int(pallas_tpu._last_q_block(st, j, n))
+        assert np.flatnonzero(has_key[:, j]).tolist() == list(range(first, last + 1))
     causal_blocks = n * (n + 1) // 2
     measured(f"T={T_}, W={W}, block {block}: blocks run / causal blocks", kernel.sum() / causal_blocks)
     assert kernel.sum() <= n * (-(-W // block) + 1)

@@ -31,7 +31,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 F = torch.nn.functional
 
-from diffjax.convert.unilm import load_unilm_attention, unilm_attention_state_dict  # noqa: E402
+from diffjax.convert.unilm import load_unilm_attention, unilm_attention_state_dict, unilm_window_size  # noqa: E402
 from diffjax.model.rope import inv_frequencies, rope_tables  # noqa: E402
 
 FP32_ATOL = 2e-5  # unilm flash vs naive: ~1e-5 absolute in fp32
@@ -79,8 +79,12 @@ def apply_rotary_interleaved(x, cos, sin):
     return torch.view_as_real(pairs * rot).reshape(Bx, Tx, n, hd).to(x.dtype)
 
 
-def flash_attention(q, k, v, n_rep: int, scale: float):
+def flash_attention(q, k, v, n_rep: int, scale: float, window_size=(-1, -1)):
     """What a flash kernel computes with causal=True and GQA: q (B,T,Hq,dq), k (B,S,Hk,dq), v (B,S,Hk,dv).
+
+    window_size: flash-attn's (left, right) (unilm `flashdiff.FlashDiffAttention` passes it through): query i
+    (at key position i + S - T) sees keys i + S - T - left .. i + S - T + right, -1 for no bound; right is
+    moot under causal.
 
     q head h uses kv head h // n_rep (repeat_interleave). Scores from fp32 products of the stored
     values, scaled in fp32, softmax in fp32, P rounded to v's dtype, P V accumulated in fp32, output
@@ -91,6 +95,9 @@ def flash_attention(q, k, v, n_rep: int, scale: float):
     Tq, S = q.shape[1], k.shape[1]
     scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
     allowed = torch.ones(Tq, S, dtype=torch.bool).tril(S - Tq)
+    left = window_size[0]
+    if left >= 0:
+        allowed &= torch.ones(Tq, S, dtype=torch.bool).triu(S - Tq - left)
     scores = scores.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.einsum("bhts,bshv->bthv", p.float(), v.float()).to(v.dtype)
@@ -141,7 +148,10 @@ class UnilmDiffAttnBase(nn.Module):
 
 
 class UnilmFlashDiff1(UnilmDiffAttnBase):
-    """multihead_flashdiff_1.MultiheadFlashDiff1 (recommended; the canonical semantics, §2.5)."""
+    """multihead_flashdiff_1.MultiheadFlashDiff1 (recommended; the canonical semantics, §2.5). window_size: as
+    flashdiff.FlashDiffAttention takes it (flash-attn's (left, right); (-1, -1) none)."""
+
+    window_size = (-1, -1)
 
     def forward(self, x, cos, sin):
         bsz, tgt_len, _ = x.shape
@@ -151,8 +161,8 @@ class UnilmFlashDiff1(UnilmDiffAttnBase):
         k = k.reshape(bsz, tgt_len, K, 2, d)
         q1, q2 = q[:, :, :, 0], q[:, :, :, 1]
         k1, k2 = k[:, :, :, 0], k[:, :, :, 1]
-        attn1 = flash_attention(q1, k1, v, self.n_rep, self.scaling)
-        attn2 = flash_attention(q2, k2, v, self.n_rep, self.scaling)
+        attn1 = flash_attention(q1, k1, v, self.n_rep, self.scaling, self.window_size)
+        attn2 = flash_attention(q2, k2, v, self.n_rep, self.scaling, self.window_size)
         attn = attn1 - self.lambda_full(q) * attn2  # (B, T, H, 2d), activation dtype
         attn = self.subln(attn)
         attn = attn * (1 - self.lambda_init)
@@ -268,6 +278,22 @@ def test_fp32_matches_flashdiff1(shape, depth, measured):
     measured(f"fp32 {shape} depth {depth}: max abs diff", err)
     measured(f"fp32 {shape} depth {depth}: max |out|", float(np.max(np.abs(expected))))
     assert err <= FP32_ATOL
+
+
+@pytest.mark.parametrize("window_size", [(4, 0), (0, 0), (9, 9)])
+def test_fp32_matches_flashdiff_with_a_window(window_size, measured):
+    """A module run with flashdiff's window_size=(left, right) loads as a layer with attention_window left + 1 that
+    computes what it computes (right is moot: causal); without the window the layer computes something else."""
+    module = make_module(UnilmFlashDiff1, 128, 4, 2, 1, seed=3)
+    module.window_size = window_size
+    x = make_input(128)
+    expected = torch_forward(module, x).numpy()
+    layer = load_unilm_attention(module.state_dict(), depth=1, window_size=window_size)
+    assert layer.config.attention_window == window_size[0] + 1
+    assert unilm_window_size(layer.config) == (window_size[0], 0)
+    err = measured(f"fp32 window_size={window_size}: max abs diff", max_abs(diffjax_forward(layer, x.numpy()), expected))
+    assert err <= FP32_ATOL
+    assert max_abs(diffjax_forward(load_unilm_attention(module.state_dict(), depth=1), x.numpy()), expected) > 1e-2
 
 
 def test_fp32_without_subln_weight(measured):
