@@ -36,9 +36,10 @@ def _diff_args(d, per_token_lambda, pair_segments):
             spec((B, T, K, 2 * d), jnp.bfloat16), lam, ids)
 
 
-def _diff_loss(causal, block_sizes=None):
+def _diff_loss(causal, block_sizes=None, window=None):
     def loss(q, k, v, lam, segment_ids):
-        o = diff_attention_pallas(q, k, v, lam, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes, interpret=False)
+        o = diff_attention_pallas(q, k, v, lam, causal=causal, segment_ids=segment_ids, block_sizes=block_sizes,
+                                  interpret=False, window=window)
         return o.astype(jnp.float32).sum()
 
     return loss
@@ -60,6 +61,12 @@ def test_diff_kernels_lower_for_tpu_generations(device_kind):
     """v5e, v6e and v5p, with per-token lambda (V2) and q/kv segment pairs."""
     args = _diff_args(128, per_token_lambda=True, pair_segments=True)
     assert _kernel_count(_lower_for_tpu(_diff_loss(True), args, device_kind)) == 3
+
+
+def test_sliding_window_kernels_lower_for_tpu():
+    """A window of 300 keys (its block skipping and clamped index maps are traced scalar code in the grid)."""
+    args = _diff_args(128, per_token_lambda=True, pair_segments=False)
+    assert _kernel_count(_lower_for_tpu(_diff_loss(True, window=300), args)) == 3
 
 
 @pytest.mark.parametrize("device_kind", ["TPU v5e", "TPU v6e", "TPU v5p"])
