@@ -2,8 +2,11 @@
 
 impl:
   "xla"         the reference (einsum + fp32 softmax), every platform; materialises T x S scores, except for
-                self-attention from context_parallel.BLOCKWISE_FROM (8192) tokens on, which runs blockwise (online
-                softmax over key blocks, flash-style backward: memory of one query piece x one key block).
+                self-attention from context_parallel.BLOCKWISE_FROM (8192) tokens on, or beyond 2048 under a sliding
+                window, which runs blockwise (online softmax over key blocks, blocks outside the window skipped,
+                flash-style backward: memory of one query piece x one key block).
+  window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, splash and cudnn;
+  pallas_gpu and triton refuse it, and "auto" passes over them.
   A mesh with a context axis (parallel.context > 1) splits the sequence: attention then all-gathers K/V over
   that axis and runs blockwise on each device, whatever the impl (context_parallel.py).
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
@@ -100,12 +103,14 @@ def _partitioned(kernel, q, k, v, lam, segment_ids):
 
 def _runs_blockwise(q, k, choice, window) -> bool:
     """Whether attention runs blockwise (context_parallel.py): always over a context axis (choice None), and on the
-    XLA path for self-attention from context_parallel.BLOCKWISE_FROM tokens on, or under a sliding window longer
-    than one key block (out-of-window blocks are skipped: cost T x window)."""
+    XLA path for self-attention from context_parallel.BLOCKWISE_FROM tokens on, or under a sliding window beyond 4
+    key blocks (blocks outside the window are skipped: cost T x window; at 4 blocks, 2048 tokens with a window of
+    512, one T x T pass was still faster on CPU: benchmarks/sliding_window.py)."""
     if choice is None:
         return True
     T = q.shape[1]
-    long_enough = T >= context_parallel.BLOCKWISE_FROM or (window is not None and T > context_parallel.DEFAULT_BLOCK)
+    windowed = window is not None and T > 4 * context_parallel.DEFAULT_BLOCK
+    long_enough = T >= context_parallel.BLOCKWISE_FROM or windowed
     return choice == "xla" and T == k.shape[1] and long_enough
 
 
