@@ -89,7 +89,7 @@ def test_a_run_directory_is_read_at_its_newest_intact_step(clean_run, tmp_path, 
     _flip_a_byte(_largest_state_file(run_dir / "checkpoints" / "5"))
     with caplog.at_level(logging.WARNING, logger="diffjax.checkpoint"):
         model = load_model(run_dir)
-    assert f"skipped the damaged checkpoint(s) 5 (" in caplog.text
+    assert "skipped the damaged checkpoint(s) 5 (" in caplog.text
     assert f"reading the newest intact one, {run_dir / 'checkpoints' / '0'}" in caplog.text
     loaded = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded), clean_run[1])

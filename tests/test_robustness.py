@@ -314,7 +314,6 @@ def test_a_too_small_vocabulary_is_one_line_and_nothing_else(tmp_path):
 
 
 def test_a_read_only_run_dir_and_a_still_full_disk_are_one_line(tmp_path, monkeypatch, capsys):
-    import os as os_module
     import pathlib
 
     import diffjax.run_dir

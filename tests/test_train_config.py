@@ -15,7 +15,7 @@ from flax import nnx
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
 from diffjax.model import TransformerLM
-from diffjax.train import OptimizerConfig, load_run_config, make_optimizer, plan_batch
+from diffjax.train import load_run_config, plan_batch
 from diffjax.train.config import RunConfig, parse_overrides
 from diffjax.train.metrics import matmul_params, training_flops_per_token
 from diffjax.train.step import init_state, make_train_step
