@@ -215,7 +215,7 @@ def _check_context_meshes_equal_one_device(config, meshes, kind, measured):
 
 def test_the_64k_recipe_trains_with_context_parallelism_and_its_checkpoints_move_between_meshes(tmp_path):
     """configs/paper/diff-3b-64k.yaml at a small width and a 512-token sequence (CPU), the byte tokenizer and the
-    built-in corpus: 3 steps on fsdp=2 x context=4; its step-2 checkpoint restores exactly, with the rules'
+    built-in corpus: 3 steps on context=8; its step-2 checkpoint restores exactly, with the rules'
     shardings, onto other meshes, and resumed on data=4 x context=2 gives the same step 3."""
     small = [
         "model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.mlp_dim=128", "model.vocab_size=264",
@@ -231,9 +231,9 @@ def test_the_64k_recipe_trains_with_context_parallelism_and_its_checkpoints_move
                                small + [f"train.run_dir={run_dir}", *overrides])
 
     lines = []
-    straight = train(config(tmp_path / "straight", "train.steps=3", "parallel.data=1", "parallel.fsdp=2",
-                            "parallel.context=4"), log=lines.append)
-    assert any("mesh: data=1 x fsdp=2 x context=4 x tensor=1" in line for line in lines), lines
+    straight = train(config(tmp_path / "straight", "train.steps=3", "parallel.data=1", "parallel.context=8"),
+                     log=lines.append)
+    assert any("mesh: data=1 x fsdp=1 x context=8 x tensor=1" in line for line in lines), lines
     # Its step-2 checkpoint, as if it had stopped there, is moved onto other meshes.
     shutil.copytree(tmp_path / "straight", tmp_path / "moved")
     shutil.rmtree(tmp_path / "moved" / "checkpoints" / "3")
