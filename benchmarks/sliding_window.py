@@ -30,7 +30,7 @@ def blocks_run(T: int, window: int | None, block: int) -> int:
     st = pallas_tpu._Static(M=1, G=1, R=1, T=T, S=T, bq=block, bk=block, causal=True, window=window, scale=1.0,
                             has_seg=False, has_lam=False, interpret=True)
     n = -(-T // block)
-    return sum(bool(pallas_tpu._block_needed(st, i, j)) for i in range(n) for j in range(n))
+    return sum(bool(pallas_tpu._block_needed(st, i, j, 0)) for i in range(n) for j in range(n))
 
 
 def main() -> None:

@@ -68,6 +68,24 @@ OP_CASES = {
 def test_attention_over_the_context_axis_equals_the_xla_reference(case, measured):
     """Inputs put in the context layout, attention under the mesh, output put back: the XLA reference's output
     and gradients (q, k, v, lambda) within float32 rounding."""
+    _check_attention_over_the_context_axis(case, "auto", "all_gather", measured)
+
+
+# The fused Pallas TPU kernels per query chunk (interpret mode here; "auto" takes them on a TPU).
+FUSED_CASES = ["diff,G=2,context=4,data=2,packed", "diff_v2(G=1,lam per token),context=8",
+               "standard(GQA),context=2,tensor=2,fsdp=2,packed", "diff,window 11,context=4,data=2,packed",
+               "diff,not causal,context=4,tensor=2,packed"]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_the_fused_tpu_kernels_over_the_context_axis_equal_the_xla_reference(case, measured):
+    """impl="pallas_tpu" under a context axis: each device's two query chunks run the fused kernels against the
+    gathered K/V with their place in the sequence as the kernels' offset; output and gradients as the reference."""
+    _check_attention_over_the_context_axis(case, "pallas_tpu", "pallas_call", measured)
+
+
+def _check_attention_over_the_context_axis(case, impl, marker, measured):
+    """marker: a primitive the context path's program must hold (so that equality is not the reference's own)."""
     op, mesh_sizes, packed, causal, *window = OP_CASES[case]
     window = window[0] if window else None
     B, T, H, K, d = 4, 64, 4, 2, 8
@@ -91,12 +109,13 @@ def test_attention_over_the_context_axis_equals_the_xla_reference(case, measured
         laid_out = [to_context_order(x, C) if jnp.ndim(x) else x for x in (q, k, v, lam)]
         ids = None if segment_ids is None else to_context_order(segment_ids, C)
         with sharding.activation_sharding(mesh):
-            o = attention(*laid_out, ids, "auto")
+            o = attention(*laid_out, ids, impl)
         return o[:, np.argsort(context_order(T, C))]
 
     weights = jax.random.normal(keys[4], jax.eval_shape(lambda: attention(q, k, v, lam, segment_ids, "xla")).shape)
     # The context path ran (XLA would partition the reference correctly too, so equality alone proves nothing).
-    assert "all_gather" in str(jax.make_jaxpr(over_context)(q, k, v, lam))
+    program = str(jax.make_jaxpr(over_context)(q, k, v, lam))
+    assert "all_gather" in program and marker in program
     argnums = (0, 1, 2, 3) if jnp.ndim(lam) else (0, 1, 2)
     results = []
     for f in (lambda *a: attention(*a, segment_ids, "xla"), over_context):

@@ -69,6 +69,20 @@ def test_sliding_window_kernels_lower_for_tpu():
     assert _kernel_count(_lower_for_tpu(_diff_loss(True, window=300), args)) == 3
 
 
+def test_kernels_with_a_traced_query_offset_lower_for_tpu():
+    """The context axis's call: a query chunk placed in the sequence by a traced offset (the scalar-prefetch
+    operand that the causal mask, the skipping and the index maps read), against all the keys."""
+    spec = jax.ShapeDtypeStruct
+    q, k, v, lam, _ = _diff_args(128, per_token_lambda=False, pair_segments=False)
+    chunk = spec((B, 256) + q.shape[2:], q.dtype)
+
+    def loss(q, k, v, lam, offset):
+        o = diff_attention_pallas(q, k, v, lam, causal=True, q_offset=offset, window=300, interpret=False)
+        return o.astype(jnp.float32).sum()
+
+    assert _kernel_count(_lower_for_tpu(loss, (chunk, k, v, lam, spec((), jnp.int32)))) == 3
+
+
 @pytest.mark.parametrize("device_kind", ["TPU v5e", "TPU v6e", "TPU v5p"])
 def test_single_map_kernels_lower_for_tpu(device_kind):
     """The baseline twin's flash path (M = 1) at its head dim 128, causal, packed segments."""

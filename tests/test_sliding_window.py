@@ -155,7 +155,7 @@ def test_skipped_blocks_are_exactly_those_behind_or_ahead_of_every_window(T_, W,
     has_key = padded.reshape(n, block, n, block).any(axis=(1, 3))
     st = pallas_tpu._Static(M=1, G=1, R=1, T=T_, S=T_, bq=block, bk=block, causal=True, window=W, scale=1.0,
                             has_seg=False, has_lam=False, interpret=True)
-    kernel = np.array([[bool(pallas_tpu._block_needed(st, i, j)) for j in range(n)] for i in range(n)])
+    kernel = np.array([[bool(pallas_tpu._block_needed(st, i, j, 0)) for j in range(n)] for i in range(n)])
     if T_ % block == 0:
         index = jnp.arange(T_).reshape(n, block)
         blockwise = np.array([[bool(context_parallel._block_visible(index[i], index[j], True, W)) for j in range(n)]
@@ -164,10 +164,10 @@ def test_skipped_blocks_are_exactly_those_behind_or_ahead_of_every_window(T_, W,
     np.testing.assert_array_equal(kernel, has_key)
     # The index maps fetch, for every step, a block the step needs or the nearest one (so skipped steps cost no DMA).
     for i in range(n):  # the forward and dq grids: kv blocks per q block
-        first, last = int(pallas_tpu._first_kv_block(st, i, n)), int(pallas_tpu._last_kv_block(st, i, n))
+        first, last = int(pallas_tpu._first_kv_block(st, i, n, 0)), int(pallas_tpu._last_kv_block(st, i, n, 0))
         assert np.flatnonzero(has_key[i]).tolist() == list(range(first, last + 1))
     for j in range(n):  # the dk / dv grid: q blocks per kv block
-        first, last = int(pallas_tpu._first_q_block(st, j, n)), int(pallas_tpu._last_q_block(st, j, n))
+        first, last = int(pallas_tpu._first_q_block(st, j, n, 0)), int(pallas_tpu._last_q_block(st, j, n, 0))
         assert np.flatnonzero(has_key[:, j]).tolist() == list(range(first, last + 1))
     causal_blocks = n * (n + 1) // 2
     measured(f"T={T_}, W={W}, block {block}: blocks run / causal blocks", kernel.sum() / causal_blocks)

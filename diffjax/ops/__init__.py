@@ -8,7 +8,8 @@ impl:
   window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, splash and cudnn;
   pallas_gpu and triton refuse it, and "auto" passes over them.
   A mesh with a context axis (parallel.context > 1) splits the sequence: attention then all-gathers K/V over
-  that axis and runs blockwise on each device, whatever the impl (context_parallel.py).
+  that axis; each device attends its two query chunks with the fused Pallas TPU kernels (impl "pallas_tpu", or
+  "auto" on a TPU) or blockwise XLA attention (every other impl) (context_parallel.py).
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
@@ -114,23 +115,37 @@ def _runs_blockwise(q, k, choice, window) -> bool:
     return choice == "xla" and T == k.shape[1] and long_enough
 
 
-def _blockwise(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, window, impl):
+def _blockwise(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, window):
     """Per-map outputs [B, T, K, R, M, dv]: over the active mesh's context axis when it has one, else on one device."""
     scale = q_BTKRMd.shape[-1] ** -0.5 if scale is None else scale
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale, window=window)
     if context_parallel.context_size() == 1:
         return context_parallel.blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, **kwargs)
-    _log_once(logging.INFO, ("context", impl), f"attention over the context axis: all-gathered K/V, blockwise XLA "
-              f"attention (diffjax.ops.context_parallel); impl={impl!r} is not used on this path")
     return context_parallel.context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, mesh=sharding.active_mesh(), **kwargs)
 
 
 def _choose(op: str, impl: str, q, k, v, causal, segment_ids, window) -> tuple[str | None, Device | None]:
-    """_resolve's choice, or (None, None) under a context axis, where attention always runs blockwise."""
+    """_resolve's choice; under a context axis "context_pallas_tpu" (the fused TPU kernels per query chunk) for
+    impl "pallas_tpu", or "auto" on a TPU, else (None, None): blockwise XLA attention."""
     check_window(window, causal)
     if context_parallel.context_size() > 1:
-        return None, None
+        device = current_device()
+        fused = impl == "pallas_tpu" or (impl == "auto" and device.platform == "tpu")
+        path = "the fused Pallas TPU kernels per query chunk" if fused else "blockwise XLA attention"
+        _log_once(logging.INFO, ("context", impl, fused), f"attention over the context axis: all-gathered K/V, {path} "
+                  f"(diffjax.ops.context_parallel; impl={impl!r})")
+        return ("context_pallas_tpu", device) if fused else (None, None)
     return _resolve(op, impl, q, k, v, causal, segment_ids, window)
+
+
+def _context_fused(kernel, q, k, v, lam, segment_ids):
+    """kernel(q, k, v, lam, segment_ids, q_offset) per query chunk over the context axis (context_parallel_fused)."""
+    heads = ("batch", "length", "act_heads") + (None,) * (q.ndim - 3)
+    kv_heads = ("batch", "length", "act_kv_heads") + (None,) * (k.ndim - 3)
+    lam_axes = () if lam is None or jnp.ndim(lam) == 0 else ("batch", "length", "act_heads")
+    return context_parallel.context_parallel_fused(kernel, q, k, v, lam, segment_ids=segment_ids,
+                                                   mesh=sharding.active_mesh(), q_axes=heads, kv_axes=kv_heads,
+                                                   lam_axes=lam_axes)
 
 
 def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None,
@@ -147,6 +162,12 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
     """
     choice, device = _choose("diff_attention", impl, q, k, v, causal, segment_ids, window)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale, window=window)
+    if choice == "context_pallas_tpu":
+        from diffjax.ops.pallas_tpu import diff_attention_pallas
+
+        return _context_fused(lambda q, k, v, lam, ids, offset: diff_attention_pallas(
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window,
+            q_offset=offset), q, k, v, lam, segment_ids)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import diff_attention_pallas
 
@@ -169,7 +190,7 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
             q, k, v, lam, segment_ids)
     if _runs_blockwise(q, k, choice, window):
         B, T, H, _, d = q.shape
-        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 2, d), k, v, causal, segment_ids, scale, window, impl)
+        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 2, d), k, v, causal, segment_ids, scale, window)
         return compositions.lam_epilogue(o_BTKRMv.reshape(B, T, H, 2, v.shape[-1]), lam, v.dtype)
     return diff_attention_xla(q, k, v, lam, **kwargs)
 
@@ -184,6 +205,12 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
     """
     choice, device = _choose("dot_product_attention", impl, q, k, v, causal, segment_ids, window)
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale, window=window)
+    if choice == "context_pallas_tpu":
+        from diffjax.ops.pallas_tpu import dot_product_attention_pallas
+
+        return _context_fused(lambda q, k, v, _, ids, offset: dot_product_attention_pallas(
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window,
+            q_offset=offset), q, k, v, None, segment_ids)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import dot_product_attention_pallas
 
@@ -207,7 +234,7 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
     if _runs_blockwise(q, k, choice, window):
         B, T, N, d = q.shape
         o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 1, d), k[:, :, :, None], v, causal, segment_ids, scale,
-                              window, impl)
+                              window)
         return o_BTKRMv.reshape(B, T, N, v.shape[-1])
     return dot_product_attention_xla(q, k, v, **kwargs)
 

@@ -18,8 +18,11 @@ stage this way); a ring's memory advantage (K/V of T / C tokens, not T) matters 
 sequence do not fit, which the memory benchmark (benchmarks/context_memory.py) shows they do for the paper's
 64K recipe. The gradient of the all-gather is a reduce-scatter (JAX derives it).
 
-The per-block computation is XLA's; the fused Pallas kernels do not take part yet (they would need a
-log-sum-exp output and query / key offsets), so `impl` is not used on this path.
+The per-block computation is XLA's (`context_parallel_attention`), except with the Pallas TPU kernels
+(impl "pallas_tpu", or "auto" on a TPU: `context_parallel_fused`): they take the query chunk's place in the sequence
+as a scalar-prefetch offset, so each device runs its two chunks against the gathered K/V in sequence order with
+the kernels' own causal block skipping; no log-sum-exp merging is needed with an all-gather. The Mosaic GPU
+kernels have no offset operand yet: on GPUs this path is XLA's.
 """
 
 from __future__ import annotations
@@ -252,6 +255,45 @@ def blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, s
     o = blockwise_attention(q_BTKRMd, k_BSKGd, v_BSKv, index, index, *_segment_pair(segment_ids), causal, window,
                             scale, _divisor_block(T, QUERY_BLOCK), _divisor_block(T, DEFAULT_BLOCK))
     return o.astype(v_BSKv.dtype)
+
+
+def context_parallel_fused(attend_chunk, q, k, v, lam, *, segment_ids, mesh, q_axes, kv_axes, lam_axes):
+    """The output [B, T, heads, dv] of self-attention in the context layout, with each device's two query chunks
+    attended by a fused kernel: K, V and key segment ids are all-gathered over the context axis and put back in
+    sequence order, then `attend_chunk(q_chunk, k_all, v_all, lam_chunk, ids, q_offset)` runs once per chunk with
+    the chunk's place in the sequence as the kernel's query offset (a traced scalar: the causal mask, the window
+    and the blocks skipped follow it, so each device does only its chunks' causal work). ids: None or
+    (chunk's query ids, all key ids). q_axes / kv_axes / lam_axes: the logical axes of q, of k and v (trailing
+    dims None), and of lam (() for a scalar)."""
+    T = q.shape[1]
+    if k.shape[1] != T:
+        raise ValueError(f"context parallelism needs self-attention (as many keys as queries), got T={T} and S={k.shape[1]}")
+    C = context_size(mesh)
+    order = context_order(T, C)
+    chunk = T // (2 * C)
+    sequence_order = jnp.asarray(np.argsort(order), jnp.int32)
+    q_ids, kv_ids = _segment_pair(segment_ids)
+    has_lam = lam is not None and jnp.ndim(lam) > 0
+
+    def per_device(q, k, v, lam, *ids):
+        gather = lambda x: jnp.take(jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True), sequence_order, axis=1)  # noqa: E731
+        k_all, v_all = gather(k), gather(v)
+        kv_all = gather(ids[1]) if ids else None
+        device = jax.lax.axis_index(CONTEXT_AXIS)
+        outs = []
+        for half, chunk_index in enumerate((device, 2 * C - 1 - device)):  # device i holds chunks i and 2C-1-i
+            rows = slice(half * chunk, (half + 1) * chunk)
+            lam_chunk = lam[:, rows] if has_lam else lam
+            chunk_ids = None if not ids else (ids[0][:, rows], kv_all)
+            outs.append(attend_chunk(q[:, rows], k_all, v_all, lam_chunk, chunk_ids, chunk_index * chunk))
+        return jnp.concatenate(outs, axis=1)
+
+    arrays = [(q, q_axes), (k, kv_axes), (v, kv_axes[: v.ndim]), (jnp.asarray(0.0 if lam is None else lam), lam_axes)]
+    if q_ids is not None:
+        arrays += [(q_ids, ("batch", "length")), (kv_ids, ("batch", "length"))]
+    out = jax.ShapeDtypeStruct(q.shape[:3] + v.shape[-1:], v.dtype)
+    return sharding.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None),
+                                              out_shape=out)
 
 
 def context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, *, causal, segment_ids, scale, mesh, window=None):

@@ -6,7 +6,8 @@ the baseline), loads each K and V block once for both maps, and applies lambda i
     o = acc1 / l1 - lam * acc2 / l2
 
 GQA: query head h reads kv head h // n_rep through the BlockSpec index map (no repeated K/V).
-Causal: bottom-right aligned (query t sits at key position S - T + t); kv blocks above the
+Causal: bottom-right aligned (query t sits at key position S - T + t, or q_offset + t when the caller places
+the queries: a scalar-prefetch operand, so a traced offset costs no recompile); kv blocks above the
 diagonal are skipped (no compute, and the index map clamps so no new DMA is issued). A sliding window
 of W keys (query t sees positions S - T + t - W + 1 .. S - T + t) skips the kv blocks wholly behind it the
 same way, so a windowed call costs T x W, not T x S.
@@ -82,15 +83,16 @@ class _Static(NamedTuple):
 # ------------------------------------------------------------------------------------ helpers
 
 
-def _mask(st: _Static, i, j):
-    """Boolean [bq, bk] mask for q block i and kv block j, or None when every entry is allowed."""
+def _mask(st: _Static, i, j, offset):
+    """Boolean [bq, bk] mask for q block i and kv block j, or None when every entry is allowed. offset: the key
+    position of query 0 (S - T unless the caller gave q_offset)."""
     need_pad = st.S % st.bk != 0
     if not (st.causal or need_pad):
         return None
     k_pos = j * st.bk + lax.broadcasted_iota(jnp.int32, (st.bq, st.bk), 1)
     mask = None
     if st.causal:
-        q_pos = i * st.bq + lax.broadcasted_iota(jnp.int32, (st.bq, st.bk), 0) + (st.S - st.T)
+        q_pos = i * st.bq + lax.broadcasted_iota(jnp.int32, (st.bq, st.bk), 0) + offset
         mask = q_pos >= k_pos
         if st.window is not None:
             mask = mask & (q_pos - k_pos < st.window)
@@ -100,50 +102,50 @@ def _mask(st: _Static, i, j):
     return mask
 
 
-def _block_mask(st: _Static, r, i, j):
+def _block_mask(st: _Static, r, i, j, offset):
     """_mask, and also same-segment pairs only when segment ids are given (None: all allowed)."""
-    mask = _mask(st, i, j)
+    mask = _mask(st, i, j, offset)
     if not st.has_seg:
         return mask
     same = r["q_seg"][...] == r["kv_seg"][...]  # [bq, 1] == [1, bk]
     return same if mask is None else mask & same
 
 
-def _block_needed(st: _Static, i, j):
+def _block_needed(st: _Static, i, j, offset):
     """False when kv block j lies entirely above the causal diagonal of q block i, or entirely behind its
     sliding window."""
     if not st.causal:
         return True
-    needed = j * st.bk <= i * st.bq + (st.bq - 1) + (st.S - st.T)
+    needed = j * st.bk <= i * st.bq + (st.bq - 1) + offset
     if st.window is not None:
-        needed = needed & (j * st.bk + st.bk - 1 > i * st.bq + (st.S - st.T) - st.window)
+        needed = needed & (j * st.bk + st.bk - 1 > i * st.bq + offset - st.window)
     return needed
 
 
-def _last_kv_block(st: _Static, i, nk):
+def _last_kv_block(st: _Static, i, nk, offset):
     """Last kv block q block i needs (causal); used to clamp index maps so skipped blocks cost no DMA."""
-    last = (i * st.bq + st.bq - 1 + (st.S - st.T)) // st.bk
+    last = (i * st.bq + st.bq - 1 + offset) // st.bk
     return jnp.clip(last, 0, nk - 1)
 
 
-def _first_kv_block(st: _Static, i, nk):
+def _first_kv_block(st: _Static, i, nk, offset):
     """First kv block q block i needs (0 without a window)."""
     if st.window is None:
         return 0
-    first = (i * st.bq + (st.S - st.T) - st.window + 1) // st.bk
+    first = (i * st.bq + offset - st.window + 1) // st.bk
     return jnp.clip(first, 0, nk - 1)
 
 
-def _first_q_block(st: _Static, j, nq):
-    first = (j * st.bk - (st.S - st.T)) // st.bq
+def _first_q_block(st: _Static, j, nq, offset):
+    first = (j * st.bk - offset) // st.bq
     return jnp.clip(first, 0, nq - 1)
 
 
-def _last_q_block(st: _Static, j, nq):
+def _last_q_block(st: _Static, j, nq, offset):
     """Last q block that needs kv block j (the last without a window)."""
     if st.window is None:
         return nq - 1
-    last = (j * st.bk + st.bk - 1 + st.window - 1 - (st.S - st.T)) // st.bq
+    last = (j * st.bk + st.bk - 1 + st.window - 1 - offset) // st.bq
     return jnp.clip(last, 0, nq - 1)
 
 
@@ -176,7 +178,8 @@ def _compiler_params(semantics):
 # ------------------------------------------------------------------------------------ forward
 
 
-def _fwd_kernel(*refs, st: _Static, nk: int, save_residuals: bool):
+def _fwd_kernel(offset_ref, *refs, st: _Static, nk: int, save_residuals: bool):
+    offset = offset_ref[0]
     n_in = len(_in_names(st))
     r = _split_refs(refs[:n_in], _in_names(st))
     outs = refs[n_in:]
@@ -192,9 +195,9 @@ def _fwd_kernel(*refs, st: _Static, nk: int, save_residuals: bool):
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    @pl.when(_block_needed(st, i, j))
+    @pl.when(_block_needed(st, i, j, offset))
     def _body():
-        mask = _block_mask(st, r, i, j)
+        mask = _block_mask(st, r, i, j, offset)
         v = r["v"][...]
         for m in range(st.M):  # the V block is loaded once and used by every map
             s = _scores(st, r["q"], r["k"], m, mask)
@@ -235,12 +238,13 @@ def _query_major_index_maps(st: _Static, nk: int):
     """Block index maps for a (B, H, q blocks, kv blocks) grid; causal grids re-use the last needed kv
     block past the diagonal (so skipped steps fetch nothing new)."""
 
-    def q_index(b, h, i, j):
+    def q_index(b, h, i, j, offset_ref):
         return b, h, i
 
-    def kv_index(b, h, i, j):
+    def kv_index(b, h, i, j, offset_ref):
         if st.causal:
-            j = jnp.clip(j, _first_kv_block(st, i, nk), _last_kv_block(st, i, nk))
+            offset = offset_ref[0]
+            j = jnp.clip(j, _first_kv_block(st, i, nk, offset), _last_kv_block(st, i, nk, offset))
         return b, h // st.R, j
 
     return q_index, kv_index
@@ -278,7 +282,7 @@ def _specs(st: _Static, d: int, dv: int, q_index, kv_index, row_index):
     return specs
 
 
-def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
+def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, *, save_residuals: bool):
     B, H, M, Tp, d = q.shape
     Sp, dv = k.shape[3], v.shape[-1]
     nq, nk = Tp // st.bq, Sp // st.bk
@@ -298,19 +302,22 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
     kernel = functools.partial(_fwd_kernel, st=st, nk=nk, save_residuals=save_residuals)
     outs = pl.pallas_call(
         kernel,
-        grid=(B, H, nq, nk),
-        in_specs=[sp[n] for n in names],
-        out_specs=out_specs,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, H, nq, nk),
+            in_specs=[sp[n] for n in names],
+            out_specs=out_specs,
+            scratch_shapes=[
+                pltpu.VMEM((M, st.bq, 1), jnp.float32),
+                pltpu.VMEM((M, st.bq, 1), jnp.float32),
+                pltpu.VMEM((M, st.bq, dv), jnp.float32),
+            ],
+        ),
         out_shape=out_shape,
-        scratch_shapes=[
-            pltpu.VMEM((M, st.bq, 1), jnp.float32),
-            pltpu.VMEM((M, st.bq, 1), jnp.float32),
-            pltpu.VMEM((M, st.bq, dv), jnp.float32),
-        ],
         compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
         interpret=st.interpret,
         name=f"diffjax_flash_fwd_m{M}",
-    )(*[args[n] for n in names])
+    )(offset, *[args[n] for n in names])
     return outs
 
 
@@ -332,7 +339,8 @@ def _bwd_common(st: _Static, r, mask, dP, m):
     return p, ds
 
 
-def _dq_kernel(*refs, st: _Static, nk: int):
+def _dq_kernel(offset_ref, *refs, st: _Static, nk: int):
+    offset = offset_ref[0]
     names = _in_names(st, extra=("do", "lse", "D"))
     r = _split_refs(refs[: len(names)], names)
     dq_ref, dq_scr = refs[len(names)], refs[len(names) + 1]
@@ -342,9 +350,9 @@ def _dq_kernel(*refs, st: _Static, nk: int):
     def _init():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
-    @pl.when(_block_needed(st, i, j))
+    @pl.when(_block_needed(st, i, j, offset))
     def _body():
-        mask = _block_mask(st, r, i, j)
+        mask = _block_mask(st, r, i, j, offset)
         do = r["do"][...]
         dP = lax.dot_general(do, r["v"][...], _NT, preferred_element_type=jnp.float32)  # shared by both maps
         for m in range(st.M):
@@ -359,7 +367,8 @@ def _dq_kernel(*refs, st: _Static, nk: int):
         dq_ref[...] = (dq_scr[...] * jnp.float32(st.scale)).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, st: _Static, nq: int):
+def _dkv_kernel(offset_ref, *refs, st: _Static, nq: int):
+    offset = offset_ref[0]
     names = _in_names(st, extra=("do", "lse", "D"))
     r = _split_refs(refs[: len(names)], names)
     dk_ref, dv_ref, dk_scr, dv_scr = refs[len(names) :]
@@ -370,9 +379,9 @@ def _dkv_kernel(*refs, st: _Static, nq: int):
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-    @pl.when(_block_needed(st, i, j))
+    @pl.when(_block_needed(st, i, j, offset))
     def _body():
-        mask = _block_mask(st, r, i, j)
+        mask = _block_mask(st, r, i, j, offset)
         do = r["do"][...]
         dP = lax.dot_general(do, r["v"][...], _NT, preferred_element_type=jnp.float32)
         p_combined = None
@@ -391,7 +400,7 @@ def _dkv_kernel(*refs, st: _Static, nq: int):
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _backward(st: _Static, q, k, v, lam, q_seg, kv_seg, o, o2, lse, do):
+def _backward(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, o, o2, lse, do):
     B, H, M, Tp, d = q.shape
     K, G, Sp, dv = k.shape[1], k.shape[2], k.shape[3], v.shape[-1]
     nq, nk = Tp // st.bq, Sp // st.bk
@@ -416,38 +425,45 @@ def _backward(st: _Static, q, k, v, lam, q_seg, kv_seg, o, o2, lse, do):
     in_specs = {**sp, "do": sp["row_dv"], "lse": sp["row_M"], "D": sp["row_M"]}
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=st, nk=nk),
-        grid=(B, H, nq, nk),
-        in_specs=[in_specs[n] for n in names],
-        out_specs=sp["q"],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, H, nq, nk),
+            in_specs=[in_specs[n] for n in names],
+            out_specs=sp["q"],
+            scratch_shapes=[pltpu.VMEM((M, st.bq, d), jnp.float32)],
+        ),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_shapes=[pltpu.VMEM((M, st.bq, d), jnp.float32)],
         compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
         interpret=st.interpret,
         name=f"diffjax_flash_bwd_dq_m{M}",
-    )(*[args[n] for n in names])
+    )(offset, *[args[n] for n in names])
 
     # dK, dV: grid (B, Hkv, kv blocks, n_rep, q blocks); the last two reduce into VMEM scratch
-    def q_index2(b, kh, j, rep, i):
+    def q_index2(b, kh, j, rep, i, offset_ref):
         if st.causal:
-            i = jnp.clip(i, _first_q_block(st, j, nq), _last_q_block(st, j, nq))
+            offset = offset_ref[0]
+            i = jnp.clip(i, _first_q_block(st, j, nq, offset), _last_q_block(st, j, nq, offset))
         return b, kh * st.R + rep, i
 
-    def kv_index2(b, kh, j, rep, i):
+    def kv_index2(b, kh, j, rep, i, offset_ref):
         return b, kh, j
 
     sp2 = _specs(st, d, dv, q_index2, kv_index2, None)
     in_specs2 = {**sp2, "do": sp2["row_dv"], "lse": sp2["row_M"], "D": sp2["row_M"]}
     dk, dv_ = pl.pallas_call(
         functools.partial(_dkv_kernel, st=st, nq=nq),
-        grid=(B, K, nk, st.R, nq),
-        in_specs=[in_specs2[n] for n in names],
-        out_specs=[sp2["k"], sp2["v"]],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(B, K, nk, st.R, nq),
+            in_specs=[in_specs2[n] for n in names],
+            out_specs=[sp2["k"], sp2["v"]],
+            scratch_shapes=[pltpu.VMEM((G, st.bk, d), jnp.float32), pltpu.VMEM((st.bk, dv), jnp.float32)],
+        ),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        scratch_shapes=[pltpu.VMEM((G, st.bk, d), jnp.float32), pltpu.VMEM((st.bk, dv), jnp.float32)],
         compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
         interpret=st.interpret,
         name=f"diffjax_flash_bwd_dkv_m{M}",
-    )(*[args[n] for n in names])
+    )(offset, *[args[n] for n in names])
     return dq, dk, dv_, dlam
 
 
@@ -455,21 +471,21 @@ def _backward(st: _Static, q, k, v, lam, q_seg, kv_seg, o, o2, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg):
-    return _forward(st, q, k, v, lam, q_seg, kv_seg, save_residuals=False)[0]
+def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg, offset):
+    return _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=False)[0]
 
 
-def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg):
-    outs = _forward(st, q, k, v, lam, q_seg, kv_seg, save_residuals=True)
+def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg, offset):
+    outs = _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=True)
     o, lse = outs[0], outs[-1]
     o2 = outs[1] if st.M == 2 else None
-    return o, (q, k, v, lam, q_seg, kv_seg, o, o2, lse)
+    return o, (q, k, v, lam, q_seg, kv_seg, offset, o, o2, lse)
 
 
 def _flash_bwd(st, res, do):
-    q, k, v, lam, q_seg, kv_seg, o, o2, lse = res
-    dq, dk, dv, dlam = _backward(st, q, k, v, lam, q_seg, kv_seg, o, o2, lse, do)
-    return dq, dk, dv, dlam, None, None
+    q, k, v, lam, q_seg, kv_seg, offset, o, o2, lse = res
+    dq, dk, dv, dlam = _backward(st, q, k, v, lam, q_seg, kv_seg, offset, o, o2, lse, do)
+    return dq, dk, dv, dlam, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -507,9 +523,16 @@ def _check(name, q, k, v, d, dk_, H, K):
         raise ValueError(f"{name} (impl='pallas_tpu'): query heads ({H}) must be a multiple of kv heads ({K})")
 
 
+def _offset(q_offset, T, S):
+    """[1] int32: the key position of query 0 (the kernels' scalar-prefetch operand): S - T (causal alignment
+    bottom-right) unless given, e.g. a context-parallel device's query chunk at a traced place in the sequence."""
+    return jnp.full((1,), S - T if q_offset is None else q_offset, jnp.int32)
+
+
 def diff_attention_pallas(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, block_sizes=None,
-                          interpret=None, window=None):
-    """Fused differential attention; same contract as diffjax.ops.diff_attention."""
+                          interpret=None, window=None, q_offset=None):
+    """Fused differential attention; same contract as diffjax.ops.diff_attention. q_offset: the key position of
+    query 0 (an int or a traced int32 scalar; default S - T): queries at q_offset + t, keys at 0 .. S - 1."""
     B, T, H, two, d = q_BTH2d.shape
     _, S, K, G, dk_ = k_BSKGd.shape
     if two != 2 or G not in (1, 2):
@@ -530,13 +553,14 @@ def diff_attention_pallas(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment
         scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None, has_lam=True,
         interpret=_interpret() if interpret is None else bool(interpret),
     )
-    o_BHTv = _flash(st, q, k, v, lam_BHT1, q_seg, kv_seg)
+    o_BHTv = _flash(st, q, k, v, lam_BHT1, q_seg, kv_seg, _offset(q_offset, T, S))
     return o_BHTv[:, :, :T].transpose(0, 2, 1, 3)
 
 
 def dot_product_attention_pallas(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, block_sizes=None,
-                                 interpret=None, window=None):
-    """Single-map flash attention with the same kernels (M = 1): the baseline's flash path."""
+                                 interpret=None, window=None, q_offset=None):
+    """Single-map flash attention with the same kernels (M = 1): the baseline's flash path. q_offset: as for
+    diff_attention_pallas."""
     B, T, N, d = q_BTNd.shape
     _, S, K, dk_ = k_BSKd.shape
     _check("dot_product_attention", q_BTNd, k_BSKd, v_BSKv, d, dk_, N, K)
@@ -551,5 +575,5 @@ def dot_product_attention_pallas(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment
         scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None, has_lam=False,
         interpret=_interpret() if interpret is None else bool(interpret),
     )
-    o_BNTv = _flash(st, q, k, v, None, q_seg, kv_seg)
+    o_BNTv = _flash(st, q, k, v, None, q_seg, kv_seg, _offset(q_offset, T, S))
     return o_BNTv[:, :, :T].transpose(0, 2, 1, 3)
