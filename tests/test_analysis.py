@@ -25,7 +25,8 @@ TOKENIZER = ByteTokenizer()
 TINY = ModelConfig(vocab_size=257, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, max_seq_len=512,
                    attention_impl="xla", init_std=0.2, lambda_std=0.3)
 TWINS = {"diff": TINY, "standard": TINY.replace(attention="standard", num_heads=4, num_kv_heads=2),
-         "shared_diff": TINY.replace(attention="shared_diff")}
+         "shared_diff": TINY.replace(attention="shared_diff"), "diff_v2": TINY.replace(attention="diff_v2", num_heads=4,
+                                                                                        num_kv_heads=2)}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def _packed_batch():
     return tokens, positions, segment_ids
 
 
-@pytest.mark.parametrize("kind", ["diff", "standard", "shared_diff"])
+@pytest.mark.parametrize("kind", ["diff", "standard", "shared_diff", "diff_v2"])
 def test_probe_forward_equals_the_model_and_its_maps_equal_attention_maps(kind, models, measured):
     model, config = models[kind], TWINS[kind]
     tokens, positions, segment_ids = _packed_batch()
@@ -64,8 +65,15 @@ def test_probe_forward_equals_the_model_and_its_maps_equal_attention_maps(kind, 
         s = np.where(allowed & np.tril(np.ones((12, 12), bool)), np.asarray(scores_MBHTS[m]), -np.inf)
         np.testing.assert_allclose(np.exp(s - s.max(-1, keepdims=True)) / np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True),
                                    a, atol=1e-6)
-    lam = 0.0 if kind == "standard" else float(model.layer_lambdas()[0])
-    np.testing.assert_allclose(effective_BHTS, maps[0] if kind == "standard" else maps[0] - lam * maps[-1], atol=1e-6)
+    if kind == "standard":
+        expected = maps[0]
+    else:  # lambda: a scalar per layer (V1, Shared DIFF) or [B, T, H] from the activations (V2)
+        (lam,) = layer.attn.op_arguments(x, layer.attn.layer_constants(jnp.float32))
+        lam = lam if jnp.ndim(lam) == 0 else jnp.moveaxis(lam, 1, 2)[..., None]
+        if kind == "diff":
+            np.testing.assert_allclose(lam, model.layer_lambdas()[0], rtol=1e-6)
+        expected = maps[0] - lam * maps[-1]
+    np.testing.assert_allclose(effective_BHTS, expected, atol=1e-6)
 
 
 def test_absmax_quantization_levels():
@@ -80,8 +88,9 @@ def test_absmax_quantization_levels():
         absmax_quantize(values, 1)
 
 
-def test_quantized_probe_puts_each_sequences_logits_on_the_grid(models):
-    model = models["diff"]
+@pytest.mark.parametrize("kind", ["diff", "diff_v2"])
+def test_quantized_probe_puts_each_sequences_logits_on_the_grid(kind, models):
+    model = models[kind]
     tokens, positions, segment_ids = _packed_batch()
     probe = make_probe(model, lambda view, aux: view.logits_MBHTS)
     logits, observed = probe(tokens, positions, segment_ids, logit_bits=4)
@@ -166,7 +175,7 @@ def _planted(model, weights: dict, embedding=None):
     return model
 
 
-@pytest.mark.parametrize("kind", ["diff", "standard"])
+@pytest.mark.parametrize("kind", ["diff", "standard", "diff_v2"])
 def test_attention_scores_of_uniform_attention(kind, models):
     """q and k weights 0: every map is uniform over the keys a query sees, in every layer (normalized, DIFF's row
     sum 1 - lambda divides out): from query row t, the answer score is the needle's length / (t + 1) and the
@@ -201,7 +210,7 @@ def test_span_scores_of_a_planted_differential_map():
 SILENT = {("attn", "o_kernel"): 0.0, ("mlp", "down_kernel"): 0.0}
 
 
-@pytest.mark.parametrize("kind", ["diff", "standard"])
+@pytest.mark.parametrize("kind", ["diff", "standard", "diff_v2"])
 def test_outliers_of_constant_q_and_k(kind, models):
     """Embedding rows all ones, layers silent: x = ones in every layer, q = k = (D w, ..., D w) per head, so
     logit(t, s) = (D w)^2 * 2 sum_i cos((t - s) theta_i) / sqrt(d), largest on the diagonal: sqrt(d) (D w)^2."""
