@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from diffjax import ModelConfig, TransformerLM
-from diffjax.analysis import attention_scores, needles, outliers, quantization
+from diffjax.analysis import attention_scores, needles, outliers, quantization, recall
 from diffjax.analysis.common import Checkpoint
 from diffjax.analysis.probe import LayerView, absmax_quantize, make_probe
 from diffjax.data.config import DataConfig
@@ -162,6 +162,43 @@ def test_needle_accuracy_by_depth_with_an_oracle():
     assert result.accuracy == {(300, 0): 0.0, **{(300, d): 1.0 for d in needles.DEPTHS[1:]}}
     table = needles.format_results(["oracle"], [result])
     assert "0%" in table and "avg" in table and "0.800" in table
+
+
+def test_recall_examples_place_the_asked_pair_at_the_depth_and_answer_with_its_value():
+    """Associative recall (issue 25): every asked pair's span in the context reads " key=value" and its answer after
+    the context reads value, after "\nkey="; the first asked pair is pair round(depth (n - 1)) of the n; seeded."""
+    task = recall.RecallTask(pair_counts=(12,), num_queries=3, samples=2)
+    for depth in recall.DEPTHS:
+        for example in task.examples(TOKENIZER, 12, depth):
+            assert example.text == TOKENIZER.decode(example.ids)
+            context = TOKENIZER.decode(example.ids[: example.context_length])
+            pairs = context.split()
+            assert len(pairs) == 12 and len({p.split("=")[0] for p in pairs}) == 12  # distinct keys
+            for (n_start, n_end), (a_start, a_end), value in zip(example.needle_spans, example.answer_spans, example.answers):
+                pair = TOKENIZER.decode(example.ids[n_start:n_end])
+                key = pair.strip().split("=")[0]
+                assert pair == f" {key}={value}" and len(value) == 2 and len(key) == 2
+                assert TOKENIZER.decode(example.ids[a_start:a_end]) == value
+                assert TOKENIZER.decode(example.ids[:a_start]).endswith(f"\n{key}=")
+            first = TOKENIZER.decode(example.ids[slice(*example.needle_spans[0])]).strip()
+            assert pairs.index(first) == round(depth / 100 * 11)
+    again = recall.RecallTask(pair_counts=(12,), num_queries=3, samples=2).examples(TOKENIZER, 12, 50)
+    assert all(np.array_equal(a.ids, b.ids) for a, b in zip(again, task.examples(TOKENIZER, 12, 50)))
+    assert not np.array_equal(again[0].ids, again[1].ids)
+    with pytest.raises(ValueError, match=r"queries \(5\) <= pairs \(4\)"):
+        recall.make_example(TOKENIZER, num_pairs=4, num_queries=5, depth=0, rng=np.random.default_rng(0))
+    texts = recall.training_texts(TOKENIZER, 4, pair_counts=(3, 6))
+    assert len(texts) == 4 and all("\n" in text and "=" in text for text in texts)
+
+
+def test_recall_accuracy_by_depth_with_an_oracle():
+    task = recall.RecallTask(pair_counts=(6, 10), num_queries=2, samples=3)
+    at_depth_100 = {tuple(e.ids) for n in (6, 10) for e in task.examples(TOKENIZER, n, 100)}
+    oracle = _Oracle(lambda row: tuple(row[row != 0]) in at_depth_100)
+    result = recall.evaluate(Checkpoint("oracle", oracle, TOKENIZER, DataConfig()), task, batch_size=4, forward=oracle)
+    assert result.accuracy == {**{(n, d): 1.0 for n in (6, 10) for d in recall.DEPTHS[:-1]}, (6, 100): 0.0, (10, 100): 0.0}
+    table = recall.format_results(["oracle"], [result])
+    assert "100%" in table and "@10 pairs" in table and "chance 0.01" in table
 
 
 def _planted(model, weights: dict, embedding=None):

@@ -1,0 +1,136 @@
+"""Multi-query associative recall (MQAR; Zoology, arXiv:2312.04927) written as text: a context of key-value pairs
+(" ab=42 xk=07 ..."), then queries ("\\nab=") each answered by its value. A few-layer model learns it on a CPU
+in minutes, where the paper's multi-needle task (needles.py) needs far more training, so the attention kinds can
+be compared on retrieval at a scale that decides something (issue 25).
+
+It has the needle task's structure: every pair but the queried ones is a distractor; the first query's pair sits
+at the answer depth (0% = the first pair, 100% = the last); examples are `needles.NeedleExample`s (needle spans =
+the queried pairs, answer spans = the values after the queries), scored teacher-forced as the needle task is
+(`needles.retrieved`), seeded by (seed, pairs, depth, index).
+
+    from diffjax.analysis import recall
+    texts = recall.training_texts(ByteTokenizer(), 20000, pair_counts=(4, 8, 16, 32))   # the trainer's jsonl
+    result = recall.evaluate(checkpoint, recall.RecallTask(pair_counts=(8, 16, 32)))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Callable, Sequence
+
+import numpy as np
+
+from diffjax.analysis import common
+from diffjax.analysis.needles import DEPTHS, NeedleExample, batches, retrieved
+from diffjax.tokenizers import Tokenizer
+
+PAIR = " {key}="  # a pair in the context: the lead, then the value, encoded apart (same tokens as the answer)
+QUERY = "\n{key}="  # a query restates its key; the value follows
+
+
+def make_example(tokenizer: Tokenizer, *, num_pairs: int, num_queries: int, depth: int, rng: np.random.Generator,
+                 key_letters: int = 2, value_digits: int = 2) -> NeedleExample:
+    """num_pairs distinct keys of key_letters lowercase letters with values of value_digits digits; the queries ask
+    num_queries distinct keys, the first of them the pair at `depth` percent of the context."""
+    if not 1 <= num_queries <= num_pairs <= 26 ** key_letters:
+        raise ValueError(f"need 1 <= queries ({num_queries}) <= pairs ({num_pairs}) <= {26 ** key_letters} keys of "
+                         f"{key_letters} letters")
+    if not 0 <= depth <= 100:
+        raise ValueError(f"depth must be a percentage in [0, 100], got {depth}")
+    if not 1 <= value_digits <= 9:
+        raise ValueError(f"value_digits must be in [1, 9], got {value_digits}")
+    letters = np.array(list(string.ascii_lowercase))
+    codes = rng.choice(26 ** key_letters, num_pairs, replace=False)
+    keys = ["".join(letters[(code // 26 ** np.arange(key_letters)) % 26]) for code in codes]
+    values = [str(v).zfill(value_digits) for v in rng.integers(0, 10 ** value_digits, num_pairs)]
+    # keys[0] is the first query's pair: placed at the depth, the others shuffled around it.
+    order = list(rng.permutation(np.arange(1, num_pairs)))
+    order.insert(round(depth / 100 * (num_pairs - 1)), 0)
+    asked = [0] + [int(i) for i in rng.choice(np.arange(1, num_pairs), num_queries - 1, replace=False)]
+    encode = lambda text: np.asarray(tokenizer.encode(text), np.int32)  # noqa: E731
+    pieces, spans, position = [], {}, 0
+    for i in order:
+        lead, value = encode(PAIR.format(key=keys[i])), encode(values[i])
+        spans[i] = (position, position + len(lead) + len(value))
+        pieces += [lead, value]
+        position = spans[i][1]
+    context_end, answer_spans = position, []
+    for i in asked:
+        lead, value = encode(QUERY.format(key=keys[i])), encode(values[i])
+        answer_spans.append((position + len(lead), position + len(lead) + len(value)))
+        pieces += [lead, value]
+        position = answer_spans[-1][1]
+    ids = np.concatenate(pieces)
+    return NeedleExample(ids, tokenizer.decode(ids), depth, context_end, tuple(spans[i] for i in asked),
+                         tuple(answer_spans), tuple(values[i] for i in asked))
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallTask:
+    """One evaluation: every (pairs, depth) cell gets `samples` examples."""
+
+    pair_counts: tuple[int, ...] = (8, 16, 32)  # key-value pairs per context (num_queries of them asked)
+    num_queries: int = 4
+    depths: tuple[int, ...] = DEPTHS
+    samples: int = 50
+    key_letters: int = 2
+    value_digits: int = 2
+    seed: int = 0
+
+    def examples(self, tokenizer: Tokenizer, num_pairs: int, depth: int) -> list[NeedleExample]:
+        return [make_example(tokenizer, num_pairs=num_pairs, num_queries=self.num_queries, depth=depth,
+                             key_letters=self.key_letters, value_digits=self.value_digits,
+                             rng=np.random.default_rng((self.seed, num_pairs, depth, index)))
+                for index in range(self.samples)]
+
+
+def training_texts(tokenizer: Tokenizer, count: int, *, pair_counts: Sequence[int], max_queries: int = 4,
+                   key_letters: int = 2, value_digits: int = 2, seed: int = 1) -> list[str]:
+    """`count` training examples with pair counts drawn from pair_counts, 1..max_queries queries and any depth.
+    Use a seed other than the evaluation's (0): no evaluation sample is then trained on."""
+    rng = np.random.default_rng(seed)
+    texts = []
+    for _ in range(count):
+        num_pairs = int(rng.choice(pair_counts))
+        example = make_example(tokenizer, num_pairs=num_pairs, num_queries=int(rng.integers(1, min(num_pairs, max_queries) + 1)),
+                               depth=int(rng.integers(0, 101)), rng=rng, key_letters=key_letters, value_digits=value_digits)
+        texts.append(example.text)
+    return texts
+
+
+@dataclasses.dataclass
+class RecallResult:
+    task: RecallTask
+    accuracy: dict[tuple[int, int], float]  # (pairs, depth) -> mean share of queries retrieved
+
+
+def evaluate(checkpoint: common.Checkpoint, task: RecallTask, *, batch_size: int = 16,
+             forward: Callable | None = None) -> RecallResult:
+    """Recall accuracy per (pairs, depth), teacher-forced (needles.retrieved). forward(tokens_BT) -> logits
+    (default: the model's forward through diffjax.analysis.probe)."""
+    from diffjax.analysis.probe import make_probe
+
+    forward = forward or make_probe(checkpoint.model)
+    accuracy = {}
+    for num_pairs in task.pair_counts:
+        examples = [example for depth in task.depths for example in task.examples(checkpoint.tokenizer, num_pairs, depth)]
+        hits = {depth: [] for depth in task.depths}
+        for chunk, ids in batches(examples, batch_size, checkpoint.model.config.max_seq_len):
+            logits, _ = forward(ids)
+            for example, row in zip(chunk, retrieved(np.asarray(logits[: len(chunk)]), chunk)):
+                hits[example.depth].append(row.mean())
+        accuracy.update({(num_pairs, depth): float(np.mean(hits[depth])) for depth in task.depths})
+    return RecallResult(task, accuracy)
+
+
+def format_results(labels: Sequence[str], results: Sequence[RecallResult]) -> str:
+    """Rows: depths and their average; columns: each model at each pair count."""
+    task = results[0].task
+    header = ["depth"] + [f"{label} @{n} pairs" for label in labels for n in task.pair_counts]
+    rows = [[f"{depth}%"] + [r.accuracy[n, depth] for r in results for n in task.pair_counts] for depth in task.depths]
+    rows.append(["avg"] + [float(np.mean([r.accuracy[n, d] for d in task.depths])) for r in results for n in task.pair_counts])
+    chance = 10.0 ** -task.value_digits
+    title = (f"Associative recall accuracy ({task.num_queries} queries, {task.samples} samples per cell, "
+             f"{task.value_digits}-digit values: chance {chance:g}; columns: model @pairs in context)")
+    return common.table(header, rows, title=title)
