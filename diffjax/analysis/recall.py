@@ -1,5 +1,5 @@
 """Multi-query associative recall (MQAR; Zoology, arXiv:2312.04927) written as text: a context of key-value pairs
-(" ab=42 xk=07 ..."), then queries ("\\nab=") each answered by its value. A few-layer model learns it on a CPU
+(" ab42 xk07 ..."), then queries ("\\nab") each answered by its value. A few-layer model learns it on a CPU
 in minutes, where the paper's multi-needle task (needles.py) needs far more training, so the attention kinds can
 be compared on retrieval at a scale that decides something (issue 25).
 
@@ -25,8 +25,11 @@ from diffjax.analysis import common
 from diffjax.analysis.needles import DEPTHS, NeedleExample, batches, retrieved
 from diffjax.tokenizers import Tokenizer
 
-PAIR = " {key}="  # a pair in the context: the lead, then the value, encoded apart (same tokens as the answer)
-QUERY = "\n{key}="  # a query restates its key; the value follows
+# Zoology's layout: each key directly followed by its value (letters, then digits), so retrieving is one
+# induction step: find the key earlier, copy what followed it. Key and value are encoded apart (the value's tokens
+# are the answer's).
+PAIR = " {key}"
+QUERY = "\n{key}"  # a query restates its key; the value follows
 
 
 def make_example(tokenizer: Tokenizer, *, num_pairs: int, num_queries: int, depth: int, rng: np.random.Generator,
