@@ -215,13 +215,20 @@ def evaluate(checkpoint: common.Checkpoint, task: NeedleTask, *, batch_size: int
     accuracy = {}
     for length in task.lengths:
         examples = [example for depth in task.depths for example in task.examples(checkpoint.tokenizer, length, depth)]
-        hits = {depth: [] for depth in task.depths}
-        for chunk, ids in batches(examples, batch_size, checkpoint.model.config.max_seq_len):
-            logits, _ = forward(ids)
-            for example, row in zip(chunk, retrieved(np.asarray(logits[: len(chunk)]), chunk)):
-                hits[example.depth].append(row.mean())
-        accuracy.update({(length, depth): float(np.mean(hits[depth])) for depth in task.depths})
+        by_depth = accuracy_by_depth(examples, forward, batch_size, checkpoint.model.config.max_seq_len)
+        accuracy.update({(length, depth): value for depth, value in by_depth.items()})
     return NeedleResult(task, accuracy)
+
+
+def accuracy_by_depth(examples: Sequence[NeedleExample], forward: Callable, batch_size: int,
+                      max_seq_len: int) -> dict[int, float]:
+    """depth -> mean share of queries retrieved over `examples`, run through forward(tokens_BT) -> (logits, _)."""
+    hits: dict[int, list] = {}
+    for chunk, ids in batches(examples, batch_size, max_seq_len):
+        logits, _ = forward(ids)
+        for example, row in zip(chunk, retrieved(np.asarray(logits[: len(chunk)]), chunk)):
+            hits.setdefault(example.depth, []).append(row.mean())
+    return {depth: float(np.mean(values)) for depth, values in hits.items()}
 
 
 def format_results(labels: Sequence[str], results: Sequence[NeedleResult]) -> str:

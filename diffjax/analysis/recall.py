@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from diffjax.analysis import common
-from diffjax.analysis.needles import DEPTHS, NeedleExample, batches, retrieved
+from diffjax.analysis.needles import DEPTHS, NeedleExample, accuracy_by_depth
 from diffjax.tokenizers import Tokenizer
 
 # Zoology's layout: each key directly followed by its value (letters, then digits), so retrieving is one
@@ -118,12 +118,8 @@ def evaluate(checkpoint: common.Checkpoint, task: RecallTask, *, batch_size: int
     accuracy = {}
     for num_pairs in task.pair_counts:
         examples = [example for depth in task.depths for example in task.examples(checkpoint.tokenizer, num_pairs, depth)]
-        hits = {depth: [] for depth in task.depths}
-        for chunk, ids in batches(examples, batch_size, checkpoint.model.config.max_seq_len):
-            logits, _ = forward(ids)
-            for example, row in zip(chunk, retrieved(np.asarray(logits[: len(chunk)]), chunk)):
-                hits[example.depth].append(row.mean())
-        accuracy.update({(num_pairs, depth): float(np.mean(hits[depth])) for depth in task.depths})
+        by_depth = accuracy_by_depth(examples, forward, batch_size, checkpoint.model.config.max_seq_len)
+        accuracy.update({(num_pairs, depth): value for depth, value in by_depth.items()})
     return RecallResult(task, accuracy)
 
 
