@@ -168,8 +168,8 @@ def blockwise_attention(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, windo
     v [B, S, K, dv]; q_index [T] / kv_index [S]: each token's place in the sequence (the causal mask compares
     them); q_seg [B, T] / kv_seg [B, S] or None: segment ids; window: None or W (causal only: query i sees keys
     i - W < j <= i, and key blocks wholly outside every piece's window are skipped). Queries go in pieces of
-    q_block and keys in blocks of kv_block (dividing T and S; pieces and blocks of contiguous indices skip the most). Numerics as the fused
-    kernels': float32 scores and softmax statistics, the unnormalized P rounded to v's dtype for P V, float32
+    q_block and keys in blocks of kv_block (dividing T and S; pieces and blocks of contiguous indices skip the
+    most). Numerics as the fused kernels': float32 scores and softmax statistics, the unnormalized P rounded to v's dtype for P V, float32
     accumulation, normalized at the end (so in 16-bit it differs from the XLA reference by a rounding of P); a
     query that sees no key gives 0."""
     return _blockwise_fwd(q, k, v, q_index, kv_index, q_seg, kv_seg, causal, window, scale, q_block, kv_block)[0]
