@@ -34,11 +34,15 @@ def packed_target_mask(segment_ids_BT):
     return (segment_ids_BT[:, :-1] == segment_ids_BT[:, 1:]) & (segment_ids_BT[:, 1:] != 0)
 
 
-def next_token_targets(tokens_BT, segment_ids_BT):
+def next_token_targets(tokens_BT, segment_ids_BT, loss_mask_BT=None):
     """(targets [B, T] int, weights [B, T] float32): position t predicts tokens[t + 1], counted where
-    packed_target_mask allows; the last position has no target (weight 0). Stated per position, so a batch
-    may be permuted after this (the context-parallel layout) and the loss stays the same."""
-    weights_BT = jnp.pad(packed_target_mask(segment_ids_BT).astype(jnp.float32), ((0, 0), (0, 1)))
+    packed_target_mask allows and loss_mask_BT[t + 1] is set (the batch's "loss_mask": tokens the loss counts;
+    None: all); the last position has no target (weight 0). Stated per position, so a batch may be permuted
+    after this (the context-parallel layout) and the loss stays the same."""
+    mask_BT = packed_target_mask(segment_ids_BT)
+    if loss_mask_BT is not None:
+        mask_BT &= jnp.asarray(loss_mask_BT)[:, 1:] != 0
+    weights_BT = jnp.pad(mask_BT.astype(jnp.float32), ((0, 0), (0, 1)))
     targets_BT = jnp.pad(jnp.asarray(tokens_BT)[:, 1:], ((0, 0), (0, 1)))
     return targets_BT, weights_BT
 

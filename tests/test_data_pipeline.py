@@ -231,3 +231,24 @@ def test_worker_processes_resume_exactly():
                 np.testing.assert_array_equal(a[key], b[key])
     finally:
         it.close()
+
+
+def test_segments_documents_count_only_their_labelled_tokens_through_packing():
+    """Segments are tokenized apart (no merge across a boundary), the mask follows each token through the pieces
+    and the packing, the eos takes the last segment's label, and a text document counts every token."""
+    class EosBytes(ByteTokenizer):
+        eos_id = 0
+
+    documents = [(("ab", False), ("cd", True), ("e", False)), "fgh", (("ij", False), ("klmnopqrstu", True))]
+    expected = [([97, 98, 99, 100, 101, 0], [0, 0, 1, 1, 0, 0]), ([102, 103, 104, 0], [1, 1, 1, 1]),
+                ([105, 106] + list(range(107, 118)) + [0], [0, 0] + [1] * 11 + [1])]
+    rows = list(pack_documents(ListSource(documents), range(3), EosBytes(), config(seq_len=8), num_bins=2))
+    got = Counter()
+    for row in rows:
+        for s in range(1, int(row["segment_ids"].max()) + 1):
+            where = row["segment_ids"] == s
+            got[tuple(row["tokens"][where]), tuple(row["loss_mask"][where])] += 1
+        assert (row["loss_mask"][row["segment_ids"] == 0] == 0).all(), "padding is never counted"
+    # Documents longer than seq_len (8) arrive in pieces; cut the expectations the same way.
+    want = Counter((tuple(t[i:i + 8]), tuple(m[i:i + 8])) for t, m in expected for i in range(0, len(t), 8))
+    assert got == want

@@ -129,3 +129,21 @@ def splitmix64_fraction(index: int) -> float:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     z ^= z >> 31
     return (z >> 11) / 2.0**53
+
+
+def test_jsonl_segments_documents_and_their_errors(tmp_path):
+    lines = [{"segments": [{"text": "Q: 2+2?", "label": False}, {"text": " 4", "label": True}]},
+             {"text": "plain", "segments": "ignored: the text field wins"},
+             {"segments": [{"text": "x", "label": "yes"}]},
+             {"segments": {"text": "x", "label": True}},
+             {"segments": [{"text": "x", "label": True, "weight": 2}]}]
+    path = write(tmp_path / "sft.jsonl", "\n".join(json.dumps(line) for line in lines) + "\n")
+    source = JsonlSource([str(path)])
+    assert source[0] == (("Q: 2+2?", False), (" 4", True))
+    assert source[1] == "plain"
+    with pytest.raises(ValueError, match=r"sft.jsonl line 3: segments\[0\] must be \{'text': str, 'label': bool\}"):
+        source[2]
+    with pytest.raises(ValueError, match=r"sft.jsonl line 4: field 'segments' must be a list"):
+        source[3]
+    with pytest.raises(ValueError, match=r"sft.jsonl line 5: segments\[0\] must be"):
+        source[4]

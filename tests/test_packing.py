@@ -10,7 +10,7 @@ from flax import nnx
 from diffjax.config import ModelConfig
 from diffjax.data.config import DataConfig
 from diffjax.data import ListSource, make_train_dataset
-from diffjax.losses import packed_next_token_loss, packed_target_mask
+from diffjax.losses import loss_sum_and_count, next_token_targets, packed_next_token_loss, packed_target_mask
 from diffjax.model.transformer import TransformerLM
 from diffjax.tokenizers import ByteTokenizer
 
@@ -83,12 +83,13 @@ def test_each_packed_document_gets_the_logits_it_gets_alone(attention, measured)
     assert relative < 1e-5  # float32 sums over ~600 targets
 
 
-def numpy_packed_loss(logits_BTV, tokens_BT, segment_ids_BT):
+def numpy_packed_loss(logits_BTV, tokens_BT, segment_ids_BT, loss_mask_BT=None):
     total, count = 0.0, 0
     B, T, _ = logits_BTV.shape
     for b in range(B):
         for t in range(T - 1):
-            if segment_ids_BT[b, t] == segment_ids_BT[b, t + 1] != 0:
+            counted = loss_mask_BT is None or loss_mask_BT[b, t + 1] == 1  # the target token is labelled
+            if segment_ids_BT[b, t] == segment_ids_BT[b, t + 1] != 0 and counted:
                 row = logits_BTV[b, t].astype(np.float64)
                 log_z = np.log(np.sum(np.exp(row - row.max()))) + row.max()
                 total += log_z - row[tokens_BT[b, t + 1]]
@@ -113,3 +114,18 @@ def test_packed_loss_matches_a_numpy_loop(measured):
     # No targets at all (an all-padding eval batch): loss 0, count 0.
     zero_loss, zero_count = packed_next_token_loss(logits, tokens, np.zeros_like(segment_ids))
     assert float(zero_loss) == 0.0 and float(zero_count) == 0.0
+
+
+def test_the_loss_mask_counts_only_labelled_targets(measured):
+    """The batch's loss_mask (segments documents) as the train step states it, against the numpy loop."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(2, 10, 7)).astype(np.float32) * 3
+    tokens = rng.integers(0, 7, size=(2, 10)).astype(np.int32)
+    segment_ids = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], np.int32)
+    loss_mask = np.array([[0, 0, 1, 1, 1, 0, 1, 1, 0, 0], [1, 0, 0, 1, 0, 1, 1, 0, 0, 1]], np.int32)
+    expected, expected_count = numpy_packed_loss(logits, tokens, segment_ids, loss_mask)
+    loss_sum, count = jax.jit(lambda *a: loss_sum_and_count(a[0], *next_token_targets(*a[1:])))(
+        logits, tokens, segment_ids, loss_mask)
+    assert int(count) == expected_count == 4 + 4  # row 0: targets 2, 3, 6, 7 (4 starts a document)
+    measured("masked loss vs numpy loop", abs(float(loss_sum) / float(count) - expected), 1e-6)
+    np.testing.assert_allclose(float(loss_sum) / float(count), expected, rtol=1e-6)

@@ -260,3 +260,29 @@ def test_params_only_checkpoint_loads_trains_on_and_initializes(tmp_path):
         load_model_config = _config(tmp_path / "other", "train.steps=1", "model.num_layers=3",
                                     f"train.init_from={tmp_path / 'converted' / 'checkpoints' / '0'}")
         train(load_model_config, log=lambda _: None)
+
+
+@pytest.mark.single_leg  # the data path and the loss are the same on every JAX version
+def test_segments_data_trains_only_on_the_labelled_tokens(tmp_path):
+    """jsonl "segments" documents: the loss (train and eval) counts the labelled segments' tokens alone. Each
+    document is 30 unlabelled bytes, one labelled byte and the eos (labelled with it): one 32-token row, whose
+    targets are that byte and the eos, 2 per row, where a text document would count 31."""
+    data = tmp_path / "sft.jsonl"
+    rng = np.random.default_rng(0)
+    with open(data, "w") as file:
+        for _ in range(64):
+            prompt = "".join(rng.choice(list("abcdefgh"), 30))
+            file.write(json.dumps({"segments": [{"text": prompt, "label": False}, {"text": prompt[0], "label": True}]}) + "\n")
+
+    class TokensCounted(Hook):
+        def __init__(self):
+            self.counts = []
+
+        def on_step(self, run, step, metrics):
+            self.counts.append(metrics["loss_tokens"])
+
+    counted = TokensCounted()
+    result = train(_config(tmp_path / "run", "data.source=jsonl", f"data.paths={data}", "data.shuffle_window_tokens=32",
+                           "train.steps=3", "train.eval_every=3"), log=lambda _: None, hooks=[counted])
+    assert [float(count) for count in counted.counts] == [4 * 2] * 3  # batch 4 rows x 2 targets
+    assert math.isfinite(result.eval_losses[3])

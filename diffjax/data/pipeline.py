@@ -14,6 +14,8 @@ Batches are dicts of int32 arrays [batch_size, seq_len]:
   tokens       token ids (0 in padding)
   segment_ids  1, 2, ... for the documents (or pieces of a long document) in a row; 0 = padding
   positions    0, 1, ... restarting at every segment (0 in padding)
+  loss_mask    1 where the token is a target the loss counts: every token of a text document, the labelled
+               segments' of a segments document (data.segments); 0 in padding
 Pass positions and segment_ids to TransformerLM so attention never crosses documents, and train
 with diffjax.losses.packed_next_token_loss so no target crosses a document or lands in padding.
 """
@@ -24,13 +26,14 @@ import grain
 import numpy as np
 
 from diffjax.data.config import DataConfig
+from diffjax.data.segments import tokenize_document
 from diffjax.data.sources import open_documents
 from diffjax.data.split import split_documents
 
-BATCH_KEYS = ("tokens", "segment_ids", "positions")
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
 class _TokenizeDocument(grain.transforms.Map):
-    """Document index -> list of {"tokens": int32 [<= seq_len]}: the document's tokens (+ eos) in pieces.
+    """Document index -> list of {"tokens", "loss_mask": int32 [<= seq_len]}: the document's tokens (+ eos) in pieces.
 
     A document longer than seq_len becomes several pieces, each packed as its own segment; an empty
     document (with no eos) becomes none.
@@ -40,10 +43,9 @@ class _TokenizeDocument(grain.transforms.Map):
         self.source, self.tokenizer, self.seq_len, self.eos_id = source, tokenizer, seq_len, eos_id
 
     def map(self, document_index):
-        tokens = np.asarray(self.tokenizer.encode(self.source[int(document_index)]), dtype=np.int32)
-        if self.eos_id is not None:
-            tokens = np.append(tokens, np.int32(self.eos_id))
-        return [{"tokens": tokens[start : start + self.seq_len]} for start in range(0, len(tokens), self.seq_len)]
+        tokens, loss_mask = tokenize_document(self.tokenizer, self.source[int(document_index)], self.eos_id)
+        return [{"tokens": tokens[start : start + self.seq_len], "loss_mask": loss_mask[start : start + self.seq_len]}
+                for start in range(0, len(tokens), self.seq_len)]
 
 
 class _Pieces(grain.experimental.FlatMapTransform):
@@ -57,7 +59,8 @@ class _Pieces(grain.experimental.FlatMapTransform):
 
 def _rename_packed(row: dict) -> dict:
     """grain names the packing features after the packed key; give them the batch names."""
-    return {"tokens": row["tokens"], "segment_ids": row["tokens_segment_ids"], "positions": row["tokens_positions"]}
+    return {"tokens": row["tokens"], "segment_ids": row["tokens_segment_ids"], "positions": row["tokens_positions"],
+            "loss_mask": row["loss_mask"]}
 
 
 def _resolve_shard(shard_index: int | None, shard_count: int | None) -> tuple[int, int]:
@@ -89,7 +92,7 @@ def pack_documents(source, document_indices, tokenizer, config: DataConfig, *, n
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
     ds = grain.experimental.FlatMapIterDataset(ds, _Pieces())
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={"tokens": config.seq_len}, num_packing_bins=num_bins, shuffle_bins=False
+        ds, length_struct={"tokens": config.seq_len, "loss_mask": config.seq_len}, num_packing_bins=num_bins, shuffle_bins=False
     )
     return ds.map(_rename_packed)
 

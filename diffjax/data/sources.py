@@ -22,6 +22,7 @@ import numpy as np
 
 from diffjax.data.config import DataConfig
 from diffjax.data.builtin import builtin_documents
+from diffjax.data.segments import Document, parse_segments
 
 
 def expand_paths(patterns: Sequence[str]) -> list[str]:
@@ -125,7 +126,8 @@ def _line_number(path: str, offset: int) -> int:
 
 
 class JsonlSource:
-    """One non-blank line = one document: the string in field `text_field` of the line's JSON object.
+    """One non-blank line = one document: the string in field `text_field` of the line's JSON object, or a
+    "segments" list whose labelled segments alone count in the loss (data.segments).
 
     Each file's line-offset index is built by one streaming pass when the source is opened; a
     document is then one seek and one line read. A null field is an empty document (skipped by the
@@ -141,7 +143,7 @@ class JsonlSource:
     def __len__(self) -> int:
         return len(self._index)
 
-    def __getitem__(self, index: int) -> str:
+    def __getitem__(self, index: int) -> Document:
         file_number, line_index = self._index.locate(index)
         path, start = self.paths[file_number], int(self._starts[file_number][line_index])
         with open(path, "rb") as file:
@@ -158,7 +160,10 @@ class JsonlSource:
         if not isinstance(record, dict):
             fail(f"expected a JSON object with a {self.text_field!r} field, got {type(record).__name__}")
         if self.text_field not in record:
-            fail(f"no field {self.text_field!r} (fields: {sorted(record)}); set data.text_field")
+            if "segments" in record:
+                return parse_segments(record["segments"], fail)
+            fail(f"no field {self.text_field!r} (fields: {sorted(record)}); set data.text_field, or give a "
+                 "'segments' list (diffjax.data.segments)")
         text = record[self.text_field]
         if text is None:
             return ""

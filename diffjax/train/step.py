@@ -55,7 +55,7 @@ def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int):
     """The batch's loss sum and target count. Targets and weights are stated per position first, so that under
     a context axis every [B, T] array can be put in the context layout (ops.context_parallel) together."""
     model = nnx.merge(graphdef, params)
-    targets_BT, weights_BT = next_token_targets(batch["tokens"], batch["segment_ids"])
+    targets_BT, weights_BT = next_token_targets(batch["tokens"], batch["segment_ids"], batch.get("loss_mask"))
     context = context_size()
     tokens_BT, positions_BT, segment_ids_BT, targets_BT, weights_BT = (
         to_context_order(x, context)
