@@ -18,6 +18,7 @@ from diffjax.analysis import attention_scores, needles, outliers, quantization, 
 from diffjax.analysis.common import Checkpoint
 from diffjax.analysis.probe import LayerView, absmax_quantize, make_probe
 from diffjax.data.config import DataConfig
+from diffjax.data.segments import parse_segments, to_json_line, tokenize_document
 from diffjax.tokenizers import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -187,8 +188,18 @@ def test_recall_examples_place_the_asked_pair_at_the_depth_and_answer_with_its_v
     assert not np.array_equal(again[0].ids, again[1].ids)
     with pytest.raises(ValueError, match=r"queries \(5\) <= pairs \(4\)"):
         recall.make_example(TOKENIZER, num_pairs=4, num_queries=5, depth=0, rng=np.random.default_rng(0))
-    texts = recall.training_texts(TOKENIZER, 4, pair_counts=(3, 6))
-    assert len(texts) == 4 and all("\n" in text and text[1].isalpha() for text in texts)
+    # Training documents: the loss mask (through the data pipeline's tokenization) marks exactly the answers.
+    documents = recall.training_documents(TOKENIZER, 6, pair_counts=(3, 6), max_queries=2)
+    for document in documents:
+        tokens, loss_mask = tokenize_document(TOKENIZER, document, eos_id=None)
+        text = "".join(piece for piece, _ in document)
+        pairs, *queries = text.split("\n")
+        values = dict((pair[:2], pair[2:]) for pair in pairs.split())
+        assert len(values) in (3, 6) and 1 <= len(queries) <= 2
+        assert TOKENIZER.decode(tokens) == text
+        assert TOKENIZER.decode(tokens[loss_mask == 1]) == "".join(values[query[:2]] for query in queries)
+        assert all(query[2:] == values[query[:2]] for query in queries)
+    assert parse_segments(json.loads(to_json_line(documents[0]))["segments"], fail=None) == documents[0]
 
 
 def test_recall_accuracy_by_depth_with_an_oracle():

@@ -69,11 +69,17 @@ class ScoreResult:
 def evaluate(checkpoint: common.Checkpoint, task: NeedleTask, *, batch_size: int = 8) -> ScoreResult:
     """Table 3 for one model at task.lengths[0] (the first length only)."""
     check_fits(task, checkpoint.tokenizer, checkpoint.model.config.max_seq_len)
-    probe = make_probe(checkpoint.model, span_scores)
     length = task.lengths[0]
     examples = [example for depth in task.depths for example in task.examples(checkpoint.tokenizer, length, depth)]
-    per_depth = {depth: {"answer": [], "noise": []} for depth in task.depths}
-    for chunk, ids in batches(examples, batch_size, checkpoint.model.config.max_seq_len):
+    return ScoreResult(task, *score_examples(checkpoint.model, examples, batch_size))
+
+
+def score_examples(model, examples: Sequence[NeedleExample], batch_size: int = 8):
+    """(answer, noise): depth -> [layers] mean scores over the examples at that depth (any task whose examples are
+    NeedleExamples: the needles', diffjax.analysis.recall's)."""
+    probe = make_probe(model, span_scores)
+    per_depth = {example.depth: {"answer": [], "noise": []} for example in examples}
+    for chunk, ids in batches(examples, batch_size, model.config.max_seq_len):
         rows = chunk + [chunk[0]] * (len(ids) - len(chunk))
         aux = {"rows": np.stack([row_labels(e, ids.shape[1]) for e in rows]),
                "keys": np.stack([key_labels(e, ids.shape[1]) for e in rows])}
@@ -82,8 +88,7 @@ def evaluate(checkpoint: common.Checkpoint, task: NeedleTask, *, batch_size: int
             scored = aux["rows"][b] >= 0
             for name in ("answer", "noise"):  # [layers]: mean over this sample's scored rows
                 per_depth[example.depth][name].append([float(np.asarray(layer[name])[b, scored].mean()) for layer in observed])
-    return ScoreResult(task, *({depth: np.mean(per_depth[depth][name], axis=0) for depth in task.depths}
-                               for name in ("answer", "noise")))
+    return tuple({depth: np.mean(scores[name], axis=0) for depth, scores in per_depth.items()} for name in ("answer", "noise"))
 
 
 def format_results(labels: Sequence[str], results: Sequence[ScoreResult]) -> str:

@@ -9,7 +9,7 @@ the queried pairs, answer spans = the values after the queries), scored teacher-
 (`needles.retrieved`), seeded by (seed, pairs, depth, index).
 
     from diffjax.analysis import recall
-    texts = recall.training_texts(ByteTokenizer(), 20000, pair_counts=(4, 8, 16, 32))   # the trainer's jsonl
+    documents = recall.training_documents(ByteTokenizer(), 20000, pair_counts=(4, 8, 16, 32))  # segments.to_json_line
     result = recall.evaluate(checkpoint, recall.RecallTask(pair_counts=(8, 16, 32)))
 """
 
@@ -23,6 +23,7 @@ import numpy as np
 
 from diffjax.analysis import common
 from diffjax.analysis.needles import DEPTHS, NeedleExample, accuracy_by_depth
+from diffjax.data.segments import Segments
 from diffjax.tokenizers import Tokenizer
 
 # Zoology's layout: each key directly followed by its value (letters, then digits), so retrieving is one
@@ -36,6 +37,11 @@ def make_example(tokenizer: Tokenizer, *, num_pairs: int, num_queries: int, dept
                  key_letters: int = 2, value_digits: int = 2) -> NeedleExample:
     """num_pairs distinct keys of key_letters lowercase letters with values of value_digits digits; the queries ask
     num_queries distinct keys, the first of them the pair at `depth` percent of the context."""
+    return _make(tokenizer, num_pairs, num_queries, depth, rng, key_letters, value_digits)[0]
+
+
+def _make(tokenizer, num_pairs, num_queries, depth, rng, key_letters, value_digits) -> tuple[NeedleExample, Segments]:
+    """The example and its text as segments (each piece encoded apart; the answers labelled)."""
     if not 1 <= num_queries <= num_pairs <= 26 ** key_letters:
         raise ValueError(f"need 1 <= queries ({num_queries}) <= pairs ({num_pairs}) <= {26 ** key_letters} keys of "
                          f"{key_letters} letters")
@@ -51,22 +57,17 @@ def make_example(tokenizer: Tokenizer, *, num_pairs: int, num_queries: int, dept
     order = list(rng.permutation(np.arange(1, num_pairs)))
     order.insert(round(depth / 100 * (num_pairs - 1)), 0)
     asked = [0] + [int(i) for i in rng.choice(np.arange(1, num_pairs), num_queries - 1, replace=False)]
-    encode = lambda text: np.asarray(tokenizer.encode(text), np.int32)  # noqa: E731
-    pieces, spans, position = [], {}, 0
-    for i in order:
-        lead, value = encode(PAIR.format(key=keys[i])), encode(values[i])
-        spans[i] = (position, position + len(lead) + len(value))
-        pieces += [lead, value]
-        position = spans[i][1]
-    context_end, answer_spans = position, []
-    for i in asked:
-        lead, value = encode(QUERY.format(key=keys[i])), encode(values[i])
-        answer_spans.append((position + len(lead), position + len(lead) + len(value)))
-        pieces += [lead, value]
-        position = answer_spans[-1][1]
+    segments = [(text, False) for i in order for text in (PAIR.format(key=keys[i]), values[i])]
+    segments += [(text, answer) for i in asked for text, answer in ((QUERY.format(key=keys[i]), False), (values[i], True))]
+    pieces = [np.asarray(tokenizer.encode(text), np.int32) for text, _ in segments]
+    ends = np.cumsum([len(piece) for piece in pieces])
+    starts = ends - [len(piece) for piece in pieces]
+    pair_spans = {i: (int(starts[2 * n]), int(ends[2 * n + 1])) for n, i in enumerate(order)}
+    answer_spans = tuple((int(starts[n]), int(ends[n])) for n in range(2 * num_pairs + 1, len(segments), 2))
     ids = np.concatenate(pieces)
-    return NeedleExample(ids, tokenizer.decode(ids), depth, context_end, tuple(spans[i] for i in asked),
-                         tuple(answer_spans), tuple(values[i] for i in asked))
+    example = NeedleExample(ids, tokenizer.decode(ids), depth, int(ends[2 * num_pairs - 1]),
+                            tuple(pair_spans[i] for i in asked), answer_spans, tuple(values[i] for i in asked))
+    return example, tuple(segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +89,22 @@ class RecallTask:
                 for index in range(self.samples)]
 
 
-def training_texts(tokenizer: Tokenizer, count: int, *, pair_counts: Sequence[int], max_queries: int = 4,
-                   key_letters: int = 2, value_digits: int = 2, seed: int = 1) -> list[str]:
-    """`count` training examples with pair counts drawn from pair_counts, 1..max_queries queries and any depth.
-    Use a seed other than the evaluation's (0): no evaluation sample is then trained on."""
+def training_documents(tokenizer: Tokenizer, count: int, *, pair_counts: Sequence[int], max_queries: int | None = None,
+                       key_letters: int = 2, value_digits: int = 2, seed: int = 1) -> list[Segments]:
+    """`count` training examples as segments documents (diffjax.data.segments: the loss counts the answers
+    alone, the rest being random keys and values no model can predict), with pair counts drawn from
+    pair_counts, 1..max_queries queries (None: as many as pairs) and any depth. Write them with
+    `segments.to_json_line` for the trainer's jsonl source. Use a seed other than the evaluation's (0): no
+    evaluation sample is then trained on."""
     rng = np.random.default_rng(seed)
-    texts = []
+    documents = []
     for _ in range(count):
         num_pairs = int(rng.choice(pair_counts))
-        example = make_example(tokenizer, num_pairs=num_pairs, num_queries=int(rng.integers(1, min(num_pairs, max_queries) + 1)),
-                               depth=int(rng.integers(0, 101)), rng=rng, key_letters=key_letters, value_digits=value_digits)
-        texts.append(example.text)
-    return texts
+        most = num_pairs if max_queries is None else min(num_pairs, max_queries)
+        _, segments = _make(tokenizer, num_pairs, int(rng.integers(1, most + 1)), int(rng.integers(0, 101)), rng,
+                            key_letters, value_digits)
+        documents.append(segments)
+    return documents
 
 
 @dataclasses.dataclass

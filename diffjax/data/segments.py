@@ -8,6 +8,7 @@ A plain string document is one labelled segment: every token counts, as before.
 
 from __future__ import annotations
 
+import json
 from typing import Callable, Union
 
 import numpy as np
@@ -27,6 +28,13 @@ def parse_segments(value, fail: Callable[[str], None]) -> Segments:
             fail(f"segments[{i}] must be {{'text': str, 'label': bool}}, got {segment!r:.120}")
         segments.append((segment["text"], segment["label"]))
     return tuple(segments)
+
+
+def to_json_line(document: Document) -> str:
+    """One jsonl line the jsonl source reads back as `document`."""
+    if isinstance(document, str):
+        return json.dumps({"text": document})
+    return json.dumps({"segments": [{"text": text, "label": label} for text, label in document]})
 
 
 def tokenize_document(tokenizer, document: Document, eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
