@@ -24,7 +24,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffjax.analysis import attention_scores, common, needles, outliers, quantization  # noqa: E402
-from diffjax.data import builtin_documents  # noqa: E402
+from diffjax.data import builtin_documents, builtin_held_out  # noqa: E402
 from diffjax.run_dir import RunDir  # noqa: E402
 from diffjax.tokenizers import ByteTokenizer  # noqa: E402
 from diffjax.train import train  # noqa: E402
@@ -68,7 +68,7 @@ def write_mix(mix: dict, data_dir: Path, seq_len: int) -> Path:
         raise ValueError(f"a needle example takes {longest} tokens + eos, more than data.seq_len {seq_len}: "
                          "lower mix.needle_lengths or mix.max_queries")
     # Held-out text for the outlier and quantization analyses: the stdlib files after the training ones.
-    held_out = builtin_documents(mix["text_bytes"] + mix["held_out_bytes"])[len(texts) :]
+    held_out = builtin_held_out(mix["text_bytes"], mix["held_out_bytes"])
     for name, documents in (("held_out.jsonl", held_out), ("mix.jsonl", texts + examples)):  # mix.jsonl last: done
         with open(data_dir / "tmp.jsonl", "w") as file:
             file.writelines(json.dumps({"text": text}) + "\n" for text in documents)

@@ -41,7 +41,7 @@ from variants import matched_mlp_dim  # noqa: E402
 
 from diffjax.analysis import attention_scores, common, outliers, quantization, recall  # noqa: E402
 from diffjax.analysis.probe import make_probe  # noqa: E402
-from diffjax.data import builtin_documents  # noqa: E402
+from diffjax.data import builtin_documents, builtin_held_out  # noqa: E402
 from diffjax.data.segments import to_json_line  # noqa: E402
 from diffjax.tokenizers import ByteTokenizer  # noqa: E402
 from diffjax.train.config import RunConfig, build_config, merge  # noqa: E402
@@ -102,7 +102,7 @@ def write_data(mix: dict, data_dir: Path, seq_len: int) -> Path:
         raise ValueError(f"a recall example takes {longest} tokens + eos, more than data.seq_len {seq_len}: "
                          "lower mix.pair_counts or mix.max_queries")
     texts = builtin_documents(mix["text_bytes"])
-    held_out = builtin_documents(mix["text_bytes"] + mix["held_out_bytes"])[len(texts):]
+    held_out = builtin_held_out(mix["text_bytes"], mix["held_out_bytes"])
     for name, lines in (("held_out.jsonl", held_out), ("mix.jsonl", documents + texts)):  # mix.jsonl last: done
         (data_dir / "tmp.jsonl").write_text("".join(to_json_line(line) + "\n" for line in lines))
         (data_dir / "tmp.jsonl").rename(data_dir / name)

@@ -10,6 +10,7 @@ import pytest
 
 from diffjax.data.config import DataConfig
 from diffjax.data import (
+    builtin_held_out,
     JsonlSource,
     TextFileSource,
     builtin_documents,
@@ -105,6 +106,13 @@ def test_builtin_documents_are_files_within_the_budget():
     sizes = [len(text.encode("utf-8")) for text in texts]
     assert sum(sizes[:-1]) < budget <= sum(sizes) + 8  # the last file is cut at the budget (+ U+FFFD slack)
     assert texts == builtin_documents(budget)  # stable
+
+
+@pytest.mark.parametrize("train_bytes", [150_000, 300_000])  # 150K: the cut file runs past 250K
+def test_builtin_held_out_text_follows_the_training_text_without_overlap(train_bytes):
+    train, held_out = builtin_documents(train_bytes), builtin_held_out(train_bytes, 100_000)
+    assert held_out and sum(len(text.encode()) for text in held_out) == 100_000
+    assert "".join(train) + "".join(held_out) == "".join(builtin_documents(train_bytes + 100_000))
 
 
 def test_split_is_disjoint_covering_stable_and_nested():

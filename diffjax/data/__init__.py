@@ -10,6 +10,7 @@
 from diffjax.data.builtin import (
     DEFAULT_CORPUS_BYTES,
     builtin_documents,
+    builtin_held_out,
     stdlib_source_files,
 )
 from diffjax.data.pipeline import BATCH_KEYS, make_eval_batches, make_train_dataset, pack_documents
@@ -24,6 +25,7 @@ __all__ = [
     "ParquetSource",
     "TextFileSource",
     "builtin_documents",
+    "builtin_held_out",
     "expand_paths",
     "is_eval_document",
     "make_eval_batches",

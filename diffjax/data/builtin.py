@@ -66,3 +66,12 @@ def builtin_documents(max_bytes: int = DEFAULT_CORPUS_BYTES, root: Path | None =
     if not documents:
         raise RuntimeError(f"found no readable .py files under {root or stdlib_dir()}")
     return documents
+
+
+def builtin_held_out(train_bytes: int, held_out_bytes: int, root: Path | None = None) -> list[str]:
+    """The `held_out_bytes` of the corpus that follow builtin_documents(train_bytes): the rest of the file that
+    budget cut, then whole files. No byte of it is in the training documents."""
+    train = builtin_documents(train_bytes, root)
+    both = builtin_documents(train_bytes + held_out_bytes, root)
+    rest_of_cut_file = both[len(train) - 1][len(train[-1]):]
+    return [text for text in [rest_of_cut_file, *both[len(train):]] if text]
