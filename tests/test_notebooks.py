@@ -85,7 +85,8 @@ def execute(notebook, env, workdir: Path):
 
 def test_there_are_notebooks():
     names = {p.name for p in NOTEBOOKS}
-    assert {"01_quickstart.ipynb", "02_port_a_pytorch_checkpoint.ipynb", "04_sharding.ipynb"} <= names, names
+    assert {"01_quickstart.ipynb", "02_port_a_pytorch_checkpoint.ipynb", "03_generate_and_analyse.ipynb",
+            "04_sharding.ipynb"} <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
