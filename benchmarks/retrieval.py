@@ -232,29 +232,26 @@ def summarize(figures: dict, values: dict) -> dict:
     return {"chance": chance, "models": summary, "verdicts": verdicts}
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + ["| " + " | ".join(row) + " |" for row in rows]
+
+
 def markdown(result: dict, values: dict) -> str:
-    models, verdicts, seeds = result["models"], result["verdicts"], values["seeds"]
-    labels = list(values["models"])
+    models, verdicts, labels = result["models"], result["verdicts"], list(values["models"])
     cell = lambda m: f"{m['mean']:.3f} ± {m['std']:.3f}"  # noqa: E731
-    lines = [f"# Retrieval reproduction ({len(seeds)} seeds per model; mean ± std over seeds)", "",
-             f"{result['setup']}", "",
-             "| metric | " + " | ".join(f"{label} ({models[label]['params'] / 1e3:.0f}K)" for label in labels)
-             + " | paper |", "|---" * (len(labels) + 2) + "|"]
-    for name, (what, better, _) in METRICS.items():
-        lines.append(f"| {what} {'↑' if better else '↓'} | " + " | ".join(cell(models[label][name]) for label in labels)
-                     + f" | {PAPER[name]} |")
-    lines += ["", f"Recall accuracy by pairs in context (chance {result['chance']:g}):", "",
-              "| pairs | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-    for axis, unit in (("recall_by_pairs", ""), ("recall_by_depth", "% depth")):
-        if axis == "recall_by_depth":
-            lines += ["", "Recall accuracy by depth of the first asked pair (mean over pair counts):", "",
-                      "| depth | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-        for key in models[labels[0]][axis]:
-            lines.append(f"| {key}{unit} | " + " | ".join(cell(models[label][axis][key]) for label in labels) + " |")
-    lines += ["", "Verdicts against the Transformer (reproduced: every seed better; reversed: every seed worse):", "",
-              "| claim | " + " | ".join(verdicts) + " |", "|---" * (len(verdicts) + 1) + "|"]
-    for name, (what, _, _) in METRICS.items():
-        lines.append(f"| {what} | " + " | ".join(verdicts[label][name] for label in verdicts) + " |")
+    lines = [f"# Retrieval reproduction ({len(values['seeds'])} seeds per model; mean ± std over seeds)", "",
+             result["setup"], ""]
+    lines += _table(["metric", *(f"{label} ({models[label]['params'] / 1e3:.0f}K)" for label in labels), "paper"],
+                    [[f"{what} {'↑' if better else '↓'}", *(cell(models[label][name]) for label in labels), PAPER[name]]
+                     for name, (what, better, _) in METRICS.items()])
+    for axis, title, unit in (("recall_by_pairs", f"by pairs in context (chance {result['chance']:g})", " pairs"),
+                              ("recall_by_depth", "by depth of the first asked pair (mean over pair counts)", "% depth")):
+        lines += ["", f"Recall accuracy {title}:", ""]
+        lines += _table(["", *labels], [[f"{key}{unit}", *(cell(models[label][axis][key]) for label in labels)]
+                                        for key in models[labels[0]][axis]])
+    lines += ["", "Verdicts against the Transformer (reproduced: every seed better; reversed: every seed worse):", ""]
+    lines += _table(["claim", *verdicts], [[what, *(verdicts[label][name] for label in verdicts)]
+                                          for name, (what, _, _) in METRICS.items()])
     return "\n".join(lines) + "\n"
 
 
