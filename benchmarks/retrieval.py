@@ -43,6 +43,7 @@ from diffjax.analysis import attention_scores, common, outliers, quantization, r
 from diffjax.analysis.probe import make_probe  # noqa: E402
 from diffjax.data import builtin_documents, builtin_held_out  # noqa: E402
 from diffjax.data.segments import to_json_line  # noqa: E402
+from diffjax.run_dir import RunDir  # noqa: E402
 from diffjax.tokenizers import ByteTokenizer  # noqa: E402
 from diffjax.train.config import RunConfig, build_config, merge  # noqa: E402
 
@@ -130,8 +131,7 @@ def run_configs(values: dict, data_path: Path, out_dir: Path) -> dict[tuple[str,
 
 
 def finished(config: RunConfig) -> bool:
-    checkpoints = Path(config.train.run_dir) / "checkpoints"
-    return checkpoints.is_dir() and str(config.train.steps) in {p.name for p in checkpoints.iterdir()}
+    return config.train.steps in RunDir(config.train.run_dir).steps()
 
 
 def train_all(configs: dict, jobs: int) -> dict[tuple[str, int], float]:
