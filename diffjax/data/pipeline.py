@@ -15,7 +15,7 @@ Batches are dicts of int32 arrays [batch_size, seq_len]:
   segment_ids  1, 2, ... for the documents (or pieces of a long document) in a row; 0 = padding
   positions    0, 1, ... restarting at every segment (0 in padding)
   loss_mask    1 where the token is a target the loss counts: every token of a text document, the labelled
-               segments' of a segments document (data.segments); 0 in padding
+               segments' of a segments document (diffjax.data.segments); 0 in padding
 Pass positions and segment_ids to TransformerLM so attention never crosses documents, and train
 with diffjax.losses.packed_next_token_loss so no target crosses a document or lands in padding.
 """

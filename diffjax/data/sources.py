@@ -127,7 +127,7 @@ def _line_number(path: str, offset: int) -> int:
 
 class JsonlSource:
     """One non-blank line = one document: the string in field `text_field` of the line's JSON object, or a
-    "segments" list whose labelled segments alone count in the loss (data.segments).
+    "segments" list whose labelled segments alone count in the loss (diffjax.data.segments).
 
     Each file's line-offset index is built by one streaming pass when the source is opened; a
     document is then one seek and one line read. A null field is an empty document (skipped by the
