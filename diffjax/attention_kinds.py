@@ -39,6 +39,7 @@ class AttentionKind:
     unilm_module: str | None = None  # microsoft/unilm's module class it loads from and exports to
     analyses: tuple[str, ...] = ANALYSES
     own_fields: dict = dataclasses.field(default_factory=dict)  # ModelConfig field -> (ModelConfig) -> its default
+    config_problems: Callable = lambda config: []  # (ModelConfig, sizes derived) -> what is invalid, one line each
 
     def __post_init__(self):
         if self.maps not in (1, 2):
@@ -117,6 +118,19 @@ def _standard_params(c) -> int:
     return 2 * D * H * d + 2 * D * K * d
 
 
+def _gda_params(c) -> int:
+    D, H, N, K, d = c.d_model, c.num_heads, c.num_noise_heads, c.num_kv_heads, c.head_dim
+    return D * (H + N) * d + 2 * D * K * 2 * d + H * 2 * d * D + _v1_vectors(c)  # q signal, q noise, k, v, o
+
+
+def _gda_problems(c) -> list[str]:
+    H, N, K = c.num_heads, c.num_noise_heads, c.num_kv_heads
+    if H % N or N % K:
+        return [f"num_noise_heads ({N}) must divide num_heads ({H}) and be a multiple of num_kv_heads ({K}) (each noise "
+                "head serves a whole group of signal heads, all reading one kv head)"]
+    return []
+
+
 _V1_FLOPS = lambda c, context: 12 * c.num_heads * c.head_dim * context  # noqa: E731  2 maps of d; P V of 2d
 
 for _kind in (
@@ -140,6 +154,15 @@ for _kind in (
         name="shared_diff", label="Shared DIFF", module="diffjax.model.attention.shared_diff:SharedDiffAttention",
         maps=2, value_width=2, lambda_form="per_layer", attention_params=_shared_diff_params, attention_flops=_V1_FLOPS,
         vector_params=_v1_vectors, own_fields={"shared_diff_rank": lambda c: max(1, c.d_model // 16)},
+    ),
+    AttentionKind(
+        # The FLOPs count the GDA's own maps, H signal and N noise (6 d c each: q k^T of d, P V of 2d); diffjax
+        # computes a noise map once per signal head (one ops.diff_attention call), H / N times the noise maps' FLOPs.
+        name="gda", label="GDA", module="diffjax.model.attention.gda:GroupedDiffAttention", maps=2, value_width=2,
+        lambda_form="per_layer", attention_params=_gda_params,
+        attention_flops=lambda c, context: 6 * (c.num_heads + c.num_noise_heads) * c.head_dim * context,
+        vector_params=_v1_vectors, hf_model_type="motif", hf_architecture="MotifForCausalLM",
+        own_fields={"num_noise_heads": lambda c: c.num_kv_heads}, config_problems=_gda_problems,
     ),
 ):
     register(_kind)

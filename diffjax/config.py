@@ -10,6 +10,8 @@ diffjax/model/attention/ says what it computes):
                  per-token lambda = sigmoid(x W_lambda); no per-head norm, no lambda_init
   "shared_diff"  Shared DIFF Transformer (arXiv:2501.17900): V1 whose two maps' q (and k) projections are one
                  shared base plus a low-rank update each, rank `shared_diff_rank`
+  "gda"          Grouped Differential Attention (arXiv:2510.06949; Motif-2-12.7B): V1 with fewer noise heads than
+                 signal heads, `num_noise_heads` of them, each serving num_heads / num_noise_heads signal heads
 """
 
 from __future__ import annotations
@@ -20,20 +22,20 @@ from typing import Any
 
 from diffjax import attention_kinds
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (diffjax.model.layers.polynorm)
 ROPE_STYLES = ("interleaved", "rotate_half")
 ROPE_TYPES = ("default", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "minimal", "attention", "full")  # what a decoder block keeps for the backward pass
 # Fields that change how the model computes, not what it computes: a run may resume with others.
 RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")
-_KIND_FIELDS = ("shared_diff_rank",)  # ModelConfig fields that belong to some kinds (AttentionKind.own_fields)
+_KIND_FIELDS = ("shared_diff_rank", "num_noise_heads")  # ModelConfig fields that belong to some kinds (AttentionKind.own_fields)
 MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
 
 
-def lambda_init_for_depth(depth: int) -> float:
-    """The paper's schedule, with depth counted from 0 (first layer: 0.2)."""
-    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+def lambda_init_for_depth(depth: int, offset: int = 0) -> float:
+    """The paper's schedule, with depth counted from 0 (first layer: 0.2); offset shifts the depth (Motif's -1)."""
+    return 0.8 - 0.6 * math.exp(-0.3 * (depth + offset))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +48,9 @@ class ModelConfig:
     head_dim: int | None = None  # None: d_model / (value_width num_heads) (value_width: 2 for diff and shared_diff, else 1)
     mlp_dim: int | None = None  # None: 8/3 d_model rounded to a multiple of MLP_MULTIPLE
     attention: str = "diff"  # one of attention_kinds.names() (module docstring)
-    activation: str = "silu"  # gate activation of the gated MLP (SwiGLU with silu)
-    norm_eps: float = 1e-5  # block RMSNorms and the per-head subln
+    activation: str = "silu"  # gate activation of the gated MLP (SwiGLU with silu; "polynorm": Motif's PolyNorm)
+    norm_eps: float = 1e-5  # block RMSNorms (and the per-head subln unless subln_eps is given)
+    subln_eps: float | None = None  # the per-head subln of V1-style kinds; None: norm_eps (Motif: attn_rms_norm_eps)
     tie_embeddings: bool = False
     max_seq_len: int = 2048
     # RoPE. "interleaved" is GPT-J / unilm (the canonical layout); "rotate_half" is NeoX / HF.
@@ -59,10 +62,16 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_len: int = 8192  # llama3 only
     # Differential attention.
-    lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 depth); a float: the same for every layer
+    lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 (depth + lambda_init_depth_offset)); a float: every layer's
+    # The paper, unilm and HF DiffLlama count depth from 0 (offset 0); Motif's code from -1 (offset -1: its first layer's
+    # lambda_init is -0.0099, its checkpoints were trained so).
+    lambda_init_depth_offset: int = 0
     lambda_std: float = 0.1  # init std of lambda_q1, lambda_k1, lambda_q2, lambda_k2
     # Shared DIFF: rank r of the low-rank q / k updates; None: d_model // 16 (the paper's 830M and 1.4B ranks).
     shared_diff_rank: int | None = None
+    # GDA: noise heads, each shared by num_heads / num_noise_heads signal heads (a multiple of num_kv_heads that
+    # divides num_heads); None: num_kv_heads, one per kv head. num_noise_heads = num_heads computes V1 exactly.
+    num_noise_heads: int | None = None
     # Sliding-window attention (every kind): each query sees its `attention_window` latest keys, itself included
     # (None: the whole causal context). flash-attn / unilm flashdiff's window_size=(W - 1, 0); HF Mistral's
     # sliding_window=W. global_layers: 0-based indices of layers that attend the whole context anyway (Gemma and
@@ -96,7 +105,7 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):
             value = getattr(self, name)
             check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_kv_heads", "head_dim", "mlp_dim", "shared_diff_rank"):
+        for name in ("num_kv_heads", "head_dim", "mlp_dim", "shared_diff_rank", "num_noise_heads"):
             value = getattr(self, name)
             check(
                 value is None or (isinstance(value, int) and value > 0),
@@ -140,6 +149,9 @@ class ModelConfig:
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         check(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps!r}")
+        check(self.subln_eps is None or self.subln_eps > 0, f"subln_eps must be None (norm_eps) or > 0, got {self.subln_eps!r}")
+        check(isinstance(self.lambda_init_depth_offset, int) and not isinstance(self.lambda_init_depth_offset, bool),
+              f"lambda_init_depth_offset must be an integer, got {self.lambda_init_depth_offset!r}")
         check(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta!r}")
         check(self.init_std > 0, f"init_std must be > 0, got {self.init_std!r}")
         check(self.lambda_std >= 0, f"lambda_std must be >= 0, got {self.lambda_std!r}")
@@ -186,6 +198,9 @@ class ModelConfig:
         for name, default in kind.own_fields.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default(self))
+        problems = kind.config_problems(self)
+        if problems:
+            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
     # ----------------------------------------------------------------------------------------
 
@@ -224,7 +239,14 @@ class ModelConfig:
         return window - window * window / (2 * seq_len)
 
     def lambda_init_at(self, depth: int) -> float:
-        return lambda_init_for_depth(depth) if self.lambda_init is None else float(self.lambda_init)
+        if self.lambda_init is not None:
+            return float(self.lambda_init)
+        return lambda_init_for_depth(depth, self.lambda_init_depth_offset)
+
+    @property
+    def subln_norm_eps(self) -> float:
+        """The epsilon of the per-head subln (subln_eps, or norm_eps when that is None)."""
+        return self.norm_eps if self.subln_eps is None else float(self.subln_eps)
 
     @property
     def num_query_groups(self) -> int:
@@ -234,7 +256,8 @@ class ModelConfig:
     def param_counts(self) -> dict[str, int]:
         """Parameters per part, counted from the shapes (tied embeddings count once)."""
         D, F = self.d_model, self.mlp_dim
-        per_layer = attention_kinds.get(self.attention).attention_params(self) + 3 * D * F + 2 * D
+        polynorm = 4 if self.activation == "polynorm" else 0  # its 3 weights and bias
+        per_layer = attention_kinds.get(self.attention).attention_params(self) + 3 * D * F + 2 * D + polynorm
         return {
             "embedding": self.vocab_size * D,
             "layers": self.num_layers * per_layer,

@@ -1,6 +1,7 @@
-"""diffjax models -> Hugging Face DiffLlama / Llama directories (the inverse of diffjax.convert.hf).
+"""diffjax models -> Hugging Face DiffLlama / Llama / Motif directories (the inverse of diffjax.convert.hf).
 
-`attention: diff` becomes `diffllama` and `attention: standard` becomes `llama`. Export undoes
+`attention: diff` becomes `diffllama` (`motif` with PolyNorm or Motif's lambda schedule), `attention: gda`
+becomes `motif` and `attention: standard` becomes `llama`. Export undoes
 load_hf's re-layout exactly (head regrouping, q/k channel permutation, transposes), so HF ->
 diffjax -> HF is bit-exact. diffjax's learnable subln scale has no counterpart in DiffLlama
 (its per-head norm has no weight): it is folded into o_proj's columns (exact: the norm is per head), which
@@ -23,12 +24,14 @@ from flax import nnx
 
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig, lambda_init_for_depth
+from diffjax.convert import motif
 from diffjax.convert.common import ConversionError, flatten, path_name, prepare_output_dir
-from diffjax.convert.hf import MODEL_TYPES, is_diffllama, stacked_path, weight_table
+from diffjax.convert.hf import hf_model_type, is_diffllama, stacked_path, weight_table
 from diffjax.convert.safetensors_io import write_safetensors
 from diffjax.model.rope import interleaved_from_rotate_half
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+_MOTIF_ACTIVATIONS = {**_ACTIVATIONS, "polynorm": "poly_norm"}
 # Files an export writes (and --overwrite may replace); anything else in the directory is left alone.
 HF_OUTPUT_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
                    "pytorch_model.bin.index.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
@@ -39,26 +42,33 @@ _DERIVED_FIELDS = {
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
     "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_parameters", "rope_theta",
     "rope_scaling", "dtype", "torch_dtype", "lambda_std_dev", "transformers_version", "attention_dropout",
+    "num_noise_heads", "attn_rms_norm_eps", "use_bias", "k_ratio",
 }
 
 
 def check_exportable(config: ModelConfig) -> None:
-    """Raise ConversionError naming each setting of `config` that HF DiffLlama / Llama cannot express."""
+    """Raise ConversionError naming each setting of `config` that its HF format (DiffLlama, Llama, Motif) cannot express."""
     problems = []
-    kind = attention_kinds.get(config.attention)
-    if kind.hf_model_type not in MODEL_TYPES:
+    model_type = hf_model_type(config)
+    if model_type is None:
         counterparts = [f"{k.hf_architecture.removesuffix('ForCausalLM')} (attention {k.name!r})"
-                        for k in map(attention_kinds.get, attention_kinds.names()) if k.hf_model_type in MODEL_TYPES]
-        problems.append(f"attention={config.attention!r}: Hugging Face has {' and '.join(counterparts)} only")
-    if kind.lambda_form == "per_layer" and config.lambda_init is not None:
+                        for k in map(attention_kinds.get, attention_kinds.names()) if k.hf_model_type]
+        problems.append(f"attention={config.attention!r}: Hugging Face has {', '.join(counterparts)} only")
+    if model_type == motif.MODEL_TYPE:
+        problems += motif.export_problems(config)
+    elif model_type == "diffllama" and config.subln_eps not in (None, config.norm_eps):
+        problems.append(f"subln_eps={config.subln_eps}: HF DiffLlama's per-head norm uses rms_norm_eps "
+                        f"(norm_eps={config.norm_eps})")
+    if model_type == "diffllama" and config.lambda_init is not None:
         schedule = [lambda_init_for_depth(i) for i in range(config.num_layers)]
         if any(abs(config.lambda_init - value) > 1e-12 for value in schedule):
             problems.append(
                 f"lambda_init={config.lambda_init} (one constant for every layer): HF DiffLlama always uses "
                 "lambda_init = 0.8 - 0.6 exp(-0.3 layer_idx); only lambda_init=None (that schedule) can be exported"
             )
-    if config.activation not in _ACTIVATIONS:
-        problems.append(f"activation={config.activation!r}: HF exports support {sorted(_ACTIVATIONS)}")
+    activations = _MOTIF_ACTIVATIONS if model_type == motif.MODEL_TYPE else _ACTIVATIONS
+    if config.activation not in activations:
+        problems.append(f"activation={config.activation!r}: HF {model_type} exports support {sorted(activations)}")
     if config.attention_window is not None:
         problems.append(f"attention_window={config.attention_window}: HF DiffLlama and Llama attend the whole context "
                         "(they have no sliding window); a model trained with one would compute something else there")
@@ -86,14 +96,14 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
     initializer_range, ...) are kept when it describes the same model_type."""
     check_exportable(config)
     kind = attention_kinds.get(config.attention)
-    model_type = kind.hf_model_type
+    model_type = hf_model_type(config)
     heads = kind.maps  # HF counts DiffLlama's sub-heads
     values = {k: v for k, v in (base or {}).items() if k not in _DERIVED_FIELDS} if (base or {}).get("model_type") == model_type else {}
     values.setdefault("initializer_range", float(config.init_std))
     values.setdefault("use_cache", True)
     dtype = dtype or config.param_dtype
     values.update(
-        architectures=[kind.hf_architecture],
+        architectures=[motif.ARCHITECTURE if model_type == motif.MODEL_TYPE else kind.hf_architecture],
         model_type=model_type,
         vocab_size=config.vocab_size,
         hidden_size=config.d_model,
@@ -102,7 +112,7 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
         num_attention_heads=heads * config.num_heads,
         num_key_value_heads=heads * config.num_kv_heads,
         head_dim=config.head_dim,
-        hidden_act=_ACTIVATIONS[config.activation],
+        hidden_act=_MOTIF_ACTIVATIONS[config.activation],
         max_position_embeddings=config.max_seq_len,
         rms_norm_eps=float(config.norm_eps),
         tie_word_embeddings=bool(config.tie_embeddings),
@@ -112,7 +122,9 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
         torch_dtype=dtype,
         **_rope_config(config),
     )
-    if is_diffllama(config):
+    if model_type == motif.MODEL_TYPE:
+        values.update(motif.export_fields(config))
+    elif is_diffllama(config):
         values["lambda_std_dev"] = float(config.lambda_std)
     else:
         values.update(mlp_bias=False, pretraining_tp=1)
@@ -170,6 +182,8 @@ def _inverse(config: ModelConfig, path: tuple, read, read_layer):
     else:
         get = lambda: np.asarray(read(path))  # noqa: E731
     if path[0] == "blocks" and path[2] == "attn":
+        if hf_model_type(config) == motif.MODEL_TYPE:
+            return motif.attention_inverse(name, get, permute)
         if is_diffllama(config):
             if name in ("q_kernel", "k_kernel"):
                 return lambda: _qk_to_hf(get(), permute)

@@ -1,5 +1,5 @@
-"""Hugging Face DiffLlama / Llama directories -> diffjax models (transformers' `modeling_diffllama.py` / `modeling_llama.py`);
-the inverse is diffjax.convert.export.
+"""Hugging Face DiffLlama / Llama / Motif directories -> diffjax models (transformers' `modeling_diffllama.py` /
+`modeling_llama.py`; Motif's in diffjax.convert.motif); the inverse is diffjax.convert.export.
 
 HF orders the two maps of a differential head as halves (sub-heads j and j + nH/2) and uses
 rotate_half RoPE; diffjax keeps unilm's interleaved layout. Loading regroups the heads and
@@ -20,6 +20,7 @@ from flax import nnx
 
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
+from diffjax.convert import motif
 from diffjax.convert.common import ConversionError, build_module, to_numpy
 from diffjax.convert.hf_files import HFWeights
 from diffjax.model.rope import interleaved_from_rotate_half
@@ -27,17 +28,27 @@ from diffjax.model.transformer import TransformerLM
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("diffllama", "llama")  # the HF formats whose weights this module maps (attention_kinds.hf_model_type)
+MODEL_TYPES = ("diffllama", "llama", "motif")  # the HF formats whose weights this module maps
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-_DEFAULT_EPS = {"diffllama": 1e-5, "llama": 1e-6}
+_MOTIF_ACTIVATIONS = {**_ACTIVATIONS, "poly_norm": "polynorm"}
+_DEFAULT_EPS = {"diffllama": 1e-5, "llama": 1e-6, "motif": motif.DEFAULT_NORM_EPS}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Buffers some checkpoints carry that are recomputed from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def hf_model_type(config: ModelConfig) -> str | None:
+    """The HF model_type `config` reads from and writes to: its attention kind's (attention_kinds.hf_model_type),
+    except that DIFF V1 with Motif's MLP or lambda schedule is Motif's (None: no HF counterpart)."""
+    model_type = attention_kinds.get(config.attention).hf_model_type
+    if model_type == "diffllama" and (config.activation == "polynorm" or config.lambda_init_depth_offset != 0):
+        return motif.MODEL_TYPE
+    return model_type
+
+
 def is_diffllama(config: ModelConfig) -> bool:
-    """Whether `config`'s attention kind is HF DiffLlama's (else Llama's: check_exportable refuses the rest)."""
-    return attention_kinds.get(config.attention).hf_model_type == "diffllama"
+    """Whether `config`'s weights map as HF DiffLlama's."""
+    return hf_model_type(config) == "diffllama"
 
 
 def _rope_fields(hf: dict) -> dict:
@@ -84,17 +95,22 @@ def config_from_hf(hf: dict, *, dtype=None, param_dtype=None) -> ModelConfig:
         if hf.get(flag):
             raise ConversionError(f"config.json: {flag}=true is not supported (diffjax layers have no biases)")
     act = hf.get("hidden_act", "silu")
-    if act not in _ACTIVATIONS:
-        raise ConversionError(f"config.json: hidden_act {act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+    activations = _MOTIF_ACTIVATIONS if model_type == motif.MODEL_TYPE else _ACTIVATIONS
+    if act not in activations:
+        raise ConversionError(f"config.json: hidden_act {act!r} is not supported; supported: {sorted(activations)}")
     if hf.get("attention_dropout"):
         log.warning("config.json: attention_dropout=%s is a training setting diffjax does not have; the weights "
                     "convert exactly and inference is unaffected", hf["attention_dropout"])
     n_heads = hf["num_attention_heads"]
     n_kv = hf.get("num_key_value_heads") or n_heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-    extra = {}
+    extra = {"norm_eps": float(hf.get("rms_norm_eps", _DEFAULT_EPS[model_type]))}
     kind = attention_kinds.for_hf_model_type(model_type)
-    if kind.maps == 2:  # HF counts DiffLlama's sub-heads: two per differential head
+    if model_type == motif.MODEL_TYPE:
+        extra.update(motif.config_fields(hf))
+        kind = attention_kinds.get(extra.pop("attention"))
+        n_heads, n_kv, head_dim = extra.pop("num_heads"), extra.pop("num_kv_heads"), extra.pop("head_dim")
+    elif kind.maps == 2:  # HF counts DiffLlama's sub-heads: two per differential head
         if n_heads % 2 or n_kv % 2:
             raise ConversionError(
                 f"config.json: DiffLlama needs even num_attention_heads and num_key_value_heads "
@@ -116,8 +132,7 @@ def config_from_hf(hf: dict, *, dtype=None, param_dtype=None) -> ModelConfig:
             head_dim=head_dim,
             mlp_dim=hf["intermediate_size"],
             attention=kind.name,
-            activation=_ACTIVATIONS[act],
-            norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_EPS[model_type])),
+            activation=activations[act],
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_seq_len=int(hf.get("max_position_embeddings", 2048)),
             dtype=dtype,
@@ -181,8 +196,13 @@ def weight_table(config: ModelConfig):
             (hf + "mlp.up_proj.weight", (F, D), ours + ("mlp", "up_kernel"), T),
             (hf + "mlp.down_proj.weight", (D, F), ours + ("mlp", "down_kernel"), T),
         ]
+        if config.activation == "polynorm":
+            table += [(hf + "mlp.act_fn.weight", (3,), ours + ("mlp", "polynorm_weight"), None),
+                      (hf + "mlp.act_fn.bias", (1,), ours + ("mlp", "polynorm_bias"), None)]
         attn, att = hf + "self_attn.", ours + ("attn",)
-        if is_diffllama(config):
+        if hf_model_type(config) == motif.MODEL_TYPE:
+            table += motif.attention_rows(config, attn, att, permute)
+        elif is_diffllama(config):
             table += [
                 (attn + "q_proj.weight", (2 * H * d, D), att + ("q_kernel",), lambda w: _qk_from_hf(w, H, d, permute)),
                 (attn + "k_proj.weight", (2 * K * d, D), att + ("k_kernel",), lambda w: _qk_from_hf(w, K, d, permute)),

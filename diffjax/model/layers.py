@@ -80,8 +80,29 @@ _ACTIVATIONS = {
 }
 
 
+POLYNORM_EPS = 1e-6  # Motif's (vLLM's PolyNorm default, which Motif's MLP keeps)
+
+
+def polynorm(x, weight_3, bias_1):
+    """PolyNorm (Zhuo et al., arXiv:2411.03884; Motif's MLP activation):
+    w0 N(x^3) + w1 N(x^2) + w2 N(x) + b, N(z) = z / sqrt(mean(z^2) + 1e-6) over the last axis, in float32 (with
+    the weights and bias) and returned in x's dtype, as vLLM's PolyNorm.forward_native computes it."""
+    x32 = x.astype(jnp.float32)
+    x2 = x32 * x32
+    x3 = x2 * x32
+    w, b = weight_3.astype(jnp.float32), bias_1.astype(jnp.float32)
+
+    def norm(z, mean_square):
+        return z / jnp.sqrt(mean_square + POLYNORM_EPS)
+
+    mean = functools.partial(jnp.mean, axis=-1, keepdims=True)
+    out = w[0] * norm(x3, mean(x3 * x3)) + w[1] * norm(x2, mean(x2 * x2)) + w[2] * norm(x32, mean(x2)) + b
+    return out.astype(x.dtype)
+
+
 class GatedMLP(nnx.Module):
-    """down(act(x gate) * (x up)): SwiGLU with the default silu."""
+    """down(act(x gate) * (x up)): SwiGLU with the default silu; with "polynorm" the activation has parameters
+    (polynorm_weight [3], initially 1/3 each, and polynorm_bias [1], initially 0; Motif's act_fn.weight / .bias)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         D, F, std, pdt = config.d_model, config.mlp_dim, config.init_std, config.param_dtype
@@ -89,12 +110,20 @@ class GatedMLP(nnx.Module):
         self.gate_kernel = normal_param(rngs, (D, F), std, pdt, ("embed", "mlp"))
         self.up_kernel = normal_param(rngs, (D, F), std, pdt, ("embed", "mlp"))
         self.down_kernel = normal_param(rngs, (F, D), std, pdt, ("mlp", "embed"))
+        if config.activation == "polynorm":
+            self.polynorm_weight = nnx.Param(jnp.full((3,), 1 / 3, pdt), logical_axes=(None,))
+            self.polynorm_bias = nnx.Param(jnp.zeros((1,), pdt), logical_axes=(None,))
+
+    def activate(self, gate_BTF):
+        if self.activation == "polynorm":
+            return polynorm(gate_BTF, self.polynorm_weight[...], self.polynorm_bias[...])
+        return _ACTIVATIONS[self.activation](gate_BTF)
 
     def __call__(self, x_BTD):
         dtype = x_BTD.dtype
         gate_BTF = x_BTD @ self.gate_kernel[...].astype(dtype)
         up_BTF = x_BTD @ self.up_kernel[...].astype(dtype)
-        hidden_BTF = constrain(_ACTIVATIONS[self.activation](gate_BTF) * up_BTF, ("batch", "length", "act_mlp"))
+        hidden_BTF = constrain(self.activate(gate_BTF) * up_BTF, ("batch", "length", "act_mlp"))
         return constrain(hidden_BTF @ self.down_kernel[...].astype(dtype), ("batch", "length", "act_embed"))
 
 

@@ -44,7 +44,9 @@ PEAK_FLOPS = (
 def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the LM head counts even when tied)."""
     D = config.d_model
-    vectors_per_layer = 2 * D + attention_kinds.get(config.attention).vector_params(config)  # norms; the attention's
+    polynorm = 4 if config.activation == "polynorm" else 0
+    # norms; the attention's; PolyNorm's weights and bias
+    vectors_per_layer = 2 * D + attention_kinds.get(config.attention).vector_params(config) + polynorm
     return config.param_counts()["layers"] - config.num_layers * vectors_per_layer + D * config.vocab_size
 
 

@@ -85,7 +85,7 @@ class DiffAttention(AttentionModule):
     def output(self, o_BTHv, constants):
         """Per-head RMSNorm over 2d (one scale shared by all heads), the fixed (1 - lambda_init), out projection."""
         dtype = o_BTHv.dtype
-        o_BTHv = rms_normalize(o_BTHv, self.config.norm_eps) * self.subln_scale[...].astype(dtype)
+        o_BTHv = rms_normalize(o_BTHv, self.config.subln_norm_eps) * self.subln_scale[...].astype(dtype)
         # PyTorch multiplies a bf16 tensor by a Python float in float32 without rounding the scalar to
         # bf16 first (one rounding at the end); rounding (1 - lambda_init) to bf16 would bias every output
         # (0.8 -> 0.80078 at depth 0). Exact no-op in float32.

@@ -1,0 +1,60 @@
+"""Grouped Differential Attention (GDA; Lim et al., arXiv:2510.06949; Motif-2-12.7B).
+
+Differential attention V1 (lambda, lambda_init, per-head RMSNorm over 2d, (1 - lambda_init), values 2d wide)
+with fewer noise maps than signal maps: H signal heads and N noise heads (N divides H), signal head s
+subtracting noise head s // (H / N)'s map, both reading kv head s // (H / K):
+
+    o_s = A(q_s, k1) V - lambda A(q_noise[s // (H / N)], k2) V,    V = [v1 | v2] of the kv head
+
+N = H is V1. Kernels: q (D, N, G + 1, d) in groups of G = H / N, group n holding signal heads n G ... n G + G - 1
+then noise head n (Motif's q_proj stripe; with N = H it is V1's q (D, H, 2, d)), and V1's k (D, Hkv, 2, d),
+v (D, Hkv, 2d) and o (H, 2d, D). The op is V1's one ops.diff_attention call, its second map's queries each
+noise query repeated over its signal heads: exact (the repeated maps are the same numbers), at the cost of
+computing each noise map H / N times (attention_kinds counts the GDA's own H + N maps for MFU).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from diffjax.config import ModelConfig
+from diffjax.model.attention.diff import DiffAttention
+from diffjax.model.layers import normal_param, ones_param
+from diffjax.model.rope import apply_rope
+from diffjax.sharding import constrain
+
+
+class GroupedDiffAttention(DiffAttention):
+    """GDA for the layer at 0-based `depth` (None: a layer of a stack, as DiffAttention). Inherits everything from
+    DiffAttention except its query parameters and `project`."""
+
+    def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
+        D, H, N, K, d = config.d_model, config.num_heads, config.num_noise_heads, config.num_kv_heads, config.head_dim
+        std, pdt = config.init_std, config.param_dtype
+        self.config = config
+        self.lambda_init = None if depth is None else config.lambda_init_at(depth)
+        self.q_kernel = normal_param(rngs, (D, N, H // N + 1, d), std, pdt, ("embed", "heads", None, "head_dim"))
+        self.k_kernel = normal_param(rngs, (D, K, 2, d), std, pdt, ("embed", "kv_heads", None, "head_dim"))
+        self.v_kernel = normal_param(rngs, (D, K, 2 * d), std, pdt, ("embed", "kv_heads", "head_dim"))
+        self.o_kernel = normal_param(rngs, (H, 2 * d, D), std, pdt, ("heads", "head_dim", "embed"))
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            setattr(self, name, normal_param(rngs, (d,), config.lambda_std, pdt, ("head_dim",)))
+        self.subln_scale = ones_param((2 * d,), pdt, ("head_dim",))
+
+    def project(self, x_BTD, rope_cos_sin):
+        """(q [B, T, H, 2, d], k [B, S, Hkv, 2, d], v [B, S, Hkv, 2d]) with q and k rotated; q[:, :, s, 1] is noise
+        head s // (H / N)'s query."""
+        dtype, (cos, sin) = x_BTD.dtype, rope_cos_sin
+        B, T, _ = x_BTD.shape
+        H, N = self.config.num_heads, self.config.num_noise_heads
+        q_BTNgd = jnp.einsum("btD,Dngd->btngd", x_BTD, self.q_kernel[...].astype(dtype))
+        signal_BTHd = q_BTNgd[:, :, :, :-1].reshape(B, T, H, -1)
+        noise_BTHd = jnp.repeat(q_BTNgd[:, :, :, -1], H // N, axis=2)  # signal head s -> noise head s // (H / N)
+        q_BTH2d = constrain(jnp.stack([signal_BTHd, noise_BTHd], axis=3), ("batch", "length", "act_heads", None, None))
+        k_BSK2d = jnp.einsum("bsD,DkGd->bskGd", x_BTD, self.k_kernel[...].astype(dtype))
+        v_BSKv = jnp.einsum("bsD,Dkv->bskv", x_BTD, self.v_kernel[...].astype(dtype))
+        k_BSK2d = constrain(k_BSK2d, ("batch", "length", "act_kv_heads", None, None))
+        v_BSKv = constrain(v_BSKv, ("batch", "length", "act_kv_heads", None))
+        style = self.config.rope_style
+        return apply_rope(q_BTH2d, cos, sin, style), apply_rope(k_BSK2d, cos, sin, style), v_BSKv
