@@ -49,9 +49,10 @@ def _packed_batch():
 
 
 def test_the_table_names_the_built_in_kinds():
-    assert set(KINDS) >= {"diff", "standard", "diff_v2", "shared_diff"}
+    assert set(KINDS) >= {"diff", "standard", "diff_v2", "shared_diff", "gda"}
     assert attention_kinds.for_hf_model_type("diffllama").name == "diff"
     assert attention_kinds.for_hf_model_type("llama").name == "standard"
+    assert attention_kinds.for_hf_model_type("motif").name == "gda"
     with pytest.raises(ValueError, match=r"attention must be one of \(.*'diff'.*\), got 'nope'"):
         attention_kinds.get("nope")
     with pytest.raises(ValueError, match="two maps need a lambda and one map none"):
@@ -103,6 +104,8 @@ def test_kind_walks_through_diffjax(name, models, measured):
 def test_kind_round_trips_through_its_hf_format(name, models, tmp_path):
     pytest.importorskip("safetensors")
     model = models[name]
+    if attention_kinds.get(name).hf_model_type == "motif":  # Motif's format holds its own lambda schedule only
+        model = TransformerLM(model.config.replace(lambda_init_depth_offset=-1), rngs=nnx.Rngs(0))
     out = diffjax.save_hf(model, tmp_path / "hf")
     back = diffjax.load_hf(out)
     assert back.config.attention == name

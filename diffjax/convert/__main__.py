@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffjax.convert", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    p = commands.add_parser("hf-to-diffjax", help="HF directory (diffllama / llama) -> diffjax run directory")
+    p = commands.add_parser("hf-to-diffjax", help="HF directory (diffllama / llama / motif) -> diffjax run directory")
     p.add_argument("src", help="local HF directory: config.json + safetensors (or pytorch_model*.bin)")
     p.add_argument("dst", help="new or empty directory for the diffjax run directory (config.yaml + Orbax checkpoint)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="parameter dtype (default: the checkpoint's)")
@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=4, help="number of random prompts (default 4)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per prompt (default 64)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the modeling code SRC ships (needed for Motif; executes SRC's Python files)")
     return parser
 
 
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
         else:
             from diffjax.convert.verify import verify
             result = verify(args.src, diffjax_path=args.diffjax, dtype=args.dtype, prompts=args.prompts,
-                            seq_len=args.seq_len, seed=args.seed)
+                            seq_len=args.seq_len, seed=args.seed, trust_remote_code=args.trust_remote_code)
             print(result.report())
             return 0 if result.passed else 1
     except (ConversionError, ValueError, FileNotFoundError, FileExistsError) as error:

@@ -90,12 +90,13 @@ def _diff(ours, reference) -> tuple[float, float]:
     return abs_diff, abs_diff / max(float(np.abs(reference).max()), 1e-30)
 
 
-def _torch_run(src: Path, dtype: str, tokens: np.ndarray):
+def _torch_run(src: Path, dtype: str, tokens: np.ndarray, trust_remote_code: bool):
     """Hidden states after the embedding, each decoder layer and the final norm, and the logits."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype), attn_implementation="eager",
+                                                 trust_remote_code=trust_remote_code).eval()
     captured: list[np.ndarray] = []
 
     def keep(_module, _inputs, output):
@@ -163,11 +164,14 @@ def verify(
     seq_len: int = 64,
     seed: int = 0,
     model: TransformerLM | None = None,
+    trust_remote_code: bool = False,
 ) -> VerifyResult:
     """Compare the HF directory `src` under transformers with diffjax on random prompts.
 
     The diffjax side is `model` if given, else the run directory / checkpoint `diffjax_path`
     (e.g. the output of hf-to-diffjax), else `src` converted in memory by load_hf. Both run in `dtype`.
+    trust_remote_code: let transformers run the modeling code `src` ships (its config.json's auto_map), as models
+    transformers does not build in need (Motif's); that executes the directory's Python files.
     """
     if dtype not in TOLERANCES:
         raise ConversionError(f"verify: dtype must be one of {tuple(TOLERANCES)}, got {dtype!r}")
@@ -183,9 +187,13 @@ def verify(
             f"verify: the diffjax model (vocab_size {config.vocab_size}, {config.num_layers} layers) is not a "
             f"conversion of {src} (vocab_size {hf.get('vocab_size')}, {hf.get('num_hidden_layers')} layers)"
         )
+    if hf.get("model_type") == "motif" and not trust_remote_code:
+        raise ConversionError(f"verify: transformers has no Motif model built in; {src}'s own modeling code (its "
+                              "config.json's auto_map) runs with trust_remote_code=True (--trust-remote-code), which "
+                              "executes that directory's Python files")
     seq_len = min(seq_len, config.max_seq_len, int(hf.get("max_position_embeddings", seq_len)))
     tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (prompts, seq_len), dtype=np.int32)
-    ref_stages, ref_logits = _torch_run(src, dtype, tokens)
+    ref_stages, ref_logits = _torch_run(src, dtype, tokens, trust_remote_code)
     our_stages, our_logits = _diffjax_run(model, tokens)
     names = ["embeddings"] + [f"layer {i}" for i in range(config.num_layers)] + ["final norm"]
     stages = [(name, *_diff(ours, ref)) for name, ours, ref in zip(names, our_stages, ref_stages)]
