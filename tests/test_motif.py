@@ -197,3 +197,24 @@ def test_config_mapping():
     assert (config.norm_eps, config.subln_norm_eps, config.lambda_init_at(0)) == (1e-6, 1e-5, pytest.approx(0.8 - 0.6 * 1.3498588, rel=1e-6))  # exp(0.3)
     v1 = config_from_hf(BASE)
     assert (v1.attention, v1.num_heads, v1.num_kv_heads, v1.head_dim, v1.subln_norm_eps) == ("diff", 4, 2, 4, 1e-6)
+
+
+def test_the_convert_cli_reads_and_writes_motif_directories(saved, tmp_path, capsys):
+    """hf-to-diffjax, verify --trust-remote-code on the run directory, diffjax-to-hf: the tensors come back bit-exact
+    and the directory keeps its remote code's auto_map (a user's real Motif directory would keep its own)."""
+    from diffjax.convert.__main__ import main
+
+    _, directory = saved("gda_4to1_tied")
+    assert main(["hf-to-diffjax", str(directory), str(tmp_path / "run")]) == 0
+    assert main(["verify", str(directory), "--diffjax", str(tmp_path / "run"), "--prompts", "1", "--seq-len", "16",
+                 "--trust-remote-code"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main(["verify", str(directory), "--prompts", "1", "--seq-len", "16"]) == 2
+    assert "--trust-remote-code" in capsys.readouterr().err
+    assert main(["diffjax-to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    original = safetensors_torch.load_file(directory / "model.safetensors")
+    exported = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(exported) == set(original) and all(torch.equal(exported[k], v) for k, v in original.items())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["auto_map"] == json.loads(
+        (directory / "config.json").read_text())["auto_map"]
+    assert (tmp_path / "hf" / "modeling_motif.py").read_text() == (directory / "modeling_motif.py").read_text()

@@ -1,6 +1,6 @@
 """The attention variants as models: Shared DIFF against a re-statement of the paper's equations and its
 parameter count against the paper's, the sharding rules of the new parameters, and train.py runs that
-checkpoint, resume and sample, for model.attention diff_v2 and shared_diff.
+checkpoint, resume and sample, for model.attention diff_v2, shared_diff and gda.
 (V2 against unilm's module: tests/test_unilm_attention_v2.py; the kernels under a mesh with V2's per-token
 lambda: tests/test_parallel.py.)"""
 
@@ -106,6 +106,8 @@ MODELS = {
     "diff_v2": ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, attention="diff_v2"),
     "shared_diff": ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32,
                                attention="shared_diff", shared_diff_rank=4),
+    "gda": ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32,
+                       attention="gda", num_noise_heads=2),
 }
 # The new parameters' mesh axes by the rules (embed -> fsdp; heads, kv heads -> tensor; rank, head_dim and the
 # stacked layers axis are never split), written out by hand.
@@ -117,6 +119,8 @@ EXPECTED_AXES = {
                     "q_down": (None, "fsdp", None, None), "k_down": (None, "fsdp", None, None),
                     "q_up": (None, None, None, "tensor", None), "k_up": (None, None, None, "tensor", None),
                     "lambda_q1": (None, None)},
+    "gda": {"q_kernel": (None, "fsdp", "tensor", None, None), "k_kernel": (None, "fsdp", "tensor", None, None),
+            "o_kernel": (None, "tensor", None, "fsdp")},
 }
 
 
@@ -134,7 +138,7 @@ def test_new_params_are_sharded_by_the_rules(attention):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["diff_v2", "shared_diff"])
+@pytest.mark.parametrize("attention", ["diff_v2", "shared_diff", "gda"])
 def test_variant_trains_resumes_and_samples(attention, tmp_path):
     """Two steps and a checkpoint, then resumed for a third step and the end-of-run sample (~35 s of CPU each,
     mostly compiling init, step, eval and sampling; a mesh is left to the sharding tests: +40 s)."""
@@ -150,13 +154,13 @@ def test_variant_trains_resumes_and_samples(attention, tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train_records] == [1, 2, 3]
-    assert ("lambda/layer_0" in train_records[-1]) == (attention == "shared_diff")
+    assert ("lambda/layer_0" in train_records[-1]) == (attention != "diff_v2")  # V2's lambda is per token
 
 
 def test_variants_are_refused_by_the_hf_export():
     from diffjax.convert.common import ConversionError
     from diffjax.convert.export import check_exportable
 
-    for config in MODELS.values():
+    for config in (c for c in MODELS.values() if c.attention != "gda"):  # GDA exports to Motif's format (test_motif.py)
         with pytest.raises(ConversionError, match=f"attention={config.attention!r}: Hugging Face has DiffLlama"):
             check_exportable(config)

@@ -348,7 +348,8 @@ def read_hf_config(path: str | os.PathLike) -> dict:
 
 
 def load_hf(path: str | os.PathLike, dtype=None, *, param_dtype=None, rope_style: str = "interleaved") -> TransformerLM:
-    """Load a local HF directory (config.json + safetensors, or PyTorch .bin files) of model_type diffllama or llama.
+    """Load a local HF directory (config.json + safetensors, or PyTorch .bin files) of model_type diffllama, llama or
+    motif.
 
     dtype: compute dtype (and parameter dtype unless param_dtype is given); None keeps the
     checkpoint's dtype. The returned model's `model.config` is its ModelConfig.

@@ -29,7 +29,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 
 
 def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False, progress=None) -> Path:
-    """Convert the HF directory `src` (diffllama or llama; safetensors or .bin) into the diffjax run
+    """Convert the HF directory `src` (diffllama, llama or motif; safetensors or .bin) into the diffjax run
     directory `dst`, streaming one weight file at a time. dtype: parameter (and compute) dtype,
     None keeps the checkpoint's. Returns the step directory."""
     src, dst = Path(src), Path(dst)

@@ -257,7 +257,8 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
     model = config.model
     log(
         f"model: {model.attention} attention, d_model {model.d_model}, {model.num_layers} layers, "
-        f"{model.num_heads} heads of dim {model.head_dim}, {model.param_count():,} params; "
+        f"{model.num_heads} heads of dim {model.head_dim}"
+        f"{f' ({model.num_noise_heads} noise heads)' if model.num_noise_heads else ''}, {model.param_count():,} params; "
         f"{training_flops_per_token(model, config.data.seq_len) / 1e6:,.1f} MFLOP per trained token"
     )
     log(f"mesh: {parallel.describe(mesh)} over {jax.process_count()} process(es)")
