@@ -17,7 +17,6 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import diffjax  # noqa: E402
 from diffjax.config import ModelConfig  # noqa: E402
-from diffjax.convert import verify  # noqa: E402
 from diffjax.convert.common import ConversionError  # noqa: E402
 from diffjax.convert.hf import config_from_hf, params_from_hf  # noqa: E402
 from diffjax.model.layers import polynorm  # noqa: E402
@@ -89,7 +88,7 @@ def test_logits_fp32(case, saved, measured):
     assert err <= FP32_TOL
 
 
-@pytest.mark.parametrize("case", ["motif_2.6b", "gda_4to1_tied"])
+@pytest.mark.parametrize("case", ["gda_4to1_tied"])  # Motif-2.6B's V1 runs the same code with N = H
 def test_gradients_match_torch_autograd(case, saved, measured):
     """jax.grad of the mean next-token loss against torch autograd for every parameter, PolyNorm's and subln's too."""
     reference, directory = saved(case)
@@ -101,7 +100,8 @@ def test_gradients_match_torch_autograd(case, saved, measured):
     loss.backward()
     torch_grads = {name: p.grad for name, p in reference.named_parameters()}
     model = diffjax.load_hf(directory)
-    jax_loss, grads = nnx.value_and_grad(lambda m: diffjax.next_token_loss(m(jnp.asarray(tokens)), jnp.asarray(tokens)))(model)
+    loss_and_grads = nnx.jit(nnx.value_and_grad(lambda m, t: diffjax.next_token_loss(m(t), t)))
+    jax_loss, grads = loss_and_grads(model, jnp.asarray(tokens))
     assert abs(float(jax_loss) - loss.item()) <= 1e-5 * abs(loss.item())
     expected = params_from_hf(torch_grads, model.config)  # the re-layout is linear: it maps gradients too
     ours = dict(nnx.to_flat_state(grads))
@@ -161,16 +161,6 @@ def test_greedy_generation_equals_the_reference_token_for_token(case, saved):
     assert generated.tolist() == sequence[0, 7:].tolist()
 
 
-def test_verify_runs_the_directorys_own_code(saved, measured):
-    _, directory = saved("gda_3to1")
-    with pytest.raises(ConversionError, match="trust_remote_code=True"):
-        verify(directory, prompts=2, seq_len=16)
-    result = verify(directory, prompts=2, seq_len=32, trust_remote_code=True)
-    assert result.passed, result.report()
-    assert [name for name, *_ in result.stages] == ["embeddings", "layer 0", "layer 1", "layer 2", "final norm"]
-    measured("verify Motif fp32 logits max rel", result.logits_rel, result.tolerance.logits_rel)
-
-
 BASE = {"model_type": "motif", "vocab_size": 10, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_act": "poly_norm"}
 
@@ -208,7 +198,8 @@ def test_the_convert_cli_reads_and_writes_motif_directories(saved, tmp_path, cap
     assert main(["hf-to-diffjax", str(directory), str(tmp_path / "run")]) == 0
     assert main(["verify", str(directory), "--diffjax", str(tmp_path / "run"), "--prompts", "1", "--seq-len", "16",
                  "--trust-remote-code"]) == 0
-    assert "PASS" in capsys.readouterr().out
+    report = capsys.readouterr().out
+    assert "PASS" in report and "layer 2" in report and "top-1 agreement: 100.00%" in report
     assert main(["verify", str(directory), "--prompts", "1", "--seq-len", "16"]) == 2
     assert "--trust-remote-code" in capsys.readouterr().err
     assert main(["diffjax-to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
