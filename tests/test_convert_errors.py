@@ -67,7 +67,7 @@ def test_shape_mismatch_names_key_expected_and_found(checkpoint):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(model_type="mistral"), r"model_type 'mistral' is not supported; supported: \('diffllama', 'llama'\)"),
+        (dict(model_type="mistral"), r"model_type 'mistral' is not supported; supported: \('diffllama', 'llama', 'motif'\)"),
         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_type 'yarn' is not supported; supported: 'default', 'llama3'"),
         (dict(rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic' is not supported"),
         (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_parameters and rope_scaling disagree on rope_type"),
