@@ -39,6 +39,13 @@ class DiffAttention(AttentionModule):
         self.lambda_init = None if depth is None else config.lambda_init_at(depth)
         self.q_kernel = normal_param(rngs, (D, H, 2, d), std, pdt, ("embed", "heads", None, "head_dim"))
         self.k_kernel = normal_param(rngs, (D, K, 2, d), std, pdt, ("embed", "kv_heads", None, "head_dim"))
+        self.init_values_and_lambda(config, rngs)
+
+    def init_values_and_lambda(self, config: ModelConfig, rngs: nnx.Rngs):
+        """The parameters V1's variants share, drawn after their query and key kernels: v (D, Hkv, 2d), o (H, 2d, D),
+        the four lambda vectors and the subln scale."""
+        D, H, K, d = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+        std, pdt = config.init_std, config.param_dtype
         self.v_kernel = normal_param(rngs, (D, K, 2 * d), std, pdt, ("embed", "kv_heads", "head_dim"))
         self.o_kernel = normal_param(rngs, (H, 2 * d, D), std, pdt, ("heads", "head_dim", "embed"))
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):

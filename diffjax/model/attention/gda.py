@@ -20,7 +20,7 @@ from flax import nnx
 
 from diffjax.config import ModelConfig
 from diffjax.model.attention.diff import DiffAttention
-from diffjax.model.layers import normal_param, ones_param
+from diffjax.model.layers import normal_param
 from diffjax.model.rope import apply_rope
 from diffjax.sharding import constrain
 
@@ -36,11 +36,7 @@ class GroupedDiffAttention(DiffAttention):
         self.lambda_init = None if depth is None else config.lambda_init_at(depth)
         self.q_kernel = normal_param(rngs, (D, N, H // N + 1, d), std, pdt, ("embed", "heads", None, "head_dim"))
         self.k_kernel = normal_param(rngs, (D, K, 2, d), std, pdt, ("embed", "kv_heads", None, "head_dim"))
-        self.v_kernel = normal_param(rngs, (D, K, 2 * d), std, pdt, ("embed", "kv_heads", "head_dim"))
-        self.o_kernel = normal_param(rngs, (H, 2 * d, D), std, pdt, ("heads", "head_dim", "embed"))
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
-            setattr(self, name, normal_param(rngs, (d,), config.lambda_std, pdt, ("head_dim",)))
-        self.subln_scale = ones_param((2 * d,), pdt, ("head_dim",))
+        self.init_values_and_lambda(config, rngs)
 
     def project(self, x_BTD, rope_cos_sin):
         """(q [B, T, H, 2, d], k [B, S, Hkv, 2, d], v [B, S, Hkv, 2d]) with q and k rotated; q[:, :, s, 1] is noise
