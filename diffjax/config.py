@@ -45,7 +45,7 @@ class ModelConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int | None = None  # None: num_heads (no GQA)
-    head_dim: int | None = None  # None: d_model / (value_width num_heads) (value_width: 2 for diff and shared_diff, else 1)
+    head_dim: int | None = None  # None: d_model / (value_width num_heads) (value_width: 2 for diff, shared_diff and gda, else 1)
     mlp_dim: int | None = None  # None: 8/3 d_model rounded to a multiple of MLP_MULTIPLE
     attention: str = "diff"  # one of attention_kinds.names() (module docstring)
     activation: str = "silu"  # gate activation of the gated MLP (SwiGLU with silu; "polynorm": Motif's PolyNorm)
