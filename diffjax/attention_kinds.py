@@ -94,7 +94,7 @@ def for_unilm_module(module_name: str) -> AttentionKind | None:
 
 
 def _v1_vectors(c) -> int:
-    return 4 * c.head_dim + 2 * c.head_dim  # lambda_q1, lambda_k1, lambda_q2, lambda_k2; subln scale (2d)
+    return 4 * c.head_dim + (2 * c.head_dim if c.subln else 0)  # lambda_q1, lambda_k1, lambda_q2, lambda_k2; subln (2d)
 
 
 def _diff_params(c) -> int:

@@ -51,6 +51,9 @@ class ModelConfig:
     activation: str = "silu"  # gate activation of the gated MLP (SwiGLU with silu; "polynorm": Motif's PolyNorm)
     norm_eps: float = 1e-5  # block RMSNorms (and the per-head subln unless subln_eps is given)
     subln_eps: float | None = None  # the per-head subln of V1-style kinds; None: norm_eps (Motif: attn_rms_norm_eps)
+    # V1-style kinds: false drops the per-head RMSNorm and its scale (a Transformer upcycled to V1 starts so, computing
+    # what it computed: diffjax.convert.upcycle); the paper, unilm, DiffLlama and Motif all normalize.
+    subln: bool = True
     tie_embeddings: bool = False
     max_seq_len: int = 2048
     # RoPE. "interleaved" is GPT-J / unilm (the canonical layout); "rotate_half" is NeoX / HF.
@@ -149,6 +152,7 @@ class ModelConfig:
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         check(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps!r}")
+        check(isinstance(self.subln, bool), f"subln must be true or false, got {self.subln!r}")
         check(self.subln_eps is None or self.subln_eps > 0, f"subln_eps must be None (norm_eps) or > 0, got {self.subln_eps!r}")
         check(isinstance(self.lambda_init_depth_offset, int) and not isinstance(self.lambda_init_depth_offset, bool),
               f"lambda_init_depth_offset must be an integer, got {self.lambda_init_depth_offset!r}")

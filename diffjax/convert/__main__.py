@@ -1,4 +1,4 @@
-"""python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, verify} ...
+"""python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, upcycle, verify} ...
 
 Exit status: 0 done (verify: within tolerance), 1 verify past tolerance, 2 bad input (one line on stderr).
 """
@@ -49,6 +49,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", default="5GB", help="largest safetensors shard (e.g. 5GB, 500MB; default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in DST")
 
+    p = commands.add_parser("upcycle", help="a Transformer (HF Llama directory or diffjax run) -> a DIFF run directory "
+                                            "computing the same function")
+    p.add_argument("src", help="local HF Llama directory, or a diffjax run directory / checkpoint of attention standard")
+    p.add_argument("dst", help="new or empty directory for the DIFF model's run directory")
+    p.add_argument("--kind", choices=("diff", "diff_v2"), default="diff", help="DIFF V1 (default) or V2")
+    p.add_argument("--second-map", choices=("mirror", "zero_query"), default="mirror",
+                   help="the second map's queries: a copy of the first's (default) or zeros (V1 with --lambda-init 0)")
+    p.add_argument("--lambda-init", type=float, help="V1: one lambda_init for every layer (default: the depth schedule)")
+    p.add_argument("--seed", type=int, default=0, help="V1: the draws of the new value half and the lambda vectors")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing conversion in DST")
+
     p = commands.add_parser("verify", help="compare transformers and diffjax on the same prompts")
     p.add_argument("src", help="local HF directory")
     p.add_argument("--diffjax", metavar="DIR", help="a converted diffjax run directory to check (default: convert SRC in memory)")
@@ -85,6 +96,12 @@ def main(argv=None) -> int:
             out = diffjax_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_size=args.shard_size,
                                 overwrite=args.overwrite, progress=_progress)
             print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+        elif args.command == "upcycle":
+            from diffjax.convert.upcycle import upcycle_directory
+            step_dir = upcycle_directory(args.src, args.dst, kind=args.kind, second_map=args.second_map,
+                                         lambda_init=args.lambda_init, seed=args.seed, overwrite=args.overwrite)
+            print(f"wrote {step_dir} (train on with `python train.py --config {RunDir(args.dst).config_file} "
+                  f"train.run_dir={args.dst}`)")
         else:
             from diffjax.convert.verify import verify
             result = verify(args.src, diffjax_path=args.diffjax, dtype=args.dtype, prompts=args.prompts,

@@ -54,6 +54,8 @@ def check_exportable(config: ModelConfig) -> None:
         counterparts = [f"{k.hf_architecture.removesuffix('ForCausalLM')} (attention {k.name!r})"
                         for k in map(attention_kinds.get, attention_kinds.names()) if k.hf_model_type]
         problems.append(f"attention={config.attention!r}: Hugging Face has {', '.join(counterparts)} only")
+    if model_type in ("diffllama", motif.MODEL_TYPE) and not config.subln:
+        problems.append(f"subln=false: HF {model_type} always normalizes each head's output")
     if model_type == motif.MODEL_TYPE:
         problems += motif.export_problems(config)
     elif model_type == "diffllama" and config.subln_eps not in (None, config.norm_eps):

@@ -369,6 +369,8 @@ def unilm_attention_state_dict(
         return {prefix + key: np.ascontiguousarray(value) for key, value in out.items()}
     if 2 * H * d != E:
         raise ValueError(f"unilm needs d_model == 2 * num_heads * head_dim, got {E} != 2 * {H} * {d}")
+    if not config.subln:
+        raise ValueError("unilm's modules always normalize each head's output; this layer has subln=false")
 
     o_H2dE, scale = get("o_kernel"), get("subln_scale")
     if not subln and not np.all(scale == 1):

@@ -43,14 +43,15 @@ class DiffAttention(AttentionModule):
 
     def init_values_and_lambda(self, config: ModelConfig, rngs: nnx.Rngs):
         """The parameters V1's variants share, drawn after their query and key kernels: v (D, Hkv, 2d), o (H, 2d, D),
-        the four lambda vectors and the subln scale."""
+        the four lambda vectors and the subln scale (when the config has a subln)."""
         D, H, K, d = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
         std, pdt = config.init_std, config.param_dtype
         self.v_kernel = normal_param(rngs, (D, K, 2 * d), std, pdt, ("embed", "kv_heads", "head_dim"))
         self.o_kernel = normal_param(rngs, (H, 2 * d, D), std, pdt, ("heads", "head_dim", "embed"))
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             setattr(self, name, normal_param(rngs, (d,), config.lambda_std, pdt, ("head_dim",)))
-        self.subln_scale = ones_param((2 * d,), pdt, ("head_dim",))
+        if config.subln:
+            self.subln_scale = ones_param((2 * d,), pdt, ("head_dim",))
 
     @classmethod
     def depth_constants(cls, config: ModelConfig, depths, dtype) -> dict:
@@ -90,9 +91,11 @@ class DiffAttention(AttentionModule):
         return apply_rope(q_BTH2d, cos, sin, self.config.rope_style), apply_rope(k_BSK2d, cos, sin, self.config.rope_style), v_BSKv
 
     def output(self, o_BTHv, constants):
-        """Per-head RMSNorm over 2d (one scale shared by all heads), the fixed (1 - lambda_init), out projection."""
+        """Per-head RMSNorm over 2d (one scale shared by all heads; none without subln), the fixed (1 - lambda_init),
+        out projection."""
         dtype = o_BTHv.dtype
-        o_BTHv = rms_normalize(o_BTHv, self.config.subln_norm_eps) * self.subln_scale[...].astype(dtype)
+        if self.config.subln:
+            o_BTHv = rms_normalize(o_BTHv, self.config.subln_norm_eps) * self.subln_scale[...].astype(dtype)
         # PyTorch multiplies a bf16 tensor by a Python float in float32 without rounding the scalar to
         # bf16 first (one rounding at the end); rounding (1 - lambda_init) to bf16 would bias every output
         # (0.8 -> 0.80078 at depth 0). Exact no-op in float32.
