@@ -118,3 +118,9 @@ def test_a_diff_source_and_a_normless_export_are_refused():
     with pytest.raises(ConversionError, match=r"subln=false: HF diffllama always normalizes each head's output"):
         check_exportable(config.replace(subln=False))
     assert config.replace(subln=False).param_count() == config.param_count() - 2 * config.head_dim
+    from diffjax.convert import unilm_attention_state_dict
+    from diffjax.model import DiffAttention
+
+    layer = DiffAttention(config.replace(subln=False), depth=0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="unilm's modules always normalize each head's output"):
+        unilm_attention_state_dict(layer)
