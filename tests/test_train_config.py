@@ -53,6 +53,8 @@ def test_overrides_are_typed_by_the_field():
         (["data.seq_len=512"], r"data\.seq_len \(512\) exceeds model\.max_seq_len"),
         (["train.steps"], r"must look like section\.key=value"),
         (["checkpoint.keep=0"], r"checkpoint\.keep must be an integer >= 1"),
+        (["train.profile_steps=[3,2]"], r"train\.profile_steps must be \[first, last\] steps with 1 <= first <= last"),
+        (["train.profile_steps=5"], r"train\.profile_steps must be \[first, last\]"),
     ],
 )
 def test_bad_keys_and_values_are_named(overrides, message):

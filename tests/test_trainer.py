@@ -100,8 +100,9 @@ class Recorder(Hook):
 
 def test_metrics_are_written_as_jsonl_and_tensorboard_and_a_user_hook_sees_every_step(tmp_path):
     recorder = Recorder()
+    lines = []
     result = train(_config(tmp_path / "run", "train.steps=3", "train.eval_every=2", "train.peak_tflops_per_device=1",
-                           "checkpoint.every=2"), log=lambda _: None, hooks=[recorder])
+                           "checkpoint.every=2", "train.profile_steps=[2,3]"), log=lines.append, hooks=[recorder])
     records = _read_metrics(tmp_path / "run")
     train_records = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train_records] == [1, 2, 3]
@@ -115,6 +116,10 @@ def test_metrics_are_written_as_jsonl_and_tensorboard_and_a_user_hook_sees_every
     assert result.losses[3] == train_records[-1]["loss"]
     events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+    # train.profile_steps: one jax.profiler trace of steps 2-3 beside the events, for TensorBoard's profile tab.
+    traces = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and b"train_step" in traces[0].read_bytes(), traces
+    assert any(line.startswith("profile of steps 2-3 written under") for line in lines), lines
 
     assert {step: float(loss) for step, loss in recorder.step_losses.items()} == result.losses
     assert recorder.eval_losses == result.eval_losses == {r["step"]: r["loss"] for r in records if r["kind"] == "eval"}

@@ -68,8 +68,19 @@ class TrainConfig:
     # float32 [batch, seq_len, vocab] logits never exist at once (same loss). 0: no chunks; None: chunks
     # of 4096 tokens when model.vocab_size >= 32768 (diffjax.train.step.resolve_loss_chunk).
     loss_chunk: int | None = None
+    # [first, last]: a jax.profiler trace of steps first..last (1-based, inclusive) into the run's tensorboard/
+    # directory (TensorBoard's or XProf's profile tab); None: no trace.
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self):
+        if isinstance(self.profile_steps, list):
+            object.__setattr__(self, "profile_steps", tuple(self.profile_steps))
+        window = self.profile_steps
+        if window is not None and not (isinstance(window, tuple) and len(window) == 2
+                                       and all(isinstance(s, int) and not isinstance(s, bool) for s in window)
+                                       and 1 <= window[0] <= window[1]):
+            raise ValueError(f"train.profile_steps must be [first, last] steps with 1 <= first <= last, or null; "
+                             f"got {window!r}")
         if (self.batch_size is None) == (self.batch_tokens is None):
             raise ValueError(
                 "give exactly one of train.batch_size (sequences) and train.batch_tokens (tokens); "

@@ -44,6 +44,37 @@ class Hook:
         pass
 
 
+class ProfileWindow(Hook):
+    """A jax.profiler trace of steps first..last (train.profile_steps) into the run's TensorBoard directory: started
+    once step first - 1 has finished, stopped once step last has (so the trace holds the window's steps only)."""
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last, self.tracing = first, last, False
+
+    def _start(self, run):
+        self.tracing = True
+        jax.profiler.start_trace(str(RunDir(run.run_dir).tensorboard))
+
+    def on_start(self, run):
+        if run.step + 1 == self.first:
+            self._start(run)
+
+    def on_step(self, run, step, metrics):
+        if step + 1 == self.first:
+            jax.block_until_ready(metrics)
+            self._start(run)
+        elif step == self.last and self.tracing:
+            jax.block_until_ready(metrics)
+            self.on_end(run, None)
+            run.log(f"profile of steps {self.first}-{self.last} written under {RunDir(run.run_dir).tensorboard} "
+                    "(TensorBoard / XProf, profile tab)")
+
+    def on_end(self, run, result):
+        if self.tracing:
+            self.tracing = False
+            jax.profiler.stop_trace()
+
+
 class MetricsLog(Hook):
     """Each step's metrics into metrics.jsonl / TensorBoard and the progress display, with throughput and
     MFU, each step checked finite (guard.py) as it is written.

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from diffjax.train.config import RunConfig
-from diffjax.train.hooks import Hook, MetricsLog
+from diffjax.train.hooks import Hook, MetricsLog, ProfileWindow
 from diffjax.train.run import Run, TrainResult, setup_errors, setup_run
 
 __all__ = ["Hook", "Interrupted", "StopSignals", "TrainResult", "train"]
@@ -66,7 +66,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print, hooks: Seque
     try:
         with setup_errors():  # (rewriting metrics.jsonl on a full disk)
             metrics_log = MetricsLog(run)
-        all_hooks = [metrics_log, *hooks]
+        profile = [ProfileWindow(*config.train.profile_steps)] if config.train.profile_steps else []
+        all_hooks = [metrics_log, *profile, *hooks]
         result = TrainResult(step=run.start_step, losses=metrics_log.losses, eval_losses={}, tokens_per_second=None,
                              sample=None)
         for hook in all_hooks:
