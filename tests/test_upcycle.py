@@ -1,6 +1,6 @@
 """Upcycling a pretrained Transformer to DIFF (diffjax.convert.upcycle): the upcycled model's logits equal those of
 the source as transformers' LlamaForCausalLM computes them (GQA, llama3 RoPE), every new parameter trains, the
-CLI writes a run directory that loads and trains on, and what cannot start as the source is refused by name."""
+CLI writes a run directory that loads, and what cannot start as the source is refused by name."""
 
 from __future__ import annotations
 
@@ -60,8 +60,10 @@ def test_every_new_parameter_trains(kind, llama):
     model = upcycle(diffjax.load_hf(directory), kind)
     tokens = jnp.asarray(tokens)
 
+    loss_grads = nnx.jit(nnx.grad(lambda m, t: diffjax.next_token_loss(m(t), t)))
+
     def grads_of(model):
-        return dict(nnx.to_flat_state(nnx.grad(lambda m: diffjax.next_token_loss(m(tokens), tokens))(model)))
+        return dict(nnx.to_flat_state(loss_grads(model, tokens)))
 
     grads = grads_of(model)
     d = model.config.head_dim
@@ -80,21 +82,14 @@ def test_every_new_parameter_trains(kind, llama):
         assert np.abs(np.asarray(grads_of(model)[("blocks", "attn", "v_kernel")][...])[..., d:]).max() > 0
 
 
-def test_the_cli_writes_a_run_directory_that_loads_and_trains_on(llama, tmp_path, capsys, measured):
-    from diffjax.train import load_run_config, train
-
+def test_the_cli_writes_a_run_directory_that_loads(llama, tmp_path, capsys, measured):
     directory, tokens, expected = llama
     run = tmp_path / "up"
     assert main(["upcycle", str(directory), str(run), "--kind", "diff"]) == 0
     assert "train.run_dir=" in capsys.readouterr().out
     err = max_relative_error(load_model(run)(jnp.asarray(tokens)), expected)
     assert measured("upcycled run directory vs transformers Llama logits, max rel (fp32)", err, FP32_TOL) <= FP32_TOL
-    # The trainer continues from it, as the CLI says (its config.yaml: the upcycled model).
-    overrides = ["train.steps=1", "parallel.data=1", "optim.warmup_steps=0", "train.batch_size=2", "data.seq_len=16",
-                 "data.builtin_bytes=50000", "data.eval_batches=1", "train.eval_every=0", "train.sample_tokens=0",
-                 "train.progress=lines", "train.tensorboard=false", f"train.run_dir={run}"]
-    result = train(load_run_config(run / "config.yaml", overrides), log=lambda _: None)
-    assert result.step == 1 and np.isfinite(list(result.losses.values())).all()
+    # (train.py continuing from a converted run directory: tests/test_convert_roundtrip.py)
     assert main(["upcycle", str(run), str(tmp_path / "again")]) == 2  # a DIFF source: one line on stderr
     assert "the source must be a Transformer" in capsys.readouterr().err
 
