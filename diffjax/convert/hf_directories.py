@@ -15,6 +15,7 @@ bounded amount of memory to the params (tests/test_convert_streaming.py measures
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -28,30 +29,43 @@ from diffjax.run_dir import RunDir
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
 
 
+@contextlib.contextmanager
+def conversion_run_dir(dst, *, overwrite: bool):
+    """The RunDir a conversion writes into `dst`; a new `dst` is removed again if the conversion fails, so no
+    half-written directory is left behind."""
+    dst = Path(dst)
+    created = not dst.exists()
+    run = RunDir.for_conversion(dst, overwrite=overwrite)
+    try:
+        yield run
+    except BaseException:
+        if created:
+            shutil.rmtree(dst, ignore_errors=True)
+        raise
+
+
+def keep_hf_files(src, run: RunDir) -> dict | None:
+    """Copy the HF directory `src`'s files but its weights (config.json, tokenizer, generation config) into RUN/hf/;
+    returns the data section naming its tokenizer.json (None without one), so that training on and generating
+    from the conversion use the checkpoint's own tokenizer."""
+    run.hf.mkdir()
+    for file in sorted(Path(src).iterdir()):
+        if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(file, run.hf / file.name)
+    return {"tokenizer": {"kind": "hf", "path": str(run.hf.absolute())}} if (run.hf / "tokenizer.json").exists() else None
+
+
 def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False, progress=None) -> Path:
     """Convert the HF directory `src` (diffllama, llama or motif; safetensors or .bin) into the diffjax run
     directory `dst`, streaming one weight file at a time. dtype: parameter (and compute) dtype,
     None keeps the checkpoint's. Returns the step directory."""
-    src, dst = Path(src), Path(dst)
     config = config_from_hf(read_hf_config(src), dtype=dtype)
-    created = not dst.exists()
-    run = RunDir.for_conversion(dst, overwrite=overwrite)
-    try:
+    with conversion_run_dir(dst, overwrite=overwrite) as run:
         params = params_from_hf_dir(src, config, config.param_dtype, progress=progress)
-        run.hf.mkdir()
-        for file in sorted(src.iterdir()):  # config.json, tokenizer, generation config: everything but weights
-            if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES):
-                shutil.copy2(file, run.hf / file.name)
+        data = keep_hf_files(src, run)
         tree = nested(params)
         del params
-        # The checkpoint's own tokenizer, so that training on and generating from the conversion use it.
-        has_tokenizer = (run.hf / "tokenizer.json").exists()
-        data = {"tokenizer": {"kind": "hf", "path": str(run.hf.absolute())}} if has_tokenizer else None
         return save_params(run.path, tree, config, data=data)
-    except BaseException:
-        if created:  # leave no half-written directory behind
-            shutil.rmtree(dst, ignore_errors=True)
-        raise
 
 
 def read_run_config(src) -> tuple[Path, Path, ModelConfig]:

@@ -19,7 +19,6 @@ through the new values). A zero-query second map cannot leave V2's output unchan
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -91,31 +90,15 @@ def upcycle_directory(src, dst, *, kind: str = "diff", second_map: str = "mirror
                       seed: int = 0, overwrite: bool = False) -> Path:
     """Upcycle the Transformer in `src` (an HF Llama directory, or a diffjax run directory or checkpoint) into the
     diffjax run directory `dst` (a params-only checkpoint: train on with train.run_dir, or train.init_from).
-    An HF source's tokenizer and generation files are kept in DST/hf/ (as hf-to-diffjax keeps them). Returns the
+    An HF source's files but its weights are kept in DST/hf/ (as hf-to-diffjax keeps them). Returns the
     step directory."""
-    from diffjax.convert.common import nested
     from diffjax.convert.hf import load_hf
+    from diffjax.convert.hf_directories import conversion_run_dir, keep_hf_files
     from diffjax.params_checkpoint import load_model, save_params
-    from diffjax.run_dir import RunDir
 
-    src, dst = Path(src), Path(dst)
-    from_hf = (src / "config.json").is_file()
+    from_hf = (Path(src) / "config.json").is_file()
     source = load_hf(src) if from_hf else load_model(src, what="upcycle source")
     model = upcycle(source, kind, second_map, lambda_init=lambda_init, seed=seed)
-    created = not dst.exists()
-    run = RunDir.for_conversion(dst, overwrite=overwrite)
-    try:
-        data = None
-        if from_hf:
-            run.hf.mkdir()
-            for file in sorted(src.iterdir()):
-                if file.is_file() and (file.name.startswith("tokenizer") or file.name == "generation_config.json"):
-                    shutil.copy2(file, run.hf / file.name)
-            if (run.hf / "tokenizer.json").exists():
-                data = {"tokenizer": {"kind": "hf", "path": str(run.hf.absolute())}}
-        params = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-        return save_params(run.path, nested(params), model.config, data=data)
-    except BaseException:
-        if created:  # leave no half-written directory behind
-            shutil.rmtree(dst, ignore_errors=True)
-        raise
+    with conversion_run_dir(dst, overwrite=overwrite) as run:
+        data = keep_hf_files(src, run) if from_hf else None
+        return save_params(run.path, nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.config, data=data)

@@ -65,11 +65,14 @@ class ProfileWindow(Hook):
             self._start(run)
         elif step == self.last and self.tracing:
             jax.block_until_ready(metrics)
-            self.on_end(run, None)
+            self._stop()
             run.log(f"profile of steps {self.first}-{self.last} written under {RunDir(run.run_dir).tensorboard} "
                     "(TensorBoard / XProf, profile tab)")
 
     def on_end(self, run, result):
+        self._stop()  # a run that ended inside the window
+
+    def _stop(self):
         if self.tracing:
             self.tracing = False
             jax.profiler.stop_trace()

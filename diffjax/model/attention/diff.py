@@ -82,13 +82,16 @@ class DiffAttention(AttentionModule):
     def project(self, x_BTD, rope_cos_sin):
         """(q [B, T, H, 2, d], k [B, S, Hkv, 2, d], v [B, S, Hkv, 2d]) with q and k rotated."""
         dtype, (cos, sin) = x_BTD.dtype, rope_cos_sin
-        q_BTH2d = jnp.einsum("btD,DhGd->bthGd", x_BTD, self.q_kernel[...].astype(dtype))
+        q_BTH2d = constrain(self.queries(x_BTD), ("batch", "length", "act_heads", None, None))
         k_BSK2d = jnp.einsum("bsD,DkGd->bskGd", x_BTD, self.k_kernel[...].astype(dtype))
         v_BSKv = jnp.einsum("bsD,Dkv->bskv", x_BTD, self.v_kernel[...].astype(dtype))
-        q_BTH2d = constrain(q_BTH2d, ("batch", "length", "act_heads", None, None))
         k_BSK2d = constrain(k_BSK2d, ("batch", "length", "act_kv_heads", None, None))
         v_BSKv = constrain(v_BSKv, ("batch", "length", "act_kv_heads", None))
         return apply_rope(q_BTH2d, cos, sin, self.config.rope_style), apply_rope(k_BSK2d, cos, sin, self.config.rope_style), v_BSKv
+
+    def queries(self, x_BTD):
+        """Both maps' queries q [B, T, H, 2, d], before RoPE."""
+        return jnp.einsum("btD,DhGd->bthGd", x_BTD, self.q_kernel[...].astype(x_BTD.dtype))
 
     def output(self, o_BTHv, constants):
         """Per-head RMSNorm over 2d (one scale shared by all heads; none without subln), the fixed (1 - lambda_init),

@@ -21,13 +21,11 @@ from flax import nnx
 from diffjax.config import ModelConfig
 from diffjax.model.attention.diff import DiffAttention
 from diffjax.model.layers import normal_param
-from diffjax.model.rope import apply_rope
-from diffjax.sharding import constrain
 
 
 class GroupedDiffAttention(DiffAttention):
     """GDA for the layer at 0-based `depth` (None: a layer of a stack, as DiffAttention). Inherits everything from
-    DiffAttention except its query parameters and `project`."""
+    DiffAttention except its query parameters and `queries`."""
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
         D, H, N, K, d = config.d_model, config.num_heads, config.num_noise_heads, config.num_kv_heads, config.head_dim
@@ -38,19 +36,11 @@ class GroupedDiffAttention(DiffAttention):
         self.k_kernel = normal_param(rngs, (D, K, 2, d), std, pdt, ("embed", "kv_heads", None, "head_dim"))
         self.init_values_and_lambda(config, rngs)
 
-    def project(self, x_BTD, rope_cos_sin):
-        """(q [B, T, H, 2, d], k [B, S, Hkv, 2, d], v [B, S, Hkv, 2d]) with q and k rotated; q[:, :, s, 1] is noise
-        head s // (H / N)'s query."""
-        dtype, (cos, sin) = x_BTD.dtype, rope_cos_sin
+    def queries(self, x_BTD):
+        """q [B, T, H, 2, d] before RoPE: q[:, :, s, 1] is noise head s // (H / N)'s query."""
         B, T, _ = x_BTD.shape
         H, N = self.config.num_heads, self.config.num_noise_heads
-        q_BTNgd = jnp.einsum("btD,Dngd->btngd", x_BTD, self.q_kernel[...].astype(dtype))
+        q_BTNgd = jnp.einsum("btD,Dngd->btngd", x_BTD, self.q_kernel[...].astype(x_BTD.dtype))
         signal_BTHd = q_BTNgd[:, :, :, :-1].reshape(B, T, H, -1)
         noise_BTHd = jnp.repeat(q_BTNgd[:, :, :, -1], H // N, axis=2)  # signal head s -> noise head s // (H / N)
-        q_BTH2d = constrain(jnp.stack([signal_BTHd, noise_BTHd], axis=3), ("batch", "length", "act_heads", None, None))
-        k_BSK2d = jnp.einsum("bsD,DkGd->bskGd", x_BTD, self.k_kernel[...].astype(dtype))
-        v_BSKv = jnp.einsum("bsD,Dkv->bskv", x_BTD, self.v_kernel[...].astype(dtype))
-        k_BSK2d = constrain(k_BSK2d, ("batch", "length", "act_kv_heads", None, None))
-        v_BSKv = constrain(v_BSKv, ("batch", "length", "act_kv_heads", None))
-        style = self.config.rope_style
-        return apply_rope(q_BTH2d, cos, sin, style), apply_rope(k_BSK2d, cos, sin, style), v_BSKv
+        return jnp.stack([signal_BTHd, noise_BTHd], axis=3)
