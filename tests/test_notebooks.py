@@ -122,6 +122,22 @@ def test_missing_imports_names_what_a_notebook_needs():
 
 # Notebooks that train for minutes run on one CI leg: the library calls they make are tested on both.
 ONE_LEG = {"03_generate_and_analyse.ipynb"}
+# Smaller settings for CI, run right after the notebook's cell tagged "parameters" (papermill's convention, so users
+# can do the same): every cell still runs on the real trainer and analyses, only shorter (03: 279 -> ~100 s).
+CI_PARAMETERS = {"03_generate_and_analyse.ipynb": "STEPS = 40\nTRAIN_EXAMPLES = 2000\nEVAL_SAMPLES = 4"}
+
+
+def with_ci_parameters(notebook, name: str):
+    """`notebook` with CI_PARAMETERS[name] as a cell after its "parameters" cell (unchanged if it has none)."""
+    if name not in CI_PARAMETERS:
+        return notebook
+    tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{name} needs exactly one cell tagged 'parameters' for CI_PARAMETERS, has {len(tagged)}"
+    names = {line.split("=")[0].strip() for line in CI_PARAMETERS[name].splitlines()}
+    absent = sorted(n for n in names if f"{n} =" not in notebook.cells[tagged[0]].source)
+    assert not absent, f"{name}'s parameters cell does not set {absent}: CI_PARAMETERS would override nothing"
+    notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(CI_PARAMETERS[name]))
+    return notebook
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.single_leg) if p.name in ONE_LEG else p for p in NOTEBOOKS],
@@ -132,7 +148,8 @@ def test_notebook_runs(path, kernel_env, tmp_path):
         pytest.skip(f"{path.name} imports {', '.join(missing)}, not installed here")
     scratch = tmp_path / "tmp"  # the kernel's temporary directory: what the notebook leaves there
     scratch.mkdir()
-    notebook = execute(nbformat.read(path, as_version=4), {**kernel_env, "TMPDIR": str(scratch)}, tmp_path)
+    notebook = execute(with_ci_parameters(nbformat.read(path, as_version=4), path.name), {**kernel_env, "TMPDIR": str(scratch)},
+                       tmp_path)
     leftovers = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own cache
     assert not leftovers, f"{path.name} left temporary files behind: {leftovers}"
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
