@@ -9,6 +9,8 @@
     <run_dir>/tensorboard/                    TensorBoard events
     <run_dir>/hf/                             a Hugging Face conversion's config.json, tokenizer and generation files
     <run_dir>/trainer.lock                    held while a trainer runs here: its host, pid and start time
+    <run_dir>/wandb/                          Weights & Biases' own files (train.wandb; W&B names the directory)
+    <run_dir>/wandb-run.json                  the W&B run this run logs to and its last logged step (for resumes)
 
 Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; then
 `lock_for_training()` makes it one trainer's), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
@@ -16,7 +18,7 @@ one step: the step to load, with one-line errors naming `what`), `RunDir.for_con
 (an empty directory the converter fills), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
 Who writes what: diffjax.params_checkpoint (params-only checkpoints and config.yaml), diffjax.train.state_checkpoints
 (the trainer's Orbax checkpoints, digests via diffjax.integrity), diffjax.train.metrics (metrics.jsonl,
-TensorBoard), diffjax.convert.hf_directories (hf/).
+TensorBoard), diffjax.convert.hf_directories (hf/), diffjax.train.wandb_log (wandb-run.json; W&B writes wandb/).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 HF_DIR = "hf"
 LOCK_FILE = "trainer.lock"
+WANDB_DIR = "wandb"  # W&B's name for its directory under wandb.init(dir=<run_dir>)
+WANDB_RUN_FILE = "wandb-run.json"
 CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, HF_DIR)  # what a conversion writes (and --overwrite replaces)
 
 
@@ -133,6 +137,14 @@ class RunDir:
     @property
     def lock_file(self) -> Path:
         return self.path / LOCK_FILE
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / WANDB_DIR
+
+    @property
+    def wandb_run_file(self) -> Path:
+        return self.path / WANDB_RUN_FILE
 
     def lock_for_training(self) -> "TrainerLock":
         """Makes this directory one trainer's until `release()` (or the process's end: an flock, which the

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from diffjax import attention_kinds
 from diffjax.config import ModelConfig
 from diffjax.data.config import DataConfig
 from diffjax.train.mesh import ParallelConfig
@@ -34,6 +35,48 @@ def _check_int(config, name: str, *, minimum: int, section: str = "train"):
     value = getattr(config, name)
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
         raise ValueError(f"{section}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases logging (train.wandb; the `wandb` extra: pip install "diffjax[wandb]"). On when `project` is
+    set and mode is not "disabled"; off by default. It logs what metrics.jsonl holds, under the same names as
+    TensorBoard (train/loss, train/lambda/layer_0, eval/loss, ...), at the training step, and the run config as the
+    W&B run's config; a resumed run continues the same W&B run (diffjax.train.wandb_log)."""
+
+    project: str | None = None
+    entity: str | None = None  # a W&B user or team; None: your default entity
+    name: str | None = None  # the W&B run's display name; None: the run directory's name
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    # "online"; "offline" (files only, in <run_dir>/wandb/: upload later with `wandb sync`); "disabled" (off even with
+    # a project); None: $WANDB_MODE, else online.
+    mode: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.tags, (list, str)):
+            object.__setattr__(self, "tags", tuple([self.tags] if isinstance(self.tags, str) else self.tags))
+        for name in ("project", "entity", "name", "group"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise ValueError(f"train.wandb.{name} must be a non-empty string or null, got {value!r}")
+        if not all(isinstance(tag, str) and tag for tag in self.tags):
+            raise ValueError(f"train.wandb.tags must be a list of non-empty strings, got {list(self.tags)!r}")
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ValueError(f"train.wandb.mode must be one of {WANDB_MODES} or null ($WANDB_MODE, else online), "
+                             f"got {self.mode!r}")
+        if self.project is None and self.mode != "disabled":
+            given = [name for name in ("entity", "name", "group", "tags", "mode") if getattr(self, name)]
+            if given:
+                raise ValueError(f"train.wandb.{given[0]} is set but train.wandb.project is not: set "
+                                 "train.wandb.project=<name> to log to Weights & Biases (or mode=disabled)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.project is not None and self.mode != "disabled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +114,12 @@ class TrainConfig:
     # [first, last]: a jax.profiler trace of steps first..last (1-based, inclusive) into the run's tensorboard/
     # directory (TensorBoard's or XProf's profile tab); None: no trace.
     profile_steps: tuple[int, int] | None = None
+    # Weights & Biases (off unless train.wandb.project is set): see WandbConfig.
+    wandb: WandbConfig = WandbConfig()
 
     def __post_init__(self):
+        if isinstance(self.wandb, dict):
+            object.__setattr__(self, "wandb", build_config(WandbConfig, self.wandb, prefix="train.wandb"))
         if isinstance(self.profile_steps, list):
             object.__setattr__(self, "profile_steps", tuple(self.profile_steps))
         window = self.profile_steps
@@ -135,6 +182,9 @@ class RunConfig:
             raise ValueError(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
             )
+        if self.optim.lambda_warmup_steps and attention_kinds.get(self.model.attention).maps != 2:
+            raise ValueError(f"optim.lambda_warmup_steps applies to differential attention; model.attention "
+                             f"{self.model.attention!r} has no lambda (set it to 0)")
 
     @property
     def global_batch_size(self) -> int:

@@ -15,6 +15,8 @@ The loop calls, on each hook in order:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
 
@@ -86,6 +88,10 @@ class MetricsLog(Hook):
     steps, before an eval's record and before each checkpoint is saved, so every step <= a checkpoint is
     in metrics.jsonl and checked finite before that checkpoint exists. The first step compiles: it is
     written at once and not timed; time spent evaluating or saving is not counted (run.clock).
+
+    `listeners` (e.g. wandb_log.WandbLog) are given each record as it is written, on the main process only:
+    listener(step, kind, values), kind "train" or "eval", values the record's floats as metrics.jsonl has them
+    (before non-finite values become null there).
     """
 
     def __init__(self, run):
@@ -101,6 +107,7 @@ class MetricsLog(Hook):
         self.guard = NonfiniteGuard(config.train.on_nonfinite, config.train.max_skipped_steps)
         self.pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
         self.losses: dict[int, float] = {}
+        self.listeners: list[Callable[[int, str, dict[str, float]], None]] = []
         self.tokens_per_second: float | None = None
         self.window_start, self.timed_steps = 0.0, 0
 
@@ -117,7 +124,7 @@ class MetricsLog(Hook):
         self.flush(run)
         if step > run.start_step or not any(r["step"] == step and r["kind"] == "eval"  # a kill lost it
                                             for r in read_records(RunDir(run.run_dir).metrics_file)):
-            self.writer.write(step, "eval", {"loss": loss})
+            self._write(step, "eval", {"loss": loss})
         self.progress.note(f"step {step}: eval loss {loss:.4f}")
 
     def on_checkpoint(self, run, step):
@@ -132,6 +139,12 @@ class MetricsLog(Hook):
         finally:
             self.progress.close()
             self.writer.close()
+
+    def _write(self, step: int, kind: str, values: dict[str, float]):
+        self.writer.write(step, kind, values)
+        if self.writer.enabled:
+            for listener in self.listeners:
+                listener(step, kind, values)
 
     def flush(self, run, report: bool = True):
         """Writes the pending steps' metrics (checking each step was finite) and, if `report`, a progress line."""
@@ -156,7 +169,7 @@ class MetricsLog(Hook):
                 if self.peak:
                     values["mfu"] = rate * self.flops_per_token / run.mesh.size / self.peak
             self.losses[step] = values["loss"]
-            self.writer.write(step, "train", values)
+            self._write(step, "train", values)
         if report:
             self.progress.update(self.pending[-1][0], values)
         self.pending.clear()

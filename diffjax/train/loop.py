@@ -16,6 +16,7 @@ import jax
 from diffjax.train.config import RunConfig
 from diffjax.train.hooks import Hook, MetricsLog, ProfileWindow
 from diffjax.train.run import Run, TrainResult, setup_errors, setup_run
+from diffjax.train.wandb_log import WandbLog, require_wandb
 
 __all__ = ["Hook", "Interrupted", "StopSignals", "TrainResult", "train"]
 
@@ -56,6 +57,8 @@ class StopSignals:
 
 def train(config: RunConfig, *, log: Callable[[str], None] = print, hooks: Sequence[Hook] = ()) -> TrainResult:
     """Trains `config` to train.steps (resuming its run directory), calling `hooks` after the trainer's own."""
+    if config.train.wandb.enabled:
+        require_wandb()  # a missing extra: one line now, not after the set-up
     run = setup_run(config, log)
     if isinstance(run, TrainResult):  # complete already: nothing to do
         return run
@@ -67,7 +70,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print, hooks: Seque
         with setup_errors():  # (rewriting metrics.jsonl on a full disk)
             metrics_log = MetricsLog(run)
         profile = [ProfileWindow(*config.train.profile_steps)] if config.train.profile_steps else []
-        all_hooks = [metrics_log, *profile, *hooks]
+        tracking = [WandbLog(metrics_log)] if config.train.wandb.enabled and run.is_main_process else []
+        all_hooks = [metrics_log, *profile, *tracking, *hooks]
         result = TrainResult(step=run.start_step, losses=metrics_log.losses, eval_losses={}, tokens_per_second=None,
                              sample=None)
         for hook in all_hooks:
