@@ -195,7 +195,7 @@ def load_params(path: str | Path, abstract_params: Any = None, *, what: str = "c
 
 
 def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, step: int = 0,
-                data: dict | None = None) -> Path:
+                data: dict | None = None, optim: dict | None = None) -> Path:
     """A params-only checkpoint in run-directory layout: <run_dir>/config.yaml and checkpoints/<step>/state.
 
     `train.py train.run_dir=<run_dir>` continues training from it (a fresh optimizer), `train.init_from`
@@ -229,9 +229,10 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     manager.close()
     integrity.write_digest(run.step_dir(step))  # its readers verify it (resolve_checkpoint)
     # A run config train.py reads (its other sections take their defaults); the data section's sequence
-    # length must fit the model; `data` adds to that section (a conversion names its tokenizer there).
+    # length must fit the model; `data` adds to that section (a conversion names its tokenizer there), `optim` is
+    # the optim section (an upcycled model's lambda warm-up).
     run_config = {"model": model_config.to_dict(), "data": {"seq_len": min(128, model_config.max_seq_len), **(data or {})},
-                  "train": {"run_dir": str(run.path)}}
+                  **({"optim": optim} if optim else {}), "train": {"run_dir": str(run.path)}}
     temporary = run.config_file.with_name(run.config_file.name + ".tmp")  # never a half-written config.yaml
     temporary.write_text(yaml.safe_dump(run_config, sort_keys=False))
     os.replace(temporary, run.config_file)

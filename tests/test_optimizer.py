@@ -51,7 +51,9 @@ def test_decay_steps_overrides_the_run_length():
 @pytest.mark.parametrize(
     "changes, key",
     [({"decay": "step"}, "optim.decay"), ({"min_lr": 1.0}, "optim.min_lr"), ({"lr": 0.0}, "optim.lr"),
-     ({"b2": 1.0}, "optim.b2"), ({"no_decay": ("(",)}, "optim.no_decay"), ({"warmup_steps": -1}, "optim.warmup_steps")],
+     ({"b2": 1.0}, "optim.b2"), ({"no_decay": ("(",)}, "optim.no_decay"), ({"warmup_steps": -1}, "optim.warmup_steps"),
+     ({"lr_multipliers": ("lambda_",)}, "optim.lr_multipliers"), ({"lr_multipliers": ("[=2",)}, "optim.lr_multipliers"),
+     ({"lambda_warmup_steps": -5}, "optim.lambda_warmup_steps")],
 )
 def test_optimizer_config_errors_name_the_key(changes, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
@@ -104,3 +106,23 @@ def test_adamw_decays_only_masked_params(no_decay):
         decayed = no_decay == () or path[-1] not in NO_DECAY_NAMES
         expected = np.asarray(old) * (1 - lr * wd) if decayed else np.asarray(old)
         np.testing.assert_allclose(np.asarray(new[path]), expected, rtol=1e-6, atol=1e-7, err_msg=str(path))
+
+
+def test_lr_multipliers_scale_each_matching_parameters_update():
+    """"pattern=factor": the first pattern found in a parameter's path sets its learning rate to factor x lr (the
+    whole AdamW update, decay included); 0 freezes it; parameters matching none are untouched by the option."""
+    params = _params()
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+
+    def updates(multipliers):
+        tx, _ = make_optimizer(OptimizerConfig(warmup_steps=0, lr_multipliers=multipliers), total_steps=10)
+        return _flat(tx.update(grads, tx.init(params), params)[0])
+
+    plain = updates(())
+    scaled = updates(("lambda_q=3", "lambda_=0", "embed=2"))
+    assert set(plain) == set(scaled)
+    for key, update in scaled.items():
+        name = ".".join(key)
+        factor = 3 if "lambda_q" in name else 0 if "lambda_" in name else 2 if "embed" in name else 1
+        np.testing.assert_allclose(update, factor * plain[key], rtol=1e-6, err_msg=name)
+        assert np.abs(plain[key]).max() > 0, name

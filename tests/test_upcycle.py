@@ -4,6 +4,7 @@ CLI writes a run directory that loads, and what cannot start as the source is re
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from diffjax.convert.__main__ import main  # noqa: E402
 from diffjax.convert.common import ConversionError  # noqa: E402
 from diffjax.convert.export import check_exportable  # noqa: E402
 from diffjax.params_checkpoint import load_model  # noqa: E402
+from diffjax.run_dir import RunDir  # noqa: E402
+from diffjax.train.config import load_run_config  # noqa: E402
 from hf_models import LLAMA3_ROPE, make_hf_model, max_relative_error, random_tokens  # noqa: E402
 
 FP32_TOL = 1e-5
@@ -82,6 +85,55 @@ def test_every_new_parameter_trains(kind, llama):
         assert np.abs(np.asarray(grads_of(model)[("blocks", "attn", "v_kernel")][...])[..., d:]).max() > 0
 
 
+WARMUP_OPTIONS = {
+    "v1_mirror_schedule": dict(kind="diff"),
+    "v1_zero_query_schedule": dict(kind="diff", second_map="zero_query"),
+    "v2_zero_query": dict(kind="diff_v2", second_map="zero_query"),
+}
+
+
+@pytest.mark.parametrize("option", list(WARMUP_OPTIONS))
+def test_upcycled_for_a_lambda_warmup_it_starts_as_the_llama_at_lambda_scale_0(option, llama, measured):
+    """With lambda x 0 (a warm-up's first step) any second map is silent: the model is the source there, and only
+    there (at full lambda it differs)."""
+    directory, tokens, expected = llama
+    model = upcycle(diffjax.load_hf(directory), **WARMUP_OPTIONS[option], lambda_warmup=True)
+    err = measured(f"upcycled for a lambda warm-up ({option}) at lambda x 0 vs transformers Llama, max rel (fp32)",
+                   max_relative_error(model(jnp.asarray(tokens), lambda_scale=0.0), expected), FP32_TOL)
+    assert err <= FP32_TOL
+    assert max_relative_error(model(jnp.asarray(tokens), lambda_scale=1.0), expected) > 100 * FP32_TOL
+
+
+def test_the_trainer_warms_lambda_up_from_the_source(llama):
+    """Train steps with optim.lambda_warmup_steps on an upcycled model: the first step's loss is the Llama's, the
+    logged lambda_scale is min(1, step / W), and the loss moves away from the source's as lambda grows."""
+    import optax
+
+    from diffjax.train.optimizer import OptimizerConfig, lambda_scale, make_optimizer
+    from diffjax.train.step import init_state, make_train_step
+
+    directory, tokens, _ = llama
+    source = diffjax.load_hf(directory)
+    model = upcycle(source, "diff", lambda_warmup=True)
+    optim = OptimizerConfig(lr=1e-3, warmup_steps=0, lambda_warmup_steps=2)
+    tx, schedule = make_optimizer(optim, total_steps=10)
+    step = jax.jit(make_train_step(nnx.graphdef(model), tx, schedule, model.config,
+                                   lambda_schedule=lambda s: lambda_scale(optim, s)))
+    tokens = jnp.asarray(tokens)
+    batch = {"tokens": tokens[None], "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)[None],
+             "segment_ids": jnp.ones_like(tokens)[None]}
+    source_loss = float(diffjax.next_token_loss(source(tokens), tokens))
+    state = init_state(model, tx, jax.random.key(0))
+    scales = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        scales.append(float(metrics["lambda_scale"]))
+        if len(scales) == 1:
+            assert float(metrics["loss"]) == pytest.approx(source_loss, rel=1e-5)
+    assert scales == [0.0, 0.5, 1.0]
+    assert optax.tree.norm(state["params"]) > 0
+
+
 def test_the_cli_writes_a_run_directory_that_loads(llama, tmp_path, capsys, measured):
     directory, tokens, expected = llama
     run = tmp_path / "up"
@@ -92,6 +144,13 @@ def test_the_cli_writes_a_run_directory_that_loads(llama, tmp_path, capsys, meas
     # (train.py continuing from a converted run directory: tests/test_convert_roundtrip.py)
     assert main(["upcycle", str(run), str(tmp_path / "again")]) == 2  # a DIFF source: one line on stderr
     assert "the source must be a Transformer" in capsys.readouterr().err
+    # For a lambda warm-up: the run directory's config trains with it, and the model is the source at lambda x 0.
+    warm = tmp_path / "warm"
+    assert main(["upcycle", str(directory), str(warm), "--second-map", "zero_query", "--lambda-warmup", "50"]) == 0
+    assert load_run_config(RunDir(warm).config_file).optim.lambda_warmup_steps == 50
+    assert max_relative_error(load_model(warm)(jnp.asarray(tokens), lambda_scale=0.0), expected) <= FP32_TOL
+    assert main(["upcycle", str(directory), str(tmp_path / "bad"), "--lambda-warmup", "-1"]) == 2
+    assert "lambda_warmup_steps must be an integer >= 0, got -1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("call,message", [

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the second map's queries: a copy of the first's (default) or zeros (V1 with --lambda-init 0)")
     p.add_argument("--lambda-init", type=float, help="V1: one lambda_init for every layer (default: the depth schedule)")
     p.add_argument("--seed", type=int, default=0, help="V1: the draws of the new value half and the lambda vectors")
+    p.add_argument("--lambda-warmup", type=int, default=0, metavar="STEPS",
+                   help="upcycle for training with lambda grown from 0 over STEPS steps (written to DST's config.yaml "
+                        "as optim.lambda_warmup_steps): any --second-map and --lambda-init start as the source")
     p.add_argument("--overwrite", action="store_true", help="replace an existing conversion in DST")
 
     p = commands.add_parser("verify", help="compare transformers and diffjax on the same prompts")
@@ -99,7 +102,8 @@ def main(argv=None) -> int:
         elif args.command == "upcycle":
             from diffjax.convert.upcycle import upcycle_directory
             step_dir = upcycle_directory(args.src, args.dst, kind=args.kind, second_map=args.second_map,
-                                         lambda_init=args.lambda_init, seed=args.seed, overwrite=args.overwrite)
+                                         lambda_init=args.lambda_init, seed=args.seed,
+                                         lambda_warmup_steps=args.lambda_warmup, overwrite=args.overwrite)
             print(f"wrote {step_dir} (train on with `python train.py --config {RunDir(args.dst).config_file} "
                   f"train.run_dir={args.dst}`)")
         else:

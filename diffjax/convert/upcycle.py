@@ -15,6 +15,12 @@ difference leaves the output unchanged until training moves it:
       "zero_query"  q2 = 0 (a uniform second map, the axolotl plugin's zero init): needs lambda_init = 0, then c = 1
 Every new parameter has a gradient from the first step (q2 through -lambda A2 v, lambda through A2 v, o's new rows
 through the new values). A zero-query second map cannot leave V2's output unchanged (its lambda is a sigmoid).
+
+lambda_warmup: the model is made for training with optim.lambda_warmup_steps > 0, which scales lambda by 0 at the
+first step: the second map is silent there whatever it is, so either second map, any lambda_init and V2's zero query
+start as the source, with o scaled for the silent second map (V1: c = 1 / (1 - lambda_init); V2: o unchanged). Outside
+such a trainer (full lambda) this model is not the source until it has trained: upcycle_directory writes the warm-up
+into its config.yaml.
 """
 
 from __future__ import annotations
@@ -48,9 +54,10 @@ def upcycled_config(source: ModelConfig, kind: str = "diff", *, lambda_init: flo
 
 
 def upcycle(model: TransformerLM, kind: str = "diff", second_map: str = "mirror", *, lambda_init: float | None = None,
-            seed: int = 0) -> TransformerLM:
-    """`model` (a Transformer) as a DIFF model of `kind` computing the same logits (module docstring). lambda_init:
-    V1's (None: the depth schedule); seed: the draws of V1's new value half and lambda vectors."""
+            seed: int = 0, lambda_warmup: bool = False) -> TransformerLM:
+    """`model` (a Transformer) as a DIFF model of `kind` computing the same logits (module docstring): at full lambda,
+    or with lambda_warmup at lambda x 0 (the first step of a lambda warm-up). lambda_init: V1's (None: the depth
+    schedule); seed: the draws of V1's new value half and lambda vectors."""
     if second_map not in SECOND_MAPS:
         raise ConversionError(f"upcycle: second_map must be one of {SECOND_MAPS}, got {second_map!r}")
     config = upcycled_config(model.config, kind, lambda_init=lambda_init)
@@ -58,22 +65,26 @@ def upcycle(model: TransformerLM, kind: str = "diff", second_map: str = "mirror"
     attn = ("blocks", "attn")
     q_LDHd, o_LHdD = params.pop(attn + ("q_kernel",)), params.pop(attn + ("o_kernel",))
     dtype, (L, D, H, d) = q_LDHd.dtype, q_LDHd.shape
+    second_q = q_LDHd if second_map == "mirror" else np.zeros_like(q_LDHd)
     if kind == "diff_v2":
-        if second_map != "mirror":
+        if second_map != "mirror" and not lambda_warmup:
             raise ConversionError("upcycle: kind 'diff_v2' starts as the source with second_map 'mirror' only "
-                                  "(its lambda is a sigmoid, never 0)")
-        params[attn + ("q_kernel",)] = np.stack([q_LDHd, q_LDHd], axis=3)  # (L, D, H, 2, d): both maps' queries
-        params[attn + ("o_kernel",)] = o_LHdD * np.asarray(2, dtype)
+                                  "(its lambda is a sigmoid, never 0), or with lambda_warmup")
+        params[attn + ("q_kernel",)] = np.stack([q_LDHd, second_q], axis=3)  # (L, D, H, 2, d): both maps' queries
+        params[attn + ("o_kernel",)] = o_LHdD if lambda_warmup else o_LHdD * np.asarray(2, dtype)
         params[attn + ("lambda_kernel",)] = np.zeros((L, D, H), dtype)
     else:
         lambda_inits = np.array([config.lambda_init_at(depth) for depth in range(L)])
-        if second_map == "zero_query" and np.any(lambda_inits != 0):
+        if second_map == "zero_query" and np.any(lambda_inits != 0) and not lambda_warmup:
             raise ConversionError("upcycle: second_map 'zero_query' starts as the source only with lambda_init 0 "
-                                  "(lambda = 0 silences its uniform second map); pass lambda_init=0.0 or use 'mirror'")
-        scale = 1 / (1 - lambda_inits) ** 2 if second_map == "mirror" else np.ones(L)
+                                  "(lambda = 0 silences its uniform second map); pass lambda_init=0.0, use 'mirror', "
+                                  "or upcycle for a lambda warm-up")
+        if lambda_warmup:  # out = (1 - lambda_init) A1 v at the warm-up's first step
+            scale = 1 / (1 - lambda_inits)
+        else:  # out = (1 - lambda_init) (1 - lambda) A1 v (mirror), (1 - 0) A1 v (zero query)
+            scale = 1 / (1 - lambda_inits) ** 2 if second_map == "mirror" else np.ones(L)
         rng = np.random.default_rng(seed)
         k_LDKd, v_LDKd = params.pop(attn + ("k_kernel",)), params.pop(attn + ("v_kernel",))
-        second_q = q_LDHd if second_map == "mirror" else np.zeros_like(q_LDHd)
         params[attn + ("q_kernel",)] = np.stack([q_LDHd, second_q], axis=3)
         params[attn + ("k_kernel",)] = np.stack([k_LDKd, k_LDKd], axis=3)
         new_values = rng.normal(0, config.init_std, v_LDKd.shape).astype(dtype)
@@ -87,18 +98,22 @@ def upcycle(model: TransformerLM, kind: str = "diff", second_map: str = "mirror"
 
 
 def upcycle_directory(src, dst, *, kind: str = "diff", second_map: str = "mirror", lambda_init: float | None = None,
-                      seed: int = 0, overwrite: bool = False) -> Path:
+                      seed: int = 0, lambda_warmup_steps: int = 0, overwrite: bool = False) -> Path:
     """Upcycle the Transformer in `src` (an HF Llama directory, or a diffjax run directory or checkpoint) into the
     diffjax run directory `dst` (a params-only checkpoint: train on with train.run_dir, or train.init_from).
-    An HF source's files but its weights are kept in DST/hf/ (as hf-to-diffjax keeps them). Returns the
-    step directory."""
+    An HF source's files but its weights are kept in DST/hf/ (as hf-to-diffjax keeps them). lambda_warmup_steps > 0:
+    upcycled for a lambda warm-up (upcycle's lambda_warmup), written as optim.lambda_warmup_steps into DST's
+    config.yaml. Returns the step directory."""
     from diffjax.convert.hf import load_hf
     from diffjax.convert.hf_directories import conversion_run_dir, keep_hf_files
     from diffjax.params_checkpoint import load_model, save_params
 
     from_hf = (Path(src) / "config.json").is_file()
     source = load_hf(src) if from_hf else load_model(src, what="upcycle source")
-    model = upcycle(source, kind, second_map, lambda_init=lambda_init, seed=seed)
+    if not (isinstance(lambda_warmup_steps, int) and lambda_warmup_steps >= 0):
+        raise ConversionError(f"upcycle: lambda_warmup_steps must be an integer >= 0, got {lambda_warmup_steps!r}")
+    model = upcycle(source, kind, second_map, lambda_init=lambda_init, seed=seed, lambda_warmup=lambda_warmup_steps > 0)
     with conversion_run_dir(dst, overwrite=overwrite) as run:
         data = keep_hf_files(src, run) if from_hf else None
-        return save_params(run.path, nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.config, data=data)
+        optim = {"lambda_warmup_steps": lambda_warmup_steps} if lambda_warmup_steps else None
+        return save_params(run.path, nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.config, data=data, optim=optim)

@@ -85,16 +85,21 @@ class TransformerLM(nnx.Module):
                 rngs, (config.d_model, config.vocab_size), config.init_std, config.param_dtype, ("embed", "vocab")
             )
 
-    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None):
-        """float32 logits [B, T, vocab]; with a KVCache (generation), (logits, updated cache)."""
-        out = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, cache)
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None, *,
+                 lambda_scale=None):
+        """float32 logits [B, T, vocab]; with a KVCache (generation), (logits, updated cache). lambda_scale: as
+        hidden_states."""
+        out = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, cache, lambda_scale=lambda_scale)
         if cache is None:
             return self.logits(out)
         return self.logits(out[0]), out[1]
 
-    def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None):
+    def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None, *,
+                      lambda_scale=None):
         """The final (normalized) hidden states [B, T, D] in the compute dtype: what the LM head projects
-        (the trainer's chunked loss and generation's prefill start here); with a KVCache, (hidden, cache)."""
+        (the trainer's chunked loss and generation's prefill start here); with a KVCache, (hidden, cache).
+        lambda_scale: a scalar in [0, 1] multiplying every layer's lambda (optim.lambda_warmup_steps: 0 silences the
+        second map, as an upcycled model starts); None: the model as it is (the same as 1)."""
         tokens_BT = jnp.asarray(tokens_BT)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, length], got {tokens_BT.shape}")
@@ -111,7 +116,7 @@ class TransformerLM(nnx.Module):
         dtype = jnp.dtype(self.config.dtype)
         x_BTD = constrain(self.embed(tokens_BT, dtype), BTD)
         rope_cos_sin = rope_tables(positions_BT, inv_frequencies(self.config), dtype)
-        x_BTD, cache = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT, cache)
+        x_BTD, cache = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT, cache, lambda_scale)
         return self.final_norm(x_BTD) if cache is None else (self.final_norm(x_BTD), cache)
 
     def logits(self, hidden_BTD):
@@ -150,12 +155,14 @@ class TransformerLM(nnx.Module):
         nnx.update(block, jax.tree.map(lambda x: x[depth], nnx.state(self.blocks)))
         return block
 
-    def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT, cache: KVCache | None):
+    def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale=None):
         """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop.
         With a cache its stacked [L, ...] buffers go through the layers with the params; returns (x, cache)."""
         remat, scan = self.config.remat, self.config.scan_layers
         graphdef, params = nnx.split(self.blocks)
         constants = self.depth_constants(x_BTD.dtype)
+        if lambda_scale is not None:
+            constants["lambda_scale"] = jnp.broadcast_to(jnp.asarray(lambda_scale, jnp.float32), (self.config.num_layers,))
         kv = None if cache is None else (cache.k, cache.v)
 
         def apply_block(x_BTD, layer_params, layer_constants, layer_kv):

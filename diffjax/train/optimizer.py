@@ -9,14 +9,23 @@ N = decay_steps, m = min_lr and p = clip((s - W) / (N - W), 0, 1):
              lr                                         (decay="constant")
 
 so the rate is `lr` at s = W and `min_lr` from s = N on.
+
+lr_multipliers ("pattern=factor", the first pattern found in a parameter's dotted path wins) scale that parameter's
+AdamW update (weight decay included): its own learning rate, factor x the schedule.
+
+lambda_warmup_steps = Wl > 0 (differential attention): step s computes with lambda x min(1, s / Wl), so the first
+step computes with the second map silent, as a model upcycled with lambda_warmup starts, and lambda reaches its full
+value at step Wl (lambda_scale()).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from diffjax.sharding import key_names
@@ -42,6 +51,12 @@ class OptimizerConfig:
     # a match excludes the parameter from weight decay.
     no_decay: tuple[str, ...] = DEFAULT_NO_DECAY
     clip_norm: float | None = 1.0  # global gradient norm; None: no clipping
+    # "pattern=factor": the update of a parameter whose dotted path matches `pattern` (a regular expression,
+    # searched; the first that matches wins) is multiplied by `factor`, e.g. "lambda_=10" (new parameters of an
+    # upcycled model learning faster).
+    lr_multipliers: tuple[str, ...] = ()
+    # Steps over which lambda grows linearly from 0 to its value (module docstring); 0: no warm-up.
+    lambda_warmup_steps: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "no_decay", tuple(self.no_decay))
@@ -65,10 +80,40 @@ class OptimizerConfig:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"optim.clip_norm must be > 0 or None, got {self.clip_norm!r}")
         for pattern in self.no_decay:
+            _regex("optim.no_decay", pattern)
+        object.__setattr__(self, "lr_multipliers", tuple(self.lr_multipliers))
+        self.multipliers()  # checks each entry
+        if not (isinstance(self.lambda_warmup_steps, int) and self.lambda_warmup_steps >= 0):
+            raise ValueError(f"optim.lambda_warmup_steps must be an integer >= 0, got {self.lambda_warmup_steps!r}")
+
+    def multipliers(self) -> list[tuple[re.Pattern, float]]:
+        """lr_multipliers as (compiled pattern, factor) pairs, in order."""
+        pairs = []
+        for entry in self.lr_multipliers:
+            pattern, equals, factor = str(entry).rpartition("=")
             try:
-                re.compile(pattern)
-            except re.error as error:
-                raise ValueError(f"optim.no_decay: {pattern!r} is not a regular expression ({error})") from None
+                value = float(factor)
+            except ValueError:
+                value = None
+            if not equals or not pattern or value is None or not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"optim.lr_multipliers entries are 'pattern=factor' with a factor >= 0, got {entry!r}")
+            pairs.append((_regex("optim.lr_multipliers", pattern), value))
+        return pairs
+
+
+def _regex(key: str, pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"{key}: {pattern!r} is not a regular expression ({error})") from None
+
+
+def lambda_scale(config: OptimizerConfig, step):
+    """The factor on lambda at optimizer step `step` (0-based; float32): min(1, step / lambda_warmup_steps), or
+    None without a warm-up."""
+    if not config.lambda_warmup_steps:
+        return None
+    return jnp.minimum(jnp.float32(1), jnp.asarray(step, jnp.float32) / config.lambda_warmup_steps)
 
 
 def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -110,6 +155,22 @@ def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.Gra
         weight_decay=config.weight_decay,
         mask=lambda params: weight_decay_mask(params, config.no_decay),
     )
-    if config.clip_norm is None:
-        return adamw, schedule
-    return optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw), schedule
+    transforms = [] if config.clip_norm is None else [optax.clip_by_global_norm(config.clip_norm)]
+    transforms.append(adamw)
+    if config.lr_multipliers:
+        transforms.append(scale_by_path(config.multipliers()))
+    return (transforms[0] if len(transforms) == 1 else optax.chain(*transforms)), schedule
+
+
+def scale_by_path(multipliers: list[tuple[re.Pattern, float]]) -> optax.GradientTransformation:
+    """Updates times the factor of the first pattern found in the parameter's dotted path (1 for none); stateless."""
+
+    def factor(path) -> float:
+        name = path_name(path)
+        return next((value for pattern, value in multipliers if pattern.search(name)), 1.0)
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(lambda path, u: u * jnp.asarray(factor(path), u.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)

@@ -11,10 +11,12 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -32,7 +34,7 @@ from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
 from diffjax.run_dir import RunDir, RunDirInUseError, TrainerLock
 from diffjax.train.mesh import allgather_json
 from diffjax.train.metrics import read_records, training_flops_per_token
-from diffjax.train.optimizer import make_optimizer
+from diffjax.train.optimizer import lambda_scale, make_optimizer
 from diffjax.train.step import ShardedTraining, setup_sharded_state
 
 
@@ -81,7 +83,7 @@ class Run:
     tokenizer: Any
     training: ShardedTraining
     train_step: Callable  # jitted (state, batch) -> (state, device metrics); donates the state
-    eval_step: Callable  # jitted (params, batch) -> (loss sum, counted tokens)
+    eval_step: Callable  # jitted (params, batch, lambda_scale) -> (loss sum, counted tokens)
     state: dict
     data_iter: Any  # grain iterator of this process's rows; its position is checkpointed
     eval_batches: list[dict[str, jax.Array]]  # fixed, on the devices
@@ -116,8 +118,10 @@ class Run:
         if not self.eval_batches:
             return None
         total, count = 0.0, 0.0
+        scale = lambda_scale(self.config.optim, self.step)  # the next step's: what the model computes now
+        scale = jnp.float32(1) if scale is None else scale
         for batch in self.eval_batches:
-            loss_sum, tokens = self.eval_step(self.state["params"], batch)
+            loss_sum, tokens = self.eval_step(self.state["params"], batch, scale)
             total, count = total + float(loss_sum), count + float(tokens)
         return total / max(count, 1.0)
 
@@ -271,7 +275,8 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
     return Run(
         config=config, run_dir=run_dir, log=log, lock=lock, checkpointer=checkpointer, last_saved=latest_step,
         start_step=start_step, step=start_step, mesh=mesh, plan=plan, tokenizer=tokenizer, training=training,
-        train_step=training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk),
+        train_step=training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk,
+                                           partial(lambda_scale, config.optim) if config.optim.lambda_warmup_steps else None),
         eval_step=training.jit_eval_step(config.model, config.train.loss_chunk), state=state, data_iter=data_iter, eval_batches=eval_batches,
     )
 

@@ -8,7 +8,7 @@ and the loss is the token-weighted mean over all of them, so accumulation equals
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +51,8 @@ def resolve_loss_chunk(loss_chunk: int | None, vocab_size: int) -> int:
     return loss_chunk
 
 
-def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int):
-    """The batch's loss sum and target count. Targets and weights are stated per position first, so that under
+def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int, lambda_scale=None):
+    """The batch's loss sum and target count (lambda_scale: TransformerLM.hidden_states'). Targets and weights are stated per position first, so that under
     a context axis every [B, T] array can be put in the context layout (ops.context_parallel) together."""
     model = nnx.merge(graphdef, params)
     targets_BT, weights_BT = next_token_targets(batch["tokens"], batch["segment_ids"], batch.get("loss_mask"))
@@ -60,18 +60,20 @@ def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int):
     tokens_BT, positions_BT, segment_ids_BT, targets_BT, weights_BT = (
         to_context_order(x, context)
         for x in (batch["tokens"], batch["positions"], batch["segment_ids"], targets_BT, weights_BT))
-    hidden_BTD = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT)
+    hidden_BTD = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, lambda_scale=lambda_scale)
     if loss_chunk:
         return chunked_loss_sum_and_count(hidden_BTD, model.head(hidden_BTD.dtype), targets_BT, weights_BT, loss_chunk)
     return loss_sum_and_count(model.logits(hidden_BTD), targets_BT, weights_BT)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, model_config: ModelConfig,
-                    mesh: Mesh | None = None, on_nonfinite: str = "stop", loss_chunk: int | None = None):
+                    mesh: Mesh | None = None, on_nonfinite: str = "stop", loss_chunk: int | None = None,
+                    lambda_schedule: Callable | None = None):
     """step(state, batch) -> (state, metrics); jit it with the state donated. With a mesh, the model's
     activations are constrained by the logical-axis rules. metrics["ok"]: the step was finite; with
     on_nonfinite="skip" a step that was not leaves params and optimizer state unchanged (guard.py).
-    loss_chunk: tokens per chunk of the loss (train.loss_chunk; None: resolve_loss_chunk's auto)."""
+    loss_chunk: tokens per chunk of the loss (train.loss_chunk; None: resolve_loss_chunk's auto).
+    lambda_schedule: step -> the factor on lambda (optimizer.lambda_scale; logged as metrics["lambda_scale"])."""
     loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
 
     def train_step(state, batch):
@@ -80,7 +82,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
     def _train_step(state, batch):
         params = state["params"]
-        grad_fn = jax.value_and_grad(lambda p, micro: _loss_sum_and_count(graphdef, p, micro, loss_chunk), has_aux=True)
+        scale = None if lambda_schedule is None else lambda_schedule(state["step"])
+        grad_fn = jax.value_and_grad(lambda p, micro: _loss_sum_and_count(graphdef, p, micro, loss_chunk, scale),
+                                     has_aux=True)
 
         def accumulate(carry, micro):
             grads_sum, loss_sum, count = carry
@@ -108,6 +112,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         lambdas = layer_lambdas(graphdef, new_params)
         if lambdas is not None:
             metrics["lambda"] = lambdas
+        if scale is not None:
+            metrics["lambda_scale"] = scale
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}
         return new_state, metrics
@@ -116,11 +122,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
 
 def make_eval_step(graphdef, mesh: Mesh | None = None, loss_chunk: int = 0):
-    """eval_step(params, batch[B, T]) -> (loss sum, counted tokens); loss_chunk as resolve_loss_chunk gives."""
+    """eval_step(params, batch[B, T], lambda_scale=None) -> (loss sum, counted tokens); loss_chunk as
+    resolve_loss_chunk gives, lambda_scale as TransformerLM.hidden_states takes it."""
 
-    def eval_step(params, batch):
+    def eval_step(params, batch, lambda_scale=None):
         with sharding.activation_sharding(mesh):
-            return _loss_sum_and_count(graphdef, params, batch, loss_chunk)
+            return _loss_sum_and_count(graphdef, params, batch, loss_chunk, lambda_scale)
 
     return eval_step
 
@@ -141,15 +148,17 @@ class ShardedTraining:
         return NamedSharding(self.mesh, P())
 
     def jit_train_step(self, tx, schedule, model_config: ModelConfig, on_nonfinite: str = "stop",
-                       loss_chunk: int | None = None):
-        step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh, on_nonfinite, loss_chunk)
+                       loss_chunk: int | None = None, lambda_schedule: Callable | None = None):
+        step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh, on_nonfinite, loss_chunk,
+                               lambda_schedule)
         return jax.jit(step, in_shardings=(self.state_shardings, self.step_batch_sharding),
                        out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
 
     def jit_eval_step(self, model_config: ModelConfig, loss_chunk: int | None = None):
+        """Jitted (params, batch, lambda_scale) -> (loss sum, counted tokens); lambda_scale a float32 scalar."""
         loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
         return jax.jit(make_eval_step(self.graphdef, self.mesh, loss_chunk),
-                       in_shardings=(self.state_shardings["params"], self.eval_batch_sharding),
+                       in_shardings=(self.state_shardings["params"], self.eval_batch_sharding, self.replicated),
                        out_shardings=self.replicated)
 
 

@@ -10,6 +10,8 @@ A kind's module subclasses AttentionModule and states only what differs:
   output(o_BTHv, constants)     -> [B, T, D]: what follows the op (norms, scales, the out projection)
   depth_constants(config, depths, dtype) (classmethod) -> {name: [L] array}: per-layer constants that are not
                                    parameters (V1's lambda_init); {} by default
+A "lambda_scale" constant (the trainer's lambda warm-up, TransformerLM.hidden_states) multiplies lambda for every
+kind (lambdas()): 0 silences the second map, 1 is the kind's own formula, exactly.
 The kind's row in diffjax.attention_kinds says how many maps it has (ops.diff_attention for 2,
 ops.dot_product_attention for 1) and everything the rest of diffjax reads about it.
 """
@@ -97,10 +99,20 @@ class AttentionModule(nnx.Module):
         (generation); cache None: (output, None)."""
         constants = self.layer_constants(x_BTD.dtype) if constants is None else constants
         op = ops.diff_attention if self.kind.maps == 2 else ops.dot_product_attention
-        o_BTHv, cache = attend(op, *self.project(x_BTD, rope_cos_sin), *self.op_arguments(x_BTD, constants),
+        o_BTHv, cache = attend(op, *self.project(x_BTD, rope_cos_sin), *self.lambdas(x_BTD, constants),
                                segment_ids=segment_ids, impl=self.config.attention_impl, cache=cache,
                                window=self.config.attention_window, windowed=self.windowed(constants))
         return self.output(o_BTHv, constants), cache
+
+    def lambdas(self, x_BTD, constants) -> tuple:
+        """op_arguments with lambda times constants["lambda_scale"] when there is one (a float32 scalar in [0, 1]:
+        the trainer's lambda warm-up), in lambda's dtype."""
+        arguments = self.op_arguments(x_BTD, constants)
+        scale = constants.get("lambda_scale")
+        if scale is None or not arguments:
+            return arguments
+        (lam,) = arguments
+        return ((jnp.asarray(lam).astype(jnp.float32) * scale).astype(jnp.asarray(lam).dtype),)
 
     def windowed(self, constants):
         """Whether this layer's sliding window applies: True unless the config has global layers, then the layer's
@@ -141,7 +153,7 @@ class AttentionModule(nnx.Module):
         if M == 1:
             o_BTHv, effective_BHTS = o_MBTHv[0], p_MBHTS[0]
         else:
-            (lam,) = self.op_arguments(x_BTD, constants)  # a scalar or [B, T, H]
+            (lam,) = self.lambdas(x_BTD, constants)  # a scalar or [B, T, H]
             lam_o = lam if jnp.ndim(lam) == 0 else lam[..., None]
             lam_p = lam if jnp.ndim(lam) == 0 else jnp.moveaxis(lam, 1, 2)[..., None]
             o_BTHv = o_MBTHv[0] - jnp.asarray(lam_o).astype(o_MBTHv.dtype) * o_MBTHv[1]
