@@ -1,0 +1,283 @@
+"""LoRA over the params pytree: low-rank adapters on chosen projections of any model diffjax builds.
+
+For each targeted kernel W [L, *in_dims, *out_dims] (the decoder blocks' params are stacked over depth) an
+adapter pair A [L, prod(in_dims), r] and B [L, r, prod(out_dims)]; the model runs with the effective
+
+    W' = W + (alpha / r) * reshape(A @ B, W.shape)
+
+(`merge`). A starts random (normal, std 1 / sqrt(prod(in_dims)), Kaiming-style), B zeros: step 0 is the base
+model exactly. Besides the adapters, base params whose dotted path matches one of `LoraConfig.trainable` (e.g.
+"lambda_": differential attention's lambda vectors) train too; everything else is frozen: it is not an argument
+of the differentiated loss and has no optimizer state.
+
+Why not `nnx.LoRA` / `nnx.LoRAParam`: nnx.LoRA wraps a 2-D `x @ W` Linear, and diffjax's projections are not
+Linears. They are raw nnx.Param kernels used in einsums with the head structure in their shapes (DIFF V1's
+q_kernel is [D, H, 2, d], o_kernel [H, 2d, D]), stacked over depth and applied by a lax.scan. An nnx.LoRA per
+projection would mean editing every attention kind's module (and a kind registered by a user would get no
+LoRA). Working on the params pytree instead needs no module edits: the loss merges the effective params and
+calls the model unchanged, so every attention kind, the layer scan, remat and the sharding rules work as they
+are. The adapters are a plain pytree in the train state (they never live in the module graph, so no nnx
+variable type such as nnx.LoRAParam is needed to tell them apart: the trainable tree *is* the filter).
+The merged forward materializes W' for the targeted kernels (one transient copy of them, and their full-size
+gradient in the backward pass before it is contracted into A's and B's); the usual x @ A @ B side path
+would avoid that but needs the module edits above.
+
+Which dims of a kernel are its input comes from its logical axes: the "embed" axis when it comes first
+(q, k, v, gate, up), else every axis before a final "embed" (o: heads x head_dim; down: mlp). A takes the
+sharding of the first input axis (on the flattened input dim), B that of the first output axis; "rank" is
+never split (`adapter_shardings`).
+
+Precision: `merge` adds in float32 and casts W' to W's dtype, so with a bfloat16 base an update smaller than
+W's rounding step does not show in the forward until it grows (the gradient still reaches A and B). Adapters
+are float32 whatever the base dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+
+# Projection name -> the kernel names it covers (Shared DIFF's dense query / key parts are q_base / k_base).
+TARGET_KERNELS = {
+    "q": ("q_kernel", "q_base"),
+    "k": ("k_kernel", "k_base"),
+    "v": ("v_kernel",),
+    "o": ("o_kernel",),
+    "gate": ("gate_kernel",),
+    "up": ("up_kernel",),
+    "down": ("down_kernel",),
+}
+TARGET_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
+ADAPTERS, BASE = "lora", "base"  # the trainable tree's keys: the adapters and the base params that train too
+A, B = "lora_a", "lora_b"
+STACKED = "blocks"  # the params key whose leaves carry the leading layers axis
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """The `lora` section of a run config. rank 0: off (full training)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    # Projections to adapt: among q, k, v, o, gate, up, down, or the groups "attention" (q, k, v, o) / "mlp".
+    targets: tuple[str, ...] = ("attention",)
+    # Regular expressions searched in a base parameter's dotted path (e.g. "lambda_", "norm"): those train too
+    # (with optimizer state); the rest of the base is frozen.
+    trainable: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("targets", "trainable"):
+            value = getattr(self, name)
+            if isinstance(value, (list, str)):
+                object.__setattr__(self, name, tuple([value] if isinstance(value, str) else value))
+        if not (isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 0):
+            raise ValueError(f"lora.rank must be an integer >= 0 (0: no LoRA), got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
+                math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"lora.alpha must be a number > 0, got {self.alpha!r}")
+        allowed = tuple(TARGET_KERNELS) + tuple(TARGET_GROUPS)
+        if not self.targets or any(t not in allowed for t in self.targets):
+            bad = [t for t in self.targets if t not in allowed]
+            raise ValueError(f"lora.targets must be a non-empty list of {', '.join(allowed)}; got {list(self.targets)!r}"
+                             + (f" ({', '.join(map(repr, bad))} unknown)" if bad else ""))
+        for pattern in self.trainable:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as error:
+                raise ValueError(f"lora.trainable: {pattern!r} is not a regular expression ({error})") from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        projections = [p for t in self.targets for p in TARGET_GROUPS.get(t, (t,))]
+        return tuple(dict.fromkeys(k for p in projections for k in TARGET_KERNELS[p]))
+
+    def is_trainable(self, dotted_path: str) -> bool:
+        return any(re.search(pattern, dotted_path) for pattern in self.trainable)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One adapted kernel: its params path, shape, and how many dims after the layers axis are its input."""
+
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    in_ndim: int
+    logical_axes: tuple[str | None, ...]
+
+    @property
+    def in_size(self) -> int:
+        return math.prod(self.shape[1:1 + self.in_ndim])
+
+    @property
+    def out_size(self) -> int:
+        return math.prod(self.shape[1 + self.in_ndim:])
+
+
+def _input_ndim(path: tuple[str, ...], axes: tuple) -> int:
+    rest = tuple(axes[1:])
+    if rest and rest[0] == "embed":
+        return 1
+    if len(rest) >= 2 and rest[-1] == "embed":
+        return len(rest) - 1
+    raise ValueError(f"LoRA: cannot tell the input dims of {'.'.join(path)} from its logical axes {tuple(axes)}")
+
+
+def kernel_specs(model_config, config: LoraConfig) -> dict[tuple[str, ...], KernelSpec]:
+    """The kernels `config` adapts in the model `model_config` builds, from its params' logical axes.
+    Raises ValueError naming a target that matches no kernel of this model."""
+    from flax import nnx
+
+    from diffjax.model import TransformerLM
+
+    abstract = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
+    specs, found = {}, set()
+    wanted = config.kernel_names
+    for path, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        path = tuple(map(str, path))
+        if path[0] != STACKED or path[-1] not in wanted:
+            continue
+        axes = tuple(getattr(variable, "logical_axes", None) or (None,) * len(variable.shape))
+        if axes[0] != "layers":
+            raise ValueError(f"LoRA: {'.'.join(path)} is not stacked over layers (logical axes {axes})")
+        specs[path] = KernelSpec(path, tuple(variable.shape), _input_ndim(path, axes), axes)
+        found.add(path[-1])
+    projections = [p for t in config.targets for p in TARGET_GROUPS.get(t, (t,))]
+    missing = [p for p in projections if not any(k in found for k in TARGET_KERNELS[p])]
+    if missing:
+        raise ValueError(f"lora.targets: model.attention {model_config.attention!r} has no {', '.join(missing)} "
+                         f"projection (its adaptable kernels: {sorted(found) or 'none'})")
+    return specs
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _flat(tree: dict, prefix: tuple[str, ...] = ()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flat(value, prefix + (str(key),))
+        else:
+            yield prefix + (str(key),), value
+
+
+def init_adapters(specs: dict[tuple[str, ...], KernelSpec], config: LoraConfig, key: jax.Array) -> dict:
+    """{path...: {"lora_a": [L, in, r], "lora_b": [L, r, out]}} (float32): A normal with std 1/sqrt(in), B zeros."""
+    adapters = {}
+    for i, (path, spec) in enumerate(sorted(specs.items())):
+        layers = spec.shape[0]
+        a = jax.random.normal(jax.random.fold_in(key, i), (layers, spec.in_size, config.rank), jnp.float32)
+        _set(adapters, path, {A: a * spec.in_size ** -0.5,
+                              B: jnp.zeros((layers, config.rank, spec.out_size), jnp.float32)})
+    return adapters
+
+
+def delta(a: jax.Array, b: jax.Array, shape, scale: float) -> jax.Array:
+    """(alpha / r) * A @ B in float32, shaped like the kernel [L, *in, *out]."""
+    return (scale * jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))).reshape(shape)
+
+
+def merge(params: dict, adapters: dict, config: LoraConfig) -> dict:
+    """The effective params: each adapted kernel W -> W + (alpha/r) A @ B (added in float32, W's dtype);
+    every other leaf as it is. `params` is not modified."""
+    merged = jax.tree.map(lambda x: x, params)  # new dict nodes, same leaves
+    for path, pair in _adapter_pairs(adapters):
+        w = _get(params, path)
+        _set(merged, path, (w.astype(jnp.float32) + delta(pair[A], pair[B], w.shape, config.scale)).astype(w.dtype))
+    return merged
+
+
+def _adapter_pairs(adapters: dict):
+    """(kernel path, {"lora_a", "lora_b"}) of every adapter in the tree."""
+    def walk(tree, prefix):
+        if A in tree:
+            yield prefix, tree
+            return
+        for key, value in tree.items():
+            yield from walk(value, prefix + (str(key),))
+
+    yield from walk(adapters, ())
+
+
+def split_base(params: dict, config: LoraConfig) -> tuple[dict, dict]:
+    """(the base params that train too, the frozen rest): two disjoint nested dicts covering `params`."""
+    chosen, frozen = {}, {}
+    for path, value in _flat(params):
+        _set(chosen if config.is_trainable(".".join(path)) else frozen, path, value)
+    return chosen, frozen
+
+
+def join(frozen: dict, chosen: dict) -> dict:
+    """`frozen` with `chosen`'s leaves put back in place (split_base's inverse)."""
+    joined = jax.tree.map(lambda x: x, frozen)
+    for path, value in _flat(chosen):
+        _set(joined, path, value)
+    return joined
+
+
+def trainable_params(adapters: dict, chosen: dict) -> dict:
+    """The train state's params: {"lora": adapters} plus {"base": chosen} when any base param trains."""
+    return {ADAPTERS: adapters, **({BASE: chosen} if chosen else {})}
+
+
+def model_params(trainable: dict, frozen: dict, config: LoraConfig) -> dict:
+    """The full effective params the model runs with, from the train state's params and the frozen base."""
+    return merge(join(frozen, trainable.get(BASE, {})), trainable[ADAPTERS], config)
+
+
+def adapter_shardings(specs: dict[tuple[str, ...], KernelSpec], config: LoraConfig, mesh) -> dict:
+    """NamedShardings of init_adapters' tree: A [L, in, r] split like W's first input axis, B [L, r, out] like
+    its first output axis (where the mesh divides the flattened size), the layers and rank axes whole."""
+    from jax.sharding import NamedSharding
+
+    from diffjax.sharding import logical_spec
+
+    shardings = {}
+    for path, spec in specs.items():
+        first_in, first_out = spec.logical_axes[1], spec.logical_axes[1 + spec.in_ndim]
+        a_shape = (spec.shape[0], spec.in_size, config.rank)
+        b_shape = (spec.shape[0], config.rank, spec.out_size)
+        _set(shardings, path, {
+            A: NamedSharding(mesh, logical_spec(("layers", first_in, "rank"), a_shape, mesh)),
+            B: NamedSharding(mesh, logical_spec(("layers", "rank", first_out), b_shape, mesh)),
+        })
+    return shardings
+
+
+def checksums(params: dict) -> dict:
+    """{dotted path: uint32 scalar} per leaf: an exact fingerprint of the values (their bits, position-weighted,
+    summed modulo 2**32: integer sums do not depend on the mesh or the order of the reduction). A resumed LoRA
+    run compares the base it re-reads with the one it started from."""
+    def one(x):
+        bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
+        bits = bits.reshape(-1).astype(jnp.uint32)
+        weights = jnp.arange(1, bits.size + 1, dtype=jnp.uint32) * jnp.uint32(2654435761)
+        return jnp.sum(bits * weights + (bits ^ jnp.uint32(0x9E3779B9)), dtype=jnp.uint32)
+
+    return {".".join(path): one(value) for path, value in _flat(params)}
+
+
+def changed_leaves(saved: dict, current: dict) -> list[str]:
+    """The dotted paths whose checksums differ (or that only one side has)."""
+    keys = sorted(set(saved) | set(current))
+    return [k for k in keys if k not in saved or k not in current or int(saved[k]) != int(current[k])]

@@ -1,0 +1,123 @@
+"""LoRA (diffjax.lora): merged params equal the base at B = 0 and W + (alpha/r) A @ B otherwise, for every
+attention kind; gradients reach only the trainable leaves; in the trainer, the optimizer state covers only the
+adapters and the chosen base params, checkpoints hold only those, resume is exact and refuses a changed base;
+the merged export loads in transformers and computes what the LoRA model does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from diffjax import lora
+from diffjax.config import ModelConfig
+from diffjax.model import TransformerLM
+
+KINDS = {  # tiny, GQA where the kind allows it
+    "diff": dict(num_heads=4, num_kv_heads=2),
+    "standard": dict(num_heads=4, num_kv_heads=2),
+    "diff_v2": dict(num_heads=4, num_kv_heads=2),
+    "shared_diff": dict(num_heads=4, num_kv_heads=2),
+}
+
+
+def _model(kind: str):
+    config = ModelConfig(attention=kind, d_model=32, num_layers=2, vocab_size=64, max_seq_len=16, **KINDS[kind])
+    model = TransformerLM(config, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model, nnx.Param)
+    return config, graphdef, nnx.to_pure_dict(state)
+
+
+def _logits(graphdef, params, tokens):
+    return nnx.merge(graphdef, params)(tokens)
+
+
+def _numpy_merged(params, adapters, config: lora.LoraConfig):
+    """W + (alpha / r) A @ B written out in numpy, layer by layer."""
+    merged = jax.tree.map(np.asarray, params)
+    for path, pair in lora._adapter_pairs(adapters):
+        node = merged
+        for key in path[:-1]:
+            node = node[key]
+        w = node[path[-1]]
+        a, b = np.asarray(pair["lora_a"], np.float64), np.asarray(pair["lora_b"], np.float64)
+        update = np.stack([a[layer] @ b[layer] for layer in range(w.shape[0])]).reshape(w.shape)
+        node[path[-1]] = (w.astype(np.float64) + config.alpha / config.rank * update).astype(w.dtype)
+    return merged
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_merge_is_the_base_at_zero_and_w_plus_ab_otherwise(kind):
+    model_config, graphdef, params = _model(kind)
+    config = lora.LoraConfig(rank=4, alpha=8.0, targets=("attention", "mlp"))
+    specs = lora.kernel_specs(model_config, config)
+    names = {path[-1] for path in specs}
+    assert {"o_kernel", "v_kernel", "gate_kernel", "up_kernel", "down_kernel"} <= names
+    assert ({"q_base", "k_base"} if kind == "shared_diff" else {"q_kernel", "k_kernel"}) <= names
+    adapters = lora.init_adapters(specs, config, jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, model_config.vocab_size)
+    run = jax.jit(_logits, static_argnums=0)
+
+    base = run(graphdef, params, tokens)
+    np.testing.assert_array_equal(np.asarray(run(graphdef, lora.merge(params, adapters, config), tokens)), np.asarray(base))
+
+    # random B: the merged model is the model with W + (alpha / r) A @ B computed independently
+    keys = iter(jax.random.split(jax.random.key(3), 64))
+    adapters = jax.tree.map(lambda x: x if x.any() else 0.05 * jax.random.normal(next(keys), x.shape), adapters)
+    merged = lora.merge(params, adapters, config)
+    assert jax.tree.map(lambda x: x.dtype, merged) == jax.tree.map(lambda x: x.dtype, params)
+    expected = run(graphdef, _numpy_merged(params, adapters, config), tokens)
+    got = run(graphdef, merged, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(got) - np.asarray(base)).max() > 1e-3  # the adapters do change the model
+
+
+def test_gradients_reach_only_the_trainable_leaves():
+    model_config, graphdef, params = _model("diff")
+    config = lora.LoraConfig(rank=2, alpha=4.0, targets=("q", "v", "down"), trainable=("lambda_",))
+    specs = lora.kernel_specs(model_config, config)
+    assert sorted(path[-1] for path in specs) == ["down_kernel", "q_kernel", "v_kernel"]
+    adapters = lora.init_adapters(specs, config, jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 0.01, adapters)  # B != 0, else A's gradient is 0
+    chosen, frozen = lora.split_base(params, config)
+    assert sorted(chosen["blocks"]["attn"]) == ["lambda_k1", "lambda_k2", "lambda_q1", "lambda_q2"]
+    assert "lambda_q1" not in frozen["blocks"]["attn"] and "q_kernel" in frozen["blocks"]["attn"]
+    trainable = lora.trainable_params(adapters, chosen)
+    tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, model_config.vocab_size)
+
+    def loss(trainable, frozen):
+        logits = nnx.merge(graphdef, lora.model_params(trainable, frozen, config))(tokens)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+
+    grads = jax.jit(jax.grad(loss))(trainable, frozen)  # only the first argument is differentiated
+    assert jax.tree.structure(grads) == jax.tree.structure(trainable)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
+    assert lora.join(frozen, chosen).keys() == params.keys()
+    assert jax.tree.structure(lora.join(frozen, chosen)) == jax.tree.structure(params)
+
+
+def test_config_errors_name_the_field_and_the_allowed_values():
+    with pytest.raises(ValueError, match=r"lora.targets .*q, k, v, o, gate, up, down, attention, mlp.*'qkv' unknown"):
+        lora.LoraConfig(rank=4, targets=("qkv",))
+    with pytest.raises(ValueError, match="lora.rank must be an integer >= 0"):
+        lora.LoraConfig(rank=-1)
+    with pytest.raises(ValueError, match="lora.alpha must be a number > 0"):
+        lora.LoraConfig(rank=4, alpha=0)
+    with pytest.raises(ValueError, match="lora.trainable: '\\(' is not a regular expression"):
+        lora.LoraConfig(rank=4, trainable=("(",))
+    assert lora.LoraConfig(rank=4, targets=("attention", "q")).kernel_names == (
+        "q_kernel", "q_base", "k_kernel", "k_base", "v_kernel", "o_kernel")
+
+
+def test_checksums_see_any_change():
+    params = {"a": jnp.arange(6, dtype=jnp.float32).reshape(2, 3), "b": {"c": jnp.ones((4,), jnp.bfloat16)}}
+    same = lora.checksums(jax.tree.map(lambda x: x + 0, params))
+    assert lora.changed_leaves(lora.checksums(params), same) == []
+    swapped = {"a": params["a"][:, ::-1], "b": params["b"]}
+    assert lora.changed_leaves(lora.checksums(params), lora.checksums(swapped)) == ["a"]
+    nudged = {"a": params["a"], "b": {"c": params["b"]["c"].at[3].set(1.0078125)}}
+    assert lora.changed_leaves(lora.checksums(params), lora.checksums(nudged)) == ["b.c"]
