@@ -121,3 +121,97 @@ def test_checksums_see_any_change():
     assert lora.changed_leaves(lora.checksums(params), lora.checksums(swapped)) == ["a"]
     nudged = {"a": params["a"], "b": {"c": params["b"]["c"].at[3].set(1.0078125)}}
     assert lora.changed_leaves(lora.checksums(params), lora.checksums(nudged)) == ["b.c"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the trainer: lora.rank > 0 fine-tunes train.init_from
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """A base model (params-only, as a conversion writes it), then LoRA runs from it: 2N steps straight
+    (a checkpoint every step) and N steps, stop, N more."""
+    from diffjax.params_checkpoint import save_params
+    from diffjax.train import train
+    from test_trainer import _config
+
+    root = tmp_path_factory.mktemp("lora")
+    model_config = _config(root / "unused").model
+    params = nnx.to_pure_dict(nnx.state(TransformerLM(model_config, rngs=nnx.Rngs(7)), nnx.Param))
+    save_params(root / "base", params, model_config)
+    n = 3
+    common = [f"train.init_from={root / 'base'}", "lora.rank=4", "lora.alpha=8", "lora.targets=[attention, down]",
+              "lora.trainable=[lambda_]", "optim.decay_steps=6", "optim.lr=1e-2"]
+
+    def config(name, *overrides):
+        return _config(root / name, *common, *overrides)
+
+    logs = {name: [] for name in ("straight", "first", "second")}
+    results = {
+        "straight": train(config("straight", f"train.steps={2 * n}", "checkpoint.every=1", "checkpoint.keep=10"),
+                          log=logs["straight"].append),
+        "first": train(config("resumed", f"train.steps={n}", "checkpoint.every=100"), log=logs["first"].append),
+        "second": train(config("resumed", f"train.steps={2 * n}", "checkpoint.every=100"), log=logs["second"].append),
+    }
+    return dict(root=root, n=n, config=config, results=results, logs=logs, base_params=params, model_config=model_config)
+
+
+def test_lora_training_state_checkpoints_and_exact_resume(lora_runs):
+    from diffjax.train.config import CheckpointConfig
+    from diffjax.train.state_checkpoints import Checkpointer
+
+    root, n, results, logs = lora_runs["root"], lora_runs["n"], lora_runs["results"], lora_runs["logs"]
+    assert any(line.startswith("LoRA: rank 4, alpha 8 on down_kernel, k_kernel, o_kernel, q_kernel, v_kernel")
+               for line in logs["straight"]), logs["straight"]
+    assert any(f"(step {n})" in line and line.startswith("resumed from") for line in logs["second"]), logs["second"]
+    straight, first, second = results["straight"], results["first"], results["second"]
+    assert {**first.losses, **second.losses} == straight.losses  # exact, step by step
+    assert straight.losses[2 * n] < straight.losses[1]  # it learns
+    assert second.eval_losses[2 * n] == straight.eval_losses[2 * n] and second.sample == straight.sample
+
+    saved = Checkpointer(root / "straight", CheckpointConfig()).read(2 * n)["state"]
+    other = Checkpointer(root / "resumed", CheckpointConfig()).read(2 * n)["state"]
+    for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(other), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    # only the trainable part is saved and optimized: the adapters and the lambda vectors
+    params = saved["params"]
+    assert sorted(params) == ["base", "lora"]
+    assert sorted(params["lora"]["blocks"]["attn"]) == ["k_kernel", "o_kernel", "q_kernel", "v_kernel"]
+    assert sorted(params["lora"]["blocks"]["mlp"]) == ["down_kernel"]
+    assert sorted(params["base"]["blocks"]["attn"]) == ["lambda_k1", "lambda_k2", "lambda_q1", "lambda_q2"]
+    assert list(params["base"]) == ["blocks"]
+    trainable = sum(np.size(x) for x in jax.tree.leaves(params))
+    adapters = sum(np.size(x) for x in jax.tree.leaves(params["lora"]))
+    assert adapters == 2 * 4 * (4 * (32 + 32) + (64 + 32))  # L x r x (in + out): q, k, v, o 32 -> 32, down 64 -> 32
+    moments = [x for x in jax.tree.leaves(saved["opt_state"]) if np.ndim(x) > 0]
+    assert sum(np.size(x) for x in moments) == 2 * trainable  # AdamW's mu and nu; the rest are scalar counts
+    base = lora_runs["base_params"]
+    np.testing.assert_array_equal(params["base"]["blocks"]["attn"]["lambda_q1"].shape,
+                                  base["blocks"]["attn"]["lambda_q1"].shape)
+    assert not np.array_equal(params["base"]["blocks"]["attn"]["lambda_q1"], base["blocks"]["attn"]["lambda_q1"])
+    assert np.abs(params["lora"]["blocks"]["attn"]["q_kernel"]["lora_b"]).max() > 0
+
+
+def test_lora_resume_refuses_a_changed_base_or_changed_lora_settings(lora_runs, tmp_path):
+    import shutil
+
+    from diffjax.params_checkpoint import save_params
+    from diffjax.train import train
+    from test_trainer import _config
+
+    root, n, config = lora_runs["root"], lora_runs["n"], lora_runs["config"]
+    with pytest.raises(ValueError, match="lora.rank > 0 fine-tunes a base model: set train.init_from"):
+        _config(tmp_path / "x", "lora.rank=4")
+    with pytest.raises(ValueError, match=r"different LoRA settings \(lora.alpha differ"):
+        train(config("resumed", f"train.steps={3 * n}", "lora.alpha=4"), log=lambda _: None)
+
+    shutil.copytree(root / "resumed", tmp_path / "resumed")
+    changed = jax.tree.map(np.asarray, lora_runs["base_params"])
+    changed["blocks"]["mlp"]["up_kernel"] = changed["blocks"]["mlp"]["up_kernel"] + np.float32(1e-3)
+    save_params(tmp_path / "base", changed, lora_runs["model_config"])
+    moved = config("resumed", f"train.steps={3 * n}", f"train.init_from={tmp_path / 'base'}",
+                   f"train.run_dir={tmp_path / 'resumed'}")
+    with pytest.raises(ValueError, match=rf"the base model changed .*train.init_from {tmp_path / 'base'} now holds "
+                                         r"different blocks.mlp.up_kernel; resume with the base"):
+        train(moved, log=lambda _: None)

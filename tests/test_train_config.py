@@ -40,7 +40,7 @@ def test_overrides_are_typed_by_the_field():
     "overrides, message",
     [
         (["model.num_layer=3"], r"unknown config key model\.num_layer; valid keys under model: .*num_layers"),
-        (["training.steps=3"], r"unknown config key training; valid keys: checkpoint, data, model, optim, parallel, train"),
+        (["training.steps=3"], r"unknown config key training; valid keys: checkpoint, data, lora, model, optim, parallel, train"),
         (["optim.lr=fast"], r"optim\.lr must be a number, got 'fast'"),
         (["model.d_model=1.5"], r"model\.d_model must be an integer"),
         (["train.steps=0"], r"train\.steps must be an integer >= 1"),

@@ -23,12 +23,13 @@ import yaml
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
 from diffjax.data.config import DataConfig
+from diffjax.lora import LoraConfig
 from diffjax.train.mesh import ParallelConfig
 from diffjax.train.optimizer import OptimizerConfig
 
 PROGRESS_STYLES = ("auto", "bar", "lines")
 NONFINITE_MODES = ("stop", "skip")
-SECTIONS = ("model", "data", "optim", "train", "checkpoint", "parallel")
+SECTIONS = ("model", "data", "optim", "train", "checkpoint", "parallel", "lora")
 
 
 def _check_int(config, name: str, *, minimum: int, section: str = "train"):
@@ -172,8 +173,13 @@ class RunConfig:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     parallel: ParallelConfig = ParallelConfig()
+    # LoRA fine-tuning of the model train.init_from names (diffjax.lora); rank 0 (the default): off.
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
+        if self.lora.enabled and not self.train.init_from:
+            raise ValueError("lora.rank > 0 fine-tunes a base model: set train.init_from to its run directory (a "
+                             "trained run, or an HF model converted with `python -m diffjax.convert hf-to-diffjax`)")
         if self.train.batch_tokens is not None and self.train.batch_tokens % self.data.seq_len:
             raise ValueError(
                 f"train.batch_tokens ({self.train.batch_tokens}) must be a multiple of data.seq_len ({self.data.seq_len})"
@@ -194,9 +200,11 @@ class RunConfig:
         return self.train.batch_tokens // self.data.seq_len
 
     def to_dict(self) -> dict[str, Any]:
+        # (the lora section only when on: a run without LoRA writes the config.yaml it did before LoRA existed)
         return {
             "model": self.model.to_dict(),
-            **{name: _plain(dataclasses.asdict(getattr(self, name))) for name in SECTIONS[1:]},
+            **{name: _plain(dataclasses.asdict(getattr(self, name))) for name in SECTIONS[1:]
+               if name != "lora" or self.lora.enabled},
         }
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from diffjax import parallel
+from diffjax import lora, parallel
 from diffjax.config import RUNTIME_FIELDS, ModelConfig
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
@@ -35,7 +35,7 @@ from diffjax.run_dir import RunDir, RunDirInUseError, TrainerLock
 from diffjax.train.mesh import allgather_json
 from diffjax.train.metrics import read_records, training_flops_per_token
 from diffjax.train.optimizer import lambda_scale, make_optimizer
-from diffjax.train.step import ShardedTraining, setup_sharded_state
+from diffjax.train.step import ShardedTraining, setup_sharded_state, sharded_lora_init
 
 
 
@@ -89,6 +89,15 @@ class Run:
     eval_batches: list[dict[str, jax.Array]]  # fixed, on the devices
     step: int = 0
     clock: TrainingClock = dataclasses.field(default_factory=TrainingClock)
+    # LoRA (config.lora.rank > 0): the frozen part of the base model, not in `state` (train_step and eval_step
+    # pass it to the jitted steps)
+    frozen: Any = None
+
+    def model_params(self) -> dict:
+        """The params the model runs with now: state["params"], or with LoRA the base merged with the adapters."""
+        if self.frozen is None:
+            return self.state["params"]
+        return lora.model_params(self.state["params"], self.frozen, self.config.lora)
 
     def close(self) -> None:
         """Waits for the last save, then gives up the run directory (train() calls it as the run ends)."""
@@ -127,7 +136,7 @@ class Run:
 
     def sample_text(self) -> str:
         train = self.config.train
-        model = nnx.merge(self.training.graphdef, self.state["params"])
+        model = nnx.merge(self.training.graphdef, self.model_params())
         key = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), 0)
         prompt = self.tokenizer.encode(train.sample_prompt)
         # The prompt and the sample share the model's context (max_seq_len): a longer sample is cut there.
@@ -213,7 +222,11 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
     plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
                       micro_batch_per_device=config.train.micro_batch_per_device)
     tx, schedule = make_optimizer(config.optim, config.train.steps)
-    training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
+    if config.lora.enabled:
+        training, state, frozen = _lora_state(config, tx, mesh, log)
+    else:
+        training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
+        frozen = None
     # Each process loads only the batch rows its devices hold.
     shard_index, shard_count = parallel.process_batch_shard(
         training.step_batch_sharding, (plan.accum_steps, plan.global_batch // plan.accum_steps, config.data.seq_len),
@@ -232,6 +245,10 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
 
     while latest_step is not None:
         step_dir = checkpointer.run.step_dir(latest_step)
+        if checkpointer.state_keys(latest_step) == {"params"} and frozen is not None:
+            raise ValueError(f"{run_dir} holds a params-only checkpoint (a converted or exported model): a LoRA run "
+                             "keeps its adapters in a run directory of its own; set train.init_from to this directory "
+                             "and train.run_dir to a new one")
         if checkpointer.state_keys(latest_step) == {"params"}:  # a converted / exported model: train on from its params
             state["params"] = load_params(step_dir, abstract_like(state["params"]))
             log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
@@ -244,6 +261,8 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
             if latest_step is None:
                 _refuse_a_silent_restart(checkpointer.run)
             continue
+        if frozen is not None:
+            _check_same_base(restored["base_checksums"], state["base_checksums"], config, step_dir)
         state, start_step = restored, latest_step
         if data_state is None:
             log("note: the checkpoint's data position was saved by a different number of processes; "
@@ -252,7 +271,7 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
             data_iter.set_state(data_state)
         log(f"resumed from {step_dir} (step {start_step})")
         break
-    if latest_step is None and config.train.init_from:
+    if latest_step is None and config.train.init_from and frozen is None:  # (LoRA read its base above)
         state["params"] = restore_params(config.train.init_from, abstract_like(state))
         log(f"initialized the params from {config.train.init_from}")
     if jax.process_index() == 0:
@@ -272,13 +291,53 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
     log(f"run directory: {run_dir}")
     if not eval_batches:
         log(f"note: no held-out documents (data.eval_fraction = {config.data.eval_fraction}): no eval loss")
+    train_step = training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk,
+                                         partial(lambda_scale, config.optim) if config.optim.lambda_warmup_steps else None)
+    eval_step = training.jit_eval_step(config.model, config.train.loss_chunk)
+    if frozen is not None:  # the frozen base rides along as the steps' last argument
+        train_step = partial(_with_frozen, train_step, frozen)
+        eval_step = partial(_with_frozen, eval_step, frozen)
     return Run(
         config=config, run_dir=run_dir, log=log, lock=lock, checkpointer=checkpointer, last_saved=latest_step,
         start_step=start_step, step=start_step, mesh=mesh, plan=plan, tokenizer=tokenizer, training=training,
-        train_step=training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk,
-                                           partial(lambda_scale, config.optim) if config.optim.lambda_warmup_steps else None),
-        eval_step=training.jit_eval_step(config.model, config.train.loss_chunk), state=state, data_iter=data_iter, eval_batches=eval_batches,
+        train_step=train_step, eval_step=eval_step, state=state, data_iter=data_iter, eval_batches=eval_batches,
+        frozen=frozen,
     )
+
+
+def _with_frozen(step, frozen, *args):
+    return step(*args, frozen)
+
+
+def _lora_state(config: RunConfig, tx, mesh, log) -> tuple[ShardedTraining, dict, dict]:
+    """(ShardedTraining, the fresh train state, the frozen base) of a LoRA run: the base is read from
+    train.init_from (at every start: checkpoints hold only the trainable part), split into the params that train
+    too (lora.trainable) and the frozen rest."""
+    training, base_target, init = sharded_lora_init(config.model, config.lora, tx, mesh)
+    base = load_params(config.train.init_from, base_target, what="train.init_from")
+    checksums = jax.jit(lora.checksums)(base)
+    chosen, frozen = lora.split_base(base, config.lora)
+    state = init(jax.random.key(config.train.seed), chosen, checksums)
+    del base
+    sizes = {name: sum(x.size for x in jax.tree.leaves(tree)) for name, tree in
+             (("adapters", state["params"][lora.ADAPTERS]), ("base", chosen), ("frozen", frozen))}
+    kernels = sorted({path[-1] for path in lora.kernel_specs(config.model, config.lora)})
+    log(f"LoRA: rank {config.lora.rank}, alpha {config.lora.alpha:g} on {', '.join(kernels)}; training "
+        f"{sizes['adapters']:,} adapter params + {sizes['base']:,} base params "
+        f"({', '.join(config.lora.trainable) or 'lora.trainable: none'}), {sizes['frozen']:,} frozen from "
+        f"{config.train.init_from}")
+    return training, state, frozen
+
+
+def _check_same_base(saved: dict, current: dict, config: RunConfig, step_dir: Path) -> None:
+    """A LoRA checkpoint's adapters fit the base it was trained on: refuse to resume on a base that changed."""
+    changed = lora.changed_leaves(jax.device_get(saved), jax.device_get(current))
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ValueError(
+            f"the base model changed since the LoRA checkpoint {step_dir} was saved: train.init_from "
+            f"{config.train.init_from} now holds different {', '.join(changed[:3])}{more}; resume with the base it "
+            "was trained on (or choose another train.run_dir)")
 
 
 def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
@@ -300,11 +359,27 @@ def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
             f"run directory {run_dir} holds a run of a different model (model.{', model.'.join(differing)} differ "
             f"from {saved_path}); choose another train.run_dir or restore those values"
         )
+    _check_same_lora(run_dir, saved, config, saved_path)
     changed = [f"model.{k}" for k in sorted(keys) if saved_model.get(k) != current_model.get(k)]
     for section in SECTIONS[1:]:
+        if section == "lora":
+            continue  # (the same: _check_same_lora)
         changed += [f"{section}.{k}" for k in current[section] if saved.get(section, {}).get(k) != current[section][k]]
     if changed:
         log(f"note: resuming with changed {', '.join(changed)}")
+
+
+def _check_same_lora(run_dir: Path, saved: dict, config: RunConfig, saved_path: Path) -> None:
+    """A run directory trains with or without LoRA, of one rank, alpha, targets and trainable base params."""
+    defaults = dataclasses.asdict(lora.LoraConfig())
+    saved_lora = {**defaults, **(saved.get("lora") or {})}
+    current = dataclasses.asdict(config.lora)
+    plain = lambda value: list(value) if isinstance(value, (list, tuple)) else value  # noqa: E731
+    differing = [k for k in current if plain(saved_lora[k]) != plain(current[k])]
+    if differing:
+        raise ValueError(
+            f"run directory {run_dir} holds a run with different LoRA settings (lora.{', lora.'.join(differing)} "
+            f"differ from {saved_path}); choose another train.run_dir or restore those values")
 
 
 def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, global_rows: int, batch_axis: int = 0) -> dict[str, jax.Array]:

@@ -1,6 +1,10 @@
 """The train state, created already sharded, and the train and eval steps jitted with explicit shardings.
 
 State: {"params": pure dict, "opt_state": optax state, "step": int32, "rng": uint32 key data}.
+With LoRA (diffjax.lora; `sharded_lora_init`) "params" holds only what trains ({"lora": adapters, "base": the
+base params that train too}) and the state adds "base_checksums"; the frozen base is not in the state (so neither
+in the optimizer state nor in checkpoints): the steps take it as an extra argument and run the model with
+lora.model_params(params, frozen).
 A step's batch is [accum_steps, micro_batch, seq_len] per key; micro-batches are summed in a scan
 and the loss is the token-weighted mean over all of them, so accumulation equals one big batch.
 """
@@ -17,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diffjax import sharding
+from diffjax import lora, sharding
 from diffjax.config import ModelConfig
 from diffjax.losses import chunked_loss_sum_and_count, loss_sum_and_count, next_token_targets
 from diffjax.model import TransformerLM
@@ -66,25 +70,32 @@ def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int, lambda_scale=N
     return loss_sum_and_count(model.logits(hidden_BTD), targets_BT, weights_BT)
 
 
+def _model_params(params, frozen, lora_config: lora.LoraConfig | None):
+    """The params the model runs with: the state's own, or with LoRA the frozen base merged with them."""
+    return params if lora_config is None else lora.model_params(params, frozen, lora_config)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, model_config: ModelConfig,
                     mesh: Mesh | None = None, on_nonfinite: str = "stop", loss_chunk: int | None = None,
-                    lambda_schedule: Callable | None = None):
+                    lambda_schedule: Callable | None = None, lora_config: lora.LoraConfig | None = None):
     """step(state, batch) -> (state, metrics); jit it with the state donated. With a mesh, the model's
     activations are constrained by the logical-axis rules. metrics["ok"]: the step was finite; with
     on_nonfinite="skip" a step that was not leaves params and optimizer state unchanged (guard.py).
     loss_chunk: tokens per chunk of the loss (train.loss_chunk; None: resolve_loss_chunk's auto).
-    lambda_schedule: step -> the factor on lambda (optimizer.lambda_scale; logged as metrics["lambda_scale"])."""
+    lambda_schedule: step -> the factor on lambda (optimizer.lambda_scale; logged as metrics["lambda_scale"]).
+    lora_config: LoRA on (state["params"] the trainable part): step(state, batch, frozen), frozen the rest of the base."""
     loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
 
-    def train_step(state, batch):
+    def train_step(state, batch, frozen=None):
         with sharding.activation_sharding(mesh):
-            return _train_step(state, batch)
+            return _train_step(state, batch, frozen)
 
-    def _train_step(state, batch):
+    def _train_step(state, batch, frozen):
         params = state["params"]
         scale = None if lambda_schedule is None else lambda_schedule(state["step"])
-        grad_fn = jax.value_and_grad(lambda p, micro: _loss_sum_and_count(graphdef, p, micro, loss_chunk, scale),
-                                     has_aux=True)
+        grad_fn = jax.value_and_grad(
+            lambda p, micro: _loss_sum_and_count(graphdef, _model_params(p, frozen, lora_config), micro, loss_chunk, scale),
+            has_aux=True)
 
         def accumulate(carry, micro):
             grads_sum, loss_sum, count = carry
@@ -109,25 +120,25 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             "lr": schedule(state["step"]),
             "loss_tokens": count,
         }
-        lambdas = layer_lambdas(graphdef, new_params)
+        lambdas = layer_lambdas(graphdef, _model_params(new_params, frozen, lora_config))
         if lambdas is not None:
             metrics["lambda"] = lambdas
         if scale is not None:
             metrics["lambda_scale"] = scale
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
-        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}
+        new_state = {**state, "params": new_params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}
         return new_state, metrics
 
     return train_step
 
 
-def make_eval_step(graphdef, mesh: Mesh | None = None, loss_chunk: int = 0):
-    """eval_step(params, batch[B, T], lambda_scale=None) -> (loss sum, counted tokens); loss_chunk as
-    resolve_loss_chunk gives, lambda_scale as TransformerLM.hidden_states takes it."""
+def make_eval_step(graphdef, mesh: Mesh | None = None, loss_chunk: int = 0, lora_config: lora.LoraConfig | None = None):
+    """eval_step(params, batch[B, T], lambda_scale=None, frozen=None) -> (loss sum, counted tokens); loss_chunk as
+    resolve_loss_chunk gives, lambda_scale as TransformerLM.hidden_states takes it; frozen: with LoRA, the frozen base."""
 
-    def eval_step(params, batch, lambda_scale=None):
+    def eval_step(params, batch, lambda_scale=None, frozen=None):
         with sharding.activation_sharding(mesh):
-            return _loss_sum_and_count(graphdef, params, batch, loss_chunk, lambda_scale)
+            return _loss_sum_and_count(graphdef, _model_params(params, frozen, lora_config), batch, loss_chunk, lambda_scale)
 
     return eval_step
 
@@ -142,6 +153,8 @@ class ShardedTraining:
     step_batch_sharding: NamedSharding  # [accum, batch, T]
     eval_batch_sharding: NamedSharding  # [batch, T]
     unsharded: list  # parameter dims the mesh axes do not divide (kept whole)
+    lora: lora.LoraConfig | None = None  # LoRA on: the steps take the frozen base as their last argument
+    frozen_shardings: Any = None  # with LoRA: the frozen base's (like the base model's params)
 
     @property
     def replicated(self) -> NamedSharding:
@@ -149,16 +162,20 @@ class ShardedTraining:
 
     def jit_train_step(self, tx, schedule, model_config: ModelConfig, on_nonfinite: str = "stop",
                        loss_chunk: int | None = None, lambda_schedule: Callable | None = None):
+        """Jitted (state, batch) -> (state, metrics), donating the state; with LoRA (state, batch, frozen)."""
         step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh, on_nonfinite, loss_chunk,
-                               lambda_schedule)
-        return jax.jit(step, in_shardings=(self.state_shardings, self.step_batch_sharding),
+                               lambda_schedule, self.lora)
+        frozen = (self.frozen_shardings,) if self.lora is not None else ()
+        return jax.jit(step, in_shardings=(self.state_shardings, self.step_batch_sharding, *frozen),
                        out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
 
     def jit_eval_step(self, model_config: ModelConfig, loss_chunk: int | None = None):
-        """Jitted (params, batch, lambda_scale) -> (loss sum, counted tokens); lambda_scale a float32 scalar."""
+        """Jitted (params, batch, lambda_scale) -> (loss sum, counted tokens); lambda_scale a float32 scalar;
+        with LoRA (params, batch, lambda_scale, frozen)."""
         loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
-        return jax.jit(make_eval_step(self.graphdef, self.mesh, loss_chunk),
-                       in_shardings=(self.state_shardings["params"], self.eval_batch_sharding, self.replicated),
+        frozen = (self.frozen_shardings,) if self.lora is not None else ()
+        return jax.jit(make_eval_step(self.graphdef, self.mesh, loss_chunk, self.lora),
+                       in_shardings=(self.state_shardings["params"], self.eval_batch_sharding, self.replicated, *frozen),
                        out_shardings=self.replicated)
 
 
@@ -195,6 +212,52 @@ def sharded_init(model_config: ModelConfig, tx: optax.GradientTransformation, me
         unsharded=sharding.unsharded_dims(abstract_params, mesh),
     )
     return training, jax.jit(make_state, out_shardings=state_shardings)
+
+
+def sharded_lora_init(model_config: ModelConfig, lora_config: lora.LoraConfig, tx: optax.GradientTransformation,
+                      mesh: Mesh):
+    """LoRA's sharded_init: (ShardedTraining, base_target, init). base_target: ShapeDtypeStructs (with the base
+    model's shardings) to load the base params onto; init(key, chosen, checksums) the jitted train state of the
+    adapters (drawn from `key`) and `chosen` (lora.split_base's trainable base params), with the base's
+    lora.checksums, written straight into its shardings. The frozen base is sharded as the base model's params,
+    the adapters by lora.adapter_shardings, their optimizer moments like them."""
+    check_model_fits_mesh(model_config, mesh)
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
+    abstract_params = nnx.state(abstract_model, nnx.Param)
+    base_shardings = sharding.param_shardings(abstract_params, mesh)
+    base_target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                               nnx.to_pure_dict(abstract_params), base_shardings)
+    specs = lora.kernel_specs(model_config, lora_config)
+    chosen_shardings, frozen_shardings = lora.split_base(base_shardings, lora_config)
+    chosen_target, _ = lora.split_base(base_target, lora_config)
+    params_shardings = lora.trainable_params(lora.adapter_shardings(specs, lora_config, mesh), chosen_shardings)
+
+    def make_state(key, chosen, checksums):
+        trainable = lora.trainable_params(lora.init_adapters(specs, lora_config, jax.random.fold_in(key, 1)), chosen)
+        return {"params": trainable, "opt_state": tx.init(trainable), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(key), "base_checksums": checksums}
+
+    abstract_sums = jax.eval_shape(lora.checksums, base_target)
+    abstract_state = jax.eval_shape(make_state, jax.random.key(0), chosen_target, abstract_sums)
+    replicated = NamedSharding(mesh, P())
+    state_shardings = {
+        "params": params_shardings,
+        "opt_state": sharding.shardings_like(abstract_state["opt_state"], abstract_state["params"], params_shardings, mesh),
+        "step": replicated,
+        "rng": replicated,
+        "base_checksums": jax.tree.map(lambda _: replicated, abstract_sums),
+    }
+    training = ShardedTraining(
+        mesh=mesh,
+        graphdef=nnx.graphdef(abstract_model),
+        state_shardings=state_shardings,
+        step_batch_sharding=sharding.batch_sharding(mesh, 3, batch_axis=1),
+        eval_batch_sharding=sharding.batch_sharding(mesh, 2),
+        unsharded=sharding.unsharded_dims(abstract_params, mesh),
+        lora=lora_config,
+        frozen_shardings=frozen_shardings,
+    )
+    return training, base_target, jax.jit(make_state, out_shardings=state_shardings)
 
 
 def setup_sharded_state(model_config: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh):
