@@ -41,7 +41,9 @@ def _config(run_dir, *overrides):
 def test_resume_is_exact(tmp_path):
     """2N steps straight == N steps, stop, resume for N more: same losses and bit-identical state."""
     n = 4
-    schedule = ["optim.decay_steps=8"]  # the lr schedule must not depend on where we stop
+    # The lr schedule must not depend on where we stop; the lambda warm-up (stopped inside it) and a per-parameter
+    # learning rate must resume as they were.
+    schedule = ["optim.decay_steps=8", "optim.lambda_warmup_steps=6", "optim.lr_multipliers=[lambda_=2]"]
     # The straight run saves every step asynchronously while later steps (which donate the state's
     # buffers) go on: its step-n checkpoint must still equal the stopped run's final one.
     straight = train(_config(tmp_path / "straight", f"train.steps={2 * n}", *schedule, "checkpoint.every=1",
