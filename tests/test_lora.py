@@ -153,7 +153,9 @@ def lora_runs(tmp_path_factory):
         "first": train(config("resumed", f"train.steps={n}", "checkpoint.every=100"), log=logs["first"].append),
         "second": train(config("resumed", f"train.steps={2 * n}", "checkpoint.every=100"), log=logs["second"].append),
     }
-    return dict(root=root, n=n, config=config, results=results, logs=logs, base_params=params, model_config=model_config)
+    base_model = TransformerLM(model_config, rngs=nnx.Rngs(7))
+    return dict(root=root, n=n, config=config, results=results, logs=logs, base_params=params, model_config=model_config,
+                base_logits=lambda tokens: base_model(tokens))
 
 
 def test_lora_training_state_checkpoints_and_exact_resume(lora_runs):
@@ -215,3 +217,42 @@ def test_lora_resume_refuses_a_changed_base_or_changed_lora_settings(lora_runs, 
     with pytest.raises(ValueError, match=rf"the base model changed .*train.init_from {tmp_path / 'base'} now holds "
                                          r"different blocks.mlp.up_kernel; resume with the base"):
         train(moved, log=lambda _: None)
+
+
+# ------------------------------------------------------------------------------------------------
+# export: the adapters merged into the base
+
+
+def test_merged_export_loads_in_transformers_and_equals_the_lora_model(lora_runs, tmp_path):
+    from diffjax.convert.__main__ import main
+    from diffjax.convert.hf_directories import diffjax_to_hf
+    from diffjax.params_checkpoint import load_model
+    from diffjax.train.config import CheckpointConfig
+    from diffjax.train.state_checkpoints import Checkpointer
+
+    root, n, model_config = lora_runs["root"], lora_runs["n"], lora_runs["model_config"]
+    trained = Checkpointer(root / "straight", CheckpointConfig()).read(2 * n)["state"]["params"]
+    config = lora.LoraConfig(rank=4, alpha=8.0, targets=("attention", "down"), trainable=("lambda_",))
+    # the LoRA model: the base with the trained lambda vectors, W + (alpha / r) A @ B written out in numpy
+    base = jax.tree.map(np.asarray, lora_runs["base_params"])
+    base = lora.join(base, trained["base"])
+    expected_params = _numpy_merged(base, trained["lora"], config)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0))))
+    tokens = np.random.RandomState(0).randint(0, model_config.vocab_size, (2, 24)).astype(np.int32)
+    expected = np.asarray(nnx.merge(graphdef, expected_params)(tokens))
+
+    assert main(["merge-lora", str(root / "straight"), str(tmp_path / "merged")]) == 0
+    merged = np.asarray(load_model(tmp_path / "merged")(tokens))
+    np.testing.assert_allclose(merged, expected, rtol=1e-5, atol=1e-5)
+
+    torch = pytest.importorskip("torch")
+    import transformers
+    from hf_models import max_relative_error
+
+    diffjax_to_hf(root / "straight", tmp_path / "hf")  # a LoRA run: merged on the way
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    assert type(hf).__name__ == "DiffLlamaForCausalLM"
+    with torch.no_grad():
+        hf_logits = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert max_relative_error(hf_logits, expected) < 1e-5
+    assert max_relative_error(hf_logits, np.asarray(lora_runs["base_logits"](tokens))) > 1e-3  # not the base

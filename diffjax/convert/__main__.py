@@ -1,4 +1,4 @@
-"""python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, upcycle, verify} ...
+"""python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, upcycle, merge-lora, verify} ...
 
 Exit status: 0 done (verify: within tolerance), 1 verify past tolerance, 2 bad input (one line on stderr).
 """
@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
                         "as optim.lambda_warmup_steps): any --second-map and --lambda-init start as the source")
     p.add_argument("--overwrite", action="store_true", help="replace an existing conversion in DST")
 
+    p = commands.add_parser("merge-lora", help="a LoRA run directory -> a run directory of its base with the adapters "
+                                               "merged into the weights")
+    p.add_argument("src", help="the LoRA run directory (or one of its checkpoints); its base is its train.init_from")
+    p.add_argument("dst", help="new or empty directory for the merged model's run directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing conversion in DST")
+
     p = commands.add_parser("verify", help="compare transformers and diffjax on the same prompts")
     p.add_argument("src", help="local HF directory")
     p.add_argument("--diffjax", metavar="DIR", help="a converted diffjax run directory to check (default: convert SRC in memory)")
@@ -106,6 +112,10 @@ def main(argv=None) -> int:
                                          lambda_warmup_steps=args.lambda_warmup, overwrite=args.overwrite)
             print(f"wrote {step_dir} (train on with `python train.py --config {RunDir(args.dst).config_file} "
                   f"train.run_dir={args.dst}`)")
+        elif args.command == "merge-lora":
+            from diffjax.convert.lora_merge import merge_lora_directory
+            step_dir = merge_lora_directory(args.src, args.dst, overwrite=args.overwrite)
+            print(f"wrote {step_dir} (export with `python -m diffjax.convert diffjax-to-hf {args.dst} HF_DIR`)")
         else:
             from diffjax.convert.verify import verify
             result = verify(args.src, diffjax_path=args.diffjax, dtype=args.dtype, prompts=args.prompts,

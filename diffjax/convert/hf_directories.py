@@ -77,9 +77,17 @@ def read_run_config(src) -> tuple[Path, Path, ModelConfig]:
 def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", overwrite: bool = False,
                   progress=None) -> Path:
     """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory,
-    reading and writing one tensor at a time."""
+    reading and writing one tensor at a time. A LoRA run's adapters are merged into its base first
+    (diffjax.convert.lora_merge; that holds the base in memory)."""
+    from diffjax.convert.lora_merge import merged_lora_params
+
     run_dir, step_dir, config = read_run_config(src)
-    params = CheckpointParams(step_dir)
+    merged = merged_lora_params(step_dir)
+    if merged is not None:  # a LoRA run: its adapters merged into the base (train.init_from), whose hf/ files it has
+        params, config, base_step = merged
+        run_dir = RunDir.of_step(base_step).path
+    else:
+        params = CheckpointParams(step_dir)
     side = RunDir(run_dir).hf
     base = read_hf_config(side) if (side / "config.json").exists() else None
     extra = [f for f in sorted(side.iterdir()) if f.is_file()] if side.is_dir() else []
