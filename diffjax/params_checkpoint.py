@@ -251,9 +251,11 @@ def saved_model_config(step_dir: Path, *, what: str = "checkpoint") -> ModelConf
 
 
 def load_model(path: str | Path, *, what: str = "checkpoint"):
-    """The TransformerLM of a run directory or checkpoint (its config.yaml's model section, its saved params)."""
+    """The TransformerLM of a run directory or checkpoint (its config.yaml's model section, its saved params).
+    A LoRA run's model is its base (train.init_from) with the adapters merged (diffjax.convert.lora_merge)."""
     from flax import nnx
 
+    from diffjax.convert.lora_merge import merged_lora_params
     from diffjax.model import TransformerLM
 
     step_dir = resolve_checkpoint(path, what)
@@ -262,7 +264,12 @@ def load_model(path: str | Path, *, what: str = "checkpoint"):
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(abstract_params))
-    params = load_params(step_dir, target, what=what)
+    merged = merged_lora_params(step_dir)
+    if merged is not None:
+        check_same_params(merged[0], target, f"{what}: the LoRA run {step_dir} merged into its base does not match its model")
+        params = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), merged[0], target)
+    else:
+        params = load_params(step_dir, target, what=what)
     nnx.replace_by_pure_dict(abstract_params, params)
     return nnx.merge(graphdef, abstract_params)
 

@@ -263,6 +263,8 @@ def test_merged_export_loads_in_transformers_and_equals_the_lora_model(lora_runs
     assert main(["merge-lora", str(root / "straight"), str(tmp_path / "merged")]) == 0
     merged = np.asarray(load_model(tmp_path / "merged")(tokens))
     np.testing.assert_allclose(merged, expected, rtol=1e-5, atol=1e-5)
+    # load_model (generate, the analyses) of the LoRA run itself: merged the same way
+    np.testing.assert_array_equal(np.asarray(load_model(root / "straight")(tokens)), merged)
 
     torch = pytest.importorskip("torch")
     import transformers
