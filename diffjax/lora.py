@@ -227,6 +227,15 @@ def split_base(params: dict, config: LoraConfig) -> tuple[dict, dict]:
     return chosen, frozen
 
 
+def check_trainable(params: dict, config: LoraConfig) -> None:
+    """Raise ValueError naming a lora.trainable pattern that matches no parameter (a typo would train nothing)."""
+    paths = [".".join(path) for path, _ in _flat(params)]
+    for pattern in config.trainable:
+        if not any(re.search(pattern, path) for path in paths):
+            raise ValueError(f"lora.trainable: {pattern!r} matches no parameter of this model; its parameters are "
+                             f"{', '.join(paths)}")
+
+
 def join(frozen: dict, chosen: dict) -> dict:
     """`frozen` with `chosen`'s leaves put back in place (split_base's inverse)."""
     joined = jax.tree.map(lambda x: x, frozen)

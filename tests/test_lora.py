@@ -224,6 +224,9 @@ def test_lora_resume_refuses_a_changed_base_or_changed_lora_settings(lora_runs, 
     root, n, config = lora_runs["root"], lora_runs["n"], lora_runs["config"]
     with pytest.raises(ValueError, match="lora.rank > 0 fine-tunes a base model: set train.init_from"):
         _config(tmp_path / "x", "lora.rank=4")
+    with pytest.raises(ValueError, match=r"lora.trainable: 'lamda_' matches no parameter of this model; its "
+                                         r"parameters are .*blocks.attn.lambda_q1"):
+        train(config("typo", "lora.trainable=[lamda_]"), log=lambda _: None)
     with pytest.raises(ValueError, match=r"different LoRA settings \(lora.alpha differ"):
         train(config("resumed", f"train.steps={3 * n}", "lora.alpha=4"), log=lambda _: None)
 

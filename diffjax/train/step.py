@@ -228,6 +228,7 @@ def sharded_lora_init(model_config: ModelConfig, lora_config: lora.LoraConfig, t
     base_target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                nnx.to_pure_dict(abstract_params), base_shardings)
     specs = lora.kernel_specs(model_config, lora_config)
+    lora.check_trainable(base_target, lora_config)
     chosen_shardings, frozen_shardings = lora.split_base(base_shardings, lora_config)
     chosen_target, _ = lora.split_base(base_target, lora_config)
     params_shardings = lora.trainable_params(lora.adapter_shardings(specs, lora_config, mesh), chosen_shardings)
