@@ -255,7 +255,6 @@ def load_model(path: str | Path, *, what: str = "checkpoint"):
     A LoRA run's model is its base (train.init_from) with the adapters merged (diffjax.convert.lora_merge)."""
     from flax import nnx
 
-    from diffjax.convert.lora_merge import merged_lora_params
     from diffjax.model import TransformerLM
 
     step_dir = resolve_checkpoint(path, what)
@@ -264,14 +263,97 @@ def load_model(path: str | Path, *, what: str = "checkpoint"):
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(abstract_params))
-    merged = merged_lora_params(step_dir)
-    if merged is not None:
-        check_same_params(merged[0], target, f"{what}: the LoRA run {step_dir} merged into its base does not match its model")
-        params = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), merged[0], target)
-    else:
-        params = load_params(step_dir, target, what=what)
+    params = load_model_params(step_dir, target, what=what)
     nnx.replace_by_pure_dict(abstract_params, params)
     return nnx.merge(graphdef, abstract_params)
+
+
+# --- LoRA runs: a checkpoint holds the adapters; the model is its base (train.init_from) with them merged ----------
+
+LORA_CHECKSUMS = "base_checksums"  # the trainer's state key (diffjax.train.step.sharded_lora_init)
+
+
+def lora_run_settings(run_dir: str | Path):
+    """(LoraConfig, train.init_from) of a LoRA run directory (its config.yaml's lora section has rank > 0);
+    None for any other run directory."""
+    from diffjax.lora import LoraConfig
+    from diffjax.train.config import build_config
+
+    config_file = RunDir(Path(run_dir)).config_file
+    saved = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+    section = saved.get("lora") or {}
+    if not isinstance(section, dict) or not section.get("rank"):
+        return None
+    config = build_config(LoraConfig, section, prefix="lora")
+    init_from = (saved.get("train") or {}).get("init_from")
+    if not init_from:
+        raise ValueError(f"{config_file}: a LoRA run (lora.rank {config.rank}) without train.init_from (its base)")
+    return config, init_from
+
+
+def _read_state_items(step_dir: Path, keys: tuple[str, ...]) -> dict:
+    """Items of a trainer checkpoint's state as host numpy arrays (nothing else is read)."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    saved = checkpointer.metadata(state_dir(step_dir)).item_metadata
+    missing = [key for key in keys if saved.get(key) is None]
+    if missing:
+        raise ValueError(f"checkpoint {step_dir} holds no {', '.join(missing)}: not a LoRA trainer's checkpoint")
+    target = {key: jax.tree.map(lambda m: np.empty(m.shape, m.dtype), dict(saved[key])) for key in keys}
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    return checkpointer.restore(state_dir(step_dir), args=ocp.args.PyTreeRestore(
+        target, restore_args=restore_args, partial_restore=True))
+
+
+def merged_lora_params(path: str | Path, *, what: str = "checkpoint") -> tuple[dict, ModelConfig, Path] | None:
+    """(the merged params as a nested dict of numpy arrays, the ModelConfig, the first non-LoRA base's step
+    directory) of a LoRA run directory / checkpoint (its newest intact one): the base (train.init_from, itself
+    possibly a LoRA run) with the trained base params put back and the adapters merged (diffjax.lora.model_params).
+    Refuses a base that changed since the checkpoint was saved. None when `path` is not a LoRA run. Holds the whole
+    base in memory."""
+    import dataclasses
+
+    from diffjax import lora
+    from diffjax.config import RUNTIME_FIELDS
+
+    step_dir = resolve_checkpoint(path, what)
+    run = RunDir.of_step(step_dir)
+    settings = lora_run_settings(run.path)
+    if settings is None:
+        return None
+    config, init_from = settings
+    model_config = saved_model_config(step_dir, what=what)
+    base_what = f"{run.config_file}'s train.init_from (the LoRA run's base)"
+    base_step = resolve_checkpoint(init_from, base_what)
+    base_config = saved_model_config(base_step, what=base_what)
+    differing = [f.name for f in dataclasses.fields(ModelConfig) if f.init and f.name not in RUNTIME_FIELDS
+                 and getattr(base_config, f.name) != getattr(model_config, f.name)]
+    if differing:
+        raise ValueError(f"the LoRA run {run.path} and its base {base_step} (train.init_from) are different models "
+                         f"(model.{', model.'.join(differing)} differ)")
+    saved = _read_state_items(step_dir, ("params", LORA_CHECKSUMS))
+    nested = merged_lora_params(base_step, what=base_what)
+    base = nested[0] if nested is not None else load_params(base_step, what=base_what)
+    changed = lora.changed_leaves(saved[LORA_CHECKSUMS], jax.device_get(jax.jit(lora.checksums)(base)))
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ValueError(f"the base model changed since the LoRA checkpoint {step_dir} was saved: train.init_from "
+                         f"{init_from} now holds different {', '.join(changed[:3])}{more}; the adapters fit the "
+                         "base they were trained on only")
+    merged = lora.model_params(saved["params"], base, config)
+    root_step = nested[2] if nested is not None else base_step  # (whose hf/ files an export keeps)
+    return jax.tree.map(np.asarray, merged), model_config, root_step
+
+
+def load_model_params(path: str | Path, abstract_params: Any, *, what: str = "checkpoint") -> Any:
+    """load_params, except that a LoRA run gives its merged params (merged_lora_params), placed like
+    `abstract_params`: what a model runs with (load_model, train.init_from)."""
+    merged = merged_lora_params(path, what=what)
+    if merged is None:
+        return load_params(path, abstract_params, what=what)
+    check_same_params(merged[0], abstract_params, f"{what}: the LoRA run {path} (merged) does not match this model")
+    return jax.tree.map(lambda x, t: jax.device_put(x.astype(t.dtype), t.sharding), merged[0], abstract_params)
 
 
 class CheckpointParams(Mapping):

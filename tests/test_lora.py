@@ -250,7 +250,7 @@ def test_merged_export_loads_in_transformers_and_equals_the_lora_model(lora_runs
     from diffjax.convert.hf_directories import diffjax_to_hf
     from diffjax.params_checkpoint import load_model
     from diffjax.train.config import CheckpointConfig
-    from diffjax.train.state_checkpoints import Checkpointer
+    from diffjax.train.state_checkpoints import Checkpointer, restore_params
 
     root, n, model_config = lora_runs["root"], lora_runs["n"], lora_runs["model_config"]
     trained = Checkpointer(root / "straight", CheckpointConfig()).read(2 * n)["state"]["params"]
@@ -266,8 +266,12 @@ def test_merged_export_loads_in_transformers_and_equals_the_lora_model(lora_runs
     assert main(["merge-lora", str(root / "straight"), str(tmp_path / "merged")]) == 0
     merged = np.asarray(load_model(tmp_path / "merged")(tokens))
     np.testing.assert_allclose(merged, expected, rtol=1e-5, atol=1e-5)
-    # load_model (generate, the analyses) of the LoRA run itself: merged the same way
+    # load_model (generate, the analyses) and train.init_from of the LoRA run itself: merged the same way
     np.testing.assert_array_equal(np.asarray(load_model(root / "straight")(tokens)), merged)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(
+        jax.devices()[0])), expected_params)
+    init_params = restore_params(root / "straight", {"params": target})
+    np.testing.assert_array_equal(np.asarray(nnx.merge(graphdef, init_params)(tokens)), merged)
 
     torch = pytest.importorskip("torch")
     import transformers

@@ -23,7 +23,8 @@ from diffjax.config import ModelConfig
 from diffjax.convert.common import nested
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
-from diffjax.params_checkpoint import CheckpointParams, resolve_checkpoint, save_params, saved_model_config
+from diffjax.params_checkpoint import (CheckpointParams, merged_lora_params, resolve_checkpoint, save_params,
+                                      saved_model_config)
 from diffjax.run_dir import RunDir
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
@@ -79,8 +80,6 @@ def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", o
     """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory,
     reading and writing one tensor at a time. A LoRA run's adapters are merged into its base first
     (diffjax.convert.lora_merge; that holds the base in memory)."""
-    from diffjax.convert.lora_merge import merged_lora_params
-
     run_dir, step_dir, config = read_run_config(src)
     merged = merged_lora_params(step_dir)
     if merged is not None:  # a LoRA run: its adapters merged into the base (train.init_from), whose hf/ files it has

@@ -314,7 +314,7 @@ def _lora_state(config: RunConfig, tx, mesh, log) -> tuple[ShardedTraining, dict
     train.init_from (at every start: checkpoints hold only the trainable part), split into the params that train
     too (lora.trainable) and the frozen rest."""
     training, base_target, init = sharded_lora_init(config.model, config.lora, tx, mesh)
-    base = load_params(config.train.init_from, base_target, what="train.init_from")
+    base = restore_params(config.train.init_from, {"params": base_target})
     checksums = jax.jit(lora.checksums)(base)
     chosen, frozen = lora.split_base(base, config.lora)
     state = init(jax.random.key(config.train.seed), chosen, checksums)

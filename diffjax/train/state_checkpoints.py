@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from diffjax.params_checkpoint import check_same_params, load_params, refuse_per_layer
+from diffjax.params_checkpoint import check_same_params, load_model_params, refuse_per_layer
+from diffjax.params_checkpoint import load_params  # noqa: F401 (train.run imports it from here)
 from diffjax.run_dir import DATA_ITEM, STATE_ITEM, RunDir
 from diffjax import integrity
 from diffjax.train.config import CheckpointConfig
@@ -220,8 +221,9 @@ class Checkpointer:
 
 
 def restore_params(path: str | Path, abstract_state: Any) -> Any:
-    """train.init_from: the params of a run directory / checkpoint, shaped and placed like this run's."""
-    return load_params(path, abstract_state["params"], what="train.init_from")
+    """train.init_from: the params of a run directory / checkpoint (a LoRA run's merged), shaped and placed like
+    this run's."""
+    return load_model_params(path, abstract_state["params"], what="train.init_from")
 
 
 def abstract_like(tree):
