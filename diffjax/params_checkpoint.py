@@ -349,9 +349,10 @@ def merged_lora_params(path: str | Path, *, what: str = "checkpoint") -> tuple[d
 def load_model_params(path: str | Path, abstract_params: Any, *, what: str = "checkpoint") -> Any:
     """load_params, except that a LoRA run gives its merged params (merged_lora_params), placed like
     `abstract_params`: what a model runs with (load_model, train.init_from)."""
-    merged = merged_lora_params(path, what=what)
+    step_dir = resolve_checkpoint(path, what)  # (once: a damaged newer checkpoint is reported once)
+    merged = merged_lora_params(step_dir, what=what)
     if merged is None:
-        return load_params(path, abstract_params, what=what)
+        return load_params(step_dir, abstract_params, what=what)
     check_same_params(merged[0], abstract_params, f"{what}: the LoRA run {path} (merged) does not match this model")
     return jax.tree.map(lambda x, t: jax.device_put(x.astype(t.dtype), t.sharding), merged[0], abstract_params)
 
