@@ -86,7 +86,7 @@ def parse_mesh(spec: str | Mesh | None) -> Mesh | None:
 def _load_run(step_dir: Path, mesh: Mesh | None, what: str):
     """The TransformerLM of a checkpoint; under a mesh each array is read straight into its shards."""
     from diffjax.model import TransformerLM
-    from diffjax.params_checkpoint import load_model, load_params, saved_model_config
+    from diffjax.params_checkpoint import load_model, load_model_params, saved_model_config
 
     if mesh is None:
         return load_model(step_dir, what=what)
@@ -95,7 +95,7 @@ def _load_run(step_dir: Path, mesh: Mesh | None, what: str):
     shardings = sharding.param_shardings(abstract, mesh)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nnx.to_pure_dict(abstract),
                           shardings)
-    nnx.replace_by_pure_dict(abstract, load_params(step_dir, target, what=what))
+    nnx.replace_by_pure_dict(abstract, load_model_params(step_dir, target, what=what))  # a LoRA run: merged
     return nnx.merge(graphdef, abstract)
 
 
