@@ -195,23 +195,27 @@ def sharded_init(model_config: ModelConfig, tx: optax.GradientTransformation, me
     abstract_model = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
     abstract_params = nnx.state(abstract_model, nnx.Param)
     params_shardings = sharding.param_shardings(abstract_params, mesh)
-    abstract_state = jax.eval_shape(make_state, jax.random.key(0))
+    training = _sharded_training(mesh, abstract_model, jax.eval_shape(make_state, jax.random.key(0)), params_shardings)
+    return training, jax.jit(make_state, out_shardings=training.state_shardings)
+
+
+def _sharded_training(mesh: Mesh, abstract_model, abstract_state: dict, params_shardings, **lora_fields) -> ShardedTraining:
+    """The ShardedTraining of a train state: its params as `params_shardings`, the optimizer moments like them, the
+    rest (step, rng, LoRA's base checksums) replicated."""
     replicated = NamedSharding(mesh, P())
-    state_shardings = {
-        "params": params_shardings,
-        "opt_state": sharding.shardings_like(abstract_state["opt_state"], abstract_state["params"], params_shardings, mesh),
-        "step": replicated,
-        "rng": replicated,
-    }
-    training = ShardedTraining(
+    state_shardings = {key: jax.tree.map(lambda _: replicated, value) for key, value in abstract_state.items()}
+    state_shardings["params"] = params_shardings
+    state_shardings["opt_state"] = sharding.shardings_like(abstract_state["opt_state"], abstract_state["params"],
+                                                           params_shardings, mesh)
+    return ShardedTraining(
         mesh=mesh,
         graphdef=nnx.graphdef(abstract_model),
         state_shardings=state_shardings,
         step_batch_sharding=sharding.batch_sharding(mesh, 3, batch_axis=1),
         eval_batch_sharding=sharding.batch_sharding(mesh, 2),
-        unsharded=sharding.unsharded_dims(abstract_params, mesh),
+        unsharded=sharding.unsharded_dims(nnx.state(abstract_model, nnx.Param), mesh),
+        **lora_fields,
     )
-    return training, jax.jit(make_state, out_shardings=state_shardings)
 
 
 def sharded_lora_init(model_config: ModelConfig, lora_config: lora.LoraConfig, tx: optax.GradientTransformation,
@@ -238,27 +242,10 @@ def sharded_lora_init(model_config: ModelConfig, lora_config: lora.LoraConfig, t
         return {"params": trainable, "opt_state": tx.init(trainable), "step": jnp.zeros((), jnp.int32),
                 "rng": jax.random.key_data(key), "base_checksums": checksums}
 
-    abstract_sums = jax.eval_shape(lora.checksums, base_target)
-    abstract_state = jax.eval_shape(make_state, jax.random.key(0), chosen_target, abstract_sums)
-    replicated = NamedSharding(mesh, P())
-    state_shardings = {
-        "params": params_shardings,
-        "opt_state": sharding.shardings_like(abstract_state["opt_state"], abstract_state["params"], params_shardings, mesh),
-        "step": replicated,
-        "rng": replicated,
-        "base_checksums": jax.tree.map(lambda _: replicated, abstract_sums),
-    }
-    training = ShardedTraining(
-        mesh=mesh,
-        graphdef=nnx.graphdef(abstract_model),
-        state_shardings=state_shardings,
-        step_batch_sharding=sharding.batch_sharding(mesh, 3, batch_axis=1),
-        eval_batch_sharding=sharding.batch_sharding(mesh, 2),
-        unsharded=sharding.unsharded_dims(abstract_params, mesh),
-        lora=lora_config,
-        frozen_shardings=frozen_shardings,
-    )
-    return training, base_target, jax.jit(make_state, out_shardings=state_shardings)
+    abstract_state = jax.eval_shape(make_state, jax.random.key(0), chosen_target, jax.eval_shape(lora.checksums, base_target))
+    training = _sharded_training(mesh, abstract_model, abstract_state, params_shardings, lora=lora_config,
+                                 frozen_shardings=frozen_shardings)
+    return training, base_target, jax.jit(make_state, out_shardings=training.state_shardings)
 
 
 def setup_sharded_state(model_config: ModelConfig, tx: optax.GradientTransformation, seed: int, mesh: Mesh):
