@@ -364,7 +364,9 @@ def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
     for section in SECTIONS[1:]:
         if section == "lora":
             continue  # (the same: _check_same_lora)
-        changed += [f"{section}.{k}" for k in current[section] if saved.get(section, {}).get(k) != current[section][k]]
+        # Only the keys the saved config names: a conversion's config.yaml names a few (the trainer's names every one).
+        saved_section = saved.get(section) or {}
+        changed += [f"{section}.{k}" for k in current[section] if k in saved_section and saved_section[k] != current[section][k]]
     if changed:
         log(f"note: resuming with changed {', '.join(changed)}")
 
