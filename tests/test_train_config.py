@@ -28,7 +28,7 @@ VOCAB = ["model.vocab_size=257"]  # skip building the tokenizer where the test i
 def test_overrides_are_typed_by_the_field():
     config = load_run_config(CONFIGS / "tiny.yaml", VOCAB + [
         "model.num_layers=2", "optim.lr=3e-4", "optim.clip_norm=none", "train.batch_size=null",
-        "train.batch_tokens=4096", "data.source=text", "data.paths=[a.txt, b.txt]", "train.tensorboard=false", "optim.b2=0.98",
+        "train.batch_tokens=4096", "data.paths=[a.txt, b.txt]", "train.tensorboard=false", "optim.b2=0.98",
     ])
     assert config.model.num_layers == 2 and config.optim.lr == 3e-4 and config.optim.clip_norm is None
     assert config.global_batch_size == 4096 // config.data.seq_len
@@ -47,7 +47,6 @@ def test_overrides_are_typed_by_the_field():
         (["train.tensorboard=maybe"], r"train\.tensorboard must be true or false"),
         (["optim.decay=exp"], r"optim\.decay must be one of"),
         (["data.source=csv"], r"data\.source must be one of"),
-        (["data.paths=[a.jsonl]"], r"data\.paths is set but data\.source is 'builtin'.*set data\.source to one of \('text', 'jsonl', 'parquet'\)"),
         (["data.tokenizer.kind=bpe"], r"data\.tokenizer\.kind must be one of"),
         (["train.batch_tokens=1000"], r"exactly one of train\.batch_size"),
         (["train.batch_size=null", "train.batch_tokens=1000"], r"train\.batch_tokens \(1000\) must be a multiple of data\.seq_len"),

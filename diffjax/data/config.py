@@ -32,9 +32,6 @@ class DataConfig:
             raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
         if self.source != "builtin" and not self.paths:
             raise ValueError(f"data.paths must list at least one file or glob for data.source {self.source!r}")
-        if self.source == "builtin" and self.paths:
-            raise ValueError(f"data.paths is set but data.source is 'builtin' (the stdlib's .py files, no paths): set "
-                             f"data.source to one of {tuple(s for s in DATA_SOURCES if s != 'builtin')}")
         if isinstance(self.paths, str):  # a single path from YAML or the command line
             object.__setattr__(self, "paths", (self.paths,))
         object.__setattr__(self, "paths", tuple(self.paths))
