@@ -200,6 +200,7 @@ def test_a_run_directory_refuses_a_different_model(tmp_path):
         train(_config(tmp_path / "run", "train.steps=2", "model.num_layers=3"), log=lambda _: None)
 
 
+@pytest.mark.single_leg  # the newest leg trains through train() in every other trainer test; this one is the slow full-size default
 def test_default_run_learns(tmp_path):
     """`python train.py` with the default config, shortened: the loss falls well below uniform."""
     one_cpu = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as on a user's CPU: one device
