@@ -63,3 +63,16 @@ def pytest_terminal_summary(terminalreporter):
     width = max(len(name) for name, *_ in _FIGURES)
     for name, what, value, tolerance in _FIGURES:
         terminalreporter.write_line(f"{name:<{width}}  {what:<40} {value:10.3e}" + (f"  (tolerance {tolerance:.1e})" if tolerance == tolerance else ""))
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A Google Cloud Storage emulator on localhost (gcp-storage-emulator, in memory, one per test process: gcsfs
+    and tensorstore keep their endpoint for the process's life), with the environment that points gcsfs,
+    google-cloud-storage and tensorstore at it set here and returned for subprocesses. Yields GcsEmulator."""
+    pytest.importorskip("gcp_storage_emulator")
+    pytest.importorskip("gcsfs")
+    from gcs_emulator import GcsEmulator
+
+    with GcsEmulator() as emulator:
+        yield emulator
