@@ -6,12 +6,16 @@ sorted order, so index i names the same document on every process and after ever
 
 Sources hold no open file handles (they open, read and close per document, or cache decoded
 Parquet row groups that are dropped when pickled), so they can be sent to grain worker processes.
+
+Paths may be gs:// URLs and globs (diffjax.storage): read through gcsfs, which is imported only then.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import glob
+import io
 import json
 import os
 from collections import OrderedDict
@@ -20,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from diffjax import storage
 from diffjax.data.config import DataConfig
 from diffjax.data.builtin import builtin_documents
 from diffjax.data.segments import Document, parse_segments
@@ -35,6 +40,9 @@ def expand_paths(patterns: Sequence[str]) -> list[str]:
         patterns = [patterns]
     found = set()
     for pattern in patterns:
+        if storage.is_url(pattern):
+            found.update(_expand_url(os.fspath(pattern)))
+            continue
         pattern = os.path.expanduser(str(pattern))
         if glob.has_magic(pattern):
             matches = [path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path)]
@@ -50,6 +58,33 @@ def expand_paths(patterns: Sequence[str]) -> list[str]:
             matches = [pattern]
         found.update(os.path.abspath(path) for path in matches)
     return sorted(found)
+
+
+def _expand_url(pattern: str) -> list[str]:
+    """The gs:// files `pattern` names, as full URLs (the errors of expand_paths, naming the URL)."""
+    storage.as_path(pattern)  # clear errors for another scheme or a missing gcsfs
+    import gcsfs
+
+    # fsspec's glob, not epath's: that refuses `**` on gs://. It lists the bucket afresh (no stale cache).
+    fs = gcsfs.GCSFileSystem()
+    if glob.has_magic(pattern):
+        matches = fs.glob(pattern, detail=True)
+        files = [fs.unstrip_protocol(name) for name, info in matches.items() if info["type"] == "file"]
+        if not files:
+            raise FileNotFoundError(f"data path pattern {pattern!r} matches no files")
+        return files
+    if fs.isdir(pattern):  # a prefix with objects below it
+        raise IsADirectoryError(
+            f"data path {pattern!r} is a directory; name files or use a glob such as '{pattern}/**/*.txt'"
+        )
+    if not fs.isfile(pattern):
+        raise FileNotFoundError(f"data file {pattern!r} does not exist")
+    return [fs.unstrip_protocol(pattern)]  # the form the globs give, so the two deduplicate
+
+
+def _open_binary(path: str):
+    """A seekable binary file: plain open for a local path (the fast path), gcsfs for a gs:// URL."""
+    return storage.as_path(path).open("rb") if storage.is_url(path) else open(path, "rb")
 
 
 class ListSource:
@@ -78,7 +113,12 @@ class TextFileSource:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> str:
-        return Path(self.paths[index]).read_text(encoding="utf-8", errors="replace")
+        path = self.paths[index]
+        if not storage.is_url(path):
+            return Path(path).read_text(encoding="utf-8", errors="replace")
+        # Decoded as read_text does (universal newlines), so a URL gives the same text as a local copy.
+        with _open_binary(path) as file:
+            return io.TextIOWrapper(file, encoding="utf-8", errors="replace").read()
 
     def __repr__(self) -> str:
         return f"TextFileSource({len(self)} files)"
@@ -106,7 +146,9 @@ class _MultiFileIndex:
 def _jsonl_line_starts(path: str) -> np.ndarray:
     """Byte offsets of the non-blank lines of `path`, read in a stream (never the whole file at once)."""
     starts, offset = [], 0
-    with open(path, "rb") as file:
+    with _open_binary(path) as file:
+        if storage.is_url(path):  # gcsfs's own readline reads a whole block (5 MB) per line: buffered here
+            file = io.BufferedReader(file, buffer_size=1 << 20)
         for line in file:
             if line.strip():
                 starts.append(offset)
@@ -117,12 +159,25 @@ def _jsonl_line_starts(path: str) -> np.ndarray:
 def _line_number(path: str, offset: int) -> int:
     """1-based line number of the line starting at byte `offset` (only for error messages)."""
     count, remaining = 0, offset
-    with open(path, "rb") as file:
+    with _open_binary(path) as file:
         while remaining > 0:
             chunk = file.read(min(remaining, 1 << 24))
             count += chunk.count(b"\n")
             remaining -= len(chunk)
     return count + 1
+
+
+def _read_url_line(path: str, start: int, end: int | None) -> bytes:
+    """The line at byte `start` of a gs:// file (which ends before `end`, the next line's start; None: at the end
+    of the file) in one ranged read: gcsfs's readline and read-ahead would fetch a whole block per document."""
+    import gcsfs
+
+    storage.as_path(path)  # clear errors for another scheme or a missing gcsfs
+    with gcsfs.GCSFileSystem().open(path, "rb", cache_type="none") as file:
+        file.seek(start)
+        data = file.read(-1 if end is None else end - start)
+    newline = data.find(b"\n")
+    return data if newline < 0 else data[: newline + 1]  # without the blank lines before `end`
 
 
 class JsonlSource:
@@ -145,10 +200,15 @@ class JsonlSource:
 
     def __getitem__(self, index: int) -> Document:
         file_number, line_index = self._index.locate(index)
-        path, start = self.paths[file_number], int(self._starts[file_number][line_index])
-        with open(path, "rb") as file:
-            file.seek(start)
-            line = file.readline()
+        starts = self._starts[file_number]
+        path, start = self.paths[file_number], int(starts[line_index])
+        if storage.is_url(path):
+            end = int(starts[line_index + 1]) if line_index + 1 < len(starts) else None
+            line = _read_url_line(path, start, end)
+        else:
+            with open(path, "rb") as file:
+                file.seek(start)
+                line = file.readline()
 
         def fail(what: str):
             raise ValueError(f"{path} line {_line_number(path, start)}: {what}")
@@ -175,6 +235,18 @@ class JsonlSource:
         return f"JsonlSource({len(self)} documents in {len(self.paths)} files, field {self.text_field!r})"
 
 
+@contextlib.contextmanager
+def _parquet_file(path: str):
+    """pq.ParquetFile of `path`: pyarrow opens a local path itself; a gs:// URL is a gcsfs file, closed after."""
+    import pyarrow.parquet as pq
+
+    if not storage.is_url(path):
+        yield pq.ParquetFile(path)
+        return
+    with _open_binary(path) as file:
+        yield pq.ParquetFile(file)
+
+
 class ParquetSource:
     """One row = one document: the string column `text_field`. Null values are empty documents.
 
@@ -188,23 +260,21 @@ class ParquetSource:
 
     def __init__(self, patterns: Sequence[str], text_field: str = "text"):
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         self.paths = expand_paths(patterns)
         self.text_field = text_field
         self._row_group_ends = []  # per file: cumulative row counts of its row groups
         for path in self.paths:
             try:
-                parquet_file = pq.ParquetFile(path)
+                with _parquet_file(path) as parquet_file:
+                    schema, metadata = parquet_file.schema_arrow, parquet_file.metadata
             except (pa.ArrowException, OSError) as error:
                 raise ValueError(f"{path}: not a readable Parquet file ({error})") from error
-            schema = parquet_file.schema_arrow
             if text_field not in schema.names:
                 raise ValueError(f"{path}: no column {text_field!r} (columns: {schema.names}); set data.text_field")
             column_type = schema.field(text_field).type
             if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
                 raise ValueError(f"{path}: column {text_field!r} must hold strings, got type {column_type}")
-            metadata = parquet_file.metadata
             rows = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
             self._row_group_ends.append(np.cumsum(rows, dtype=np.int64).tolist())
         self._index = _MultiFileIndex([ends[-1] if ends else 0 for ends in self._row_group_ends])
@@ -218,9 +288,8 @@ class ParquetSource:
         if key in self._cache:
             self._cache.move_to_end(key)
         else:
-            import pyarrow.parquet as pq
-
-            table = pq.ParquetFile(self.paths[file_number]).read_row_group(group, columns=[self.text_field])
+            with _parquet_file(self.paths[file_number]) as parquet_file:
+                table = parquet_file.read_row_group(group, columns=[self.text_field])
             self._cache[key] = table.column(0).to_pylist()
             while len(self._cache) > self.CACHED_ROW_GROUPS:
                 self._cache.popitem(last=False)
