@@ -9,46 +9,42 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
-from diffjax.run_dir import DIGEST_FILE, RunDir
+from diffjax import storage
+from diffjax.run_dir import COMMIT_FILE, DIGEST_FILE, RunDir
 
-UNDIGESTED = {DIGEST_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"}  # Orbax writes the last two as it commits
+UNDIGESTED = {DIGEST_FILE, "_CHECKPOINT_METADATA"}  # Orbax writes the last one as it commits
 
 
 def _files(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and str(p.relative_to(step_dir)) not in UNDIGESTED)
+    """The files a digest covers: not the digest, and not Orbax's commit markers (on gs://, in every item too)."""
+    return [p for p in storage.files_under(step_dir)
+            if str(p.relative_to(step_dir)) not in UNDIGESTED and p.name != COMMIT_FILE]
 
 
 def _sha256(path: Path) -> str:
-    with open(path, "rb") as file:
+    with path.open("rb") as file:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def write_digest(step_dir: Path) -> None:
     """{relative path: [size, sha256]} of every file, written atomically (a crash leaves none)."""
-    step_dir = Path(step_dir)
-    digest = {str(p.relative_to(step_dir)): [p.stat().st_size, _sha256(p)] for p in _files(step_dir)}
-    temporary = step_dir / (DIGEST_FILE + ".tmp")
-    with open(temporary, "w") as file:
-        json.dump(digest, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, step_dir / DIGEST_FILE)
+    step_dir = storage.as_path(step_dir)
+    digest = {str(p.relative_to(step_dir)): [storage.size(p), _sha256(p)] for p in _files(step_dir)}
+    storage.write_text_atomically(step_dir / DIGEST_FILE, json.dumps(digest))
 
 
 def saved_bytes(step_dir: Path) -> int:
     """The size of a checkpoint as its digest records it (0 without one)."""
     try:
-        return sum(size for size, _ in _read_digest(Path(step_dir)).values())
+        return sum(size for size, _ in _read_digest(storage.as_path(step_dir)).values())
     except (OSError, ValueError):
         return 0
 
 
 def has_digest(step_dir: Path) -> bool:
-    return (Path(step_dir) / DIGEST_FILE).is_file()
+    return (storage.as_path(step_dir) / DIGEST_FILE).is_file()
 
 
 def _read_digest(step_dir: Path) -> dict[str, tuple[int, str]]:
@@ -65,7 +61,7 @@ def _read_digest(step_dir: Path) -> dict[str, tuple[int, str]]:
 def find_damage(step_dir: Path) -> str | None:
     """What is wrong with a checkpoint's files against its digest (None: intact or no digest). A digest that
     cannot be read or is malformed is damage, and so is a file it does not list."""
-    step_dir = Path(step_dir)
+    step_dir = storage.as_path(step_dir)
     try:
         digest = _read_digest(step_dir)
     except FileNotFoundError:
@@ -79,8 +75,8 @@ def find_damage(step_dir: Path) -> str | None:
         path = step_dir / name
         if not path.is_file():
             return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, {size} were saved"
+        if storage.size(path) != size:
+            return f"{name} has {storage.size(path)} bytes, {size} were saved"
         if _sha256(path) != sha256:
             return f"{name} differs from what was saved (sha256 mismatch)"
     if unlisted := [str(p.relative_to(step_dir)) for p in _files(step_dir) if str(p.relative_to(step_dir)) not in digest]:
@@ -90,11 +86,11 @@ def find_damage(step_dir: Path) -> str | None:
 
 def set_aside(step_dir: Path) -> Path:
     """Moves a damaged step directory to <run_dir>/damaged-checkpoints/<step>[.n]; returns where."""
-    step_dir = Path(step_dir)
+    step_dir = storage.as_path(step_dir)
     target_dir = RunDir.of_step(step_dir).damaged_checkpoints
     target_dir.mkdir(exist_ok=True)
     target, n = target_dir / step_dir.name, 1
     while target.exists():
         target, n = target_dir / f"{step_dir.name}.{n}", n + 1
-    shutil.move(step_dir, target)
+    storage.move(step_dir, target)
     return target

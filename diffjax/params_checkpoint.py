@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import yaml
 
-from diffjax import integrity
+from diffjax import integrity, storage
 from diffjax.config import ModelConfig
 from diffjax.run_dir import DIGEST_FILE, STATE_ITEM, RunDir, state_dir
 from diffjax.sharding import key_names
@@ -51,7 +51,7 @@ def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
     run, step_dir = RunDir.for_reading(path, what)
     if (problem := _damage(step_dir)) is None:
         return step_dir
-    if Path(path).absolute() == step_dir:
+    if storage.absolute(path) == step_dir:
         raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read")
     damaged = [f"{step_dir.name} ({problem})"]
     for step in reversed(run.steps()):
@@ -71,7 +71,7 @@ _intact: set[tuple[Path, int]] = set()  # (step dir, digest mtime) verified in t
 
 def _damage(step_dir: Path) -> str | None:
     digest = step_dir / DIGEST_FILE
-    key = (step_dir, digest.stat().st_mtime_ns if digest.exists() else 0)
+    key = (step_dir, storage.modified(digest) if digest.exists() else 0)
     if key in _intact:
         return None
     problem = integrity.find_damage(step_dir)
@@ -203,7 +203,7 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     """
     import orbax.checkpoint as ocp
 
-    run = RunDir(Path(run_dir).absolute())
+    run = RunDir(storage.absolute(run_dir))
     if run.has_checkpoints():
         raise FileExistsError(f"{run.checkpoints} already holds checkpoints; choose an empty directory")
     run.path.mkdir(parents=True, exist_ok=True)
@@ -233,9 +233,7 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     # the optim section (an upcycled model's lambda warm-up).
     run_config = {"model": model_config.to_dict(), "data": {"seq_len": min(128, model_config.max_seq_len), **(data or {})},
                   **({"optim": optim} if optim else {}), "train": {"run_dir": str(run.path)}}
-    temporary = run.config_file.with_name(run.config_file.name + ".tmp")  # never a half-written config.yaml
-    temporary.write_text(yaml.safe_dump(run_config, sort_keys=False))
-    os.replace(temporary, run.config_file)
+    storage.write_text_atomically(run.config_file, yaml.safe_dump(run_config, sort_keys=False))
     return run.step_dir(step)
 
 
@@ -279,7 +277,7 @@ def lora_run_settings(run_dir: str | Path):
     from diffjax.lora import LoraConfig
     from diffjax.train.config import build_config
 
-    config_file = RunDir(Path(run_dir)).config_file
+    config_file = RunDir(run_dir).config_file
     saved = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
     section = saved.get("lora") or {}
     if not isinstance(section, dict) or not section.get("rank"):

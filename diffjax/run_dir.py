@@ -12,6 +12,10 @@
     <run_dir>/wandb/                          Weights & Biases' own files (train.wandb; W&B names the directory)
     <run_dir>/wandb-run.json                  the W&B run this run logs to and its last logged step (for resumes)
 
+A run directory is a local path or a gs:// URL (diffjax.storage: pathlib.Path or etils.epath.Path); everything
+here works on both, except the conversion's (a local directory: transformers writes hf/) and the lock (on gs://
+a record, not an flock: TrainerLock).
+
 Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; then
 `lock_for_training()` makes it one trainer's), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
 one step: the step to load, with one-line errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
@@ -33,11 +37,14 @@ import shutil
 import socket
 from pathlib import Path
 
+from diffjax import storage
+
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS_DIR = "checkpoints"
 STATE_ITEM = "state"  # Orbax item names inside a step directory
 DATA_ITEM = "data"
 DIGEST_FILE = "digest.json"
+COMMIT_FILE = "commit_success.txt"  # on gs:// Orbax saves in place and writes this when a save is complete
 DAMAGED_DIR = "damaged-checkpoints"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -50,21 +57,21 @@ CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, HF_DIR)  # what a conversion
 
 @dataclasses.dataclass(frozen=True)
 class RunDir:
-    path: Path
+    path: storage.AnyPath
 
     def __post_init__(self):
-        object.__setattr__(self, "path", Path(self.path))
+        object.__setattr__(self, "path", storage.as_path(self.path))
 
     # ---- opening
 
     @classmethod
     def for_training(cls, path: str | Path) -> "RunDir":
         """A new run's or a resumed run's directory, created if absent."""
-        path = Path(path)
+        path = storage.as_path(path)
         if path.exists() and not path.is_dir():
             raise NotADirectoryError(f"train.run_dir {path} exists and is not a directory")
         path.mkdir(parents=True, exist_ok=True)
-        if not os.access(path, os.W_OK | os.X_OK):
+        if not storage.is_url(path) and not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(f"train.run_dir {path} is not writable: a run writes its checkpoints "
                                   "and metrics there (copy it somewhere writable to train on from it)")
         return cls(path)
@@ -73,7 +80,7 @@ class RunDir:
     def for_reading(cls, path: str | Path, what: str = "checkpoint") -> tuple["RunDir", Path]:
         """(the run, the step directory to load) from a run directory or its checkpoints/ directory (the newest
         complete step) or one step directory. `what` names the setting in errors (e.g. "train.init_from")."""
-        path = Path(path).absolute()
+        path = storage.absolute(path)
         if (path / CHECKPOINTS_DIR).is_dir():
             path = path / CHECKPOINTS_DIR
         if not (path.name.isdigit() and (path / STATE_ITEM).is_dir()):
@@ -89,6 +96,9 @@ class RunDir:
     def for_conversion(cls, path: str | Path, *, overwrite: bool) -> "RunDir":
         """An empty (or new) directory for a conversion; a non-empty one is refused unless `overwrite`, which
         removes only what a conversion writes."""
+        if storage.is_url(path):
+            raise ValueError(f"{path}: a conversion writes to a local directory (transformers writes its hf/ files); "
+                             "convert into one, then copy it to the bucket (gcloud storage cp -r)")
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise FileExistsError(f"{path} exists and is not a directory")
@@ -106,7 +116,7 @@ class RunDir:
 
     @classmethod
     def of_step(cls, step_dir: str | Path) -> "RunDir":
-        return cls(Path(step_dir).parent.parent)
+        return cls(storage.as_path(step_dir).parent.parent)
 
     # ---- paths
 
@@ -166,11 +176,13 @@ class RunDir:
 
 def state_dir(step_dir: str | Path) -> Path:
     """The Orbax state item of a checkpoint (params, and the trainer's optimizer state, step and RNG)."""
-    return Path(step_dir) / STATE_ITEM
+    return storage.as_path(step_dir) / STATE_ITEM
 
 
 def _complete_steps(checkpoints: Path) -> list[int]:
-    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit() and (p / STATE_ITEM).is_dir())
+    finished = (lambda p: (p / COMMIT_FILE).exists()) if storage.is_url(checkpoints) else (lambda p: True)
+    return sorted(int(p.name) for p in checkpoints.iterdir()
+                  if p.name.isdigit() and (p / STATE_ITEM).is_dir() and finished(p))
 
 
 class RunDirInUseError(OSError):
@@ -181,14 +193,25 @@ class RunDirInUseError(OSError):
 class TrainerLock:
     """The run directory's lock file, flock-ed while held and holding {host, pid, started} (what a second
     trainer's error names). Released: unlocked and removed, so a lock file with a holder in it that nobody
-    flocks was left by a trainer that died (kill -9, power loss)."""
+    flocks was left by a trainer that died (kill -9, power loss).
 
-    path: Path
+    On gs:// (no flock on an object store) the lock is the record alone, like a local file system without flock: a
+    holder alive on this host refuses a second trainer; another host's record cannot be checked and is taken over
+    with a note saying so (a preempted pod job's record is one of those)."""
+
+    path: storage.AnyPath
     took_over: dict | None  # the record of a dead holder whose lock this one took over
     _fd: int | None = None
+    _record_only: bool = False  # gs://: the record is the lock
 
     @classmethod
     def take(cls, path: Path) -> "TrainerLock":
+        if storage.is_url(path):
+            previous = _read_record(path)
+            if previous and _alive_here(previous):
+                raise RunDirInUseError(_in_use_message(path, previous))
+            path.write_text(json.dumps(_own_record()))
+            return cls(path, previous or None, _record_only=True)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -212,14 +235,18 @@ class TrainerLock:
             if not flocked and previous and _alive_here(previous):
                 os.close(fd)
                 raise RunDirInUseError(_in_use_message(path, previous))
-            record = {"host": socket.gethostname(), "pid": os.getpid(),
-                      "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.pwrite(fd, json.dumps(_own_record()).encode(), 0)
             os.fsync(fd)
             return cls(path, previous or None, fd)
 
     def release(self) -> None:
+        if self._record_only:
+            self._record_only = False
+            record = _read_record(self.path)
+            if (record.get("host"), record.get("pid")) == (socket.gethostname(), os.getpid()):  # not taken over since
+                self.path.unlink(missing_ok=True)
+            return
         if self._fd is None:
             return
         try:
@@ -230,8 +257,17 @@ class TrainerLock:
 
     def describe_takeover(self) -> str:
         held = self.took_over
+        if self._record_only and held.get("host") != socket.gethostname():
+            return (f"note: took over {self.path} from pid {held.get('pid')} on {held.get('host')} (started "
+                    f"{held.get('started')}), which cannot be checked from here (gs:// has no file locks): make sure "
+                    "no other trainer writes to this run directory")
         return (f"note: took over {self.path}, left by a trainer that is no longer running (pid {held.get('pid')} "
                 f"on {held.get('host')}, started {held.get('started')})")
+
+
+def _own_record() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
 def _read_record(path: Path) -> dict:

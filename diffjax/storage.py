@@ -37,10 +37,14 @@ def as_path(path) -> AnyPath:
     if scheme not in SCHEMES:
         raise ValueError(f"{text}: {scheme}:// is not supported; use a local path or a gs:// URL")
     try:
+        import fsspec
         import gcsfs  # noqa: F401 (etils.epath reads gs:// through it)
         from etils import epath
     except ImportError as error:
         raise ImportError(f"{text}: gs:// paths need gcsfs: pip install 'diffjax[gcs]'") from error
+    # gcsfs caches listings; Orbax (tensorstore) and the other processes of a run write past it, and a stale listing
+    # hides a checkpoint or a lock record: list afresh (before epath makes its one gcsfs instance).
+    fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
     return epath.Path(text)
 
 
@@ -65,6 +69,12 @@ def files_under(directory: AnyPath) -> list[AnyPath]:
 def size(path: AnyPath) -> int:
     stat = as_path(path).stat()
     return stat.st_size if hasattr(stat, "st_size") else stat.length
+
+
+def modified(path: AnyPath) -> int:
+    """When `path` last changed: nanoseconds locally, seconds on gs:// (where objects are rewritten whole)."""
+    stat = as_path(path).stat()
+    return stat.st_mtime_ns if hasattr(stat, "st_mtime_ns") else stat.mtime
 
 
 def write_text_atomically(path: AnyPath, text: str) -> None:

@@ -21,6 +21,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
+# The GCS emulator (the `gcs` fixture) has no storage-layout API: gcsfs's default filesystem asks it on every call and
+# logs a warning each time. Its plain filesystem, set before anything imports gcsfs (trainer subprocesses inherit it).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 import pytest
 
 _FIGURES: list[tuple[str, str, float, float]] = []

@@ -314,9 +314,10 @@ def test_a_too_small_vocabulary_is_one_line_and_nothing_else(tmp_path):
 
 
 def test_a_read_only_run_dir_and_a_still_full_disk_are_one_line(tmp_path, monkeypatch, capsys):
-    import pathlib
+    import io
 
     import diffjax.run_dir
+    import diffjax.storage
 
     run_dir = tmp_path / "run"
     train(_config(run_dir, "train.steps=2"), **QUIET)
@@ -330,15 +331,15 @@ def test_a_read_only_run_dir_and_a_still_full_disk_are_one_line(tmp_path, monkey
     # A kill left records past the newest checkpoint; the rerun must rewrite metrics.jsonl, on a full disk.
     records = (run_dir / "metrics.jsonl").read_text() + json.dumps({"step": 9, "kind": "train", "loss": 1.0}) + "\n"
     (run_dir / "metrics.jsonl").write_text(records)
-    write_text = pathlib.Path.write_text
 
-    def no_space_for_metrics(path, *args, **kwargs):
-        if path.name.endswith(".jsonl.tmp"):
-            open(path, "w").close()  # as a full disk leaves it: created, nothing written
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write_text(path, *args, **kwargs)
+    class NoSpaceForMetrics(io.FileIO):  # where diffjax.storage writes a file before renaming it into place
+        def write(self, data):
+            if str(self.name).endswith(".jsonl.tmp"):  # as a full disk leaves it: created, nothing written
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(data)
 
-    monkeypatch.setattr(pathlib.Path, "write_text", no_space_for_metrics)
+    monkeypatch.setattr(diffjax.storage, "open", lambda path, mode: io.TextIOWrapper(NoSpaceForMetrics(path, mode)),
+                        raising=False)
     assert _main(*SMALL, f"train.run_dir={run_dir}", "train.steps=4", "train.sample_tokens=0") == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: could not rewrite {run_dir / 'metrics.jsonl'} past step 2 (No space left on device)") \

@@ -45,7 +45,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
-from diffjax import sharding
+from diffjax import sharding, storage
 
 log = logging.getLogger("diffjax.eval")
 
@@ -118,7 +118,7 @@ def load_for_eval(path, *, dtype: str | None = None, mesh: Mesh | None = None, t
     one, or "byte"; None: the checkpoint's own (an HF directory's tokenizer.json, config.yaml's data.tokenizer)."""
     from diffjax.tokenizers import HFTokenizer
 
-    path = Path(path)
+    path = storage.as_path(path)  # a local path or gs://
     if (path / "config.json").is_file():  # a Hugging Face directory (a run directory has config.yaml instead)
         import diffjax
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import types
 import typing
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from diffjax import attention_kinds
+from diffjax import attention_kinds, storage
 from diffjax.config import ModelConfig
 from diffjax.data.config import DataConfig
 from diffjax.lora import LoraConfig
@@ -343,12 +342,13 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A config file's mapping; a top-level `base: other.yaml` (relative to the file) is read first
     and this file's values are merged over it."""
-    path = Path(path).resolve()
+    path = storage.as_path(path)
+    path = path if storage.is_url(path) else path.resolve()  # (a gs:// config.yaml: a resumed gs:// run's)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     if path in _seen:
         raise ValueError(f"config files include each other in a cycle: {' -> '.join(map(str, _seen + (path,)))}")
-    with open(path) as file:
+    with path.open() as file:
         try:
             values = yaml.safe_load(file) or {}
         except yaml.YAMLError as error:
@@ -382,7 +382,4 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -
 
 def save_run_config(config: RunConfig, path: str | Path) -> None:
     """Written atomically: a kill mid-write leaves the previous config.yaml, never a cut one."""
-    path = Path(path)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    os.replace(temporary, path)
+    storage.write_text_atomically(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import jax
 from flax import nnx
 
-from diffjax import attention_kinds
+from diffjax import attention_kinds, storage
 from diffjax.config import ModelConfig
 from diffjax.run_dir import RunDir
 
@@ -77,9 +76,9 @@ def layer_lambdas(graphdef, params) -> jax.Array | None:
 
 def read_records(path: Path) -> list[dict]:
     """The records of a metrics.jsonl ([] when there is none); a line cut short by a crash is skipped."""
-    records = []
-    if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
+    records, path = [], storage.as_path(path)
+    if path.exists():
+        for line in path.read_text().splitlines():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
@@ -92,6 +91,50 @@ def _free_name(path: Path) -> Path:
     while path.with_name(f"{path.name}.{n}").exists():
         n += 1
     return path.with_name(f"{path.name}.{n}")
+
+
+class _ObjectAppender:
+    """Appends to a gs:// object, which cannot be appended to: each write rewrites it whole (metrics.jsonl is small,
+    written every train.log_every steps), so a kill loses no record written before it."""
+
+    def __init__(self, path):
+        self.path = path
+        self._text = path.read_text() if path.exists() else ""
+
+    def write(self, line: str) -> None:
+        self._text += line
+        self.path.write_text(self._text)
+
+    def close(self) -> None:
+        pass
+
+
+class _EventsUploader:
+    """TensorBoard events of a gs:// run: written to a local staging directory and copied up (each file whole, as
+    an object store takes them) every UPLOAD_SECONDS and at the end. (tensorboardX's own gs:// writer uploads again
+    when collected, at interpreter exit: a 120 s hang where the bucket is no longer reachable.)"""
+
+    UPLOAD_SECONDS = 30
+
+    def __init__(self, target):
+        import tempfile
+
+        self.target, self.staging = target, Path(tempfile.mkdtemp(prefix="diffjax-tensorboard-"))
+        self._last = 0.0
+
+    def upload(self, writer, final: bool = False) -> None:
+        import shutil
+        import time
+
+        if not final and time.monotonic() - self._last < self.UPLOAD_SECONDS:
+            return
+        if writer is not None:
+            writer.flush()
+        for file in self.staging.iterdir():
+            (self.target / file.name).write_bytes(file.read_bytes())
+        self._last = time.monotonic()
+        if final:
+            shutil.rmtree(self.staging, ignore_errors=True)
 
 
 class MetricsWriter:
@@ -108,31 +151,30 @@ class MetricsWriter:
         self.kept_as = None  # where the records of an earlier start went
         if not enabled:
             return
-        run = RunDir(Path(run_dir))
+        run = RunDir(run_dir)
         self.jsonl_path = run.metrics_file
         if resume_step and self.jsonl_path.exists():
             self._truncate_after(resume_step)
         elif not resume_step and read_records(self.jsonl_path):
             self.kept_as = _free_name(self.jsonl_path)
-            os.replace(self.jsonl_path, self.kept_as)
-        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+            storage.move(self.jsonl_path, self.kept_as)
+        self._jsonl = _ObjectAppender(self.jsonl_path) if storage.is_url(self.jsonl_path) else open(self.jsonl_path, "a", buffering=1)
         self._tensorboard = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             earlier = run.tensorboard.is_dir() and any(run.tensorboard.iterdir())
-            self._tensorboard = SummaryWriter(str(run.tensorboard), purge_step=resume_step + 1 if resume_step or earlier else None)
+            self._uploader = _EventsUploader(run.tensorboard) if storage.is_url(run.tensorboard) else None
+            self._tensorboard = SummaryWriter(str(self._uploader.staging if self._uploader else run.tensorboard),
+                                              purge_step=resume_step + 1 if resume_step or earlier else None)
 
     def _truncate_after(self, step: int):
         kept = [record for record in read_records(self.jsonl_path) if record.get("step", 0) <= step]
-        temporary = self.jsonl_path.with_suffix(".jsonl.tmp")  # a kill while rewriting must not lose the file
-        try:
-            temporary.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        try:  # a kill while rewriting must not lose the file
+            storage.write_text_atomically(self.jsonl_path, "".join(json.dumps(record) + "\n" for record in kept))
         except OSError as error:  # a full disk, most often: the file stays as it was, no stub is left
-            temporary.unlink(missing_ok=True)
             raise OSError(f"could not rewrite {self.jsonl_path} past step {step} ({error.strerror}); "
                           "it is unchanged: free some space and rerun") from None
-        os.replace(temporary, self.jsonl_path)
 
     def write(self, step: int, kind: str, values: dict[str, float]):
         if not self.enabled:
@@ -143,6 +185,8 @@ class MetricsWriter:
             for key, value in clean.items():
                 if value is not None:
                     self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
+            if self._uploader is not None:
+                self._uploader.upload(self._tensorboard)
 
     def close(self):
         if not self.enabled:
@@ -150,3 +194,5 @@ class MetricsWriter:
         self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+            if self._uploader is not None:
+                self._uploader.upload(None, final=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ import orbax.checkpoint as ocp
 
 from diffjax.params_checkpoint import check_same_params, load_model_params, refuse_per_layer
 from diffjax.params_checkpoint import load_params  # noqa: F401 (train.run imports it from here)
-from diffjax.run_dir import DATA_ITEM, STATE_ITEM, RunDir
-from diffjax import integrity
+from diffjax.run_dir import COMMIT_FILE, DATA_ITEM, STATE_ITEM, RunDir
+from diffjax import integrity, storage
 from diffjax.train.config import CheckpointConfig
 from diffjax.train.mesh import allgather_json
 
@@ -56,7 +55,7 @@ class _OrbaxErrorsWeReport(logging.Filter):
 
 class Checkpointer:
     def __init__(self, run_dir: str | Path, config: CheckpointConfig):
-        self.run = RunDir(Path(run_dir).absolute())
+        self.run = RunDir(storage.absolute(run_dir))
         self.directory = self.run.checkpoints
         self._async, self._saving = config.async_save, None
         self._quiet = _OrbaxErrorsWeReport()
@@ -82,9 +81,14 @@ class Checkpointer:
             multihost_utils.sync_global_devices("removed unfinished saves")
 
     def _remove_temporaries(self, step: str) -> None:
-        """Orbax's temporary directories of step `step` ("*": of every step)."""
+        """Orbax's temporary directories of step `step` ("*": of every step); on gs://, where Orbax saves in place,
+        the step directories without its commit marker."""
         for temporary in self.directory.glob(f"{step}{TEMPORARY_MARK}*"):
-            shutil.rmtree(temporary, ignore_errors=True)
+            storage.rmtree(temporary, ignore_errors=True)
+        if storage.is_url(self.directory):
+            for step_dir in self.directory.glob(step):
+                if step_dir.name.isdigit() and not (step_dir / COMMIT_FILE).exists():
+                    storage.rmtree(step_dir, ignore_errors=True)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -194,8 +198,8 @@ class Checkpointer:
         a clear stop now instead of Orbax's errors from its background thread one save later."""
         newest = self.manager.latest_step()
         needed = integrity.saved_bytes(self.run.step_dir(newest)) if newest is not None else 0
-        free = shutil.disk_usage(self.directory).free
-        if needed > free:
+        free = storage.free_bytes(self.directory)
+        if free is not None and needed > free:
             raise SaveError(
                 f"not enough disk space to save the checkpoint of step {step} in {self.directory} "
                 f"({free / 2**20:.1f} MiB free, a checkpoint takes {needed / 2**20:.1f} MiB); "

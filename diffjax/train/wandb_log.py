@@ -28,6 +28,7 @@ import os
 import signal
 from pathlib import Path
 
+from diffjax import storage
 from diffjax.run_dir import RunDir
 from diffjax.train.hooks import Hook, MetricsLog
 
@@ -50,7 +51,7 @@ def require_wandb() -> None:
 def read_run_file(path: Path) -> dict:
     """wandb-run.json: {"id", "project", "entity", "step"}; {} when absent or unreadable."""
     try:
-        record = json.loads(Path(path).read_text())
+        record = json.loads(storage.as_path(path).read_text())
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) and isinstance(record.get("id"), str) else {}
@@ -74,7 +75,7 @@ class WandbLog(Hook):
             import wandb
         except ImportError as error:
             raise _setup_error(f"train.wandb is on but wandb cannot be imported ({error}): {INSTALL}") from None
-        run_dir = RunDir(Path(run.run_dir).absolute())
+        run_dir = RunDir(storage.absolute(run.run_dir))
         self.run_file = run_dir.wandb_run_file
         saved = read_run_file(self.run_file)
         resume_id = saved.get("id") if run.start_step > 0 else None
@@ -85,7 +86,8 @@ class WandbLog(Hook):
                 project=settings.project, entity=settings.entity, name=settings.name or run_dir.path.name,
                 group=settings.group, tags=list(settings.tags) or None, mode=settings.mode,
                 config=run.config.to_dict(), allow_val_change=True,
-                dir=None if os.environ.get("WANDB_DIR") else str(run_dir.path),
+                # W&B writes its files locally: a gs:// run's go to WANDB_DIR or ./wandb
+                dir=None if os.environ.get("WANDB_DIR") or storage.is_url(run_dir.path) else str(run_dir.path),
                 id=resume_id, resume="allow" if resume_id else None,
                 reinit="create_new",  # its own run object: a run the user's code has open is left alone
             )
@@ -133,6 +135,4 @@ class WandbLog(Hook):
 
     def _save_run_file(self):
         record = {"id": self.wb.id, **self.identity, "step": self.logged}
-        temporary = self.run_file.with_name(self.run_file.name + ".tmp")
-        temporary.write_text(json.dumps(record) + "\n")
-        os.replace(temporary, self.run_file)
+        storage.write_text_atomically(self.run_file, json.dumps(record) + "\n")
