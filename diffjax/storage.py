@@ -2,8 +2,8 @@
 
 Local paths are pathlib.Path. A gs:// URL is an etils.epath.Path on gcsfs (fsspec): what reads and writes the
 run's own files (config.yaml, metrics.jsonl, digests, the trainer lock record) and the data files. Orbax's
-checkpoints go to gs:// through tensorstore's own GCS driver, TensorBoard's events through tensorboardX's
-(google-cloud-storage). Credentials: Google's application-default ones (on a TPU VM, the VM's service account).
+checkpoints go to gs:// through tensorstore's own GCS driver; TensorBoard's events are written locally and copied
+up (diffjax.train.metrics). Credentials: Google's application-default ones (on a TPU VM, the VM's service account).
 
 Object stores differ from a file system in three ways this module hides: there is no rename (a move is copy and
 delete), no append, and no partial object (a written object appears whole or not at all: the atomic write a
