@@ -129,6 +129,7 @@ class MetricsLog(Hook):
 
     def on_checkpoint(self, run, step):
         self.flush(run, report=False)
+        self.writer.flush(force=True)  # (gs://) every record up to a checkpoint is stored before it
 
     def on_end(self, run, result):
         try:
@@ -170,6 +171,7 @@ class MetricsLog(Hook):
                     values["mfu"] = rate * self.flops_per_token / run.mesh.size / self.peak
             self.losses[step] = values["loss"]
             self._write(step, "train", values)
+        self.writer.flush()
         if report:
             self.progress.update(self.pending[-1][0], values)
         self.pending.clear()

@@ -94,19 +94,29 @@ def _free_name(path: Path) -> Path:
 
 
 class _ObjectAppender:
-    """Appends to a gs:// object, which cannot be appended to: each write rewrites it whole (metrics.jsonl is small,
-    written every train.log_every steps), so a kill loses no record written before it."""
+    """Appends to a gs:// object, which cannot be appended to: rewritten whole by `flush`, at most every
+    UPLOAD_SECONDS unless forced (before each checkpoint and at the end: what a resume keeps is never lost)."""
+
+    UPLOAD_SECONDS = 30
 
     def __init__(self, path):
         self.path = path
         self._text = path.read_text() if path.exists() else ""
+        self._uploaded, self._last = len(self._text), 0.0
 
     def write(self, line: str) -> None:
         self._text += line
+
+    def flush(self, force: bool = False) -> None:
+        import time
+
+        if len(self._text) == self._uploaded or not (force or time.monotonic() - self._last >= self.UPLOAD_SECONDS):
+            return
         self.path.write_text(self._text)
+        self._uploaded, self._last = len(self._text), time.monotonic()
 
     def close(self) -> None:
-        pass
+        self.flush(force=True)
 
 
 class _EventsUploader:
@@ -187,6 +197,11 @@ class MetricsWriter:
                     self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
             if self._uploader is not None:
                 self._uploader.upload(self._tensorboard)
+
+    def flush(self, force: bool = False):
+        """metrics.jsonl on gs:// uploaded (throttled unless `force`); a local file is written line by line."""
+        if self.enabled and isinstance(self._jsonl, _ObjectAppender):
+            self._jsonl.flush(force)
 
     def close(self):
         if not self.enabled:
