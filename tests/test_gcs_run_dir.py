@@ -85,8 +85,9 @@ def test_a_run_on_gcs_is_killed_resumes_exactly_and_falls_back_past_a_damaged_ch
     damaged_file = next(p for p in storage.files_under(run.step_dir(8) / "state") if "/d/" in os.fspath(p))
     damaged_file.write_bytes(b"not what was saved")
     lines = []
-    train(_config(url, *RUN[1:], "train.steps=10"), log=lines.append)
+    train(_config(url, *RUN[1:], "train.steps=10", "train.profile_steps=[8,9]"), log=lines.append)
     out = "\n".join(lines)
+    assert any(p.name.endswith(".xplane.pb") for p in storage.files_under(run.tensorboard / "plugins"))  # copied up
     assert f"warning: checkpoint {url}/checkpoints/8 is damaged (" in out, out
     assert f"moved it to {url}/damaged-checkpoints/8" in out and f"resumed from {url}/checkpoints/6 (step 6)" in out
     assert (run.damaged_checkpoints / "8" / "digest.json").exists() and run.steps() == [8, 10]

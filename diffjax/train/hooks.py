@@ -16,10 +16,12 @@ The loop calls, on each hook in order:
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
 
+from diffjax import storage
 from diffjax.run_dir import RunDir
 from diffjax.train.guard import NonfiniteGuard
 from diffjax.train.metrics import (MetricsWriter, peak_flops_per_device, read_records,
@@ -52,10 +54,15 @@ class ProfileWindow(Hook):
 
     def __init__(self, first: int, last: int):
         self.first, self.last, self.tracing = first, last, False
+        self.target, self.local = None, None  # a gs:// run's trace is written locally, then copied up
 
     def _start(self, run):
-        self.tracing = True
-        jax.profiler.start_trace(str(RunDir(run.run_dir).tensorboard))
+        self.tracing, self.target = True, RunDir(run.run_dir).tensorboard
+        if storage.is_url(self.target):
+            import tempfile
+
+            self.local = Path(tempfile.mkdtemp(prefix="diffjax-profile-"))
+        jax.profiler.start_trace(str(self.local or self.target))
 
     def on_start(self, run):
         if run.step + 1 == self.first:
@@ -78,6 +85,13 @@ class ProfileWindow(Hook):
         if self.tracing:
             self.tracing = False
             jax.profiler.stop_trace()
+            if self.local is not None:
+                import shutil
+
+                for file in storage.files_under(self.local):
+                    destination = self.target / str(file.relative_to(self.local))
+                    destination.write_bytes(file.read_bytes())
+                shutil.rmtree(self.local, ignore_errors=True)
 
 
 class MetricsLog(Hook):
