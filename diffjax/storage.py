@@ -105,11 +105,17 @@ def move(source: AnyPath, target: AnyPath) -> None:
         source.copy(target)
         source.unlink()
         return
-    for file in files_under(source):
-        destination = target / os.fspath(file)[len(os.fspath(source)):].lstrip("/")
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        file.copy(destination)
+    copy_tree(source, target)
     source.rmtree()
+
+
+def copy_tree(source: AnyPath, target: AnyPath) -> None:
+    """Every file below `source` to the same relative path below `target` (local or gs://, either way)."""
+    source, target = as_path(source), as_path(target)
+    for file in files_under(source):
+        destination = target / str(file.relative_to(source))
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        destination.write_bytes(file.read_bytes())
 
 
 def rmtree(path: AnyPath, ignore_errors: bool = False) -> None:

@@ -15,6 +15,8 @@ The loop calls, on each hook in order:
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,8 +61,6 @@ class ProfileWindow(Hook):
     def _start(self, run):
         self.tracing, self.target = True, RunDir(run.run_dir).tensorboard
         if storage.is_url(self.target):
-            import tempfile
-
             self.local = Path(tempfile.mkdtemp(prefix="diffjax-profile-"))
         jax.profiler.start_trace(str(self.local or self.target))
 
@@ -86,11 +86,7 @@ class ProfileWindow(Hook):
             self.tracing = False
             jax.profiler.stop_trace()
             if self.local is not None:
-                import shutil
-
-                for file in storage.files_under(self.local):
-                    destination = self.target / str(file.relative_to(self.local))
-                    destination.write_bytes(file.read_bytes())
+                storage.copy_tree(self.local, self.target)
                 shutil.rmtree(self.local, ignore_errors=True)
 
 

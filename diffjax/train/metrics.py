@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -108,8 +111,6 @@ class _ObjectAppender:
         self._text += line
 
     def flush(self, force: bool = False) -> None:
-        import time
-
         if len(self._text) == self._uploaded or not (force or time.monotonic() - self._last >= self.UPLOAD_SECONDS):
             return
         self.path.write_text(self._text)
@@ -127,21 +128,15 @@ class _EventsUploader:
     UPLOAD_SECONDS = 30
 
     def __init__(self, target):
-        import tempfile
-
         self.target, self.staging = target, Path(tempfile.mkdtemp(prefix="diffjax-tensorboard-"))
         self._last = 0.0
 
     def upload(self, writer, final: bool = False) -> None:
-        import shutil
-        import time
-
         if not final and time.monotonic() - self._last < self.UPLOAD_SECONDS:
             return
         if writer is not None:
             writer.flush()
-        for file in self.staging.iterdir():
-            (self.target / file.name).write_bytes(file.read_bytes())
+        storage.copy_tree(self.staging, self.target)
         self._last = time.monotonic()
         if final:
             shutil.rmtree(self.staging, ignore_errors=True)
