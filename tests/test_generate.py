@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -63,19 +64,26 @@ def tiny_model(case: str) -> TransformerLM:
     return random_model(CASES[case])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
-def _prefill(graphdef, params, prompts_BP, lengths_B, *, max_len):
-    logits_BPV, cache = nnx.merge(graphdef, params)(prompts_BP, cache=KVCache.empty(prompts_BP.shape[0], max_len))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "unstacked"))
+def _prefill(graphdef, params, prompts_BP, lengths_B, *, max_len, unstacked):
+    model = nnx.merge(graphdef, params)
+    layer_params = model.unstacked_blocks() if unstacked else None
+    logits_BPV, cache = model(prompts_BP, cache=KVCache.empty(prompts_BP.shape[0], max_len), layer_params=layer_params)
     return logits_BPV, dataclasses.replace(cache, lengths_B=lengths_B)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _decode(graphdef, params, cache, tokens_B1):
-    return nnx.merge(graphdef, params)(tokens_B1, cache=cache)
+@functools.partial(jax.jit, static_argnames=("graphdef", "unstacked"), donate_argnames=("cache",))
+def _decode(graphdef, params, cache, tokens_B1, *, unstacked):
+    model = nnx.merge(graphdef, params)
+    return model(tokens_B1, cache=cache, layer_params=model.unstacked_blocks() if unstacked else None)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_cached_logits_equal_a_full_forward_at_every_step(case, measured):
+# Every case through per-layer params and caches (what generate runs); the scanned ones also through the stack.
+CACHE_PATHS = [(case, True) for case in CASES] + [(case, False) for case in CASES if case.endswith("_scanned")]
+
+
+@pytest.mark.parametrize("case, unstacked", CACHE_PATHS)
+def test_cached_logits_equal_a_full_forward_at_every_step(case, unstacked, measured):
     """Prompts of different lengths (right-padded), then STEPS tokens fed one at a time through the cache:
     each step's logits equal the full model's at the same position of the whole sequence (causal, so
     that is the forward pass over the same prefix)."""
@@ -94,18 +102,19 @@ def test_cached_logits_equal_a_full_forward_at_every_step(case, measured):
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     full_BSV = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, sequences_BS))
-    logits_BPV, cache = _prefill(graphdef, params, prompts_BP, lengths_B, max_len=P + STEPS)
+    logits_BPV, cache = _prefill(graphdef, params, prompts_BP, lengths_B, max_len=P + STEPS, unstacked=unstacked)
     cached = [np.asarray(logits_BPV)[np.arange(B), lengths_B - 1]]
     for t in range(STEPS - 1):
         previous = cache
-        logits_B1V, cache = _decode(graphdef, params, cache, continuation_BN[:, t : t + 1])
-        assert previous.k.is_deleted() and previous.v.is_deleted(), "the decode step's cache is not donated"
+        logits_B1V, cache = _decode(graphdef, params, cache, continuation_BN[:, t : t + 1], unstacked=unstacked)
+        assert all(x.is_deleted() for x in jax.tree.leaves((previous.k, previous.v))), "the cache is not donated"
         cached.append(np.asarray(logits_B1V)[:, 0])
     reference = np.stack([full_BSV[np.arange(B), lengths_B - 1 + t] for t in range(STEPS)])
     error = measured("cached vs full logits, max rel err", np.abs(np.stack(cached) - reference).max() / np.abs(reference).max(),
                      CACHED_LOGITS_TOL)
     assert error <= CACHED_LOGITS_TOL
-    assert cache.k.shape[:3] == (model.config.num_layers, B, P + STEPS)  # stacked over layers, one slot per position
+    L = model.config.num_layers  # one slot per position: stacked over layers, or one buffer per layer
+    assert (len(cache.k), cache.k[0].shape[:2]) == (L, (B, P + STEPS)) if unstacked else cache.k.shape[:3] == (L, B, P + STEPS)
     np.testing.assert_array_equal(cache.lengths_B, lengths_B + STEPS - 1)
 
 
@@ -145,9 +154,10 @@ def _hf_case(case, tmp_path):
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_greedy_equals_transformers_token_for_token(case, tmp_path):
     model, prompts, hf_greedy = _hf_case(case, tmp_path)
-    compiles = decode._decode_step._cache_size()
+    compiles = decode._generate._cache_size()
     ours = diffjax.generate(model, prompts, HF_NEW_TOKENS)  # one batch, prompts of three lengths
-    assert decode._decode_step._cache_size() == compiles + 1, "the decode step compiled more than once"
+    np.testing.assert_array_equal(diffjax.generate(model, prompts, HF_NEW_TOKENS), ours)
+    assert decode._generate._cache_size() == compiles + 1, "generation compiled more than once for the same shapes"
     for b, prompt in enumerate(prompts):
         np.testing.assert_array_equal(ours[b], hf_greedy(prompt), err_msg=f"prompt {b} ({len(prompt)} tokens)")
 
@@ -195,6 +205,114 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
     frequencies = np.bincount(draws, minlength=logits_V.size) / draws.size
     assert (frequencies[expected == 0] == 0).all(), frequencies
     np.testing.assert_allclose(frequencies, expected, atol=0.015)
+
+
+# --- the decode step reads each weight once -----------------------------------------------------------
+
+def hlo_computations(hlo_text: str) -> dict[str, list[str]]:
+    """A compiled module's computations (name -> instruction lines)."""
+    computations, name = {}, None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%\S+) ", line)
+        if header:
+            name = header.group(1)
+            computations[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            computations[name].append(line)
+    return computations
+
+
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%\S+) = \w+\[([\d,]*)\]\S* ([\w-]+)\(")
+COPY_FREE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant"}
+
+
+def is_matmul(line: str) -> bool:
+    """A dot, or a library call XLA makes of one (XNNPACK / oneDNN / cuBLAS fusions are kCustom)."""
+    match = INSTRUCTION.match(line)
+    return match is not None and (match.group(3) in ("dot", "custom-call") or "kind=kCustom" in line)
+
+
+def weight_sized_arrays(instructions: list[str], weight_sizes: set[int]) -> list[str]:
+    """Instructions that produce an array with as many elements as a weight matrix other than by a matmul: a
+    slice, copy, convert or transpose of a weight (each reads it and writes it again before the matmul reads it)."""
+    found = []
+    for line in instructions:
+        match = INSTRUCTION.match(line)
+        if match and match.group(3) not in COPY_FREE and not is_matmul(line):
+            if int(np.prod([int(d) for d in match.group(2).split(",") if d])) in weight_sizes:
+                found.append(line.strip()[:160])
+    return found
+
+
+# Batch 3 and power-of-two model sizes: every activation and cache buffer has a multiple of 3 elements, no weight does.
+LOOP_CASES = {
+    "diff_gqa_looped": ModelConfig(**{**TINY, "d_model": 64, "num_heads": 4}, num_kv_heads=2),
+    "diff_gqa_scanned": ModelConfig(**{**TINY, "d_model": 64, "num_heads": 4}, num_kv_heads=2, scan_layers=True),
+    "standard_tied_bf16_compute": ModelConfig(**{**TINY, "vocab_size": 64, "num_heads": 4}, attention="standard",
+                                              tie_embeddings=True, dtype="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOOP_CASES))
+def test_the_decode_loop_copies_no_weight(case):
+    """The compiled decode loop (the while body: one decode step) produces no weight-sized array but by matmuls:
+    the per-layer params and the compute-dtype embedding / head it reads are made once, before the loop."""
+    model = random_model(LOOP_CASES[case])
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    weights = [x for x in jax.tree.leaves(model.unstacked_blocks()) + [model.embed.embedding[...]] if x.ndim >= 2]
+    B, P, N = 3, 4, 8
+    choice = decode.Choice(Sampling(), (), 0)
+    hlo = decode._generate.lower(graphdef, params, np.ones((B, P), np.int32), np.full((B,), P, np.int32), jax.random.key(0),
+                                 np.int32(0), max_len=P + N, max_new_tokens=N, choice=choice, mesh=None,
+                                 streaming=False).compile().as_text()
+    body = hlo_computations(hlo)[re.search(r"body=(%[\w.\-]+)", hlo).group(1)]
+    assert sum(map(is_matmul, body)) >= 4 * model.config.num_layers, "this is not the decode step's loop"
+    assert weight_sized_arrays(body, {x.size for x in weights}) == []
+
+
+# --- the loop on the device, streaming ------------------------------------------------------------------
+
+def test_streaming_hands_over_each_step_and_can_stop_the_loop():
+    """on_tokens gets every step's tokens in order (the result's columns); returning False stops the loop there,
+    an exception stops it and is raised; stop tokens end the loop on the device (fewer steps run)."""
+    model = tiny_model("standard_mha_interleaved")
+    prompts, N = [[1, 2, 3], [4, 5]], 8
+    plain = diffjax.generate(model, prompts, N)
+    seen = []
+    streamed = diffjax.generate(model, prompts, N, on_tokens=lambda step, tokens: seen.append((step, tokens.copy())))
+    np.testing.assert_array_equal(streamed, plain)
+    assert [step for step, _ in seen] == list(range(N))
+    np.testing.assert_array_equal(np.stack([tokens for _, tokens in seen], axis=1), plain)
+
+    seen.clear()
+    stopped = diffjax.generate(model, prompts, N, pad_id=0, on_tokens=lambda step, tokens: seen.append(step) or step < 2)
+    assert seen == [0, 1, 2]
+    np.testing.assert_array_equal(stopped[:, :3], plain[:, :3])
+    assert (stopped[:, 3:] == 0).all()
+
+    def interrupted(step, tokens):
+        seen.append(step)
+        if step == 1:
+            raise KeyboardInterrupt
+    seen.clear()
+    with pytest.raises(KeyboardInterrupt):
+        diffjax.generate(model, prompts, N, on_tokens=interrupted)
+    assert seen == [0, 1]
+
+    # Both rows produce a stop token by step 2 (each row's own token there): the device loop ends after step 2.
+    graphdef, params = nnx.split(model)
+    stops = [int(plain[0, 1]), int(plain[1, 2])]
+    seen.clear()
+    early = diffjax.generate(model, prompts, N, stop_tokens=stops, on_tokens=lambda step, tokens: seen.append(step))
+    assert seen[-1] <= 2 and len(seen) == seen[-1] + 1
+    _, steps = decode.run(graphdef, nnx.to_pure_dict(params), *map(jnp.asarray, decode._prompt_batch(prompts, None, 61)),
+                          jax.random.key(0), max_len=3 + N, max_new_tokens=N, mesh=None,
+                          choice=decode.Choice(Sampling(), tuple(stops), stops[0]))
+    assert steps == len(seen)
+    assert early[0, 1] == stops[0]
 
 
 # --- under a mesh, compile and errors ----------------------------------------------------------------
@@ -261,7 +379,12 @@ def test_cli_prints_each_prompt_and_its_continuation(byte_run_dir, capsys):
     new = diffjax.generate(load_model(byte_run_dir), [tokenizer.encode(p) for p in prompts], 6, stop_tokens=[tokenizer.eos_id])
     texts = [p + tokenizer.decode(row[: list(row).index(256) + 1] if 256 in row else row) for p, row in zip(prompts, new)]
     assert out == texts[0] + "\n" + SEPARATOR + "\n" + texts[1] + "\n"
-    assert "tokens/s" in err
+    assert re.search(r"first token after [\d.]+ s \(compilation \+ prefill\), then [\d.]+ tokens/s \(2 x \d+ steps\)", err), err
+
+    assert main(["--checkpoint", str(byte_run_dir), "--prompt", prompts[0], "--max-new-tokens", "6"]) == 0  # streamed
+    out, err = capsys.readouterr()
+    assert out == texts[0] + "\n"
+    assert "first token after" in err
 
 
 def test_cli_without_a_tokenizer_takes_ids_and_names_the_fix(byte_run_dir, tmp_path, capsys):

@@ -51,7 +51,7 @@ log = logging.getLogger("diffjax.eval")
 
 MIN_BUCKET = 32  # the shortest padded length; then powers of two up to LONG_BUCKET, then its multiples
 LONG_BUCKET = 512
-STOP_CHECK_EVERY = 8  # decode steps between host checks of "every row has finished" (eos or a stop string)
+STOP_CHECK_EVERY = 8  # decode steps between checks of "every row has finished" (eos or a stop string: detokenizes)
 MESH_AXES = ("data", "fsdp", "tensor")  # the axes an evaluation mesh may have (diffjax.sharding's rules)
 _SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p", "until", "max_gen_toks"}
 
@@ -441,22 +441,24 @@ class DiffjaxLM(TemplateLM):
             prompts_BP[b, : len(prompt)] = prompt
             lengths_B[b] = len(prompt)
         choice = decode.Choice(sampling, () if eos is None else (int(eos),), 0 if eos is None else int(eos))
-        state = decode._prefill(self.graphdef, self.params, self._place(prompts_BP), self._place(lengths_B), key,
-                                max_len=P + max_new, max_new_tokens=max_new, choice=choice, mesh=self.mesh)
         rows = len(prompts)
+        so_far = [[] for _ in range(rows)]
 
-        def cut(tokens_BN, steps: int) -> list[list[int]]:
-            new = [row[:steps] for row in tokens_BN[:rows].tolist()]
-            return [row[: row.index(eos)] if eos is not None and eos in row else row for row in new]
+        def cut(new_rows: list[list[int]]) -> list[list[int]]:
+            return [row[: row.index(eos)] if eos is not None and eos in row else row for row in new_rows]
 
-        def all_finished(tokens_BN, steps: int) -> bool:
-            return all(len(row) < steps or any(s in self.tok_decode(row) for s in until) for row in cut(tokens_BN, steps))
+        def on_tokens(step: int, tokens_B) -> bool:
+            """False (stop) once every row has produced eos or holds a stop string."""
+            for row, token in zip(so_far, tokens_B[:rows].tolist()):
+                row.append(token)
+            return not ((step + 1) % STOP_CHECK_EVERY == 0 and
+                        all(len(row) <= step or any(s in self.tok_decode(row) for s in until) for row in cut(so_far)))
 
-        steps = 1  # tokens generated (the prefill picks the first)
-        while steps < max_new and not (steps % STOP_CHECK_EVERY == 0 and all_finished(_host(state.tokens_BN), steps)):
-            state = decode._decode_step(self.graphdef, self.params, state, key, choice=choice, mesh=self.mesh)
-            steps += 1
-        return cut(_host(state.tokens_BN), steps)
+        tokens_BN, steps = decode.run(self.graphdef, self.params, self._place(prompts_BP), self._place(lengths_B), key,
+                                      max_len=P + max_new, max_new_tokens=max_new, choice=choice, mesh=self.mesh,
+                                      on_tokens=on_tokens)
+        return cut([row[:steps] for row in tokens_BN[:rows].tolist()])
+
 
 def _host(array) -> np.ndarray:
     """A host copy, also of an array spread over other processes' devices."""

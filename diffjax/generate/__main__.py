@@ -80,11 +80,13 @@ def main(argv=None) -> int:
         if any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("a prompt is empty (no tokens): every prompt needs at least one")
         eos = None if tokenizer is None or args.ignore_eos else tokenizer.eos_id
-        start = time.perf_counter()
+        # One text prompt streams as it is generated; a batch (or ids) prints when done.
+        printer = _StreamPrinter(tokenizer, eos, args.prompt[0]) if tokenizer is not None and len(prompts) == 1 else None
+        clock = _Clock(printer)
         new_tokens = diffjax.generate(
             model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed))
-        seconds = time.perf_counter() - start
+            stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed), on_tokens=clock)
+        clock.stop()
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -93,12 +95,63 @@ def main(argv=None) -> int:
         if eos is not None and eos in row:
             row = row[: list(row).index(eos) + 1]
         count += len(row)
-        if tokenizer is None:
+        if printer is not None:
+            printer.finish(row)
+        elif tokenizer is None:
             print(" ".join(map(str, list(prompt) + list(row))))
         else:
             print(("" if i == 0 else SEPARATOR + "\n") + args.prompt[i] + tokenizer.decode(row))
-    print(f"{count} tokens in {seconds:.1f} s ({count / seconds:.1f} tokens/s, compilation included)", file=sys.stderr)
+    print(clock.report(count, len(prompts)), file=sys.stderr)
     return 0
+
+
+class _Clock:
+    """on_tokens for diffjax.generate: times the first token (compilation + prefill) and the decode steps after it,
+    and hands the tokens on to a _StreamPrinter if there is one."""
+
+    def __init__(self, printer=None):
+        self.printer, self.start, self.first, self.last, self.steps = printer, time.perf_counter(), None, None, 0
+
+    def __call__(self, step, tokens_B):
+        self.last, self.steps = time.perf_counter(), step + 1
+        self.first = self.first or self.last
+        if self.printer is not None:
+            self.printer.add(int(tokens_B[0]))
+
+    def stop(self):
+        self.end = time.perf_counter()
+
+    def report(self, tokens: int, rows: int) -> str:
+        """One line: the tokens, the wall time, the first token's time and the decode rate after it."""
+        line = f"{tokens} tokens in {self.end - self.start:.1f} s: first token after {self.first - self.start:.2f} s " \
+               f"(compilation + prefill)"
+        if self.steps > 1 and self.last > self.first:
+            line += f", then {rows * (self.steps - 1) / (self.last - self.first):.1f} tokens/s ({rows} x {self.steps - 1} steps)"
+        return line
+
+
+class _StreamPrinter:
+    """Prints one prompt, then its continuation as the tokens come (text held back while it ends in a partial
+    character), and the rest when generation ends."""
+
+    def __init__(self, tokenizer, eos, prompt: str):
+        self.tokenizer, self.eos, self.tokens, self.printed = tokenizer, eos, [], ""
+        print(prompt, end="", flush=True)
+
+    def add(self, token: int):
+        if self.eos is not None and self.eos in self.tokens:
+            return
+        self.tokens.append(token)
+        self._print(self.tokenizer.decode(self.tokens).rstrip("\ufffd"))
+
+    def finish(self, row):
+        self._print(self.tokenizer.decode(list(row)))
+        print()
+
+    def _print(self, text: str):
+        if text.startswith(self.printed) and len(text) > len(self.printed):
+            print(text[len(self.printed):], end="", flush=True)
+            self.printed = text
 
 
 if __name__ == "__main__":

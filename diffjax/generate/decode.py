@@ -1,45 +1,56 @@
-"""Generation with a KV cache: one jitted prefill over the prompts, then one jitted decode step per token.
+"""Generation with a KV cache: one jitted program runs the prefill over the prompts, then the decode steps in a
+`lax.while_loop` on the device, which stops when every row has produced a stop token or at max_new_tokens.
 
-The decode step's state (the cache, the tokens so far, which rows have stopped) is donated, so each step
-updates the preallocated buffers in place; every step has the same shapes, so it compiles once per
-(batch, prompt length + max_new_tokens). See diffjax.model.kv_cache for the cache's layout.
+Decode at small batch is bound by memory traffic: each step reads every weight and the cache so far. So the step
+reads the blocks' params as per-layer copies made once before the loop (TransformerLM.unstacked_blocks; a
+slice of the stacked params inside the step is a copy XLA makes before the matmul, tripling the weight
+traffic), keeps one cache buffer per layer in the loop's carry and writes one slot per row into it. The
+program compiles once per (batch, padded prompt length, max_new_tokens, sampling) and is cached by jax.jit.
+Streaming (`on_tokens`) hands each step's tokens to the host from inside the loop (an io_callback), which can
+also stop it. See diffjax.model.kv_cache for the cache's layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.experimental import io_callback
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from diffjax import sharding
 from diffjax.generate.sampling import Sampling, next_tokens
 from diffjax.model.kv_cache import KVCache
 
-STOP_CHECK_EVERY = 8  # decode steps between host reads of "every row has stopped" (each read waits for the device)
 
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "tokens_BN", "done_B", "step"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "tokens_BN", "done_B", "step", "go_on"),
+                   meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
     cache: KVCache
     tokens_BN: jax.Array  # the new tokens; pad_id where not generated (yet, or after the row's stop token)
     done_B: jax.Array  # the row has produced a stop token
     step: jax.Array  # tokens generated so far (the next one goes to tokens_BN[:, step])
+    go_on: jax.Array  # False once a streaming receiver asked to stop
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """How the next token is chosen (static: hashable, part of the compiled steps)."""
+    """How the next token is chosen (static: hashable, part of the compiled program)."""
 
     sampling: Sampling
     stop_tokens: tuple[int, ...]
     pad_id: int
+
+
+def _matrix_as(dtype, x):
+    return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def _choose(logits_BV, key, step, done_B, choice: Choice):
@@ -49,28 +60,79 @@ def _choose(logits_BV, key, step, done_B, choice: Choice):
     return token_B, done_B | jnp.isin(token_B, jnp.asarray(choice.stop_tokens, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "max_new_tokens", "choice", "mesh"))
-def _prefill(graphdef, params, prompts_BP, lengths_B, key, *, max_len, max_new_tokens, choice, mesh):
+def prefill(model, layer_params, prompts_BP, lengths_B, key, *, max_len, max_new_tokens, choice) -> DecodeState:
     """Runs the right-padded prompts, stores their keys and values, picks each row's first new token."""
-    B, model = prompts_BP.shape[0], nnx.merge(graphdef, params)
-    with sharding.activation_sharding(mesh):
-        x_BPD, cache = model.hidden_states(prompts_BP, cache=KVCache.empty(B, max_len))
-        last_BV = model.logits(jnp.take_along_axis(x_BPD, (lengths_B - 1)[:, None, None], axis=1))[:, 0]
+    B = prompts_BP.shape[0]
+    x_BPD, cache = model.hidden_states(prompts_BP, cache=KVCache.empty(B, max_len), layer_params=layer_params)
+    last_BV = model.logits(jnp.take_along_axis(x_BPD, (lengths_B - 1)[:, None, None], axis=1))[:, 0]
     cache = dataclasses.replace(cache, lengths_B=lengths_B)  # the pad slots are overwritten as rows decode
     token_B, done_B = _choose(last_BV, key, 0, jnp.zeros((B,), bool), choice)
     tokens_BN = jnp.full((B, max_new_tokens), choice.pad_id, jnp.int32).at[:, 0].set(token_B)
-    return DecodeState(cache, tokens_BN, done_B, jnp.int32(1))
+    return DecodeState(cache, tokens_BN, done_B, jnp.int32(1), jnp.bool_(True))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "choice", "mesh"), donate_argnames=("state",))
-def _decode_step(graphdef, params, state: DecodeState, key, *, choice, mesh):
+def decode_step(model, layer_params, state: DecodeState, key, *, choice) -> DecodeState:
     """Feeds each row's last token through the cache and appends the next one."""
     last_B1 = jax.lax.dynamic_slice_in_dim(state.tokens_BN, state.step - 1, 1, axis=1)
-    with sharding.activation_sharding(mesh):
-        logits_B1V, cache = nnx.merge(graphdef, params)(last_B1, cache=state.cache)
+    logits_B1V, cache = model(last_B1, cache=state.cache, layer_params=layer_params)
     token_B, done_B = _choose(logits_B1V[:, 0], key, state.step, state.done_B, choice)
     tokens_BN = jax.lax.dynamic_update_slice_in_dim(state.tokens_BN, token_B[:, None], state.step, axis=1)
-    return DecodeState(cache, tokens_BN, done_B, state.step + 1)
+    return dataclasses.replace(state, cache=cache, tokens_BN=tokens_BN, done_B=done_B, step=state.step + 1)
+
+
+# Streaming: the compiled program calls _deliver with its stream id, so that one compile serves every receiver.
+_receivers: dict[int, "_Receiver"] = {}
+_stream_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class _Receiver:
+    on_tokens: Callable
+    error: BaseException | None = None
+
+
+def _deliver(stream_id, step, tokens_B) -> np.ndarray:
+    """Hands one step's tokens to the generate call's receiver; False stops the loop (it asked to, or raised)."""
+    receiver = _receivers[int(stream_id)]
+    try:
+        go_on = receiver.on_tokens(int(step), np.asarray(tokens_B)) is not False
+    except BaseException as error:  # noqa: BLE001 (KeyboardInterrupt too: re-raised by generate once the loop stops)
+        receiver.error, go_on = error, False
+    return np.bool_(go_on)
+
+
+def _streamed(state: DecodeState, stream_id, mesh) -> DecodeState:
+    token_B = jax.lax.dynamic_index_in_dim(state.tokens_BN, state.step - 1, axis=1, keepdims=False)
+    if mesh is not None:  # the callback runs on one device: gather the row-split tokens first
+        token_B = jax.lax.with_sharding_constraint(token_B, NamedSharding(mesh, PartitionSpec()))
+    go_on = io_callback(_deliver, jax.ShapeDtypeStruct((), jnp.bool_), stream_id, state.step - 1, token_B, ordered=True)
+    return dataclasses.replace(state, go_on=state.go_on & go_on)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "max_new_tokens", "choice", "mesh", "streaming"))
+def _generate(graphdef, params, prompts_BP, lengths_B, key, stream_id, *, max_len, max_new_tokens, choice, mesh,
+              streaming) -> tuple[jax.Array, jax.Array]:
+    """(The new tokens [B, max_new_tokens], the steps run): prefill, then decode steps in a while loop."""
+    dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
+    # The embedding and the head in the compute dtype once (their modules cast them each call), the blocks' params
+    # unstacked (and cast) once: the loop's steps read every weight without slicing or converting it.
+    params = {name: tree if name == "blocks" else jax.tree.map(lambda x: _matrix_as(dtype, x), tree)
+              for name, tree in params.items()}
+    model = nnx.merge(graphdef, params)
+    with sharding.activation_sharding(mesh):
+        layer_params = model.unstacked_blocks(dtype)
+        state = prefill(model, layer_params, prompts_BP, lengths_B, key, max_len=max_len, max_new_tokens=max_new_tokens,
+                        choice=choice)
+        maybe_streamed = functools.partial(_streamed, stream_id=stream_id, mesh=mesh) if streaming else lambda state: state
+
+        def step(state):
+            return maybe_streamed(decode_step(model, layer_params, state, key, choice=choice))
+
+        def going_on(state):
+            return (state.step < max_new_tokens) & ~jnp.all(state.done_B) & state.go_on
+
+        state = jax.lax.while_loop(going_on, step, maybe_streamed(state))
+    return state.tokens_BN, state.step
 
 
 def _prompt_batch(tokens, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +178,7 @@ def _gather(array: jax.Array) -> np.ndarray:
 
 def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop_tokens: Sequence[int] = (), pad_id: int | None = None, key=None,
-             mesh: Mesh | None = None) -> np.ndarray:
+             mesh: Mesh | None = None, on_tokens: Callable[[int, np.ndarray], bool | None] | None = None) -> np.ndarray:
     """`max_new_tokens` new tokens per prompt, int32 [B, max_new_tokens].
 
     tokens: an int array [B, P] (with `lengths` [B]: row b's prompt is tokens[b, :lengths[b]], the rest
@@ -125,7 +187,11 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
     stops after it produces one of `stop_tokens`; its later positions hold `pad_id` (default: the first stop
     token). mesh: place the params by the sharding rules and split the prompts over the mesh's batch axes
     (data parallel generation); without one, the params stay where they are.
-    Prompt + new tokens must fit the model's max_seq_len.
+    on_tokens: streaming: called as on_tokens(step, tokens [B]) with each step's tokens as they come off the
+    device (step 0 first; pad_id for stopped rows); returning False stops generation there (the rest of the
+    result stays pad_id), and an exception it raises stops it and is raised here.
+    Prompt + new tokens must fit the model's max_seq_len. While it runs, generation holds a per-layer copy of
+    the blocks' params (TransformerLM.unstacked_blocks: what makes a decode step read each weight once).
     """
     config = model.config
     prompts_BP, lengths_B = _prompt_batch(tokens, lengths, config.vocab_size)
@@ -135,6 +201,8 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
     if max_len > config.max_seq_len:
         raise ValueError(f"prompt ({prompts_BP.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {max_len} exceeds "
                          f"the model's max_seq_len {config.max_seq_len}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise TypeError(f"on_tokens must be a function (step, tokens) -> bool | None, got {on_tokens!r}")
     sampling = Sampling(temperature, top_k, top_p)
     if key is None:
         if not sampling.greedy:
@@ -153,13 +221,27 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
         params = jax.device_put(params, sharding.param_shardings(nnx.state(model, nnx.Param), mesh))
         prompts = jax.device_put(prompts_BP, NamedSharding(mesh, sharding.logical_spec(("batch", None), prompts_BP.shape, mesh)))
         row_lengths = jax.device_put(lengths_B, NamedSharding(mesh, sharding.logical_spec(("batch",), lengths_B.shape, mesh)))
-    state = _prefill(graphdef, params, prompts, row_lengths, key, max_len=max_len, max_new_tokens=max_new_tokens,
-                     choice=choice, mesh=mesh)
-    for step in range(1, max_new_tokens):
-        if stop_tokens and step % STOP_CHECK_EVERY == 0 and bool(_gather(state.done_B).all()):
-            break
-        state = _decode_step(graphdef, params, state, key, choice=choice, mesh=mesh)
-    return _gather(state.tokens_BN)
+    return run(graphdef, params, prompts, row_lengths, key, max_len=max_len, max_new_tokens=max_new_tokens, choice=choice,
+               mesh=mesh, on_tokens=on_tokens)[0]
+
+
+def run(graphdef, params, prompts_BP, lengths_B, key, *, max_len: int, max_new_tokens: int, choice: Choice,
+        mesh: Mesh | None, on_tokens=None) -> tuple[np.ndarray, int]:
+    """The compiled generation on checked, placed inputs (generate's work after its checks; the lm-eval adapter's
+    entry): (the new tokens [B, max_new_tokens] on the host, the steps that ran: fewer than max_new_tokens when
+    every row stopped or on_tokens stopped the loop)."""
+    stream_id = next(_stream_ids)
+    receiver = _receivers[stream_id] = _Receiver(on_tokens)
+    try:
+        tokens_BN, steps = _generate(graphdef, params, prompts_BP, lengths_B, key, np.int32(stream_id), max_len=max_len,
+                                     max_new_tokens=max_new_tokens, choice=choice, mesh=mesh,
+                                     streaming=on_tokens is not None)
+        tokens_BN, steps = _gather(tokens_BN), int(steps)
+    finally:
+        del _receivers[stream_id]
+    if receiver.error is not None:
+        raise receiver.error
+    return tokens_BN, steps
 
 
 def sample(model, prompt_ids, num_tokens: int, *, key, temperature: float = 0.8, **options) -> np.ndarray:

@@ -11,7 +11,8 @@ Every attention module goes through `attention.attend(op, q, k, v, ..., cache=ca
 rotating q, k and v; with a cache it calls `cache.update(k, v, op_kwargs)` and the op gets the keys, values
 and keywords that returns, and the module returns `(output, cache)`. The cache stores k and v as the
 module shapes them ([B, S, kv heads, ...], any trailing axes), so a new attention variant needs no change
-here. TransformerLM stacks the layers' buffers ([L, B, S, ...]) and scans them with the params.
+here. TransformerLM holds the layers' buffers stacked ([L, B, S, ...], scanned with the stacked params) or, when its
+layers run in a loop (generation always: TransformerLM.unstacked_blocks), as one buffer per layer.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from diffjax.sharding import constrain
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "lengths_B"), meta_fields=("max_len",))
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """k, v: one layer's [B, S, K, ...] buffers or a stack's [L, B, S, K, ...]; None before the prefill,
+    """k, v: one layer's [B, S, K, ...] buffers, a stack's [L, B, S, K, ...] (scanned layers) or a tuple of L
+    layers' (layers in a loop); None before the prefill,
     which allocates them (their trailing shape is the attention module's). lengths_B: tokens stored per row
     before this call, i.e. the position of the row's next token. max_len: S, the slots per row."""
 
@@ -64,12 +66,11 @@ class KVCache:
             return self._stored(k, v), k_new, v_new, attend
         if T != 1:
             raise ValueError(f"a decode step takes one new token per row, got {T} (a prompt goes through the prefill)")
+        # Each row writes its one slot (a scatter batched over rows: it partitions like the buffer and updates it in
+        # place); a select over the whole buffer would rewrite every slot each step.
+        write_slot = jax.vmap(lambda buf, x, slot: jax.lax.dynamic_update_slice_in_dim(buf, x, slot, axis=0))
+        k, v = (write_slot(buf, x, self.lengths_B) for x, buf in ((k_new, self.k), (v_new, self.v)))
         slots_BS = jnp.arange(self.max_len, dtype=jnp.int32)[None, :]
-        write_BS = slots_BS == self.lengths_B[:, None]
-        # A select over the whole buffer, not a scatter: partitions like the buffer and updates in place
-        # when the cache is donated.
-        k, v = (jnp.where(write_BS.reshape(write_BS.shape + (1,) * (x.ndim - 2)), x, buf)
-                for x, buf in ((k_new, self.k), (v_new, self.v)))
         visible_BS = slots_BS <= self.lengths_B[:, None]
         if attend.get("window") is not None:  # the window is a mask over slots, like the stored ones
             visible_BS = visible_BS & ((self.lengths_B[:, None] - slots_BS < attend["window"]) | jnp.logical_not(windowed))

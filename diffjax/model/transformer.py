@@ -86,20 +86,23 @@ class TransformerLM(nnx.Module):
             )
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None, *,
-                 lambda_scale=None):
-        """float32 logits [B, T, vocab]; with a KVCache (generation), (logits, updated cache). lambda_scale: as
-        hidden_states."""
-        out = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, cache, lambda_scale=lambda_scale)
+                 lambda_scale=None, layer_params=None):
+        """float32 logits [B, T, vocab]; with a KVCache (generation), (logits, updated cache). lambda_scale and
+        layer_params: as hidden_states."""
+        out = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, cache, lambda_scale=lambda_scale,
+                                 layer_params=layer_params)
         if cache is None:
             return self.logits(out)
         return self.logits(out[0]), out[1]
 
     def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None, *,
-                      lambda_scale=None):
+                      lambda_scale=None, layer_params=None):
         """The final (normalized) hidden states [B, T, D] in the compute dtype: what the LM head projects
         (the trainer's chunked loss and generation's prefill start here); with a KVCache, (hidden, cache).
         lambda_scale: a scalar in [0, 1] multiplying every layer's lambda (optim.lambda_warmup_steps: 0 silences the
-        second map, as an upcycled model starts); None: the model as it is (the same as 1)."""
+        second map, as an upcycled model starts); None: the model as it is (the same as 1).
+        layer_params: the blocks' params one pytree per layer (`unstacked_blocks()`), read instead of the stack:
+        the layers then run in a Python loop whatever scan_layers says, and a KVCache holds one buffer per layer."""
         tokens_BT = jnp.asarray(tokens_BT)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, length], got {tokens_BT.shape}")
@@ -116,7 +119,7 @@ class TransformerLM(nnx.Module):
         dtype = jnp.dtype(self.config.dtype)
         x_BTD = constrain(self.embed(tokens_BT, dtype), BTD)
         rope_cos_sin = rope_tables(positions_BT, inv_frequencies(self.config), dtype)
-        x_BTD, cache = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT, cache, lambda_scale)
+        x_BTD, cache = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT, cache, lambda_scale, layer_params)
         return self.final_norm(x_BTD) if cache is None else (self.final_norm(x_BTD), cache)
 
     def logits(self, hidden_BTD):
@@ -155,10 +158,25 @@ class TransformerLM(nnx.Module):
         nnx.update(block, jax.tree.map(lambda x: x[depth], nnx.state(self.blocks)))
         return block
 
-    def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale=None):
-        """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop.
-        With a cache its stacked [L, ...] buffers go through the layers with the params; returns (x, cache)."""
-        remat, scan = self.config.remat, self.config.scan_layers
+    def unstacked_blocks(self, dtype=None) -> tuple[nnx.State, ...]:
+        """The blocks' params as one pytree per layer: copies of the stack's slices. A loop over layers that slices
+        the stack copies every weight matrix before its matmul reads it (XLA materializes a slice feeding a dot),
+        so generation makes these once and its decode step reads each weight once (memory: a second copy of the
+        blocks' params while it runs). dtype: cast the matrices to it, as every module does before its matmul
+        (the same arithmetic, done once); vectors (norm scales, lambdas) keep theirs."""
+        params = nnx.state(self.blocks)
+        if dtype is not None:
+            params = jax.tree.map(lambda x: x.astype(dtype) if x.ndim > 2 and jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                  params)
+        return tuple(jax.tree.map(lambda x: x[depth], params) for depth in range(self.config.num_layers))
+
+    def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale=None,
+                    layer_params=None):
+        """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop (over
+        `layer_params` if given, else over the stack's slices). A cache's buffers go through the layers with the
+        params: stacked [L, ...] through a scan, one per layer through the loop; returns (x, cache)."""
+        remat = self.config.remat
+        scan = self.config.scan_layers and layer_params is None
         graphdef, params = nnx.split(self.blocks)
         constants = self.depth_constants(x_BTD.dtype)
         if lambda_scale is not None:
@@ -180,9 +198,11 @@ class TransformerLM(nnx.Module):
         else:
             layers_kv = []
             for depth in range(self.config.num_layers):
-                x_BTD, layer_kv = apply_block(x_BTD, *jax.tree.map(lambda x: x[depth], (params, constants, kv)))
+                layer = jax.tree.map(lambda x: x[depth], params) if layer_params is None else layer_params[depth]
+                layer_kv = None if kv is None else tuple(None if x is None else x[depth] for x in kv)
+                x_BTD, layer_kv = apply_block(x_BTD, layer, jax.tree.map(lambda x: x[depth], constants), layer_kv)
                 layers_kv.append(layer_kv)
-            kv = None if cache is None else jax.tree.map(lambda *layers: jnp.stack(layers), *layers_kv)
+            kv = None if cache is None else tuple(zip(*layers_kv))  # (k per layer, v per layer): no restacking
         if cache is None:
             return x_BTD, None
         return x_BTD, KVCache(*kv, cache.lengths_B + x_BTD.shape[1], cache.max_len)
