@@ -1,14 +1,23 @@
-"""Generation speed with the KV cache: decode tokens/s, and a decode step against a full forward pass.
+"""Generation speed against transformers, on the same converted model, with the memory-bandwidth limit beside it.
 
-    python benchmarks/generate.py                      # configs/tiny.yaml's model, batch 1 and 16, 32 + 128 tokens
-    python benchmarks/generate.py --batches 1,4 --prompt-len 64 --new-tokens 64 --config configs/paper/diff-830m.yaml
+    python benchmarks/generate.py                       # the issue-33 grid on a random 56M DiffLlama (made here)
+    python benchmarks/generate.py --hf DIR --batches 1,8 --prompts 64 --dtypes bfloat16 --peers eager,compiled
 
-For each batch size: the jitted prefill over random prompts, then --new-tokens - 1 jitted decode steps
-(greedy), timed after a warm-up run that compiles both; decode tokens/s = batch x steps / decode time. The
-ratio is one decode step's time over one jitted forward pass of the model over [batch, prompt + new
-tokens] (the cache's length): what generating a token cost before the cache (re-running the window),
-measured the same way. Random weights (speed does not depend on them). Writes
-benchmarks/results/generate_<platform>.json.
+The model: a transformers DiffLlama / Llama directory (--hf), or by default a random DiffLlama of 56M parameters
+(d_model 512, 8 layers, 8 heads / 4 KV heads, vocab 32000, MLP 1376) that transformers creates and saves. diffjax
+loads it with diffjax.load_hf in each dtype; transformers runs the same weights. For each dtype, prompt length
+and batch: random prompts, greedy, --new-tokens new tokens (no stop token, so every run makes all of them),
+the median of --repeats timed runs after a warm-up run (diffjax's warm-up compiles).
+
+Figures per row, for diffjax and each peer (transformers `generate`: "eager" with its dynamic KV cache;
+"compiled": its static cache with the forward under torch.compile):
+  tokens_per_s   batch x new tokens / the whole generate call (prefill included), as a user sees it;
+  step_ms        one decode step: (the call with N new tokens - the call with 1) / (N - 1);
+  and for diffjax, bytes_per_step (every weight read once in the compute dtype, the embedding table only for the
+  looked-up rows, plus the KV cache filled so far, on average over the decode) over step_ms: the bandwidth the decode
+  reaches, as a fraction of the copy bandwidth measured in the same run (a jitted in-place y = 2x over 256 MiB, bytes
+  read + written per second: what the machine's memory sustains for a streaming kernel).
+Ratios are diffjax / peer tokens/s. Writes benchmarks/results/generate_<platform>.json.
 """
 
 from __future__ import annotations
@@ -16,95 +25,193 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform as py_platform
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diffjax.generate import decode  # noqa: E402
-from diffjax.model import TransformerLM  # noqa: E402
-from diffjax.train.config import load_run_config  # noqa: E402
+import diffjax  # noqa: E402
+
+ISSUE_MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+                   intermediate_size=1376, max_position_embeddings=2048)
 
 
 def median_seconds(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
+        fn()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
 
-def measure(model: TransformerLM, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    prompts = np.random.RandomState(0).randint(0, model.config.vocab_size, (batch, prompt_len)).astype(np.int32)
-    lengths = np.full((batch,), prompt_len, np.int32)
-    max_len, key, choice = prompt_len + new_tokens, jax.random.key(0), decode.Choice(decode.Sampling(), (), 0)
-
-    def prefill():
-        return decode._prefill(graphdef, params, prompts, lengths, key, max_len=max_len, max_new_tokens=new_tokens,
-                               choice=choice, mesh=None)
-
-    def decode_all(state):
-        for _ in range(new_tokens - 1):
-            state = decode._decode_step(graphdef, params, state, key, choice=choice, mesh=None)
-        return state
-
-    jax.block_until_ready(decode_all(prefill()))  # compiles both
-    prefill_s = median_seconds(prefill, repeats)
-    decode_times = []
+def copy_bandwidth(repeats: int = 10) -> float:
+    """Bytes read + written per second by y = 2x over 256 MiB of float32, in place (the input donated: a fresh
+    output buffer each call would time the page faults of allocating it)."""
+    double = jax.jit(lambda x: x * 2, donate_argnums=0)
+    x = double(jnp.ones((64 * 2**20,), jnp.float32)).block_until_ready()
+    times = []
     for _ in range(repeats):
-        state = jax.block_until_ready(prefill())
         start = time.perf_counter()
-        jax.block_until_ready(decode_all(state))
-        decode_times.append(time.perf_counter() - start)
-    decode_s = float(np.median(decode_times))
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
-    sequences = np.random.RandomState(1).randint(0, model.config.vocab_size, (batch, max_len)).astype(np.int32)
-    jax.block_until_ready(forward(params, sequences))
-    forward_s = median_seconds(lambda: forward(params, sequences), max(repeats, 5))
-    step_s = decode_s / (new_tokens - 1)
-    return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "prefill_s": prefill_s,
-            "decode_step_s": step_s, "decode_tokens_per_s": batch / step_s, "full_forward_s": forward_s,
-            "step_over_forward": step_s / forward_s}
+        x = double(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * x.nbytes / float(np.median(times))
+
+
+def bytes_per_step(model, batch: int, cache_slots: float) -> float:
+    """Bytes one decode step must read: every weight once (the embedding table only for the rows it looks up)
+    in the compute dtype, plus `cache_slots` keys and values per row and layer (their size from a prefill's cache)."""
+    from flax import nnx
+
+    from diffjax.model.kv_cache import KVCache
+
+    config, itemsize = model.config, jnp.dtype(model.config.dtype).itemsize
+    weights = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if not config.tie_embeddings:  # the table is gathered, not read (tied: it is the head, read whole)
+        weights -= config.vocab_size * config.d_model - batch * config.d_model
+    _, cache = jax.eval_shape(lambda: model(jnp.zeros((1, 1), jnp.int32), cache=KVCache.empty(1, 1),
+                                            layer_params=model.unstacked_blocks()))
+    cache_bytes_per_slot = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))  # all layers
+    return itemsize * weights + batch * cache_slots * cache_bytes_per_slot
+
+
+def time_diffjax(model, prompts_BP: np.ndarray, new_tokens: int, repeats: int) -> dict:
+    def run(n):
+        return diffjax.generate(model, prompts_BP, n)
+
+    run(new_tokens), run(1)  # compiles both
+    full_s, one_s = median_seconds(lambda: run(new_tokens), repeats), median_seconds(lambda: run(1), repeats)
+    return {"tokens_per_s": prompts_BP.shape[0] * new_tokens / full_s, "seconds": full_s,
+            "step_ms": 1e3 * (full_s - one_s) / (new_tokens - 1)}
+
+
+class TransformersPeer:
+    """transformers' generate on the same weights: "eager" (its dynamic cache) or "compiled" (static cache +
+    torch.compile of the forward)."""
+
+    def __init__(self, hf_dir: Path, dtype: str, mode: str):
+        import torch
+        import transformers
+
+        self.torch, self.mode = torch, mode
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+        if mode == "compiled":
+            self.model.forward = torch.compile(self.model.forward, dynamic=False)
+
+    def generate(self, prompts_BP: np.ndarray, new_tokens: int):
+        torch = self.torch
+        ids = torch.tensor(prompts_BP, dtype=torch.long)
+        options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=0)
+        if self.mode == "compiled":
+            options["cache_implementation"] = "static"
+        with torch.no_grad():
+            out = self.model.generate(ids, **options)
+        return out[:, prompts_BP.shape[1]:].numpy()
+
+    def time(self, prompts_BP: np.ndarray, new_tokens: int, repeats: int) -> dict:
+        self.generate(prompts_BP, new_tokens), self.generate(prompts_BP, 1)  # warm-up (compiles)
+        full_s = median_seconds(lambda: self.generate(prompts_BP, new_tokens), repeats)
+        one_s = median_seconds(lambda: self.generate(prompts_BP, 1), repeats)
+        return {"tokens_per_s": prompts_BP.shape[0] * new_tokens / full_s, "seconds": full_s,
+                "step_ms": 1e3 * (full_s - one_s) / (new_tokens - 1)}
+
+
+def make_issue_model(directory: Path) -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**ISSUE_MODEL)).save_pretrained(directory)
+    return directory
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
-                        help="a run config whose model section is measured (default configs/tiny.yaml)")
-    parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes (default 1,16)")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--hf", type=Path, help="a transformers model directory (default: make the random 56M DiffLlama)")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prompts", default="64,512", help="prompt lengths (default 64,512)")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--peers", default="eager,compiled", help="transformers modes to run beside diffjax: eager, "
+                        "compiled, or none")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the median is reported")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--check-tokens", action="store_true", help="also require diffjax's greedy tokens to equal "
+                        "the eager peer's (float32 rows)")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    config = load_run_config(args.config).model
-    model = nnx.jit(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))()
-    platform = jax.devices()[0].platform
-    print(f"{platform} ({jax.devices()[0].device_kind}), jax {jax.__version__}: {args.config.name} model "
-          f"({config.attention}, d_model {config.d_model}, {config.num_layers} layers, {model.num_params() / 1e6:.2f}M params, "
-          f"{config.dtype}), prompt {args.prompt_len} + {args.new_tokens} new tokens, greedy")
-    rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        row = measure(model, batch, args.prompt_len, args.new_tokens, args.repeats)
-        rows.append(row)
-        print(f"  batch {batch:>3}: decode {row['decode_tokens_per_s']:9.1f} tokens/s ({row['decode_step_s'] * 1e3:7.2f} ms/step)"
-              f"  prefill {row['prefill_s'] * 1e3:7.1f} ms  full forward over {args.prompt_len + args.new_tokens} tokens "
-              f"{row['full_forward_s'] * 1e3:7.2f} ms  step / forward {row['step_over_forward']:.3f}", flush=True)
-    out = args.out or Path(__file__).resolve().parent / "results" / f"generate_{platform}.json"
+    peers = [] if args.peers == "none" else args.peers.split(",")
+    if peers:
+        import torch
+
+        torch.set_num_threads(os.cpu_count() or 1)
+    device = jax.devices()[0]
+    workdir = tempfile.TemporaryDirectory()
+    hf_dir = args.hf or make_issue_model(Path(workdir.name) / "model")
+    copy_bytes_per_s = copy_bandwidth()
+    print(f"{device.platform} ({device.device_kind}), jax {jax.__version__}; copy bandwidth {copy_bytes_per_s / 1e9:.1f} GB/s "
+          f"(read + written); {hf_dir}", flush=True)
+    rows, broken = [], {}
+    for dtype in args.dtypes.split(","):
+        model = diffjax.load_hf(hf_dir, dtype=dtype)
+        peer_models = {}
+        for mode in peers:
+            try:
+                peer_models[mode] = TransformersPeer(hf_dir, dtype, mode)
+            except Exception as error:  # noqa: BLE001 (a peer that cannot run here is reported, not fatal)
+                broken[mode] = f"{type(error).__name__}: {error}"
+        for prompt_len in (int(p) for p in args.prompts.split(",")):
+            for batch in (int(b) for b in args.batches.split(",")):
+                prompts_BP = np.random.RandomState(batch + prompt_len).randint(0, model.config.vocab_size, (batch, prompt_len))
+                row = {"dtype": dtype, "batch": batch, "prompt_len": prompt_len, "new_tokens": args.new_tokens,
+                       "diffjax": time_diffjax(model, prompts_BP, args.new_tokens, args.repeats)}
+                step_bytes = bytes_per_step(model, batch, prompt_len + args.new_tokens / 2)
+                row["diffjax"]["bytes_per_step"] = step_bytes
+                row["diffjax"]["fraction_of_copy_bandwidth"] = step_bytes / (row["diffjax"]["step_ms"] / 1e3) / copy_bytes_per_s
+                for mode, peer in peer_models.items():
+                    if mode in broken:
+                        continue
+                    try:
+                        row[mode] = peer.time(prompts_BP, args.new_tokens, args.repeats)
+                        row[mode]["ratio"] = row["diffjax"]["tokens_per_s"] / row[mode]["tokens_per_s"]
+                    except Exception as error:  # noqa: BLE001
+                        broken[mode] = f"{type(error).__name__}: {error}"
+                        traceback.print_exc()
+                if args.check_tokens and dtype == "float32" and "eager" in peer_models:
+                    ours, theirs = diffjax.generate(model, prompts_BP, args.new_tokens), peer_models["eager"].generate(prompts_BP, args.new_tokens)
+                    row["tokens_equal_eager"] = float((ours == theirs).mean())
+                rows.append(row)
+                print(format_row(row), flush=True)
+    for mode, error in broken.items():
+        print(f"transformers {mode}: could not run here: {error}")
+    out = args.out or Path(__file__).resolve().parent / "results" / f"generate_{device.platform}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "device": jax.devices()[0].device_kind, "platform": platform, "jax": jax.__version__,
-        "python": py_platform.python_version(), "date": datetime.date.today().isoformat(),
-        "config": str(args.config.name), "model": config.to_dict(), "rows": rows}, indent=1))
+        "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+        "python": py_platform.python_version(), "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(),
+        "model": str(args.hf or ISSUE_MODEL), "copy_bytes_per_s": copy_bytes_per_s, "peers_that_failed": broken,
+        "rows": rows}, indent=1))
     print(f"wrote {out}")
+
+
+def format_row(row: dict) -> str:
+    ours = row["diffjax"]
+    line = (f"{row['dtype']:>8} prompt {row['prompt_len']:>4} batch {row['batch']:>3}: diffjax {ours['tokens_per_s']:8.1f} tok/s "
+            f"(step {ours['step_ms']:6.2f} ms, {ours['fraction_of_copy_bandwidth']:.0%} of copy bandwidth)")
+    for mode in ("eager", "compiled"):
+        if mode in row:
+            line += f" | {mode} {row[mode]['tokens_per_s']:8.1f} tok/s (step {row[mode]['step_ms']:6.2f} ms) x{row[mode]['ratio']:.2f}"
+    if "tokens_equal_eager" in row:
+        line += f" | tokens equal {row['tokens_equal_eager']:.0%}"
+    return line
 
 
 if __name__ == "__main__":

@@ -49,8 +49,14 @@ class Choice:
     pad_id: int
 
 
-def _matrix_as(dtype, x):
-    return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+def decoding_model(graphdef, params):
+    """(The model, its blocks' params per layer) as the decode loop reads them: the per-layer copies and the embedding
+    and head in the compute dtype, made once (the modules cast each matrix to it before its matmul: the same
+    arithmetic), so that a step reads every weight without slicing or converting it. Vectors keep their dtype."""
+    dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
+    cast = functools.partial(jax.tree.map, lambda x: x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x)
+    model = nnx.merge(graphdef, {name: tree if name == "blocks" else cast(tree) for name, tree in params.items()})
+    return model, model.unstacked_blocks(dtype)
 
 
 def _choose(logits_BV, key, step, done_B, choice: Choice):
@@ -113,14 +119,8 @@ def _streamed(state: DecodeState, stream_id, mesh) -> DecodeState:
 def _generate(graphdef, params, prompts_BP, lengths_B, key, stream_id, *, max_len, max_new_tokens, choice, mesh,
               streaming) -> tuple[jax.Array, jax.Array]:
     """(The new tokens [B, max_new_tokens], the steps run): prefill, then decode steps in a while loop."""
-    dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
-    # The embedding and the head in the compute dtype once (their modules cast them each call), the blocks' params
-    # unstacked (and cast) once: the loop's steps read every weight without slicing or converting it.
-    params = {name: tree if name == "blocks" else jax.tree.map(lambda x: _matrix_as(dtype, x), tree)
-              for name, tree in params.items()}
-    model = nnx.merge(graphdef, params)
     with sharding.activation_sharding(mesh):
-        layer_params = model.unstacked_blocks(dtype)
+        model, layer_params = decoding_model(graphdef, params)
         state = prefill(model, layer_params, prompts_BP, lengths_B, key, max_len=max_len, max_new_tokens=max_new_tokens,
                         choice=choice)
         maybe_streamed = functools.partial(_streamed, stream_id=stream_id, mesh=mesh) if streaming else lambda state: state

@@ -9,10 +9,12 @@ tokens before they are ever attended, so rows of different lengths share one sta
 
 Every attention module goes through `attention.attend(op, q, k, v, ..., cache=cache)` after projecting and
 rotating q, k and v; with a cache it calls `cache.update(k, v, op_kwargs)` and the op gets the keys, values
-and keywords that returns, and the module returns `(output, cache)`. The cache stores k and v as the
+and keywords that returns, and the module returns `(output, cache)`. The cache takes k and v as the
 module shapes them ([B, S, kv heads, ...], any trailing axes), so a new attention variant needs no change
-here. TransformerLM holds the layers' buffers stacked ([L, B, S, ...], scanned with the stacked params) or, when its
-layers run in a loop (generation always: TransformerLM.unstacked_blocks), as one buffer per layer.
+here; it stores them with the slot axis moved second to last ([B, kv heads, ..., S, last]), the order in which
+the decode step's attention reads them without a copy. TransformerLM holds the layers' buffers stacked ([L, ...],
+scanned with the stacked params) or, when its layers run in a loop (generation always:
+TransformerLM.unstacked_blocks), as one buffer per layer.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from diffjax.sharding import constrain
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "lengths_B"), meta_fields=("max_len",))
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """k, v: one layer's [B, S, K, ...] buffers, a stack's [L, B, S, K, ...] (scanned layers) or a tuple of L
-    layers' (layers in a loop); None before the prefill,
-    which allocates them (their trailing shape is the attention module's). lengths_B: tokens stored per row
-    before this call, i.e. the position of the row's next token. max_len: S, the slots per row."""
+    """k, v: one layer's [B, K, ..., S, last] buffers (the module's [B, S, K, ..., last] with the slot axis second
+    to last), a stack's [L, ...] (scanned layers) or a tuple of L layers' (layers in a loop); None before the
+    prefill, which allocates them. lengths_B: tokens stored per row before this call, i.e. the position of the row's
+    next token. max_len: S, the slots per row."""
 
     k: jax.Array | None
     v: jax.Array | None
@@ -49,8 +51,8 @@ class KVCache:
         return self.lengths_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)
 
     def update(self, k_new, v_new, attend: dict, windowed=True):
-        """Store this call's keys / values [B, T, K, ...]; returns (cache, k, v, attend): the keys, values
-        and op keywords (`causal`, `segment_ids`, `impl`, `window`) the module's attention op is to use.
+        """Store this call's keys / values [B, T, K, ...]; returns (cache, k, v, attend): the keys, values ([B, S, K,
+        ...] as the module shapes them) and op keywords (`causal`, `segment_ids`, `impl`, `window`) the module's attention op is to use.
 
         Prefill (buffers None): the T prompt tokens go to slots [0, T) and attend one another as without a
         cache (the caller's `attend`). Decode (T must be 1): the token goes to slot lengths_B[b] of row b and
@@ -62,14 +64,15 @@ class KVCache:
         if self.k is None:
             if T > self.max_len:
                 raise ValueError(f"the prompt ({T} tokens) does not fit the cache ({self.max_len} slots per row)")
-            k, v = (jnp.zeros((B, self.max_len) + x.shape[2:], x.dtype).at[:, :T].set(x) for x in (k_new, v_new))
+            empty_slots = [(0, 0)] * (k_new.ndim - 2) + [(0, self.max_len - T), (0, 0)]
+            k, v = (jnp.pad(_to_buffer(x), empty_slots[-x.ndim:]) for x in (k_new, v_new))
             return self._stored(k, v), k_new, v_new, attend
         if T != 1:
             raise ValueError(f"a decode step takes one new token per row, got {T} (a prompt goes through the prefill)")
         # Each row writes its one slot (a scatter batched over rows: it partitions like the buffer and updates it in
         # place); a select over the whole buffer would rewrite every slot each step.
-        write_slot = jax.vmap(lambda buf, x, slot: jax.lax.dynamic_update_slice_in_dim(buf, x, slot, axis=0))
-        k, v = (write_slot(buf, x, self.lengths_B) for x, buf in ((k_new, self.k), (v_new, self.v)))
+        write_slot = jax.vmap(lambda buf, x, slot: jax.lax.dynamic_update_slice_in_dim(buf, x, slot, axis=-2))
+        k, v = (write_slot(buf, _to_buffer(x), self.lengths_B) for x, buf in ((k_new, self.k), (v_new, self.v)))
         slots_BS = jnp.arange(self.max_len, dtype=jnp.int32)[None, :]
         visible_BS = slots_BS <= self.lengths_B[:, None]
         if attend.get("window") is not None:  # the window is a mask over slots, like the stored ones
@@ -79,13 +82,26 @@ class KVCache:
         # impl "auto": diffjax.ops.choose picks the decode path (xla: no fused decode kernel yet), whatever the
         # model's impl for full sequences.
         attend = dict(attend, causal=False, segment_ids=(q_ids_B1, kv_ids_BS), impl="auto", window=None)
-        return self._stored(k, v), k, v, attend
+        cache = self._stored(k, v)
+        return cache, _from_buffer(cache.k), _from_buffer(cache.v), attend
 
     def _stored(self, k, v) -> "KVCache":
-        cache_axes = ("batch", "length", "act_kv_heads")
-        k, v = (constrain(x, cache_axes + (None,) * (x.ndim - 3)) for x in (k, v))
-        return dataclasses.replace(self, k=k, v=v)
+        def axes(buffer):
+            return ("batch", "act_kv_heads") + (None,) * (buffer.ndim - 4) + ("length", None)
+
+        return dataclasses.replace(self, k=constrain(k, axes(k)), v=constrain(v, axes(v)))
 
     def layer(self, k, v) -> "KVCache":
         """This cache with one layer's buffers (a slice of the stack, or None before the prefill)."""
         return dataclasses.replace(self, k=k, v=v)
+
+
+# A buffer keeps the slot axis second to last ([B, K, ..., S, last]): the decode step's attention contracts each
+# head's keys over the last axis with the slots as the free axis, so it reads the buffer as stored (slots second, as
+# the modules shape k and v, the dot would first copy the whole buffer into this order every step).
+def _to_buffer(x_BSK):
+    return jnp.moveaxis(x_BSK, 1, -2)
+
+
+def _from_buffer(buffer):
+    return jnp.moveaxis(buffer, -2, 1)
