@@ -104,6 +104,9 @@ class TransformersPeer:
         self.torch, self.mode = torch, mode
         self.model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
         if mode == "compiled":
+            # One compile per (batch, cache length) and the prefill's: more shapes than dynamo's default limit of 8,
+            # past which it would silently run the rest eagerly.
+            torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 256
             self.model.forward = torch.compile(self.model.forward, dynamic=False)
 
     def generate(self, prompts_BP: np.ndarray, new_tokens: int):

@@ -21,7 +21,7 @@ from diffjax.generate import decode
 from diffjax.generate.__main__ import SEPARATOR
 from diffjax.generate.sampling import Sampling, filter_logits, next_tokens
 from diffjax.model import TransformerLM
-from diffjax.model.kv_cache import KVCache
+from diffjax.model.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache
 
 TINY = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=2, max_seq_len=32)
 LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, rope_factor=4.0, rope_original_max_len=8)
@@ -113,9 +113,10 @@ def test_cached_logits_equal_a_full_forward_at_every_step(case, unstacked, measu
     error = measured("cached vs full logits, max rel err", np.abs(np.stack(cached) - reference).max() / np.abs(reference).max(),
                      CACHED_LOGITS_TOL)
     assert error <= CACHED_LOGITS_TOL
-    L = model.config.num_layers  # one slot per position (the second-to-last axis): one buffer per layer, or stacked
-    assert (len(cache.k), cache.k[0].shape[0], cache.k[0].shape[-2]) == (L, B, P + STEPS) if unstacked else \
-        (cache.k.shape[:2], cache.k.shape[-2]) == ((L, B), P + STEPS)
+    # One buffer per layer (or a stack of them), one slot per position.
+    assert (len(cache.k), isinstance(cache.k, tuple)) == (model.config.num_layers, unstacked)
+    k0, v0 = cache.k[0], cache.v[0]
+    assert (k0.shape[0], k0.shape[K_SLOT_AXIS], v0.shape[V_SLOT_AXIS]) == (B, P + STEPS, P + STEPS)
     np.testing.assert_array_equal(cache.lengths_B, lengths_B + STEPS - 1)
 
 

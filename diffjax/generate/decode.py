@@ -54,9 +54,11 @@ def decoding_model(graphdef, params):
     and head in the compute dtype, made once (the modules cast each matrix to it before its matmul: the same
     arithmetic), so that a step reads every weight without slicing or converting it. Vectors keep their dtype."""
     dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
-    cast = functools.partial(jax.tree.map, lambda x: x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x)
-    model = nnx.merge(graphdef, {name: tree if name == "blocks" else cast(tree) for name, tree in params.items()})
-    return model, model.unstacked_blocks(dtype)
+    def cast(x):
+        return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    model = nnx.merge(graphdef, {name: tree if name == "blocks" else jax.tree.map(cast, tree) for name, tree in params.items()})
+    return model, tuple(jax.tree.map(cast, layer) for layer in model.unstacked_blocks())
 
 
 def _choose(logits_BV, key, step, done_B, choice: Choice):

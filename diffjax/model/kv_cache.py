@@ -11,8 +11,8 @@ Every attention module goes through `attention.attend(op, q, k, v, ..., cache=ca
 rotating q, k and v; with a cache it calls `cache.update(k, v, op_kwargs)` and the op gets the keys, values
 and keywords that returns, and the module returns `(output, cache)`. The cache takes k and v as the
 module shapes them ([B, S, kv heads, ...], any trailing axes), so a new attention variant needs no change
-here; it stores them with the slot axis moved second to last ([B, kv heads, ..., S, last]), the order in which
-the decode step's attention reads them without a copy. TransformerLM holds the layers' buffers stacked ([L, ...],
+here; it stores the keys with the slot axis last ([B, kv heads, ..., d, S]) and the values with it second to last
+([B, kv heads, ..., S, dv]), the orders in which the decode step's attention reads them without a copy. TransformerLM holds the layers' buffers stacked ([L, ...],
 scanned with the stacked params) or, when its layers run in a loop (generation always:
 TransformerLM.unstacked_blocks), as one buffer per layer.
 """
@@ -31,9 +31,9 @@ from diffjax.sharding import constrain
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "lengths_B"), meta_fields=("max_len",))
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """k, v: one layer's [B, K, ..., S, last] buffers (the module's [B, S, K, ..., last] with the slot axis second
-    to last), a stack's [L, ...] (scanned layers) or a tuple of L layers' (layers in a loop); None before the
-    prefill, which allocates them. lengths_B: tokens stored per row before this call, i.e. the position of the row's
+    """k, v: one layer's buffers ([B, K, ..., d, S] and [B, K, ..., S, dv]: the module's [B, S, K, ...] with the slot
+    axis moved, K_SLOT_AXIS / V_SLOT_AXIS), a stack's [L, ...] (scanned layers) or a tuple of L layers' (layers in a
+    loop); None before the prefill, which allocates them. lengths_B: tokens stored per row before this call, i.e. the position of the row's
     next token. max_len: S, the slots per row."""
 
     k: jax.Array | None
@@ -64,15 +64,22 @@ class KVCache:
         if self.k is None:
             if T > self.max_len:
                 raise ValueError(f"the prompt ({T} tokens) does not fit the cache ({self.max_len} slots per row)")
-            empty_slots = [(0, 0)] * (k_new.ndim - 2) + [(0, self.max_len - T), (0, 0)]
-            k, v = (jnp.pad(_to_buffer(x), empty_slots[-x.ndim:]) for x in (k_new, v_new))
+            def allocated(x_BTK, slot_axis):
+                widths = [(0, 0)] * x_BTK.ndim
+                widths[slot_axis] = (0, self.max_len - T)
+                return jnp.pad(_to_buffer(x_BTK, slot_axis), widths)
+
+            k, v = allocated(k_new, K_SLOT_AXIS), allocated(v_new, V_SLOT_AXIS)
             return self._stored(k, v), k_new, v_new, attend
         if T != 1:
             raise ValueError(f"a decode step takes one new token per row, got {T} (a prompt goes through the prefill)")
         # Each row writes its one slot (a scatter batched over rows: it partitions like the buffer and updates it in
         # place); a select over the whole buffer would rewrite every slot each step.
-        write_slot = jax.vmap(lambda buf, x, slot: jax.lax.dynamic_update_slice_in_dim(buf, x, slot, axis=-2))
-        k, v = (write_slot(buf, _to_buffer(x), self.lengths_B) for x, buf in ((k_new, self.k), (v_new, self.v)))
+        def written(buffer, x_B1K, slot_axis):
+            write = jax.vmap(lambda buf, x, slot: jax.lax.dynamic_update_slice_in_dim(buf, x, slot, axis=slot_axis))
+            return write(buffer, _to_buffer(x_B1K, slot_axis), self.lengths_B)
+
+        k, v = written(self.k, k_new, K_SLOT_AXIS), written(self.v, v_new, V_SLOT_AXIS)
         slots_BS = jnp.arange(self.max_len, dtype=jnp.int32)[None, :]
         visible_BS = slots_BS <= self.lengths_B[:, None]
         if attend.get("window") is not None:  # the window is a mask over slots, like the stored ones
@@ -83,25 +90,31 @@ class KVCache:
         # model's impl for full sequences.
         attend = dict(attend, causal=False, segment_ids=(q_ids_B1, kv_ids_BS), impl="auto", window=None)
         cache = self._stored(k, v)
-        return cache, _from_buffer(cache.k), _from_buffer(cache.v), attend
+        return cache, _from_buffer(cache.k, K_SLOT_AXIS), _from_buffer(cache.v, V_SLOT_AXIS), attend
 
     def _stored(self, k, v) -> "KVCache":
-        def axes(buffer):
-            return ("batch", "act_kv_heads") + (None,) * (buffer.ndim - 4) + ("length", None)
+        def axes(buffer, slot_axis):
+            named = ["batch", "act_kv_heads"] + [None] * (buffer.ndim - 2)
+            named[slot_axis] = "length"
+            return tuple(named)
 
-        return dataclasses.replace(self, k=constrain(k, axes(k)), v=constrain(v, axes(v)))
+        return dataclasses.replace(self, k=constrain(k, axes(k, K_SLOT_AXIS)), v=constrain(v, axes(v, V_SLOT_AXIS)))
 
     def layer(self, k, v) -> "KVCache":
         """This cache with one layer's buffers (a slice of the stack, or None before the prefill)."""
         return dataclasses.replace(self, k=k, v=v)
 
 
-# A buffer keeps the slot axis second to last ([B, K, ..., S, last]): the decode step's attention contracts each
-# head's keys over the last axis with the slots as the free axis, so it reads the buffer as stored (slots second, as
-# the modules shape k and v, the dot would first copy the whole buffer into this order every step).
-def _to_buffer(x_BSK):
-    return jnp.moveaxis(x_BSK, 1, -2)
+# Where a buffer keeps its slot axis: the decode step's attention contracts each head's keys over their last axis
+# with the slots as the free axis, and the values over the slots; in these orders it reads both buffers as stored (in
+# the modules' [B, S, K, ...] order the dots would first copy every buffer each step, and run 2-7x slower on CPU).
+K_SLOT_AXIS = -1  # keys [B, K, ..., d, S]
+V_SLOT_AXIS = -2  # values [B, K, ..., S, dv]
 
 
-def _from_buffer(buffer):
-    return jnp.moveaxis(buffer, -2, 1)
+def _to_buffer(x_BSK, slot_axis):
+    return jnp.moveaxis(x_BSK, 1, slot_axis)
+
+
+def _from_buffer(buffer, slot_axis):
+    return jnp.moveaxis(buffer, slot_axis, 1)

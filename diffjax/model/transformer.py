@@ -158,16 +158,12 @@ class TransformerLM(nnx.Module):
         nnx.update(block, jax.tree.map(lambda x: x[depth], nnx.state(self.blocks)))
         return block
 
-    def unstacked_blocks(self, dtype=None) -> tuple[nnx.State, ...]:
+    def unstacked_blocks(self) -> tuple[nnx.State, ...]:
         """The blocks' params as one pytree per layer: copies of the stack's slices. A loop over layers that slices
         the stack copies every weight matrix before its matmul reads it (XLA materializes a slice feeding a dot),
         so generation makes these once and its decode step reads each weight once (memory: a second copy of the
-        blocks' params while it runs). dtype: cast the matrices to it, as every module does before its matmul
-        (the same arithmetic, done once); vectors (norm scales, lambdas) keep theirs."""
+        blocks' params while it runs)."""
         params = nnx.state(self.blocks)
-        if dtype is not None:
-            params = jax.tree.map(lambda x: x.astype(dtype) if x.ndim > 2 and jnp.issubdtype(x.dtype, jnp.floating) else x,
-                                  params)
         return tuple(jax.tree.map(lambda x: x[depth], params) for depth in range(self.config.num_layers))
 
     def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale=None,

@@ -67,15 +67,25 @@ def _grouped_softmax_attention(q_BTKRMd, k_BSKMd, v_BSKv, mask_BTS, scale):
     q_BTKRMd: queries of kv head K, repeat R, map M.  k_BSKMd: keys per kv head and map (M may be
     1 and broadcast).  Returns o_BTKRMv in v's dtype.
     """
-    s_BKRMTS = jnp.einsum("btkrmd,bskmd->bkrmts", q_BTKRMd, k_BSKMd, preferred_element_type=jnp.float32)
-    s_BKRMTS = s_BKRMTS * jnp.float32(scale)
-    s_BKRMTS = jnp.where(mask_BTS[:, None, None, None], s_BKRMTS, _MASKED)
-    p_BKRMTS = jax.nn.softmax(s_BKRMTS, axis=-1)
+    B, T, K, R, M, d = q_BTKRMd.shape
+    S = k_BSKMd.shape[1]
+    # Both products as batched matmuls in XLA's canonical order (batch axes, the query rows, the keys' free axis),
+    # queries on the left: a decode step then reads the KV cache's buffers as stored (kv_cache.py), without a copy.
+    # Keys shared by the maps (M = 1 in k) take every map's queries as rows of one product.
+    maps_in_k = k_BSKMd.shape[3]
+    q_BKMNd = jnp.transpose(q_BTKRMd, (0, 2, 4, 1, 3, 5)).reshape(B, K, maps_in_k, -1, d)
+    s_BKMNS = jax.lax.dot_general(q_BKMNd, k_BSKMd, (((4,), (4,)), ((0, 1, 2), (0, 2, 3))),
+                                  preferred_element_type=jnp.float32)
+    s_BKMTRS = s_BKMNS.reshape(B, K, M, T, R, S) * jnp.float32(scale)
+    s_BKMTRS = jnp.where(mask_BTS[:, None, None, :, None], s_BKMTRS, _MASKED)
+    p_BKMTRS = jax.nn.softmax(s_BKMTRS, axis=-1)
     # A query that may attend no key (a segment absent from the keys, or T > S under causal) gets
     # o = 0 and zero gradients, as in flash kernels, instead of a uniform average of V.
     any_allowed_BT1 = jnp.any(mask_BTS, axis=-1, keepdims=True)
-    p_BKRMTS = jnp.where(any_allowed_BT1[:, None, None, None], p_BKRMTS, 0.0).astype(v_BSKv.dtype)
-    o_BTKRMv = jnp.einsum("bkrmts,bskv->btkrmv", p_BKRMTS, v_BSKv, preferred_element_type=jnp.float32)
+    p_BKMTRS = jnp.where(any_allowed_BT1[:, None, None, :, None], p_BKMTRS, 0.0).astype(v_BSKv.dtype)
+    o_BKNv = jax.lax.dot_general(p_BKMTRS.reshape(B, K, M * T * R, S), v_BSKv, (((3,), (1,)), ((0, 1), (0, 2))),
+                                 preferred_element_type=jnp.float32)
+    o_BTKRMv = jnp.transpose(o_BKNv.reshape(B, K, M, T, R, -1), (0, 3, 1, 4, 2, 5))
     return o_BTKRMv.astype(v_BSKv.dtype)
 
 
