@@ -202,7 +202,20 @@ def main() -> None:
         "python": py_platform.python_version(), "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(),
         "model": str(args.hf or ISSUE_MODEL), "copy_bytes_per_s": copy_bytes_per_s, "peers_that_failed": broken,
         "rows": rows}, indent=1))
+    print(markdown_table(rows))
     print(f"wrote {out}")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as README's table: tokens/s of each, diffjax / transformers ratios, decode step, bandwidth fraction."""
+    lines = ["| dtype | prompt | batch | diffjax tok/s | transformers eager | compiled (static cache) | diffjax step ms "
+             "| of copy bandwidth |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        ours = row["diffjax"]
+        peers = [f"{row[m]['tokens_per_s']:.1f} (**{row[m]['ratio']:.2f}x**)" if m in row else "-" for m in ("eager", "compiled")]
+        lines.append(f"| {row['dtype']} | {row['prompt_len']} | {row['batch']} | {ours['tokens_per_s']:.1f} | {peers[0]} | "
+                     f"{peers[1]} | {ours['step_ms']:.1f} | {ours['fraction_of_copy_bandwidth']:.0%} |")
+    return "\n".join(lines)
 
 
 def format_row(row: dict) -> str:

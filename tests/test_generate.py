@@ -344,6 +344,32 @@ def test_streaming_hands_over_each_step_and_can_stop_the_loop():
     assert early[0, 1] == stops[0]
 
 
+def test_the_benchmark_runs_and_matches_transformers_greedy(tmp_path, monkeypatch, capsys):
+    """benchmarks/generate.py on a small DiffLlama (the default model is 56M: too slow here): every figure present,
+    and diffjax's greedy tokens equal transformers' generate with its own KV cache (eager)."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from hf_models import make_hf_model
+
+    make_hf_model("diffllama", num_hidden_layers=2, num_key_value_heads=4).save_pretrained(tmp_path / "hf")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_benchmark", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    monkeypatch.setattr(sys, "argv", ["generate.py", "--hf", str(tmp_path / "hf"), "--batches", "3", "--prompts", "5",
+                                      "--new-tokens", "6", "--dtypes", "float32", "--peers", "eager", "--repeats", "1",
+                                      "--check-tokens", "--out", str(tmp_path / "out.json")])
+    benchmark.main()
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert [(row["batch"], row["tokens_equal_eager"]) for row in rows] == [(3, 1.0)]
+    assert rows[0]["diffjax"]["bytes_per_step"] > 0 and rows[0]["eager"]["ratio"] > 0
+    assert "| float32 | 5 | 3 |" in capsys.readouterr().out
+
+
 # --- under a mesh, compile and errors ----------------------------------------------------------------
 
 def test_data_parallel_generation_equals_one_device():
