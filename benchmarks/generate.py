@@ -162,7 +162,17 @@ def main() -> None:
     copy_bytes_per_s = copy_bandwidth()
     print(f"{device.platform} ({device.device_kind}), jax {jax.__version__}; copy bandwidth {copy_bytes_per_s / 1e9:.1f} GB/s "
           f"(read + written); {hf_dir}", flush=True)
+    out = args.out or Path(__file__).resolve().parent / "results" / f"generate_{device.platform}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows, broken = [], {}
+
+    def write():  # after every row: a long grid stopped midway keeps what it measured
+        out.write_text(json.dumps({
+            "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+            "python": py_platform.python_version(), "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(),
+            "model": str(args.hf or ISSUE_MODEL), "copy_bytes_per_s": copy_bytes_per_s, "peers_that_failed": broken,
+            "rows": rows}, indent=1))
+
     for dtype in args.dtypes.split(","):
         model = diffjax.load_hf(hf_dir, dtype=dtype)
         peer_models = {}
@@ -192,16 +202,11 @@ def main() -> None:
                     ours, theirs = diffjax.generate(model, prompts_BP, args.new_tokens), peer_models["eager"].generate(prompts_BP, args.new_tokens)
                     row["tokens_equal_eager"] = float((ours == theirs).mean())
                 rows.append(row)
+                write()
                 print(format_row(row), flush=True)
     for mode, error in broken.items():
         print(f"transformers {mode}: could not run here: {error}")
-    out = args.out or Path(__file__).resolve().parent / "results" / f"generate_{device.platform}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-        "python": py_platform.python_version(), "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(),
-        "model": str(args.hf or ISSUE_MODEL), "copy_bytes_per_s": copy_bytes_per_s, "peers_that_failed": broken,
-        "rows": rows}, indent=1))
+    write()
     print(markdown_table(rows))
     print(f"wrote {out}")
 
