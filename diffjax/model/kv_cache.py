@@ -11,10 +11,10 @@ Every attention module goes through `attention.attend(op, q, k, v, ..., cache=ca
 rotating q, k and v; with a cache it calls `cache.update(k, v, op_kwargs)` and the op gets the keys, values
 and keywords that returns, and the module returns `(output, cache)`. The cache takes k and v as the
 module shapes them ([B, S, kv heads, ...], any trailing axes), so a new attention variant needs no change
-here; it stores the keys with the slot axis last ([B, kv heads, ..., d, S]) and the values with it second to last
-([B, kv heads, ..., S, dv]), the orders in which the decode step's attention reads them without a copy. TransformerLM holds the layers' buffers stacked ([L, ...],
-scanned with the stacked params) or, when its layers run in a loop (generation always:
-TransformerLM.unstacked_blocks), as one buffer per layer.
+here; it stores the keys with the slot axis last ([B, kv heads, ..., d, S]) and the values with it second to
+last ([B, kv heads, ..., S, dv]), the orders in which the decode step's attention reads them without a copy.
+TransformerLM holds the layers' buffers stacked ([L, ...], scanned with the stacked params) or, when its layers
+run in a loop (generation always: TransformerLM.unstacked_blocks), as one buffer per layer.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from diffjax.sharding import constrain
 class KVCache:
     """k, v: one layer's buffers ([B, K, ..., d, S] and [B, K, ..., S, dv]: the module's [B, S, K, ...] with the slot
     axis moved, K_SLOT_AXIS / V_SLOT_AXIS), a stack's [L, ...] (scanned layers) or a tuple of L layers' (layers in a
-    loop); None before the prefill, which allocates them. lengths_B: tokens stored per row before this call, i.e. the position of the row's
-    next token. max_len: S, the slots per row."""
+    loop); None before the prefill, which allocates them. lengths_B: tokens stored per row before this call, i.e.
+    the position of the row's next token. max_len: S, the slots per row."""
 
     k: jax.Array | None
     v: jax.Array | None
@@ -51,8 +51,9 @@ class KVCache:
         return self.lengths_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)
 
     def update(self, k_new, v_new, attend: dict, windowed=True):
-        """Store this call's keys / values [B, T, K, ...]; returns (cache, k, v, attend): the keys, values ([B, S, K,
-        ...] as the module shapes them) and op keywords (`causal`, `segment_ids`, `impl`, `window`) the module's attention op is to use.
+        """Store this call's keys / values [B, T, K, ...]; returns (cache, k, v, attend): the keys, values ([B, S,
+        K, ...] as the module shapes them) and op keywords (`causal`, `segment_ids`, `impl`, `window`) the module's
+        attention op is to use.
 
         Prefill (buffers None): the T prompt tokens go to slots [0, T) and attend one another as without a
         cache (the caller's `attend`). Decode (T must be 1): the token goes to slot lengths_B[b] of row b and
