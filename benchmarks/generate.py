@@ -2,9 +2,11 @@
 
     python benchmarks/generate.py                       # the issue-33 grid on a random 56M DiffLlama (made here)
     python benchmarks/generate.py --hf DIR --batches 1,8 --prompts 64 --dtypes bfloat16 --peers eager,compiled
+    python benchmarks/generate.py --model 1.4b --dtypes bfloat16 --batches 1,8 --prompts 64   # on a GPU
 
 The model: a transformers DiffLlama / Llama directory (--hf), or by default a random DiffLlama of 56M parameters
-(d_model 512, 8 layers, 8 heads / 4 KV heads, vocab 32000, MLP 1376) that transformers creates and saves. diffjax
+(d_model 512, 8 layers, 8 heads / 4 KV heads, vocab 32000, MLP 1376; --model 1.4b: the paper's 1.4B shape, for a
+GPU) that transformers creates and saves. diffjax
 loads it with diffjax.load_hf in each dtype; transformers runs the same weights. For each dtype, prompt length
 and batch: random prompts, greedy, --new-tokens new tokens (no stop token, so every run makes all of them),
 the median of --repeats timed runs after a warm-up run (diffjax's warm-up compiles).
@@ -40,8 +42,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import diffjax  # noqa: E402
 
-ISSUE_MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
-                   intermediate_size=1376, max_position_embeddings=2048)
+MODELS = {  # random DiffLlamas that transformers makes and saves (--model)
+    "56m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+                intermediate_size=1376, max_position_embeddings=2048),
+    # the paper's 1.4B DIFF Transformer (configs/paper/diff-1.4b.yaml: 8 differential heads of 2 x 128, MLP 8/3 d
+    # rounded to 64, the 100,288 vocabulary): 1.6B parameters with the untied head
+    "1.4b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+                 vocab_size=100288, intermediate_size=5440, max_position_embeddings=4096),
+}
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -54,10 +62,12 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def copy_bandwidth(repeats: int = 10) -> float:
-    """Bytes read + written per second by y = 2x over 256 MiB of float32, in place (the input donated: a fresh
-    output buffer each call would time the page faults of allocating it)."""
+    """Bytes read + written per second by y = 2x over 256 MiB of float32 (1 GiB on an accelerator, where 256 MiB
+    takes ~0.1 ms), in place (the input donated: a fresh output buffer each call would time the page faults of
+    allocating it)."""
     double = jax.jit(lambda x: x * 2, donate_argnums=0)
-    x = double(jnp.ones((64 * 2**20,), jnp.float32)).block_until_ready()
+    mib = 256 if jax.default_backend() == "cpu" else 1024
+    x = double(jnp.ones((mib * 2**18,), jnp.float32)).block_until_ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -94,52 +104,67 @@ def time_diffjax(model, prompts_BP: np.ndarray, new_tokens: int, repeats: int) -
 
 
 class TransformersPeer:
-    """transformers' generate on the same weights: "eager" (its dynamic cache) or "compiled" (static cache +
-    torch.compile of the forward)."""
+    """transformers' generate on the same weights, on `device` (a torch device): "eager" (its dynamic cache) or
+    "compiled" (a static cache; on CUDA, generate compiles the forward itself, with CUDA graphs, as users get it;
+    elsewhere generate compiles nothing, so the forward is wrapped in torch.compile here)."""
 
-    def __init__(self, hf_dir: Path, dtype: str, mode: str):
+    def __init__(self, hf_dir: Path, dtype: str, mode: str, device: str):
         import torch
         import transformers
 
-        self.torch, self.mode = torch, mode
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+        self.torch, self.mode, self.device = torch, mode, device
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).to(device).eval()
         if mode == "compiled":
             # One compile per (batch, cache length) and the prefill's: more shapes than dynamo's default limit of 8,
             # past which it would silently run the rest eagerly.
             torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 256
-            self.model.forward = torch.compile(self.model.forward, dynamic=False)
+            if not device.startswith("cuda"):
+                self.model.forward = torch.compile(self.model.forward, dynamic=False)
 
-    def generate(self, prompts_BP: np.ndarray, new_tokens: int):
+    def generate(self, prompts_BP: np.ndarray, new_tokens: int, cache_len: int | None = None):
+        """Greedy tokens [B, new_tokens]. `cache_len` sizes the static cache (default prompt + new tokens): timing
+        1 token with the full run's cache length keeps the compiled shapes, so it measures no recompilation."""
         torch = self.torch
-        ids = torch.tensor(prompts_BP, dtype=torch.long)
+        ids = torch.tensor(prompts_BP, dtype=torch.long, device=self.device)
         options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0)
         if self.mode == "compiled":
-            options["cache_implementation"] = "static"
+            from transformers import StaticCache
+
+            options["past_key_values"] = StaticCache(config=self.model.config,
+                                                     max_cache_len=cache_len or prompts_BP.shape[1] + new_tokens)
         with torch.no_grad():
             out = self.model.generate(ids, **options)
-        return out[:, prompts_BP.shape[1]:].numpy()
+        return out[:, prompts_BP.shape[1]:].cpu().numpy()
 
     def time(self, prompts_BP: np.ndarray, new_tokens: int, repeats: int) -> dict:
-        self.generate(prompts_BP, new_tokens), self.generate(prompts_BP, 1)  # warm-up (compiles)
+        cache_len = prompts_BP.shape[1] + new_tokens
+        self.generate(prompts_BP, new_tokens), self.generate(prompts_BP, 1, cache_len)  # warm-up (compiles)
         full_s = median_seconds(lambda: self.generate(prompts_BP, new_tokens), repeats)
-        one_s = median_seconds(lambda: self.generate(prompts_BP, 1), repeats)
+        one_s = median_seconds(lambda: self.generate(prompts_BP, 1, cache_len), repeats)
         return {"tokens_per_s": prompts_BP.shape[0] * new_tokens / full_s, "seconds": full_s,
                 "step_ms": 1e3 * (full_s - one_s) / (new_tokens - 1)}
 
 
-def make_issue_model(directory: Path) -> Path:
+def make_model(size: str, directory: Path, device: str) -> Path:
+    """A random DiffLlama of MODELS[size], initialised on `device` (fast for 1.4B on a GPU) and saved in float32
+    (1.4b: bfloat16, half the bytes to write and read back)."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**ISSUE_MODEL)).save_pretrained(directory)
+    with torch.device(device):
+        model = transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**MODELS[size]))
+    if size == "1.4b":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(directory)
     return directory
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf", type=Path, help="a transformers model directory (default: make the random 56M DiffLlama)")
+    parser.add_argument("--hf", type=Path, help="a transformers model directory (default: make a random DiffLlama, --model)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="56m", help="the random DiffLlama's size (without --hf)")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompts", default="64,512", help="prompt lengths (default 64,512)")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -149,16 +174,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the median is reported")
     parser.add_argument("--check-tokens", action="store_true", help="also require diffjax's greedy tokens to equal "
                         "the eager peer's (float32 rows)")
+    parser.add_argument("--torch-device", default=None, help="where transformers runs (default: cuda when JAX runs on "
+                        "a GPU and torch sees one, else cpu)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     peers = [] if args.peers == "none" else args.peers.split(",")
-    if peers:
+    device = jax.devices()[0]
+    torch_device = args.torch_device or "cpu"
+    if peers or not args.hf:
         import torch
 
         torch.set_num_threads(os.cpu_count() or 1)
-    device = jax.devices()[0]
+        if args.torch_device is None and device.platform == "gpu" and torch.cuda.is_available():
+            torch_device = "cuda"
     workdir = tempfile.TemporaryDirectory()
-    hf_dir = args.hf or make_issue_model(Path(workdir.name) / "model")
+    hf_dir = args.hf or make_model(args.model, Path(workdir.name) / "model", torch_device)
     copy_bytes_per_s = copy_bandwidth()
     print(f"{device.platform} ({device.device_kind}), jax {jax.__version__}; copy bandwidth {copy_bytes_per_s / 1e9:.1f} GB/s "
           f"(read + written); {hf_dir}", flush=True)
@@ -170,7 +200,7 @@ def main() -> None:
         out.write_text(json.dumps({
             "device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
             "python": py_platform.python_version(), "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(),
-            "model": str(args.hf or ISSUE_MODEL), "copy_bytes_per_s": copy_bytes_per_s, "peers_that_failed": broken,
+            "model": str(args.hf or MODELS[args.model]), "torch_device": torch_device, "copy_bytes_per_s": copy_bytes_per_s, "peers_that_failed": broken,
             "rows": rows}, indent=1))
 
     for dtype in args.dtypes.split(","):
@@ -178,7 +208,7 @@ def main() -> None:
         peer_models = {}
         for mode in peers:
             try:
-                peer_models[mode] = TransformersPeer(hf_dir, dtype, mode)
+                peer_models[mode] = TransformersPeer(hf_dir, dtype, mode, torch_device)
             except Exception as error:  # noqa: BLE001 (a peer that cannot run here is reported, not fatal)
                 broken[mode] = f"{type(error).__name__}: {error}"
         for prompt_len in (int(p) for p in args.prompts.split(",")):
@@ -189,19 +219,21 @@ def main() -> None:
                 step_bytes = bytes_per_step(model, batch, prompt_len + args.new_tokens / 2)
                 row["diffjax"]["bytes_per_step"] = step_bytes
                 row["diffjax"]["fraction_of_copy_bandwidth"] = step_bytes / (row["diffjax"]["step_ms"] / 1e3) / copy_bytes_per_s
+                rows.append(row)
+                write()
                 for mode, peer in peer_models.items():
                     if mode in broken:
                         continue
                     try:
                         row[mode] = peer.time(prompts_BP, args.new_tokens, args.repeats)
                         row[mode]["ratio"] = row["diffjax"]["tokens_per_s"] / row[mode]["tokens_per_s"]
+                        write()
                     except Exception as error:  # noqa: BLE001
                         broken[mode] = f"{type(error).__name__}: {error}"
                         traceback.print_exc()
                 if args.check_tokens and dtype == "float32" and "eager" in peer_models:
                     ours, theirs = diffjax.generate(model, prompts_BP, args.new_tokens), peer_models["eager"].generate(prompts_BP, args.new_tokens)
                     row["tokens_equal_eager"] = float((ours == theirs).mean())
-                rows.append(row)
                 write()
                 print(format_row(row), flush=True)
     for mode, error in broken.items():
