@@ -280,7 +280,7 @@ def run_one(args, kind: str, size: str, config: ModelConfig, remat: str, seq_len
     print(f"    micro-batch {best}: {tokens_per_s:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s"
           + (f", MFU {100 * flops / peak:.1f}%" if peak else "")
           + f", {100 * row['mfu_vs_measured_matmul']:.1f}% of the measured matmul"
-          + (f", peak memory {size(stats['peak_bytes_in_use'])}" if "peak_bytes_in_use" in stats else ""), flush=True)
+          + (f", peak memory {stats['peak_bytes_in_use'] / GiB:.1f} GiB{''}" if "peak_bytes_in_use" in stats else ""), flush=True)
     return row
 
 
