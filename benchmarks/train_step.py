@@ -141,11 +141,11 @@ def describe(figures: dict) -> str:
     if "total_bytes" not in figures:
         return f"compile {figures['compile_s']:.1f} s (no memory analysis)"
     unaliased = figures["output_bytes"] - figures["alias_bytes"]
-    return (f"total {size(figures['total_bytes'])} = state {size(figures['argument_bytes'])} + temp "
-            f"{size(figures['temp_bytes'])} + unaliased out {size(unaliased)}  (compile {figures['compile_s']:.1f} s)")
+    return (f"total {format_bytes(figures['total_bytes'])} = state {format_bytes(figures['argument_bytes'])} + temp "
+            f"{format_bytes(figures['temp_bytes'])} + unaliased out {format_bytes(unaliased)}  (compile {figures['compile_s']:.1f} s)")
 
 
-def size(num_bytes: float) -> str:
+def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.1f} GiB" if num_bytes >= GiB else f"{num_bytes / 2**20:.1f} MiB"
 
 
@@ -280,7 +280,7 @@ def run_one(args, kind: str, size: str, config: ModelConfig, remat: str, seq_len
     print(f"    micro-batch {best}: {tokens_per_s:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s"
           + (f", MFU {100 * flops / peak:.1f}%" if peak else "")
           + f", {100 * row['mfu_vs_measured_matmul']:.1f}% of the measured matmul"
-          + (f", peak memory {stats['peak_bytes_in_use'] / GiB:.1f} GiB{''}" if "peak_bytes_in_use" in stats else ""), flush=True)
+          + (f", peak memory {format_bytes(stats['peak_bytes_in_use'])}" if "peak_bytes_in_use" in stats else ""), flush=True)
     return row
 
 
