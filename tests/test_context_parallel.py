@@ -86,6 +86,50 @@ def test_the_fused_tpu_kernels_over_the_context_axis_equal_the_xla_reference(cas
     _check_attention_over_the_context_axis(case, "pallas_tpu", "pallas_call", measured)
 
 
+def _spy_on_the_mosaic_gpu_kernels(monkeypatch) -> list:
+    """The static settings of every traced call of the Mosaic GPU kernels (their jaxpr in interpret mode holds no
+    pallas_call to look for)."""
+    from diffjax.ops import pallas_gpu
+
+    calls, flash = [], pallas_gpu._flash
+    monkeypatch.setattr(pallas_gpu, "_flash", lambda st, *args: (calls.append(st), flash(st, *args))[1])
+    return calls
+
+
+@pytest.mark.parametrize("op", ["diff", "standard"])
+def test_the_fused_gpu_kernels_run_per_query_chunk_over_the_context_axis(op, monkeypatch):
+    """Under a context axis, impl="pallas_gpu" (and "auto" on a Hopper GPU, bf16) calls the Mosaic GPU kernels once
+    per query chunk, each against every key with a traced query offset; "auto" falls back to the blockwise XLA path
+    where they cannot run (float32; a GPU that is not Hopper). Traced only, the device faked: interpreted kernels
+    under shard_map would run concurrently on the host devices, which deadlocks Mosaic GPU's interpreter. Their
+    numbers with an offset are tests/test_ops_pallas_gpu.py's (test_pallas_gpu_interpret_query_offset), and the
+    offsets each device passes are the ones the TPU kernels are tested with end to end above."""
+    B, T, H, K, d, C = 1, 128, 2, 1, 64, 2
+    mesh = _mesh(context=C)
+    kernel_calls = _spy_on_the_mosaic_gpu_kernels(monkeypatch)
+
+    def fused_calls(dtype, impl):
+        shapes = [(B, T, H, 2, d), (B, T, K, 2, d), (B, T, K, 2 * d)] if op == "diff" else [(B, T, H, d), (B, T, K, d), (B, T, K, d)]
+        q, k, v = (jnp.zeros(s, dtype) for s in shapes)
+        ids = to_context_order(_packed_ids(B, T), C)
+        attention = ((lambda q, k, v: ops.diff_attention(q, k, v, 0.35, segment_ids=ids, impl=impl)) if op == "diff" else
+                     (lambda q, k, v: ops.dot_product_attention(q, k, v, segment_ids=ids, impl=impl)))
+        kernel_calls.clear()
+        with sharding.activation_sharding(mesh):
+            assert "all_gather" in str(jax.make_jaxpr(attention)(q, k, v))
+        return [(st.T, st.S, st.traced_offset, st.has_seg) for st in kernel_calls]
+
+    each_chunk = [(T // (2 * C), T, True, True)] * 2  # a device's two chunks of 32 queries, all 128 keys
+    assert fused_calls(jnp.bfloat16, "pallas_gpu") == each_chunk
+    monkeypatch.setattr(ops, "current_device", lambda: ops.DEVICES["h100"])
+    assert fused_calls(jnp.bfloat16, "auto") == each_chunk
+    assert fused_calls(jnp.float32, "auto") == []
+    monkeypatch.setattr(ops, "current_device", lambda: ops.DEVICES["a100"])
+    assert fused_calls(jnp.bfloat16, "auto") == []
+    with pytest.raises(ValueError, match="impl='pallas_gpu' needs .*bfloat16 / float16, got float32"):
+        fused_calls(jnp.float32, "pallas_gpu")
+
+
 def _check_attention_over_the_context_axis(case, impl, marker, measured):
     """marker: a primitive the context path's program must hold (so that equality is not the reference's own)."""
     op, mesh_sizes, packed, causal, *window = OP_CASES[case]

@@ -158,6 +158,86 @@ def test_pallas_gpu_single_interpret_forward_and_grads(name, measured):
     _check_single_against_reference(SINGLE_INTERPRET_CASES[name], measured, interpret=True, tuning=SMALL_STEPS)
 
 
+# A query chunk placed in a longer sequence, as context parallelism calls the kernels: q_offset is the key
+# position of the chunk's first query (traced: a jit argument). name: (mode, B, Tc, S, H, K, d, offset, dtype)
+OFFSET_CASES = {
+    # mid-sequence, not a block multiple: the diagonal crosses two kv blocks; packed documents, lambda per token
+    "diff-G2-offset72-seg-bf16": ("diff", 1, 64, 192, 2, 1, 64, 72, "bfloat16"),
+    # the first chunk: every later kv block is skipped (the step count follows the offset, not S - T)
+    "single-gqa2-offset0-seg-f16": ("single", 1, 64, 192, 2, 1, 64, 0, "float16"),
+}
+
+
+def _check_chunk_against_reference(case, measured, *, interpret):
+    """The chunk's output and gradients against the XLA reference over the whole sequence (the chunk's queries in
+    rows [offset, offset + Tc), the other rows zero), restricted to the chunk's rows."""
+    mode, B, Tc, S, H, K, d, offset, dtype = case
+    rng = np.random.default_rng(2)
+    dt = jnp.dtype(dtype)
+    kv_ids = jnp.asarray(np.sort(rng.integers(1, 4, size=(B, S))), jnp.int32)  # three packed documents
+    ids = (kv_ids[:, offset:offset + Tc], kv_ids)
+    if mode == "diff":
+        q_shape, k_shape, dv = (B, Tc, H, 2, d), (B, S, K, 2, d), 2 * d
+    else:
+        q_shape, k_shape, dv = (B, Tc, H, d), (B, S, K, d), d
+    q, k, v, ct = (jnp.asarray(rng.normal(size=s), dt) for s in (q_shape, k_shape, (B, S, K, dv), (B, Tc, H, dv)))
+    lam = jnp.asarray(rng.uniform(0.2, 0.9, size=(B, Tc, H)), jnp.float32)
+
+    def in_sequence(x):  # the chunk's rows placed in a whole sequence of S
+        return jnp.zeros((B, S) + x.shape[2:], x.dtype).at[:, offset:offset + Tc].set(x)
+
+    if mode == "diff":
+        kernel = jax.jit(lambda q, k, v, lam, at: diff_attention_pallas_gpu(
+            q, k, v, lam, causal=True, segment_ids=ids, q_offset=at, interpret=interpret))
+        fused = lambda q, k, v, lam: kernel(q, k, v, lam, jnp.int32(offset))  # noqa: E731
+        xla = jax.jit(lambda q, k, v, lam: diff_attention_xla(
+            in_sequence(q), k, v, in_sequence(lam), causal=True, segment_ids=kv_ids)[:, offset:offset + Tc])
+        args = (q, k, v, lam)
+    else:
+        kernel = jax.jit(lambda q, k, v, at: dot_product_attention_pallas_gpu(
+            q, k, v, causal=True, segment_ids=ids, q_offset=at, interpret=interpret, tuning=SMALL_STEPS if interpret else None))
+        fused = lambda q, k, v: kernel(q, k, v, jnp.int32(offset))  # noqa: E731
+        xla = jax.jit(lambda q, k, v: dot_product_attention_xla(
+            in_sequence(q), k, v, causal=True, segment_ids=kv_ids)[:, offset:offset + Tc])
+        args = (q, k, v)
+    _compare(measured, fused, xla, ct, args, np.zeros((B, Tc), bool))
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.single_leg) for name in OFFSET_CASES])
+def test_pallas_gpu_interpret_query_offset(name, measured):
+    _check_chunk_against_reference(OFFSET_CASES[name], measured, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(OFFSET_CASES))
+def test_pallas_gpu_compiled_query_offset(name, measured):
+    _check_chunk_against_reference(OFFSET_CASES[name], measured, interpret=False)
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["diff", "single"])
+def test_pallas_gpu_traced_query_offset_lowers_for_cuda(single):
+    """The offset as a traced jit argument (what each device of a context axis passes): forward and backward lower."""
+    B, Tc, S, H, K, d = 1, 128, 512, 4, 2, 128
+    q_shape, k_shape, dv = ((B, Tc, H, d), (B, S, K, d), d) if single else ((B, Tc, H, 2, d), (B, S, K, 2, d), 2 * d)
+    q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (q_shape, k_shape, (B, S, K, dv)))
+    lam = jax.ShapeDtypeStruct((B, Tc, H), jnp.float32)
+    ids = (jnp.zeros((B, Tc), jnp.int32), jnp.zeros((B, S), jnp.int32))
+
+    def loss(q, k, v, lam, offset):
+        if single:
+            o = dot_product_attention_pallas_gpu(q, k, v, causal=True, segment_ids=ids, q_offset=offset, interpret=False)
+        else:
+            o = diff_attention_pallas_gpu(q, k, v, lam, causal=True, segment_ids=ids, q_offset=offset, interpret=False)
+        return jnp.sum(o.astype(jnp.float32))
+
+    with lowering_target(H100) as cuda:
+        text = (jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v, lam, jax.ShapeDtypeStruct((), jnp.int32))
+                .lower(lowering_platforms=(cuda,)).as_text())
+    prefix = "diffjax_mgpu_single" if single else "diffjax_mgpu"
+    for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+        assert f"{prefix}_{kernel}" in text
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(SINGLE_GPU_CASES))
 def test_pallas_gpu_single_compiled_forward_and_grads(name, measured):

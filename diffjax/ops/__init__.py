@@ -30,6 +30,9 @@ impl:
                 function of the shapes and the device (choice.py; `python -m diffjax.ops --config ...
                 --device h100` prints it per attention call); it and its reason are logged once per (op,
                 platform, choice, reason); "xla" on an accelerator is a warning.
+Under a mesh with a context axis (context_parallel.py): "pallas_tpu" / "pallas_gpu", and "auto" on a TPU / on a
+Hopper GPU where the Mosaic GPU kernels take the call, run the fused kernels per query chunk (the chunk's place
+in the sequence as their query offset); every other impl attends blockwise in XLA.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 from diffjax import sharding
 from diffjax.ops import compositions, context_parallel
 from diffjax.ops.choice import CUDNN_FASTER_ON_HOPPER, DEVICES, IMPLS, AttentionCall, Device, choose, current_device
+from diffjax.ops.choice import pallas_gpu_unsupported
 from diffjax.ops.reference import attention_mask, check_window, diff_attention_xla, dot_product_attention_xla
 
 def config_problems(impl: str, dtype: str) -> list[str]:
@@ -125,16 +129,25 @@ def _blockwise(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, window):
 
 
 def _choose(op: str, impl: str, q, k, v, causal, segment_ids, window) -> tuple[str | None, Device | None]:
-    """_resolve's choice; under a context axis "context_pallas_tpu" (the fused TPU kernels per query chunk) for
-    impl "pallas_tpu", or "auto" on a TPU, else (None, None): blockwise XLA attention."""
+    """_resolve's choice; under a context axis "context_pallas_tpu" / "context_pallas_gpu" (the fused kernels per
+    query chunk, with the chunk's place as their query offset) for that impl, or for "auto" on a TPU / on a Hopper
+    GPU where the Mosaic GPU kernels take the call; else (None, None): blockwise XLA attention."""
     check_window(window, causal)
     if context_parallel.context_size() > 1:
         device = current_device()
-        fused = impl == "pallas_tpu" or (impl == "auto" and device.platform == "tpu")
-        path = "the fused Pallas TPU kernels per query chunk" if fused else "blockwise XLA attention"
+        call = AttentionCall.of(op, q, k, v, causal, segment_ids, window)
+        fused = None
+        if impl in ("pallas_tpu", "pallas_gpu"):
+            fused = choose(call, impl, device)[0]  # raises a clear error where the kernel cannot take the call
+        elif impl == "auto" and device.platform == "tpu":
+            fused = "pallas_tpu"
+        elif impl == "auto" and device.is_hopper and pallas_gpu_unsupported(call) is None:
+            fused = "pallas_gpu"
+        path = {"pallas_tpu": "the fused Pallas TPU kernels", "pallas_gpu": "the fused Mosaic GPU kernels",
+                None: "blockwise XLA attention"}[fused]
         _log_once(logging.INFO, ("context", impl, fused), f"attention over the context axis: all-gathered K/V, {path} "
-                  f"(diffjax.ops.context_parallel; impl={impl!r})")
-        return ("context_pallas_tpu", device) if fused else (None, None)
+                  f"per query chunk (diffjax.ops.context_parallel; impl={impl!r})")
+        return (f"context_{fused}", device) if fused else (None, None)
     return _resolve(op, impl, q, k, v, causal, segment_ids, window)
 
 
@@ -168,6 +181,12 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
         return _context_fused(lambda q, k, v, lam, ids, offset: diff_attention_pallas(
             q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window,
             q_offset=offset), q, k, v, lam, segment_ids)
+    if choice == "context_pallas_gpu":
+        from diffjax.ops.pallas_gpu import diff_attention_pallas_gpu
+
+        return _context_fused(lambda q, k, v, lam, ids, offset: diff_attention_pallas_gpu(
+            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes, q_offset=offset),
+            q, k, v, lam, segment_ids)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import diff_attention_pallas
 
@@ -211,6 +230,12 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
         return _context_fused(lambda q, k, v, _, ids, offset: dot_product_attention_pallas(
             q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window,
             q_offset=offset), q, k, v, None, segment_ids)
+    if choice == "context_pallas_gpu":
+        from diffjax.ops.pallas_gpu import dot_product_attention_pallas_gpu
+
+        return _context_fused(lambda q, k, v, _, ids, offset: dot_product_attention_pallas_gpu(
+            q, k, v, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes, q_offset=offset),
+            q, k, v, None, segment_ids)
     if choice == "pallas_tpu":
         from diffjax.ops.pallas_tpu import dot_product_attention_pallas
 

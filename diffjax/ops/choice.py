@@ -99,7 +99,8 @@ class AttentionCall:
                 f"{', causal' if self.causal else ''}{ids}{window}")
 
 
-def _pallas_gpu_unsupported(call: AttentionCall) -> str | None:
+def pallas_gpu_unsupported(call: AttentionCall) -> str | None:
+    """Why the Mosaic GPU kernels cannot run `call` (None: they can)."""
     from diffjax.ops.pallas_gpu import unsupported
 
     if call.window is not None:
@@ -136,7 +137,7 @@ def choose(call: AttentionCall, impl: str = "auto", device: Device | None = None
             raise ValueError(f"{call.op}: impl={impl!r} {why_not}; {where}. Use impl={instead}.")
         return impl, "asked for" if device.platform == home else "asked for; runs in Pallas interpret mode (slow)"
     if impl == "pallas_gpu":
-        why_not = _pallas_gpu_unsupported(call)
+        why_not = pallas_gpu_unsupported(call)
         if why_not:
             raise ValueError(f"{call.op}: impl='pallas_gpu' {why_not}; {where}, dtype {call.dtype}.")
         return impl, "asked for" if device.platform == "gpu" else "asked for; runs in Mosaic GPU interpret mode (very slow)"
@@ -155,7 +156,7 @@ def _auto(call: AttentionCall, device: Device) -> tuple[str, str]:
         return "xla", f"platform {device.platform!r} has no compiled flash kernel (the Pallas impls would run interpreted)"
     q, k, v, segment_ids = call.arrays()
     why_not = {
-        "pallas_gpu": _pallas_gpu_unsupported(call) if device.is_hopper else "needs a Hopper GPU",
+        "pallas_gpu": pallas_gpu_unsupported(call) if device.is_hopper else "needs a Hopper GPU",
         "cudnn": compositions.cudnn_unsupported(q, k, v, call.causal, segment_ids, device.platform),
     }
     if why_not["pallas_gpu"] is None:

@@ -18,11 +18,11 @@ stage this way); a ring's memory advantage (K/V of T / C tokens, not T) matters 
 sequence do not fit, which the memory benchmark (benchmarks/context_memory.py) shows they do for the paper's
 64K recipe. The gradient of the all-gather is a reduce-scatter (JAX derives it).
 
-The per-block computation is XLA's (`context_parallel_attention`), except with the Pallas TPU kernels
-(impl "pallas_tpu", or "auto" on a TPU: `context_parallel_fused`): they take the query chunk's place in the sequence
-as a scalar-prefetch offset, so each device runs its two chunks against the gathered K/V in sequence order with
-the kernels' own causal block skipping; no log-sum-exp merging is needed with an all-gather. The Mosaic GPU
-kernels have no offset operand yet: on GPUs this path is XLA's.
+The per-block computation is XLA's (`context_parallel_attention`), except with the fused kernels (impl
+"pallas_tpu" / "pallas_gpu", or "auto" on a TPU / a Hopper GPU: `context_parallel_fused`): they take the query
+chunk's place in the sequence as an offset (TPU: a scalar-prefetch operand; Mosaic GPU: a one-element gmem
+operand), so each device runs its two chunks against the gathered K/V in sequence order with the kernels' own
+causal block skipping; no log-sum-exp merging is needed with an all-gather.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ tiles (own online softmax / full dP, own output rows, no O_2 hand-off, no exchan
 tiles streaming the same q / dO tiles. Both consumers run the CTA's step range; each masks with its
 own rows (`_q_tile`), so the diagonal step may be fully masked for one of them.
 
-Conventions: bottom-right aligned causal masking (query t sits at key S - T + t); kv steps above the
+Conventions: bottom-right aligned causal masking (query t sits at key S - T + t, or q_offset + t when the
+caller places the queries, as context parallelism does with each device's query chunks: then q_offset is a
+traced int32 read from a one-element gmem operand, and the step ranges and masks follow it); kv steps above the
 diagonal are never loaded; unmasked steps run without mask arithmetic. T and S are zero-padded to
 the block sizes outside the kernels (no copy when they divide); padded keys are masked in the
 forward and contribute nothing to the backward (their K and V rows are zero). A fully masked query
@@ -237,6 +239,7 @@ class _Static(NamedTuple):
     has_seg: bool
     interpret: bool
     single: bool = False  # standard attention: one map, the consumers on different rows
+    traced_offset: bool = False  # q_offset comes as a gmem operand (else the static S - T)
 
     @property
     def M(self):  # maps: lse / D / dq / dk carry a map axis of this size
@@ -251,7 +254,7 @@ class _Static(NamedTuple):
         return 128 if self.single else 64
 
     @property
-    def offset(self):  # key position of query 0 (bottom-right aligned causal)
+    def offset(self):  # key position of query 0 (bottom-right aligned causal) when no q_offset is passed
         return self.S - self.T
 
     @property
@@ -269,13 +272,18 @@ def _q_tile(st: _Static, g: int, r0, rows: int):
     return (0, r0 + g * rows) if st.single else (g, r0)
 
 
-def _kv_steps(st: _Static, t0, rows, nk):
+def _query_offset(st: _Static, offset_ref):
+    """The key position of query 0: the gmem operand's value, or the static S - T."""
+    return offset_ref[0] if st.traced_offset else st.offset
+
+
+def _kv_steps(st: _Static, offset, t0, rows, nk):
     """(unmasked steps, all steps) for the query rows [t0, t0 + rows): kv blocks past the causal
     diagonal are skipped; the first `unmasked` need no mask at all."""
     if st.causal:
-        last = t0 + rows + st.offset  # one past the last key the block's last row sees
+        last = t0 + rows + offset  # one past the last key the block's last row sees
         steps = jnp.clip(_cdiv_dyn(last, st.bk), 0, nk)
-        unmasked = jnp.clip(jnp.maximum(t0 + st.offset + 1, 0) // st.bk, 0, steps)
+        unmasked = jnp.clip(jnp.maximum(t0 + offset + 1, 0) // st.bk, 0, steps)
     else:
         steps = jnp.int32(nk)
         unmasked = steps
@@ -297,7 +305,7 @@ def _cdiv_dyn(a, b):
     return lax.div(jnp.maximum(a, 0) + (b - 1), jnp.int32(b))
 
 
-def _score_mask(ops, st: _Static, shape, q0, k0, q_seg=None, kv_seg=None, *, transposed=False):
+def _score_mask(ops, st: _Static, offset, shape, q0, k0, q_seg=None, kv_seg=None, *, transposed=False):
     """Boolean mask (True = allowed) for a tile whose rows are queries q0.. and columns keys k0..
     (or the transpose). Segment ids are row/column vectors already in the matching layouts."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
@@ -305,7 +313,7 @@ def _score_mask(ops, st: _Static, shape, q0, k0, q_seg=None, kv_seg=None, *, tra
     k_pos = ops.iota(shape, k_dim) + k0
     mask = None
     if st.causal:
-        mask = q_pos + st.offset >= k_pos
+        mask = q_pos + offset >= k_pos
     if st.Sp != st.S:
         valid = k_pos < st.S
         mask = valid if mask is None else mask & valid
@@ -326,7 +334,7 @@ def _cols(x, shape):
 # ------------------------------------------------------------------------------ forward
 
 
-def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
+def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, *, save_residuals: bool):
     """[o [B, Tp, H, dv]]; with residuals also lse [B, H, M, Tp] f32 (base 2) and, differential only,
     o2 [B, Tp, H, dv] f32."""
     B, Tp, H, _, d = q.shape
@@ -339,7 +347,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
 
     def kernel(*refs):
         it = iter(refs)
-        q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref = _in_refs(st, it)
+        q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref, offset_ref = _in_refs(st, it)
         o_ref = next(it)
         lse_ref = next(it) if save_residuals else None
         o2_ref = next(it) if save_residuals and not st.single else None
@@ -350,7 +358,8 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
         kh = lax.div(h, jnp.int32(st.R))
         t0 = i * st.cta_q
         wg = lax.axis_index("wg")
-        _, steps = _kv_steps(st, t0, st.cta_q, nk)  # both consumers run the CTA's steps (one ring)
+        offset = _query_offset(st, offset_ref)
+        _, steps = _kv_steps(st, offset, t0, st.cta_q, nk)  # both consumers run the CTA's steps (one ring)
 
         def schedule():  # pingpong: one consumer's softmax overlaps the other's wgmmas
             if st.pingpong:
@@ -379,7 +388,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
             plgpu.barrier_wait(q_ready)
             q_g = q_smem.at[g]
             m, r0 = _q_tile(st, g, t0, bq)
-            unmasked, _ = _kv_steps(st, r0, bq, nk)
+            unmasked, _ = _kv_steps(st, offset, r0, bq, nk)
             q_seg = ops.load(qseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
             carry = (
                 ops.full((bq,), -jnp.inf, layout=WGMMA.reduce(1)),  # running max (base 2)
@@ -395,7 +404,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
                 s = ops.matmul(q_g, k_g, (bq, bk), transpose_b=True, after_issue=schedule) * st.scale2
                 if masked:
                     kv_seg = ops.load(kvseg_smem.at[slot], WGMMA.reduce(0)) if st.has_seg else None
-                    mask = _score_mask(ops, st, (bq, bk), r0, step * bk, q_seg, kv_seg)
+                    mask = _score_mask(ops, st, offset, (bq, bk), r0, step * bk, q_seg, kv_seg)
                     if mask is not None:
                         s = jnp.where(mask, s, -jnp.inf)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -481,7 +490,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, *, save_residuals: bool):
     if save_residuals and not st.single:
         out_type.append(jax.ShapeDtypeStruct((B, Tp, H, dv), jnp.float32))
     grid = (H, Tp // st.cta_q, B)
-    return _launch(st, kernel, out_type, (smem, barriers), grid, ("heads", "q_blocks", "batch"), _name(st, "fwd"))(*_args(st, q, k, v, lam, q_seg, kv_seg))
+    return _launch(st, kernel, out_type, (smem, barriers), grid, ("heads", "q_blocks", "batch"), _name(st, "fwd"))(*_args(st, q, k, v, lam, q_seg, kv_seg, offset))
 
 
 # ------------------------------------------------------------------------------ backward
@@ -508,11 +517,13 @@ def _exchange_sum(ops, g, pairs, barrier):
 
 
 def _in_refs(st: _Static, it):
-    """The kernels' first gmem refs, in `_args` order: (q, k, v, lam or None, q_seg or None, kv_seg or None)."""
+    """The kernels' first gmem refs, in `_args` order: (q, k, v, lam or None, q_seg or None, kv_seg or None,
+    q_offset or None)."""
     q_ref, k_ref, v_ref = next(it), next(it), next(it)
     lam_ref = None if st.single else next(it)
     qseg_ref, kvseg_ref = (next(it), next(it)) if st.has_seg else (None, None)
-    return q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref
+    offset_ref = next(it) if st.traced_offset else None
+    return q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref, offset_ref
 
 
 def _copy_query_rows(st: _Static, srcs, dsts, b, h, r0, barrier):
@@ -541,7 +552,7 @@ def _query_copies(st: _Static, tiles: int):
     return 4 * tiles + (not st.single) + st.has_seg * (tiles if st.single else 1)
 
 
-def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
+def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
     """dq [B, Tp, H, M, d]: one CTA per (batch, head, query block); differential: consumer g
     accumulates dQ_g of the CTA's 64 rows; single: dQ of its own 64-row half of 128 rows."""
     st = st._replace(bk=st.bk_dq)
@@ -555,7 +566,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
 
     def kernel(*refs):
         it = iter(refs)
-        q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref = _in_refs(st, it)
+        q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref, offset_ref = _in_refs(st, it)
         do_ref, lse_ref, D_ref, dq_ref = next(it), next(it), next(it), next(it)
         q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, k_smem, v_smem, kvseg_smem, x_smem = next(it)
         q_ready, kv_ready, kv_free, xbar = next(it)
@@ -564,7 +575,8 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
         kh = lax.div(h, jnp.int32(st.R))
         t0 = i * st.cta_q
         wg = lax.axis_index("wg")
-        _, steps = _kv_steps(st, t0, st.cta_q, nk)
+        offset = _query_offset(st, offset_ref)
+        _, steps = _kv_steps(st, offset, t0, st.cta_q, nk)
 
         @pl.when(wg == 2)
         def _producer():
@@ -583,7 +595,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(q_ready)
             m, r0 = _q_tile(st, g, t0, bq)
-            unmasked, _ = _kv_steps(st, r0, bq, nk)
+            unmasked, _ = _kv_steps(st, offset, r0, bq, nk)
             lse_g = ops.load(lse_smem.at[g], WGMMA.reduce(1))
             D_g = ops.load(D_smem.at[g], WGMMA.reduce(1))
             lam_row = None if st.single else ops.load(lam_smem, WGMMA.reduce(1))
@@ -599,7 +611,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 s = s * st.scale2
                 if masked:
                     kv_seg = ops.load(kvseg_smem.at[slot], WGMMA.reduce(0)) if st.has_seg else None
-                    mask = _score_mask(ops, st, (bq, bk), r0, step * bk, q_seg, kv_seg)
+                    mask = _score_mask(ops, st, offset, (bq, bk), r0, step * bk, q_seg, kv_seg)
                     if mask is not None:
                         s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp2(s - _rows(lse_g, (bq, bk)))
@@ -644,15 +656,15 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
     )
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     grid = (H, Tp // st.cta_q, B)
-    return _launch(st, kernel, out_type, (smem, barriers), grid, ("heads", "q_blocks", "batch"), _name(st, "bwd_dq"))(*_args(st, q, k, v, lam, q_seg, kv_seg, do, lse, D))
+    return _launch(st, kernel, out_type, (smem, barriers), grid, ("heads", "q_blocks", "batch"), _name(st, "bwd_dq"))(*_args(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D))
 
 
-def _q_steps(st: _Static, k0, rows: int, nq):
+def _q_steps(st: _Static, offset, k0, rows: int, nq):
     """For the kv rows [k0, k0 + rows) of the dk/dv kernel: (first q block, first q block that needs no mask)."""
     bqb = st.bq_bwd
     if st.causal:
-        first = jnp.clip(jnp.maximum(k0 - st.offset, 0) // bqb, 0, nq)
-        full = jnp.clip(_cdiv_dyn(k0 + rows - 1 - st.offset, bqb), first, nq)
+        first = jnp.clip(jnp.maximum(k0 - offset, 0) // bqb, 0, nq)
+        full = jnp.clip(_cdiv_dyn(k0 + rows - 1 - offset, bqb), first, nq)
     else:
         first, full = jnp.int32(0), jnp.int32(0)
     if st.has_seg:
@@ -662,7 +674,7 @@ def _q_steps(st: _Static, k0, rows: int, nq):
     return first, full
 
 
-def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
+def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
     """dk [B, Sp, K, M, d] and dv [B, Sp, K, dv]: one CTA per (batch, kv head, kv block), streaming
     (query head of the group, q block) tiles. Differential: 64 kv rows, consumer g accumulates dK_g
     and the g-th column half of dV; single: 128 kv rows, consumer g owns dK and dV of the g-th 64."""
@@ -678,7 +690,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
 
     def kernel(*refs):
         it = iter(refs)
-        q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref = _in_refs(st, it)
+        q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref, offset_ref = _in_refs(st, it)
         do_ref, lse_ref, D_ref, dk_ref, dv_ref = next(it), next(it), next(it), next(it), next(it)
         k_smem, v_smem, kvseg_smem, q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, x_dp, x_p = next(it)
         kv_ready, q_ready, q_free, xbar = next(it)
@@ -686,7 +698,8 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
         b, kh, j = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_blocks")
         k0 = j * st.cta_kv
         wg = lax.axis_index("wg")
-        first, _ = _q_steps(st, k0, st.cta_kv, nq)
+        offset = _query_offset(st, offset_ref)
+        first, _ = _q_steps(st, offset, k0, st.cta_kv, nq)
         per_rep = nq - first
         steps = R * per_rep
 
@@ -723,7 +736,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(kv_ready)
             m, k0_g = kv_rows(g)
-            _, full = _q_steps(st, k0_g, bk, nq)
+            _, full = _q_steps(st, offset, k0_g, bk, nq)
             k_g = k_smem.at[g if st.single or G == 2 else 0]
             t = 0 if st.single else g  # this consumer's streamed query tile
             kv_seg = ops.load(kvseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
@@ -741,7 +754,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
                 sT = sT * st.scale2
                 if masked:
                     q_seg = cols(qseg_smem.at[slot, 0]) if st.has_seg else None
-                    mask = _score_mask(ops, bst, (bk, bqb), i * bqb, k0_g, q_seg, kv_seg, transposed=True)
+                    mask = _score_mask(ops, bst, offset, (bk, bqb), i * bqb, k0_g, q_seg, kv_seg, transposed=True)
                     if mask is not None:
                         sT = jnp.where(mask, sT, -jnp.inf)
                 pT = jnp.exp2(sT - _cols(lse_t, (bk, bqb)))
@@ -800,12 +813,14 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, do, lse, D):
     )
     out_type = [jax.ShapeDtypeStruct((B, Sp, K, st.M, d), dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     grid = (K, Sp // st.cta_kv, B)
-    return _launch(st, kernel, out_type, (smem, barriers), grid, ("kv_heads", "kv_blocks", "batch"), _name(st, "bwd_dkdv"))(*_args(st, q, k, v, lam, q_seg, kv_seg, do, lse, D))
+    return _launch(st, kernel, out_type, (smem, barriers), grid, ("kv_heads", "kv_blocks", "batch"), _name(st, "bwd_dkdv"))(*_args(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D))
 
 
-def _args(st: _Static, q, k, v, lam, q_seg, kv_seg, *rest):
-    """The kernels' gmem operands: lam only in the differential mode, segment ids when present."""
-    return [q, k, v] + ([] if st.single else [lam]) + ([q_seg, kv_seg] if st.has_seg else []) + list(rest)
+def _args(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, *rest):
+    """The kernels' gmem operands: lam only in the differential mode, segment ids when present, the query
+    offset [1] when traced."""
+    return ([q, k, v] + ([] if st.single else [lam]) + ([q_seg, kv_seg] if st.has_seg else [])
+            + ([offset] if st.traced_offset else []) + list(rest))
 
 
 def _name(st: _Static, kernel: str):
@@ -907,9 +922,12 @@ def _smem_bytes(d, dv, G, bs: Tuning, dtype, single: bool = False):
     }
 
 
-def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, tuning=None, interpret=None):
+def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, tuning=None,
+                              interpret=None, q_offset=None):
     """Fused differential attention on Hopper; same contract as diffjax.ops.diff_attention.
-    tuning: a Tuning (or a tuple of its fields); default `default_tuning` for the shape."""
+    tuning: a Tuning (or a tuple of its fields); default `default_tuning` for the shape.
+    q_offset: the key position of query 0 under the causal mask (an int or a traced int32 scalar; default
+    S - T): queries at q_offset + t, keys at 0 .. S - 1."""
     why_not = unsupported(q_BTH2d, k_BSKGd, v_BSKv, tuning)
     if why_not:
         raise ValueError(f"diff_attention: impl='pallas_gpu' {why_not}")
@@ -917,20 +935,23 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
     # lam rounded to the value dtype like the reference, then fp32; broadcasting to [B, T, H] makes
     # autodiff sum dlam for a scalar lambda.
     lam_BTH = jnp.broadcast_to(jnp.asarray(lam).astype(v_BSKv.dtype).astype(jnp.float32), (B, T, H))
-    return _fused(q_BTH2d, k_BSKGd, v_BSKv, lam_BTH, False, causal, segment_ids, scale, tuning, interpret)
+    return _fused(q_BTH2d, k_BSKGd, v_BSKv, lam_BTH, False, causal, segment_ids, scale, tuning, interpret, q_offset)
 
 
-def dot_product_attention_pallas_gpu(q_BTNd, k_BSKd, v_BSKd, *, causal=True, segment_ids=None, scale=None, tuning=None, interpret=None):
+def dot_product_attention_pallas_gpu(q_BTNd, k_BSKd, v_BSKd, *, causal=True, segment_ids=None, scale=None, tuning=None,
+                                     interpret=None, q_offset=None):
     """Fused standard attention on Hopper (the single-map mode of the same kernels: the two consumer
     warpgroups take two 64-row query tiles, or in dk/dv two 64-row kv tiles, sharing every streamed
-    tile); same contract as diffjax.ops.dot_product_attention with dv == d, segment ids included."""
+    tile); same contract as diffjax.ops.dot_product_attention with dv == d, segment ids included.
+    q_offset: as for diff_attention_pallas_gpu."""
     why_not = unsupported(q_BTNd, k_BSKd, v_BSKd, tuning)
     if why_not:
         raise ValueError(f"dot_product_attention: impl='pallas_gpu' {why_not}")
-    return _fused(q_BTNd[:, :, :, None], k_BSKd[:, :, :, None], v_BSKd, None, True, causal, segment_ids, scale, tuning, interpret)
+    return _fused(q_BTNd[:, :, :, None], k_BSKd[:, :, :, None], v_BSKd, None, True, causal, segment_ids, scale, tuning,
+                  interpret, q_offset)
 
 
-def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale, tuning, interpret):
+def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale, tuning, interpret, q_offset):
     """Pad to the block sizes, run the custom-VJP kernels, crop: q with a map axis M (2, or 1 single)."""
     B, T, H, _, d = q_BTHMd.shape
     _, S, K, G, _ = k_BSKGd.shape
@@ -946,26 +967,28 @@ def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale
         G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages, pingpong=bool(bs.pingpong),
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
         interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret), single=single,
+        traced_offset=bool(causal) and q_offset is not None,
     )
+    offset = jnp.full((1,), q_offset, jnp.int32) if st.traced_offset else None
     q = _pad_axis(q_BTHMd, 1, Tp)
     k = _pad_axis(k_BSKGd, 1, Sp)
     v = _pad_axis(v_BSKv, 1, Sp)
-    o_BTHv = _flash(st, q, k, v, lam_BHT, q_seg, kv_seg)
+    o_BTHv = _flash(st, q, k, v, lam_BHT, q_seg, kv_seg, offset)
     return o_BTHv[:, :T]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg):
-    return _forward(st, q, k, v, lam, q_seg, kv_seg, save_residuals=False)[0]
+def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg, offset):
+    return _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=False)[0]
 
 
-def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg):
-    o, lse, *o2 = _forward(st, q, k, v, lam, q_seg, kv_seg, save_residuals=True)
-    return o, (q, k, v, lam, q_seg, kv_seg, o, o2[0] if o2 else None, lse)
+def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg, offset):
+    o, lse, *o2 = _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=True)
+    return o, (q, k, v, lam, q_seg, kv_seg, offset, o, o2[0] if o2 else None, lse)
 
 
 def _flash_bwd(st, res, do):
-    q, k, v, lam, q_seg, kv_seg, o, o2, lse = res
+    q, k, v, lam, q_seg, kv_seg, offset, o, o2, lse = res
     do = do.astype(q.dtype)
     do32 = do.astype(jnp.float32)
     if st.single:
@@ -974,12 +997,12 @@ def _flash_bwd(st, res, do):
         lam_BTH1 = lam.transpose(0, 2, 1)[..., None]
         o1 = o.astype(jnp.float32) + lam_BTH1 * o2  # the un-mixed first map, from the rounded output
         D_BHMT = jnp.stack([jnp.einsum("bthv,bthv->bht", do32, o1), jnp.einsum("bthv,bthv->bht", do32, o2)], axis=2)
-    dq = _dq(st, q, k, v, lam, q_seg, kv_seg, do, lse, D_BHMT)
-    dk_BSKMd, dv = _dkdv(st, q, k, v, lam, q_seg, kv_seg, do, lse, D_BHMT)
+    dq = _dq(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D_BHMT)
+    dk_BSKMd, dv = _dkdv(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D_BHMT)
     # differential with keys shared by both maps (G = 1): dK is the sum of the maps' slices
     dk = dk_BSKMd if st.M == st.G else dk_BSKMd.astype(jnp.float32).sum(axis=3, keepdims=True).astype(k.dtype)
     dlam = None if st.single else -D_BHMT[:, :, 1]
-    return dq, dk, dv, dlam, None, None
+    return dq, dk, dv, dlam, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
