@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.single_leg  # a subprocess of the train step, which test_trainer / test_chunked_loss cover on both legs
 def test_train_step_benchmark_tiny_writes_every_figure(tmp_path):
     out = tmp_path / "train_step.json"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
