@@ -43,8 +43,8 @@ import jax.numpy as jnp
 
 from diffjax import sharding
 from diffjax.ops import compositions, context_parallel
-from diffjax.ops.choice import CUDNN_FASTER_ON_HOPPER, DEVICES, IMPLS, AttentionCall, Device, choose, current_device
-from diffjax.ops.choice import pallas_gpu_unsupported
+from diffjax.ops.choice import (CUDNN_FASTER_ON_HOPPER, DEVICES, IMPLS, AttentionCall, Device, choose, current_device,
+                                pallas_gpu_unsupported)
 from diffjax.ops.reference import attention_mask, check_window, diff_attention_xla, dot_product_attention_xla
 
 def config_problems(impl: str, dtype: str) -> list[str]:

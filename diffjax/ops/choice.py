@@ -21,8 +21,8 @@ IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "splash", "cudnn", "triton")
 # bf16, T = 8192): for these "auto" takes cuDNN when cuDNN takes the call (no segment ids; packed training
 # batches keep pallas_gpu). H100, jax 0.11.2, 2026-11-26 (benchmarks/results/attention_gpu.json), TFLOP/s
 # pallas_gpu vs cuDNN: diff d 128 / dv 256 causal 357 vs 368, non-causal 376 vs 433; standard attention
-# (the single-map mode) d 128 causal 352 vs 469, non-causal 406 vs 566. pallas_gpu's forward is the faster
-# one in all four (1.06-1.21x); the backward decides.
+# (the single-map mode) d 128 causal 352 vs 469, non-causal 406 vs 566. pallas_gpu's forward alone is faster
+# in three of the four (1.18-1.39x; single-map non-causal 0.97x): the backward decides.
 CUDNN_FASTER_ON_HOPPER: frozenset[tuple[str, int, int, bool]] = frozenset({
     ("diff_attention", 128, 256, True), ("diff_attention", 128, 256, False),
     ("dot_product_attention", 128, 128, True), ("dot_product_attention", 128, 128, False),
