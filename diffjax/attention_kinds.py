@@ -3,7 +3,7 @@ analyses read, so that none of them names a kind. Importable without JAX.
 
 A kind is a row here plus one module under diffjax/model/attention/ (a subclass of
 `diffjax.model.attention.AttentionModule`) that states what differs: its parameters, `project`, the
-op's extra arguments (lambda) and `output`. To add one (README, "Adding an attention kind"):
+op's extra arguments (lambda) and `output`. To add one (README, "Adding a kind"):
 
     attention_kinds.register(AttentionKind(name="my_kind", label="My attention", module="my_package.my_module:MyAttention",
                                            maps=2, value_width=1, lambda_form="per_token",

@@ -350,7 +350,8 @@ def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
     current = config.to_dict()
     # A field the saved config predates has its default there.
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.init}
-    saved_model, current_model = {**defaults, **saved.get("model", {})}, current["model"]
+    # (older config files name a kind's options at the top of the model section: read them as options)
+    saved_model, current_model = {**defaults, **ModelConfig.legacy_values(saved.get("model", {}))}, current["model"]
     saved_model["global_layers"] = list(saved_model["global_layers"])
     keys = set(saved_model) | set(current_model)
     differing = sorted(k for k in keys - set(RUNTIME_FIELDS) if saved_model.get(k) != current_model.get(k))
