@@ -9,7 +9,7 @@ diffjax/model/attention/ says what it computes):
                  d = d_model / h, 2h query heads paired (2j, 2j+1), k and v with num_kv_heads heads of d,
                  per-token lambda = sigmoid(x W_lambda); no per-head norm, no lambda_init
   "shared_diff"  Shared DIFF Transformer (arXiv:2501.17900): V1 whose two maps' q (and k) projections are one
-                 shared base plus a low-rank update each, rank `shared_diff_rank`
+                 shared base plus a low-rank update each, rank `attention_options.rank`
   "gda"          Grouped Differential Attention (arXiv:2510.06949; Motif-2-12.7B): V1 with fewer noise heads than
                  signal heads, `attention_options.num_noise_heads` of them, each serving num_heads / num_noise_heads
                  signal heads
