@@ -281,7 +281,7 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
     log(
         f"model: {model.attention} attention, d_model {model.d_model}, {model.num_layers} layers, "
         f"{model.num_heads} heads of dim {model.head_dim}"
-        f"{f' ({model.num_noise_heads} noise heads)' if model.num_noise_heads else ''}, {model.param_count():,} params; "
+        f"{_options_note(model)}, {model.param_count():,} params; "
         f"{training_flops_per_token(model, config.data.seq_len) / 1e6:,.1f} MFLOP per trained token"
     )
     log(f"mesh: {parallel.describe(mesh)} over {jax.process_count()} process(es)")
@@ -350,7 +350,8 @@ def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
     current = config.to_dict()
     # A field the saved config predates has its default there.
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.init}
-    saved_model, current_model = {**defaults, **saved.get("model", {})}, current["model"]
+    # (older config files name a kind's options at the top of the model section: read them as options)
+    saved_model, current_model = {**defaults, **ModelConfig.legacy_values(saved.get("model", {}))}, current["model"]
     saved_model["global_layers"] = list(saved_model["global_layers"])
     keys = set(saved_model) | set(current_model)
     differing = sorted(k for k in keys - set(RUNTIME_FIELDS) if saved_model.get(k) != current_model.get(k))
@@ -427,3 +428,10 @@ def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
         where = f"data.paths {list(config.data.paths)}" if config.data.paths else f"data.source {config.data.source!r}"
         what = "all empty" if n == len(documents) else f"empty (the first {n})"
         raise ValueError(f"the training data has no text to learn from ({where}: its documents are {what})")
+
+
+def _options_note(model: ModelConfig) -> str:
+    """' (2 noise heads)': what the model's kinds' own options say of it, for the set-up log."""
+    notes = [options.describe() for options in (model.attention_options, model.mlp_options, model.residual_options)
+             if options is not None and options.describe()]
+    return f" ({', '.join(notes)})" if notes else ""
