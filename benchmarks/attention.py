@@ -270,17 +270,17 @@ def time_record(fns, rec: dict, warmup: int, repeats: int) -> dict:
 
 
 def time_section(platform: str, impls: list[str], lengths: list[int], H: int, warmup: int, repeats: int) -> list[dict]:
-    """One record per impl, T, causal and pass (pallas kernels off-TPU run interpreted: small T only, and their
-    figures are not kernel speed)."""
+    """One record per impl, T, causal and pass (time_record's), under a printed header."""
     accel = platform in ("gpu", "tpu")
-    interpret_max_T = 512
+    interpret_max_T = 512  # pallas kernels off-TPU run interpreted: only small T, figures are not kernel speed
     header = f"{'impl':<11}{'T':>6} {'causal':>6} {'pass':>8} | {'diff ms':>9} {'TFLOP/s':>8} | {'base ms':>9} {'TFLOP/s':>8} | {'2call ms':>9} | {'diff/base':>9} {'diff/2call':>10}"
     print(header)
     print("-" * len(header))
     records = []
     for impl in impls:
+        interpret = impl in ("pallas_tpu", "splash") and platform != "tpu"
         for T in lengths:
-            if impl in ("pallas_tpu", "splash") and platform != "tpu" and T > interpret_max_T:
+            if interpret and T > interpret_max_T:
                 continue
             B = max(1, 16384 // T) if accel else 1
             for causal in (False, True):
@@ -292,7 +292,7 @@ def time_section(platform: str, impls: list[str], lengths: list[int], H: int, wa
                 for mode in ("fwd", "fwd+bwd"):
                     records.append(time_record(fns, {
                         "impl": impl, "T": T, "B": B, "H": H, "d": D, "dv": DV, "causal": causal, "pass": mode,
-                        "interpret": impl in ("pallas_tpu", "splash") and platform != "tpu"}, warmup, repeats))
+                        "interpret": interpret}, warmup, repeats))
     return records
 
 

@@ -211,8 +211,8 @@ class DiffjaxLM(TemplateLM):
     generation_kwargs override it); dtype: "float32" / "bfloat16" (default: the checkpoint's); mesh: a Mesh or
     "data=4,tensor=2" / "data:4/tensor:2" (`parse_mesh`: batches split over data x fsdp, params by
     diffjax.sharding's rules, each scored sequence over context); add_bos_token / prefix_token_id: as HFLM's
-    (None: the tokenizer's default / bos, else eos); seed: sampled generation's key. device and max_batch_size (lm_eval passes them to every model) are
-    ignored: JAX places the work.
+    (None: the tokenizer's default / bos, else eos); seed: sampled generation's key. device and max_batch_size
+    (lm_eval passes them to every model) are ignored: JAX places the work.
     """
 
     def __init__(self, pretrained: str | None = None, *, model=None, tokenizer=None, batch_size: int | str = 8,
