@@ -79,17 +79,14 @@ def _imported(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     else:
-        base = node.module or ""
-        if node.level:  # relative: from the importer's package
-            package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
-            package = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
-            base = f"{package}.{base}" if base else package
-        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        assert not node.level, f"{module} line {node.lineno}: a relative import (the package imports absolutely)"
+        names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
+                 for alias in node.names]
     found = []
     for name in names:
         while name and name not in MODULES:
             name = name.rpartition(".")[0]
-        if name.startswith("diffjax") and name != module and name not in found:
+        if name and name != module and name not in found:
             found.append(name)
     return found
 
