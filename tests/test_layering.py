@@ -15,7 +15,9 @@ PACKAGE = REPO_ROOT / "diffjax"
 # Low to high: a module may import its own layer and those below it. A name covers its submodules; the longest
 # name that matches a module decides (diffjax.generate.__main__ is an application, diffjax.generate a library).
 LAYERS = (
-    ("config", ("diffjax.config", "diffjax.attention_kinds", "diffjax.jax_compat")),  # settings and tables, no jax
+    # settings and the tables of kinds, no jax
+    ("config", ("diffjax.config", "diffjax.config_values", "diffjax.kinds", "diffjax.attention_kinds",
+                "diffjax.mlp_kinds", "diffjax.residual_kinds", "diffjax.jax_compat")),
     ("sharding", ("diffjax.sharding",)),
     ("ops", ("diffjax.ops",)),
     ("model", ("diffjax.model", "diffjax.losses", "diffjax.lora", "diffjax.generate")),  # and decoding with it
@@ -54,7 +56,6 @@ ALLOWED_LONG_FUNCTIONS = {
     "diffjax/ops/pallas_gpu.py:_dkdv.kernel",
     # issue 43, being split
     "diffjax/train/run.py:_set_up",
-    "diffjax/config.py:ModelConfig.__post_init__",
 }
 
 
