@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 from diffjax import attention_kinds
+from diffjax.attention_impls import config_problems
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (diffjax.model.layers.polynorm)
 ROPE_STYLES = ("interleaved", "rotate_half")
@@ -142,10 +143,6 @@ class ModelConfig:
         check(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         check(self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}")
         check(self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
-        # The impl names and each kernel's constraints belong to diffjax.ops (imported here, not at the top,
-        # so that the config module stays free of jax).
-        from diffjax.ops import config_problems
-
         errors += config_problems(self.attention_impl, self.dtype)
         check(self.remat in REMAT_POLICIES, f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         check(isinstance(self.scan_layers, bool), f"scan_layers must be true or false, got {self.scan_layers!r}")
