@@ -7,9 +7,6 @@ impl:
                 flash-style backward: memory of one query piece x one key block).
   window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, splash and cudnn;
   pallas_gpu and triton refuse it, and "auto" passes over them.
-  A mesh with a context axis (parallel.context > 1) splits the sequence: attention then all-gathers K/V over
-  that axis; each device attends its two query chunks with the fused Pallas TPU kernels (impl "pallas_tpu", or
-  "auto" on a TPU) or blockwise XLA attention (every other impl) (context_parallel.py).
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
@@ -27,9 +24,10 @@ impl:
                 takes (CUDNN_FASTER_ON_HOPPER); else "cudnn" when it takes the call (no segment ids);
                 else "triton" (segment ids, any CUDA GPU); "xla" only when none of them runs; a decode
                 step (one query against a KV cache) runs "xla".
-Under a mesh with a context axis (context_parallel.py): "pallas_tpu" / "pallas_gpu", and "auto" on a TPU / on a
-Hopper GPU where the Mosaic GPU kernels take the call, run the fused kernels per query chunk (the chunk's place
-in the sequence as their query offset); every other impl attends blockwise in XLA.
+A mesh with a context axis (parallel.context > 1; context_parallel.py) splits the sequence: attention all-gathers
+K/V over that axis, and each device attends its two query chunks. "pallas_tpu" / "pallas_gpu", and "auto" on a TPU
+/ on a Hopper GPU where the Mosaic GPU kernels take the call, run the fused kernels per chunk (the chunk's place in
+the sequence as their query offset); every other impl attends blockwise in XLA.
 
 The whole route of a call (impl, context axis, blockwise) is `diffjax.ops.choose(call, impl, device) -> Route`, a
 pure function of the shapes, the context axis' size and the device (choice.py; `python -m diffjax.ops --config ...
