@@ -102,9 +102,9 @@ def test_the_fused_gpu_kernels_run_per_query_chunk_over_the_context_axis(op, mon
     per query chunk, each against every key with a traced query offset; "auto" falls back to the blockwise XLA path
     where they cannot run (float32; a GPU that is not Hopper). Traced only, routed as on an H100 / A100
     (ops.simulated_device): interpreted kernels under shard_map would run concurrently on the host devices, which
-    deadlocks Mosaic GPU's interpreter. Their
-    numbers with an offset are tests/test_ops_pallas_gpu.py's (test_pallas_gpu_interpret_query_offset), and the
-    offsets each device passes are the ones the TPU kernels are tested with end to end above."""
+    deadlocks Mosaic GPU's interpreter. Their numbers with an offset are tests/test_ops_pallas_gpu.py's
+    (test_pallas_gpu_interpret_query_offset), and the offsets each device passes are the ones the TPU kernels are
+    tested with end to end above."""
     B, T, H, K, d, C = 1, 128, 2, 1, 64, 2
     mesh = _mesh(context=C)
     kernel_calls = _spy_on_the_mosaic_gpu_kernels(monkeypatch)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from diffjax.attention_impls import IMPLS
 from diffjax.ops import compositions, context_parallel
 from diffjax.ops.reference import check_window
+
 # (op, d, dv, causal) where the cuDNN composition was measured faster than pallas_gpu on Hopper (fwd+bwd,
 # bf16, T = 8192): for these "auto" takes cuDNN when cuDNN takes the call (no segment ids; packed training
 # batches keep pallas_gpu). H100, jax 0.11.2, 2026-11-26 (benchmarks/results/attention_gpu.json), TFLOP/s
