@@ -78,7 +78,8 @@ _KERNELS = {
     "cudnn": _Kernel("compositions", ("diff_attention_cudnn", "dot_product_attention_cudnn"),
                      lambda window, **_: dict(window=window), per_device=False),
     "pallas_tpu": _Kernel("pallas_tpu", ("diff_attention_pallas", "dot_product_attention_pallas"),
-                          lambda window, block_sizes, **_: dict(block_sizes=block_sizes, window=window), per_device=True),
+                          lambda window, block_sizes, **_: dict(block_sizes=block_sizes, window=window),
+                          per_device=True),
     "pallas_gpu": _Kernel("pallas_gpu", ("diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu"),
                           lambda block_sizes, **_: dict(tuning=block_sizes), per_device=True),
     "splash": _Kernel("compositions", ("diff_attention_splash", "dot_product_attention_splash"),
@@ -159,7 +160,8 @@ def _blockwise(op, q, k, v, lam, *, over_context, causal, segment_ids, scale, wi
     k_BSKGd = k if maps == 2 else k[:, :, :, None]
     kwargs = dict(causal=causal, segment_ids=segment_ids, scale=d ** -0.5 if scale is None else scale, window=window)
     if over_context:
-        o_BTKRMv = context_parallel.context_parallel_attention(q_BTKRMd, k_BSKGd, v, mesh=sharding.active_mesh(), **kwargs)
+        o_BTKRMv = context_parallel.context_parallel_attention(q_BTKRMd, k_BSKGd, v, mesh=sharding.active_mesh(),
+                                                               **kwargs)
     else:
         o_BTKRMv = context_parallel.blockwise_xla_attention(q_BTKRMd, k_BSKGd, v, **kwargs)
     if maps == 1:

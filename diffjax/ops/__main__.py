@@ -1,6 +1,6 @@
 """How each attention call of a model runs, and why, on a device you may not have.
 
-    python -m diffjax.ops --config configs/paper/diff-1.4b.yaml --device h100 [--context 2] [--window 512] [key=value ...]
+    python -m diffjax.ops --config configs/paper/diff-1.4b.yaml --device h100 [--context N] [--window W] [key=value ...]
 
 prints, for the training step (packed rows: segment ids), a generation prefill and a decode step, the op's
 shapes and `diffjax.ops.choose`'s route for the config's `model.attention_impl` (default auto): the impl,

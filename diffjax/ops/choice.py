@@ -176,7 +176,8 @@ def _over_the_context_axis(call: AttentionCall, impl: str, device: Device) -> Ro
     TPU_MIN_T and CUDNN_FASTER_ON_HOPPER weigh a kernel against the XLA reference and cuDNN, and over a context
     axis the alternative is blockwise XLA."""
     if impl in ("pallas_tpu", "pallas_gpu"):
-        return Route(impl, context=True, blockwise=False, reason=_asked_for(call, impl, device)[1])  # raises where it cannot
+        reason = _asked_for(call, impl, device)[1]  # raises where the kernel cannot take the call
+        return Route(impl, context=True, blockwise=False, reason=reason)
     if impl != "auto":
         return Route("xla", context=True, blockwise=True, reason=f"impl {impl!r} takes no query offset")
     if device.platform == "tpu":
