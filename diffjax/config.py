@@ -24,6 +24,7 @@ import math
 from typing import Any, Mapping
 
 from diffjax import attention_kinds, kinds, mlp_kinds, residual_kinds
+from diffjax.attention_impls import config_problems
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (diffjax.model.layers.polynorm)
 ROPE_STYLES = ("interleaved", "rotate_half")
@@ -179,10 +180,6 @@ class ModelConfig:
                  f"{self.rope_low_freq_factor!r} and {self.rope_high_freq_factor!r}"),
                 (self.rope_original_max_len > 0, "rope_original_max_len must be > 0"),
             ]
-        # The impl names and each kernel's constraints belong to diffjax.ops (imported here, not at the top,
-        # so that the config module stays free of jax).
-        from diffjax.ops import config_problems
-
         return [message for ok, message in checks if not ok] + config_problems(self.attention_impl, self.dtype)
 
     def _derive_sizes(self, kind) -> tuple[str, ...]:

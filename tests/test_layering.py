@@ -17,7 +17,7 @@ PACKAGE = REPO_ROOT / "diffjax"
 LAYERS = (
     # settings and the tables of kinds, no jax
     ("config", ("diffjax.config", "diffjax.config_values", "diffjax.kinds", "diffjax.attention_kinds",
-                "diffjax.mlp_kinds", "diffjax.residual_kinds", "diffjax.jax_compat")),
+                "diffjax.mlp_kinds", "diffjax.residual_kinds", "diffjax.attention_impls", "diffjax.jax_compat")),
     ("sharding", ("diffjax.sharding",)),
     ("ops", ("diffjax.ops",)),
     ("model", ("diffjax.model", "diffjax.losses", "diffjax.lora", "diffjax.generate")),  # and decoding with it
@@ -36,8 +36,6 @@ LAYERS = (
 ALLOWED_UPWARD = {
     # removed by issue 43 item 1: the LoRA-run settings leave the params-only checkpoint format
     ("diffjax.params_checkpoint", "diffjax.train.config"),
-    # removed by issue 43 item 2: the impl names and each kernel's config checks move where no jax is needed
-    ("diffjax.config", "diffjax.ops"),
 }
 
 # diffjax.parallel only keeps old imports working (its names live in diffjax.sharding and diffjax.train.mesh).
