@@ -118,6 +118,10 @@ class RunDir:
     def of_step(cls, step_dir: str | Path) -> "RunDir":
         return cls(storage.as_path(step_dir).parent.parent)
 
+    def absolute(self) -> "RunDir":
+        """The same directory by its absolute path (what Orbax needs; a gs:// URL is one already)."""
+        return RunDir(storage.absolute(self.path))
+
     # ---- paths
 
     @property
@@ -172,6 +176,10 @@ class RunDir:
 
     def has_checkpoints(self) -> bool:
         return self.checkpoints.exists() and any(self.checkpoints.iterdir())
+
+    def damaged(self) -> tuple[str, ...]:
+        """The names in damaged-checkpoints/ (the checkpoints set aside there), sorted."""
+        return tuple(sorted(p.name for p in self.damaged_checkpoints.iterdir())) if self.damaged_checkpoints.is_dir() else ()
 
 
 def state_dir(step_dir: str | Path) -> Path:
