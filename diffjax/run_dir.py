@@ -17,7 +17,7 @@ here works on both, except the conversion's (a local directory: transformers wri
 a record, not an flock: TrainerLock).
 
 Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; then
-`lock_for_training()` makes it one trainer's), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
+`lock_for_training()` makes it one trainer's, which passes this RunDir on: diffjax.train.run's Run.directory), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
 one step: the step to load, with one-line errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
 (an empty directory the converter fills), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
 Who writes what: diffjax.params_checkpoint (params-only checkpoints and config.yaml), diffjax.train.state_checkpoints

@@ -1,8 +1,9 @@
 """`setup_run(config, log)`: everything a run needs before its first step, in one `Run`.
 
-Set-up checks the run directory (same model, newest intact checkpoint, already complete?), builds the
-mesh, tokenizer, data iterators, sharded state and jitted steps, and restores a checkpoint or initial
-params. The loop (loop.py) then only steps `run.state` and calls its hooks.
+Set-up checks the run directory (same model?), plans where the run starts from what the checkpointer finds there
+(start.py: fresh, resume, converted params, train.init_from, LoRA over a base, or already complete), builds the
+mesh, tokenizer, data iterators, sharded state and jitted steps, and follows the plan. The loop (loop.py) then only
+steps `run.state` and calls its hooks. The run directory travels as the RunDir `setup_run` opens (Run.directory).
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def _lock_run_dir(run: RunDir, log) -> TrainerLock:
 
 def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
             opened: contextlib.ExitStack) -> Run | TrainResult:
+    """Where the run starts (start.plan_start), then everything it needs, then the start the plan says."""
     check_resumable(directory, config, log)
     checkpointer = Checkpointer(directory, config.checkpoint)
     opened.callback(checkpointer.close)

@@ -3,7 +3,9 @@
 Layout (diffjax/run_dir.py): <run_dir>/checkpoints/<step>/{state, data, digest.json}. Orbax writes each checkpoint into a
 temporary directory and renames it when complete, so a crash during a save leaves the previous checkpoint
 as the latest restorable one (leftover temporary directories are removed on the next start). The digest
-(integrity.py) is written when a save is complete and checked before a restore.
+(integrity.py) is written when a save is complete and checked before a restore. At a start the Checkpointer
+describes the run directory for start.plan_start (`survey`) and restores the plan's train state
+(`restore_newest`), setting each damaged or unreadable checkpoint aside and trying the next.
 Params-only checkpoints (load_params, save_params, load_model): diffjax.params_checkpoint (`diffjax.checkpoint`).
 """
 
