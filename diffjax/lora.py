@@ -29,7 +29,8 @@ never split (`adapter_shardings`).
 
 A LoRA run directory names its settings and its base in config.yaml (`run_settings`); reading its weights merged
 is diffjax.params_checkpoint's (merged_lora_params), which imports this module: this one imports no checkpoint code
-and nothing of the trainer (the model and the sharding rules only where a function needs them).
+nor the run directory's layout, nor anything of the trainer (the model and the sharding rules only where a function
+needs them).
 
 Precision: `merge` adds in float32 and casts W' to W's dtype, so with a bfloat16 base an update smaller than
 W's rounding step does not show in the forward until it grows (the gradient still reaches A and B). Adapters
@@ -45,8 +46,6 @@ import re
 import jax
 import jax.numpy as jnp
 import yaml
-
-from diffjax.run_dir import RunDir
 
 # Projection name -> the kernel names it covers (Shared DIFF's dense query / key parts are q_base / k_base).
 TARGET_KERNELS = {
@@ -320,10 +319,9 @@ def check_same_base(saved: dict, current: dict, step_dir, init_from, advice: str
 
 # --- a LoRA run directory: its config.yaml names the settings and the base ---------------------------------------------
 
-def run_settings(run: RunDir) -> tuple[LoraConfig, str] | None:
-    """(LoraConfig, train.init_from) of a LoRA run directory (its config.yaml's lora section has rank > 0);
-    None for any other run directory."""
-    config_file = run.config_file
+def run_settings(config_file) -> tuple[LoraConfig, str] | None:
+    """(LoraConfig, train.init_from) of a LoRA run directory from its config.yaml (a pathlib or epath path; its lora
+    section has rank > 0); None for any other run directory."""
     saved = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
     section = saved.get("lora") or {}
     if not isinstance(section, dict) or not section.get("rank"):

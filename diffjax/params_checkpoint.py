@@ -299,7 +299,7 @@ def merged_lora_params(path: str | Path, *, what: str = "checkpoint") -> tuple[d
 
     step_dir = resolve_checkpoint(path, what)
     run = RunDir.of_step(step_dir)
-    settings = lora.run_settings(run)
+    settings = lora.run_settings(run.config_file)
     if settings is None:
         return None
     config, init_from = settings
