@@ -187,3 +187,23 @@ def test_a_toy_mlp_kind_trains_resumes_saves_and_generates(toy_kinds, tmp_path):
     with pytest.raises(ConversionError, match="mlp='toy_squared_relu': the Hugging Face formats hold mlp='gated' only"):
         diffjax.save_hf(model, tmp_path / "hf")
     assert np.asarray(diffjax.generate(back, [[104, 105]], 3)).shape == (1, 3)
+
+
+def test_a_run_directory_written_before_options_resumes_with_them(tmp_path):
+    """A run directory's config.yaml from before kinds had options names GDA's noise heads at the top of the model
+    section (and every kind's setting, null for the others): the same model resumes there, another is refused."""
+    import yaml
+
+    from diffjax.run_dir import RunDir
+    from diffjax.train.config import RunConfig
+    from diffjax.train.run import check_resumable
+
+    model = ModelConfig(attention="gda", num_heads=4, num_kv_heads=1, attention_options={"num_noise_heads": 2})
+    old_model = {key: value for key, value in model.to_dict().items() if key not in ("attention_options", "mlp", "residual")}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {**old_model, "num_noise_heads": 2, "shared_diff_rank": None}}))
+    notes = []
+    check_resumable(RunDir(tmp_path), RunConfig(model=model), notes.append)
+    assert notes == []
+    other = model.replace(attention_options={"num_noise_heads": 4})
+    with pytest.raises(ValueError, match=r"different model \(model.attention_options differ"):
+        check_resumable(RunDir(tmp_path), RunConfig(model=other), notes.append)

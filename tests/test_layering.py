@@ -33,15 +33,10 @@ LAYERS = (
 
 # Imports that run up a layer, as (importer, imported). Lazy imports inside a __main__.py (a command line, which
 # stands above everything it runs) are not listed: they are allowed.
-ALLOWED_UPWARD = {
-    # removed by issue 43 item 1: the LoRA-run settings leave the params-only checkpoint format
-    ("diffjax.params_checkpoint", "diffjax.train.config"),
-}
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 # diffjax.parallel only keeps old imports working (its names live in diffjax.sharding and diffjax.train.mesh).
-ALLOWED_PARALLEL_IMPORTERS = {
-    "diffjax.train.run",  # removed by issue 43 item 1: the trainer imports diffjax.train.mesh itself
-}
+ALLOWED_PARALLEL_IMPORTERS: set[str] = set()
 
 MAX_FUNCTION_LINES = 80
 ALLOWED_LONG_FUNCTIONS = {
@@ -52,8 +47,6 @@ ALLOWED_LONG_FUNCTIONS = {
     "diffjax/ops/pallas_gpu.py:_dq",
     "diffjax/ops/pallas_gpu.py:_dkdv",
     "diffjax/ops/pallas_gpu.py:_dkdv.kernel",
-    # issue 43, being split
-    "diffjax/train/run.py:_set_up",
 }
 
 

@@ -151,12 +151,11 @@ class MetricsWriter:
     metrics.jsonl.1 (.2, ...), and TensorBoard hides the earlier events from step 1 on (they stay on disk).
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool, resume_step: int = 0, enabled: bool = True):
+    def __init__(self, run: RunDir, *, tensorboard: bool, resume_step: int = 0, enabled: bool = True):
         self.enabled = enabled  # False on all but the main process of a multi-process run
         self.kept_as = None  # where the records of an earlier start went
         if not enabled:
             return
-        run = RunDir(run_dir)
         self.jsonl_path = run.metrics_file
         if resume_step and self.jsonl_path.exists():
             self._truncate_after(resume_step)
