@@ -224,38 +224,63 @@ def run_memory_section(platform, device):
     return memory
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer lengths and repeats")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/attention_<platform>.json)")
     parser.add_argument("--impls", default=None, help="comma-separated subset of impls")
     parser.add_argument("--lengths", default=None, help="comma-separated T values")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory section (compiles and OOM probes)")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    platform = jax.default_backend()
-    device = jax.devices()[0]
-    impls = args.impls.split(",") if args.impls else impls_for(platform)
-    accel = platform in ("gpu", "tpu")
+
+def lengths_for(args, accel: bool) -> list[int]:
     if args.lengths:
-        lengths = [int(t) for t in args.lengths.split(",")]
-    elif accel:
-        lengths = [2048, 4096] if args.quick else [2048, 4096, 8192, 16384]
-    else:
-        lengths = [256, 512] if args.quick else [256, 512, 1024]
-    H = 8 if accel else 2  # diff heads (baseline 2H); GPU: 16k tokens per batch like the FA3 figures
-    warmup, repeats = (1, 3) if args.quick else (2, 5)
-    interpret_max_T = 512  # pallas kernels off-TPU run interpreted: only small T, figures are not kernel speed
+        return [int(t) for t in args.lengths.split(",")]
+    if accel:
+        return [2048, 4096] if args.quick else [2048, 4096, 8192, 16384]
+    return [256, 512] if args.quick else [256, 512, 1024]
 
-    print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, impls {impls}, d={D}, dv={DV}, bf16")
-    print("TFLOP/s nominal: diff fwd 12 B H T S d, baseline fwd 8 B H T S d (2H heads of d); causal /2; fwd+bwd 3.5 x fwd")
-    records = []
+
+def time_record(fns, rec: dict, warmup: int, repeats: int) -> dict:
+    """rec (one impl, T, causal and pass) with the three variants' times, TFLOP/s and ratios, printed as one row;
+    an error (OOM, an unsupported shape) is a result too."""
+    impl, T, causal, mode, B, H = rec["impl"], rec["T"], rec["causal"], rec["pass"], rec["B"], rec["H"]
+    try:
+        for name in ("diff", "baseline", "two-call"):
+            fn, fargs = fns[name, mode]
+            rec[f"{name}_s"] = time_fn(fn, fargs, warmup, repeats)
+    except Exception as e:  # noqa: BLE001 (OOM or an unsupported shape is a result)
+        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"{impl:<11}{T:>6} {str(causal):>6} {mode:>8} | error {rec['error'][:80]}")
+        return rec
+    mult = 1.0 if mode == "fwd" else 3.5
+    rec["diff_tflops"] = mult * flops_diff(B, H, T, T, causal) / rec["diff_s"] / 1e12
+    rec["baseline_tflops"] = mult * flops_baseline(B, H, T, T, causal) / rec["baseline_s"] / 1e12
+    rec["two-call_tflops"] = mult * flops_diff(B, H, T, T, causal) / rec["two-call_s"] / 1e12
+    rec["diff_over_baseline"] = rec["diff_s"] / rec["baseline_s"]
+    rec["diff_over_two_call"] = rec["diff_s"] / rec["two-call_s"]
+    print(
+        f"{impl:<11}{T:>6} {str(causal):>6} {mode:>8} | {1e3 * rec['diff_s']:>9.2f} {rec['diff_tflops']:>8.3f} | "
+        f"{1e3 * rec['baseline_s']:>9.2f} {rec['baseline_tflops']:>8.3f} | {1e3 * rec['two-call_s']:>9.2f} | "
+        f"{rec['diff_over_baseline']:>9.2f} {rec['diff_over_two_call']:>10.2f}"
+        + ("   (interpret mode)" if rec["interpret"] else "")
+    )
+    return rec
+
+
+def time_section(platform: str, impls: list[str], lengths: list[int], H: int, warmup: int, repeats: int) -> list[dict]:
+    """One record per impl, T, causal and pass (time_record's), under a printed header."""
+    accel = platform in ("gpu", "tpu")
+    interpret_max_T = 512  # pallas kernels off-TPU run interpreted: only small T, figures are not kernel speed
     header = f"{'impl':<11}{'T':>6} {'causal':>6} {'pass':>8} | {'diff ms':>9} {'TFLOP/s':>8} | {'base ms':>9} {'TFLOP/s':>8} | {'2call ms':>9} | {'diff/base':>9} {'diff/2call':>10}"
     print(header)
     print("-" * len(header))
+    records = []
     for impl in impls:
+        interpret = impl in ("pallas_tpu", "splash") and platform != "tpu"
         for T in lengths:
-            if impl in ("pallas_tpu", "splash") and platform != "tpu" and T > interpret_max_T:
+            if interpret and T > interpret_max_T:
                 continue
             B = max(1, 16384 // T) if accel else 1
             for causal in (False, True):
@@ -265,30 +290,25 @@ def main():
                     print(f"{impl:<11}{T:>6} skipped: {e}")
                     continue
                 for mode in ("fwd", "fwd+bwd"):
-                    rec = {"impl": impl, "T": T, "B": B, "H": H, "d": D, "dv": DV, "causal": causal, "pass": mode,
-                           "interpret": impl in ("pallas_tpu", "splash") and platform != "tpu"}
-                    try:
-                        for name in ("diff", "baseline", "two-call"):
-                            fn, fargs = fns[name, mode]
-                            rec[f"{name}_s"] = time_fn(fn, fargs, warmup, repeats)
-                    except Exception as e:  # noqa: BLE001 (OOM or an unsupported shape is a result)
-                        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                        print(f"{impl:<11}{T:>6} {str(causal):>6} {mode:>8} | error {rec['error'][:80]}")
-                        records.append(rec)
-                        continue
-                    mult = 1.0 if mode == "fwd" else 3.5
-                    rec["diff_tflops"] = mult * flops_diff(B, H, T, T, causal) / rec["diff_s"] / 1e12
-                    rec["baseline_tflops"] = mult * flops_baseline(B, H, T, T, causal) / rec["baseline_s"] / 1e12
-                    rec["two-call_tflops"] = mult * flops_diff(B, H, T, T, causal) / rec["two-call_s"] / 1e12
-                    rec["diff_over_baseline"] = rec["diff_s"] / rec["baseline_s"]
-                    rec["diff_over_two_call"] = rec["diff_s"] / rec["two-call_s"]
-                    records.append(rec)
-                    print(
-                        f"{impl:<11}{T:>6} {str(causal):>6} {mode:>8} | {1e3 * rec['diff_s']:>9.2f} {rec['diff_tflops']:>8.3f} | "
-                        f"{1e3 * rec['baseline_s']:>9.2f} {rec['baseline_tflops']:>8.3f} | {1e3 * rec['two-call_s']:>9.2f} | "
-                        f"{rec['diff_over_baseline']:>9.2f} {rec['diff_over_two_call']:>10.2f}"
-                        + ("   (interpret mode)" if rec["interpret"] else "")
-                    )
+                    records.append(time_record(fns, {
+                        "impl": impl, "T": T, "B": B, "H": H, "d": D, "dv": DV, "causal": causal, "pass": mode,
+                        "interpret": interpret}, warmup, repeats))
+    return records
+
+
+def main():
+    args = parse_args()
+    platform = jax.default_backend()
+    device = jax.devices()[0]
+    impls = args.impls.split(",") if args.impls else impls_for(platform)
+    accel = platform in ("gpu", "tpu")
+    lengths = lengths_for(args, accel)
+    H = 8 if accel else 2  # diff heads (baseline 2H); GPU: 16k tokens per batch like the FA3 figures
+    warmup, repeats = (1, 3) if args.quick else (2, 5)
+
+    print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, impls {impls}, d={D}, dv={DV}, bf16")
+    print("TFLOP/s nominal: diff fwd 12 B H T S d, baseline fwd 8 B H T S d (2H heads of d); causal /2; fwd+bwd 3.5 x fwd")
+    records = time_section(platform, impls, lengths, H, warmup, repeats)
 
     targets = kernel_targets(records)
     if targets:

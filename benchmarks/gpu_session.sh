@@ -22,8 +22,8 @@
 # The phases run on the image's jax (0.11.2 in 2026-11) or, where .whl-jax/ holds the wheels of another
 # (NOTES.md, "Supported JAX versions"), on that one; gpu.txt records which. No code differs between them.
 # Everything lands in $OUT, which the device tool brings back (gpu.txt says what ran where). Commit
-# the JSON to benchmarks/results/ and the figures to NOTES.md. The device image has jax (CUDA),
-# flax, optax, orbax, pyyaml and pytest: nothing is installed here.
+# the JSON to benchmarks/results/ and the figures to benchmarks/results/gpu_session_<date>.md. The device
+# image has jax (CUDA), flax, optax, orbax, pyyaml and pytest: nothing is installed here.
 set -u -o pipefail
 OUT=${OUT:-/tmp/diffjax-gpu-out}
 mkdir -p "$OUT"

@@ -16,6 +16,7 @@ hundredths of a nat are within run-to-run noise at this size.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import shutil
@@ -77,7 +78,7 @@ def main():
         rows.append({
             "variant": name, "attention": model.attention, "params": model.param_count(), "mlp_dim": model.mlp_dim,
             "num_heads": model.num_heads, "head_dim": model.head_dim,
-            "shared_diff_rank": model.shared_diff_rank, "train_loss": sum(last_quarter) / len(last_quarter),
+            "attention_options": model.attention_options and dataclasses.asdict(model.attention_options), "train_loss": sum(last_quarter) / len(last_quarter),
             "eval_loss": result.eval_losses[result.step], "seconds": round(seconds, 1),
         })
         print(f"   train {rows[-1]['train_loss']:.4f}  eval {rows[-1]['eval_loss']:.4f}  ({seconds:.0f} s)", flush=True)

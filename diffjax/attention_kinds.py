@@ -3,19 +3,23 @@ analyses read, so that none of them names a kind. Importable without JAX.
 
 A kind is a row here plus one module under diffjax/model/attention/ (a subclass of
 `diffjax.model.attention.AttentionModule`) that states what differs: its parameters, `project`, the
-op's extra arguments (lambda) and `output`. To add one (README, "Adding an attention kind"):
+op's extra arguments (lambda) and `output`. To add one (README, "Adding a kind"):
 
     attention_kinds.register(AttentionKind(name="my_kind", label="My attention", module="my_package.my_module:MyAttention",
                                            maps=2, value_width=1, lambda_form="per_token",
                                            attention_params=..., attention_flops=...))
 
-then `ModelConfig(attention="my_kind")` trains, generates and is analysed like the built-in kinds.
+then `ModelConfig(attention="my_kind")` trains, generates and is analysed like the built-in kinds. A kind with
+settings of its own gives its row an `options` class (diffjax.kinds.Options: GDA's and Shared DIFF's below);
+ModelConfig then holds them as `attention_options`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
+
+from diffjax import kinds
 
 ANALYSES = ("needles", "attention_scores", "outliers", "quantization")  # diffjax.analysis's functions
 LAMBDA_FORMS = ("none", "per_layer", "per_token")
@@ -38,8 +42,7 @@ class AttentionKind:
     hf_architecture: str | None = None
     unilm_module: str | None = None  # microsoft/unilm's module class it loads from and exports to
     analyses: tuple[str, ...] = ANALYSES
-    own_fields: dict = dataclasses.field(default_factory=dict)  # ModelConfig field -> (ModelConfig) -> its default
-    config_problems: Callable = lambda config: []  # (ModelConfig, sizes derived) -> what is invalid, one line each
+    options: type[kinds.Options] | None = None  # the kind's own settings (ModelConfig.attention_options)
 
     def __post_init__(self):
         if self.maps not in (1, 2):
@@ -53,38 +56,16 @@ class AttentionKind:
             raise ValueError(f"AttentionKind {self.name!r}: unknown analyses {unknown}; known: {ANALYSES}")
 
 
-_KINDS: dict[str, AttentionKind] = {}
-
-
-def register(kind: AttentionKind, *, replace: bool = False) -> AttentionKind:
-    """Add `kind` to the table (replace=True overwrites a kind of the same name)."""
-    if kind.name in _KINDS and not replace:
-        raise ValueError(f"attention kind {kind.name!r} is already registered (pass replace=True to overwrite it)")
-    _KINDS[kind.name] = kind
-    return kind
-
-
-def unregister(name: str) -> None:
-    """Remove a kind added with `register` (for tests that define one)."""
-    _KINDS.pop(name, None)
-
-
-def get(name: str) -> AttentionKind:
-    if name not in _KINDS:
-        raise ValueError(f"attention must be one of {names()}, got {name!r}")
-    return _KINDS[name]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_KINDS)
+TABLE: kinds.Table[AttentionKind] = kinds.Table("attention")
+register, unregister, get, names = TABLE.register, TABLE.unregister, TABLE.get, TABLE.names
 
 
 def for_hf_model_type(model_type: str) -> AttentionKind | None:
-    return next((kind for kind in _KINDS.values() if kind.hf_model_type == model_type), None)
+    return next((kind for kind in TABLE.rows() if kind.hf_model_type == model_type), None)
 
 
 def for_unilm_module(module_name: str) -> AttentionKind | None:
-    return next((kind for kind in _KINDS.values() if kind.unilm_module == module_name), None)
+    return next((kind for kind in TABLE.rows() if kind.unilm_module == module_name), None)
 
 
 # ------------------------------------------------------------------------------ the built-in kinds
@@ -102,8 +83,24 @@ def _diff_params(c) -> int:
     return D * H * 2 * d + 2 * D * K * 2 * d + H * 2 * d * D + _v1_vectors(c)  # q, k (two maps), v (2d), o (2d)
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedDiffOptions(kinds.Options):
+    rank: int | None = None  # r of the low-rank q / k updates; None: d_model // 16 (the paper's 830M and 1.4B ranks)
+
+    legacy_keys = {"shared_diff_rank": "rank"}
+
+    def defaults(self, config) -> dict:
+        return {"rank": max(1, config.d_model // 16)}
+
+    def problems(self, config) -> list[str]:
+        return kinds.positive_int_problems(self, "rank")
+
+    def describe(self) -> str:
+        return f"rank {self.rank}"
+
+
 def _shared_diff_params(c) -> int:
-    D, H, K, d, r = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.shared_diff_rank
+    D, H, K, d, r = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_options.rank
     low_rank = 4 * D * r + 2 * r * (H + K) * d  # per map a (D, r) and an (r, heads, d) factor, for q and for k
     return D * (H + K) * d + low_rank + D * K * 2 * d + H * 2 * d * D + _v1_vectors(c)
 
@@ -118,17 +115,32 @@ def _standard_params(c) -> int:
     return 2 * D * H * d + 2 * D * K * d
 
 
+@dataclasses.dataclass(frozen=True)
+class GDAOptions(kinds.Options):
+    # Noise heads, each shared by num_heads / num_noise_heads signal heads (a multiple of num_kv_heads that divides
+    # num_heads); None: num_kv_heads, one per kv head. num_noise_heads = num_heads computes V1 exactly.
+    num_noise_heads: int | None = None
+
+    legacy_keys = {"num_noise_heads": "num_noise_heads"}
+
+    def defaults(self, config) -> dict:
+        return {"num_noise_heads": config.num_kv_heads}
+
+    def problems(self, config) -> list[str]:
+        problems = kinds.positive_int_problems(self, "num_noise_heads")
+        H, N, K = config.num_heads, self.num_noise_heads, config.num_kv_heads
+        if not problems and (H % N or N % K):
+            problems.append(f"num_noise_heads ({N}) must divide num_heads ({H}) and be a multiple of num_kv_heads ({K}) "
+                            "(each noise head serves a whole group of signal heads, all reading one kv head)")
+        return problems
+
+    def describe(self) -> str:
+        return f"{self.num_noise_heads} noise heads"
+
+
 def _gda_params(c) -> int:
-    D, H, N, K, d = c.d_model, c.num_heads, c.num_noise_heads, c.num_kv_heads, c.head_dim
+    D, H, N, K, d = c.d_model, c.num_heads, c.attention_options.num_noise_heads, c.num_kv_heads, c.head_dim
     return D * (H + N) * d + 2 * D * K * 2 * d + H * 2 * d * D + _v1_vectors(c)  # q signal, q noise, k, v, o
-
-
-def _gda_problems(c) -> list[str]:
-    H, N, K = c.num_heads, c.num_noise_heads, c.num_kv_heads
-    if H % N or N % K:
-        return [f"num_noise_heads ({N}) must divide num_heads ({H}) and be a multiple of num_kv_heads ({K}) (each noise "
-                "head serves a whole group of signal heads, all reading one kv head)"]
-    return []
 
 
 _V1_FLOPS = lambda c, context: 12 * c.num_heads * c.head_dim * context  # noqa: E731  2 maps of d; P V of 2d
@@ -153,16 +165,16 @@ for _kind in (
     AttentionKind(
         name="shared_diff", label="Shared DIFF", module="diffjax.model.attention.shared_diff:SharedDiffAttention",
         maps=2, value_width=2, lambda_form="per_layer", attention_params=_shared_diff_params, attention_flops=_V1_FLOPS,
-        vector_params=_v1_vectors, own_fields={"shared_diff_rank": lambda c: max(1, c.d_model // 16)},
+        vector_params=_v1_vectors, options=SharedDiffOptions,
     ),
     AttentionKind(
         # The FLOPs count the GDA's own maps, H signal and N noise (6 d c each: q k^T of d, P V of 2d); diffjax
         # computes a noise map once per signal head (one ops.diff_attention call), H / N times the noise maps' FLOPs.
         name="gda", label="GDA", module="diffjax.model.attention.gda:GroupedDiffAttention", maps=2, value_width=2,
         lambda_form="per_layer", attention_params=_gda_params,
-        attention_flops=lambda c, context: 6 * (c.num_heads + c.num_noise_heads) * c.head_dim * context,
+        attention_flops=lambda c, context: 6 * (c.num_heads + c.attention_options.num_noise_heads) * c.head_dim * context,
         vector_params=_v1_vectors, hf_model_type="motif", hf_architecture="MotifForCausalLM",
-        own_fields={"num_noise_heads": lambda c: c.num_kv_heads}, config_problems=_gda_problems,
+        options=GDAOptions,
     ),
 ):
     register(_kind)

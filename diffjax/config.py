@@ -9,18 +9,22 @@ diffjax/model/attention/ says what it computes):
                  d = d_model / h, 2h query heads paired (2j, 2j+1), k and v with num_kv_heads heads of d,
                  per-token lambda = sigmoid(x W_lambda); no per-head norm, no lambda_init
   "shared_diff"  Shared DIFF Transformer (arXiv:2501.17900): V1 whose two maps' q (and k) projections are one
-                 shared base plus a low-rank update each, rank `shared_diff_rank`
+                 shared base plus a low-rank update each, rank `attention_options.rank`
   "gda"          Grouped Differential Attention (arXiv:2510.06949; Motif-2-12.7B): V1 with fewer noise heads than
-                 signal heads, `num_noise_heads` of them, each serving num_heads / num_noise_heads signal heads
+                 signal heads, `attention_options.num_noise_heads` of them, each serving num_heads / num_noise_heads
+                 signal heads
+`mlp` picks the MLP kind (diffjax.mlp_kinds: "gated") and `residual` the residual form (diffjax.residual_kinds:
+"plain"). A kind's own settings are its `*_options` (diffjax.kinds: the row's options class; a mapping in YAML).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Mapping
 
-from diffjax import attention_kinds
+from diffjax import attention_kinds, kinds, mlp_kinds, residual_kinds
+from diffjax.attention_impls import config_problems
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (diffjax.model.layers.polynorm)
 ROPE_STYLES = ("interleaved", "rotate_half")
@@ -29,7 +33,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "minimal", "attention", "full")  # what a decoder block keeps for the backward pass
 # Fields that change how the model computes, not what it computes: a run may resume with others.
 RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")
-_KIND_FIELDS = ("shared_diff_rank", "num_noise_heads")  # ModelConfig fields that belong to some kinds (AttentionKind.own_fields)
+# The parts a decoder block is built from: ModelConfig field naming the part's kind -> its table of kinds.
+BLOCK_PARTS = {"attention": attention_kinds.TABLE, "mlp": mlp_kinds.TABLE, "residual": residual_kinds.TABLE}
 MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
 
 
@@ -48,7 +53,12 @@ class ModelConfig:
     head_dim: int | None = None  # None: d_model / (value_width num_heads) (value_width: 2 for diff, shared_diff and gda, else 1)
     mlp_dim: int | None = None  # None: 8/3 d_model rounded to a multiple of MLP_MULTIPLE
     attention: str = "diff"  # one of attention_kinds.names() (module docstring)
-    activation: str = "silu"  # gate activation of the gated MLP (SwiGLU with silu; "polynorm": Motif's PolyNorm)
+    attention_options: Any = None  # the attention kind's own settings: a mapping or its options class; None: defaults
+    mlp: str = "gated"  # one of mlp_kinds.names()
+    mlp_options: Any = None
+    residual: str = "plain"  # one of residual_kinds.names()
+    residual_options: Any = None
+    activation: str = "silu"  # the MLP's activation (SwiGLU with silu; "polynorm": Motif's PolyNorm)
     norm_eps: float = 1e-5  # block RMSNorms (and the per-head subln unless subln_eps is given)
     subln_eps: float | None = None  # the per-head subln of V1-style kinds; None: norm_eps (Motif: attn_rms_norm_eps)
     # V1-style kinds: false drops the per-head RMSNorm and its scale (a Transformer upcycled to V1 starts so, computing
@@ -70,11 +80,6 @@ class ModelConfig:
     # lambda_init is -0.0099, its checkpoints were trained so).
     lambda_init_depth_offset: int = 0
     lambda_std: float = 0.1  # init std of lambda_q1, lambda_k1, lambda_q2, lambda_k2
-    # Shared DIFF: rank r of the low-rank q / k updates; None: d_model // 16 (the paper's 830M and 1.4B ranks).
-    shared_diff_rank: int | None = None
-    # GDA: noise heads, each shared by num_heads / num_noise_heads signal heads (a multiple of num_kv_heads that
-    # divides num_heads); None: num_kv_heads, one per kv head. num_noise_heads = num_heads computes V1 exactly.
-    num_noise_heads: int | None = None
     # Sliding-window attention (every kind): each query sees its `attention_window` latest keys, itself included
     # (None: the whole causal context). flash-attn / unilm flashdiff's window_size=(W - 1, 0); HF Mistral's
     # sliding_window=W. global_layers: 0-based indices of layers that attend the whole context anyway (Gemma and
@@ -95,88 +100,91 @@ class ModelConfig:
     # for debugging).
     remat: str = "none"
     scan_layers: bool = False
-    # Names of the fields above that were None and derived in __post_init__ (re-derived by replace()).
+    # Names of the fields above that were None and derived in __post_init__ (re-derived by replace()); a kind's
+    # option as "attention_options.num_noise_heads".
     derived: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        errors = []
-
-        def check(ok: bool, message: str):
-            if not ok:
-                errors.append(message)
-
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_kv_heads", "head_dim", "mlp_dim", "shared_diff_rank", "num_noise_heads"):
-            value = getattr(self, name)
-            check(
-                value is None or (isinstance(value, int) and value > 0),
-                f"{name} must be a positive integer or None, got {value!r}",
-            )
-        try:
-            kind = attention_kinds.get(self.attention)
-        except ValueError as e:
-            kind = None
-            errors.append(str(e))
-        for name in _KIND_FIELDS:  # fields that only some kinds use
-            users = [k.name for k in map(attention_kinds.get, attention_kinds.names()) if name in k.own_fields]
-            check(getattr(self, name) is None or kind is None or name in kind.own_fields,
-                  f"{name} is only used by attention {' / '.join(map(repr, users))}, got {getattr(self, name)!r} with "
-                  f"attention {self.attention!r}")
-        check(self.attention_window is None or (isinstance(self.attention_window, int)
-                                                and not isinstance(self.attention_window, bool) and self.attention_window > 0),
-              f"attention_window must be None (whole context) or a positive integer (keys per query), got "
-              f"{self.attention_window!r}")
-        if isinstance(self.global_layers, (list, tuple)):
+        if isinstance(self.global_layers, list):
             object.__setattr__(self, "global_layers", tuple(self.global_layers))
-            bad = [i for i in self.global_layers
-                   if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers]
-            check(not bad, f"global_layers must hold 0-based layer indices below num_layers ({self.num_layers}), got {bad}")
-            check(len(set(self.global_layers)) == len(self.global_layers),
-                  f"global_layers has repeats: {list(self.global_layers)}")
-            check(not self.global_layers or self.attention_window is not None,
-                  f"global_layers {list(self.global_layers)} needs an attention_window (without one every layer is global)")
-        else:
-            errors.append(f"global_layers must be a list of layer indices, got {self.global_layers!r}")
-        check(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        check(self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}")
-        check(self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
-        # The impl names and each kernel's constraints belong to diffjax.ops (imported here, not at the top,
-        # so that the config module stays free of jax).
-        from diffjax.ops import config_problems
-
-        errors += config_problems(self.attention_impl, self.dtype)
-        check(self.remat in REMAT_POLICIES, f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
-        check(isinstance(self.scan_layers, bool), f"scan_layers must be true or false, got {self.scan_layers!r}")
-        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        check(self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
-        check(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps!r}")
-        check(isinstance(self.subln, bool), f"subln must be true or false, got {self.subln!r}")
-        check(self.subln_eps is None or self.subln_eps > 0, f"subln_eps must be None (norm_eps) or > 0, got {self.subln_eps!r}")
-        check(isinstance(self.lambda_init_depth_offset, int) and not isinstance(self.lambda_init_depth_offset, bool),
-              f"lambda_init_depth_offset must be an integer, got {self.lambda_init_depth_offset!r}")
-        check(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta!r}")
-        check(self.init_std > 0, f"init_std must be > 0, got {self.init_std!r}")
-        check(self.lambda_std >= 0, f"lambda_std must be >= 0, got {self.lambda_std!r}")
-        check(
-            self.lambda_init is None or 0.0 <= self.lambda_init < 1.0,
-            f"lambda_init must be None (depth schedule) or in [0, 1), got {self.lambda_init!r}",
-        )
-        if self.rope_type == "llama3":
-            check(self.rope_factor >= 1, f"rope_factor must be >= 1 for llama3 RoPE, got {self.rope_factor!r}")
-            check(
-                0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
-                "llama3 RoPE needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
-                f"{self.rope_low_freq_factor!r} and {self.rope_high_freq_factor!r}",
-            )
-            check(self.rope_original_max_len > 0, "rope_original_max_len must be > 0")
+        rows = {part: _row(table, getattr(self, part)) for part, table in BLOCK_PARTS.items()}
+        errors = [row for row in rows.values() if isinstance(row, str)]
+        errors += self._size_errors() + self._window_errors() + self._numerics_errors()
         if errors:
             raise ValueError("invalid ModelConfig: " + "; ".join(errors))
+        derived = self._derive_sizes(rows["attention"])
+        for part, row in rows.items():
+            try:
+                options, derived_options = kinds.resolve_options(row, getattr(self, f"{part}_options"), self,
+                                                                 f"{part}_options")
+            except ValueError as error:
+                raise ValueError(f"invalid ModelConfig: {error}") from None
+            object.__setattr__(self, f"{part}_options", options)
+            derived += tuple(f"{part}_options.{name}" for name in derived_options)
+        object.__setattr__(self, "derived", derived)
 
-        # Resolve the derived sizes so that every field is concrete after construction.
-        derivable = ("num_kv_heads", "head_dim", "mlp_dim") + tuple(kind.own_fields)
-        object.__setattr__(self, "derived", tuple(n for n in derivable if getattr(self, n) is None))
+    def _size_errors(self) -> list[str]:
+        errors = []
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                errors.append(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_kv_heads", "head_dim", "mlp_dim"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value <= 0):
+                errors.append(f"{name} must be a positive integer or None, got {value!r}")
+        return errors
+
+    def _window_errors(self) -> list[str]:
+        window, layers = self.attention_window, self.global_layers
+        errors = []
+        if window is not None and (not _is_int(window) or window <= 0):
+            errors.append(f"attention_window must be None (whole context) or a positive integer (keys per query), got "
+                          f"{window!r}")
+        if not isinstance(layers, tuple):
+            return errors + [f"global_layers must be a list of layer indices, got {layers!r}"]
+        bad = [i for i in layers if not _is_int(i) or not 0 <= i < self.num_layers]
+        if bad:
+            errors.append(f"global_layers must hold 0-based layer indices below num_layers ({self.num_layers}), got {bad}")
+        if len(set(layers)) != len(layers):
+            errors.append(f"global_layers has repeats: {list(layers)}")
+        if layers and window is None:
+            errors.append(f"global_layers {list(layers)} needs an attention_window (without one every layer is global)")
+        return errors
+
+    def _numerics_errors(self) -> list[str]:
+        checks = [
+            (self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}"),
+            (self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}"),
+            (self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}"),
+            (self.remat in REMAT_POLICIES, f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}"),
+            (isinstance(self.scan_layers, bool), f"scan_layers must be true or false, got {self.scan_layers!r}"),
+            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
+            (self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}"),
+            (self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps!r}"),
+            (isinstance(self.subln, bool), f"subln must be true or false, got {self.subln!r}"),
+            (self.subln_eps is None or self.subln_eps > 0, f"subln_eps must be None (norm_eps) or > 0, got {self.subln_eps!r}"),
+            (_is_int(self.lambda_init_depth_offset),
+             f"lambda_init_depth_offset must be an integer, got {self.lambda_init_depth_offset!r}"),
+            (self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta!r}"),
+            (self.init_std > 0, f"init_std must be > 0, got {self.init_std!r}"),
+            (self.lambda_std >= 0, f"lambda_std must be >= 0, got {self.lambda_std!r}"),
+            (self.lambda_init is None or 0.0 <= self.lambda_init < 1.0,
+             f"lambda_init must be None (depth schedule) or in [0, 1), got {self.lambda_init!r}"),
+        ]
+        if self.rope_type == "llama3":
+            checks += [
+                (self.rope_factor >= 1, f"rope_factor must be >= 1 for llama3 RoPE, got {self.rope_factor!r}"),
+                (0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                 "llama3 RoPE needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                 f"{self.rope_low_freq_factor!r} and {self.rope_high_freq_factor!r}"),
+                (self.rope_original_max_len > 0, "rope_original_max_len must be > 0"),
+            ]
+        return [message for ok, message in checks if not ok] + config_problems(self.attention_impl, self.dtype)
+
+    def _derive_sizes(self, kind) -> tuple[str, ...]:
+        """Resolve the sizes left None so that every field is concrete; returns their names."""
+        derived = tuple(name for name in ("num_kv_heads", "head_dim", "mlp_dim") if getattr(self, name) is None)
         heads_per_width = kind.value_width * self.num_heads  # d = d_model / (value_width H): values fill d_model
         if self.head_dim is None:
             if self.d_model % heads_per_width:
@@ -197,33 +205,67 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"invalid ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
         if self.mlp_dim is None:
-            multiple = MLP_MULTIPLE
-            object.__setattr__(self, "mlp_dim", max(multiple, round(8 * self.d_model / 3 / multiple) * multiple))
-        for name, default in kind.own_fields.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, default(self))
-        problems = kind.config_problems(self)
-        if problems:
-            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+            object.__setattr__(self, "mlp_dim", max(MLP_MULTIPLE, round(8 * self.d_model / 3 / MLP_MULTIPLE) * MLP_MULTIPLE))
+        return derived
 
     # ----------------------------------------------------------------------------------------
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
+        values = cls.legacy_values(values)
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
         return cls(**values)
 
+    @classmethod
+    def legacy_values(cls, values: Mapping[str, Any]) -> dict[str, Any]:
+        """`values` with the flat keys of config files written before kinds had options (num_noise_heads,
+        shared_diff_rank) moved into the chosen kind's `*_options`; such a key set to null for another kind is
+        dropped (those files list every kind's keys), set to a value it is an error naming the kind that uses it."""
+        values = dict(values)
+        for part, table in BLOCK_PARTS.items():
+            chosen = values.get(part, cls.__dataclass_fields__[part].default)
+            for row in table.rows():
+                for key, option in (row.options.legacy_keys.items() if row.options else ()):
+                    if key not in values:
+                        continue
+                    value = values.pop(key)
+                    if row.name == chosen:
+                        options = dict(values.get(f"{part}_options") or {})
+                        values[f"{part}_options"] = {option: value, **options}
+                    elif value is not None:
+                        raise ValueError(f"invalid ModelConfig: {key} is only used by {part} {row.name!r} "
+                                         f"({part}_options.{option}), got {value!r} with {part} {chosen!r}")
+        return values
+
     def to_dict(self) -> dict[str, Any]:
-        """The fields as given: derived sizes are None again, so a saved config re-derives them."""
+        """The fields as given: derived sizes and options are None again, so a saved config re-derives them; a
+        kind without options has no `*_options` entry."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        return {**values, "global_layers": list(self.global_layers), **{name: None for name in self.derived}}
+        values.update({name: None for name in self.derived if "." not in name}, global_layers=list(self.global_layers))
+        for part in BLOCK_PARTS:
+            options = self._given_options(part)
+            if options is None:
+                del values[f"{part}_options"]
+            else:
+                values[f"{part}_options"] = options
+        return values
 
     def replace(self, **changes) -> "ModelConfig":
-        """A copy with `changes`; sizes that were derived are derived again from the new fields."""
-        return dataclasses.replace(self, **{**{name: None for name in self.derived}, **changes})
+        """A copy with `changes`; sizes and options that were derived are derived again from the new fields, and a
+        part whose kind changes starts from its new kind's default options (unless `changes` gives them)."""
+        values = {name: None for name in self.derived if "." not in name}
+        for part in BLOCK_PARTS:
+            kept = changes.get(part, getattr(self, part)) == getattr(self, part)
+            values[f"{part}_options"] = self._given_options(part) if kept else None
+        return dataclasses.replace(self, **{**values, **changes})
+
+    def _given_options(self, part: str) -> dict[str, Any] | None:
+        prefix = f"{part}_options."
+        derived = tuple(name[len(prefix):] for name in self.derived if name.startswith(prefix))
+        return kinds.given_options(getattr(self, f"{part}_options"), derived)
 
     def window_at(self, depth: int) -> int | None:
         """The sliding window of layer `depth` (None: it attends the whole causal context)."""
@@ -259,9 +301,9 @@ class ModelConfig:
 
     def param_counts(self) -> dict[str, int]:
         """Parameters per part, counted from the shapes (tied embeddings count once)."""
-        D, F = self.d_model, self.mlp_dim
-        polynorm = 4 if self.activation == "polynorm" else 0  # its 3 weights and bias
-        per_layer = attention_kinds.get(self.attention).attention_params(self) + 3 * D * F + 2 * D + polynorm
+        D = self.d_model
+        per_layer = (attention_kinds.get(self.attention).attention_params(self) + mlp_kinds.get(self.mlp).params(self)
+                     + residual_kinds.get(self.residual).params(self) + 2 * D)  # + the two pre-norms
         return {
             "embedding": self.vocab_size * D,
             "layers": self.num_layers * per_layer,
@@ -275,3 +317,15 @@ class ModelConfig:
         if not include_lm_head:
             counts.pop("lm_head")
         return sum(counts.values())
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _row(table: kinds.Table, name):
+    """The row `name` names, or the error that says what is allowed."""
+    try:
+        return table.get(name)
+    except ValueError as error:
+        return str(error)

@@ -27,6 +27,11 @@ Which dims of a kernel are its input comes from its logical axes: the "embed" ax
 sharding of the first input axis (on the flattened input dim), B that of the first output axis; "rank" is
 never split (`adapter_shardings`).
 
+A LoRA run directory names its settings and its base in config.yaml (`run_settings`); reading its weights merged
+is diffjax.params_checkpoint's (merged_lora_params), which imports this module: this one imports no checkpoint code
+nor the run directory's layout, nor anything of the trainer (the model and the sharding rules only where a function
+needs them).
+
 Precision: `merge` adds in float32 and casts W' to W's dtype, so with a bfloat16 base an update smaller than
 W's rounding step does not show in the forward until it grows (the gradient still reaches A and B). Adapters
 are float32 whatever the base dtype.
@@ -40,6 +45,9 @@ import re
 
 import jax
 import jax.numpy as jnp
+import yaml
+
+from diffjax.config_values import build_config
 
 # Projection name -> the kernel names it covers (Shared DIFF's dense query / key parts are q_base / k_base).
 TARGET_KERNELS = {
@@ -290,3 +298,32 @@ def changed_leaves(saved: dict, current: dict) -> list[str]:
     """The dotted paths whose checksums differ (or that only one side has)."""
     keys = sorted(set(saved) | set(current))
     return [k for k in keys if k not in saved or k not in current or int(saved[k]) != int(current[k])]
+
+
+def check_same_base(saved: dict, current: dict, step_dir, init_from, advice: str) -> None:
+    """A LoRA checkpoint's adapters fit the base they were trained on: ValueError naming the leaves whose checksums
+    differ between the base it was saved with (`saved`) and the one train.init_from holds now (`current`)."""
+    changed = changed_leaves(saved, current)
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ValueError(f"the base model changed since the LoRA checkpoint {step_dir} was saved: train.init_from "
+                         f"{init_from} now holds different {', '.join(changed[:3])}{more}; {advice}")
+
+
+# --- a LoRA run directory: its config.yaml names the settings and the base ---------------------------------------------
+
+def run_settings(config_file) -> tuple[LoraConfig, str] | None:
+    """(LoraConfig, train.init_from) of a LoRA run directory from its config.yaml (a pathlib or epath path; its lora
+    section has rank > 0); None for any other run directory."""
+    saved = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+    section = saved.get("lora") or {}
+    if not isinstance(section, dict) or not section.get("rank"):
+        return None
+    try:
+        config = build_config(LoraConfig, section, prefix="lora")
+    except ValueError as error:
+        raise ValueError(f"{config_file}: {error}") from None
+    init_from = (saved.get("train") or {}).get("init_from")
+    if not init_from:
+        raise ValueError(f"{config_file}: a LoRA run (lora.rank {config.rank}) without train.init_from (its base)")
+    return config, init_from

@@ -8,7 +8,8 @@ Users import it as `diffjax.checkpoint`. In the run directory (diffjax/run_dir.p
 The decoder blocks' params are stacked over depth ([L, ...] leaves under "blocks"). Checkpoints written
 before that (one "blocks/<i>" entry per layer) are stacked on read by `load_params`, `load_model` and
 `CheckpointParams`. Orbax is imported where a checkpoint is read or written, so that importing this
-module (and diffjax.convert) costs nothing.
+module (and diffjax.convert) costs nothing. A LoRA run's weights are read merged (`merged_lora_params`, with its
+settings and math from diffjax.lora); nothing here imports the trainer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 import yaml
 
-from diffjax import integrity, storage
+from diffjax import integrity, lora, storage
 from diffjax.config import ModelConfig
 from diffjax.run_dir import DIGEST_FILE, STATE_ITEM, RunDir, state_dir
 from diffjax.sharding import key_names
@@ -271,24 +272,6 @@ def load_model(path: str | Path, *, what: str = "checkpoint"):
 LORA_CHECKSUMS = "base_checksums"  # the trainer's state key (diffjax.train.step.sharded_lora_init)
 
 
-def lora_run_settings(run_dir: str | Path):
-    """(LoraConfig, train.init_from) of a LoRA run directory (its config.yaml's lora section has rank > 0);
-    None for any other run directory."""
-    from diffjax.lora import LoraConfig
-    from diffjax.train.config import build_config
-
-    config_file = RunDir(run_dir).config_file
-    saved = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
-    section = saved.get("lora") or {}
-    if not isinstance(section, dict) or not section.get("rank"):
-        return None
-    config = build_config(LoraConfig, section, prefix="lora")
-    init_from = (saved.get("train") or {}).get("init_from")
-    if not init_from:
-        raise ValueError(f"{config_file}: a LoRA run (lora.rank {config.rank}) without train.init_from (its base)")
-    return config, init_from
-
-
 def _read_state_items(step_dir: Path, keys: tuple[str, ...]) -> dict:
     """Items of a trainer checkpoint's state as host numpy arrays (nothing else is read)."""
     import orbax.checkpoint as ocp
@@ -312,12 +295,11 @@ def merged_lora_params(path: str | Path, *, what: str = "checkpoint") -> tuple[d
     base in memory."""
     import dataclasses
 
-    from diffjax import lora
     from diffjax.config import RUNTIME_FIELDS
 
     step_dir = resolve_checkpoint(path, what)
     run = RunDir.of_step(step_dir)
-    settings = lora_run_settings(run.path)
+    settings = lora.run_settings(run.config_file)
     if settings is None:
         return None
     config, init_from = settings
@@ -333,12 +315,8 @@ def merged_lora_params(path: str | Path, *, what: str = "checkpoint") -> tuple[d
     saved = _read_state_items(step_dir, ("params", LORA_CHECKSUMS))
     nested = merged_lora_params(base_step, what=base_what)
     base = nested[0] if nested is not None else load_params(base_step, what=base_what)
-    changed = lora.changed_leaves(saved[LORA_CHECKSUMS], jax.device_get(jax.jit(lora.checksums)(base)))
-    if changed:
-        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        raise ValueError(f"the base model changed since the LoRA checkpoint {step_dir} was saved: train.init_from "
-                         f"{init_from} now holds different {', '.join(changed[:3])}{more}; the adapters fit the "
-                         "base they were trained on only")
+    lora.check_same_base(saved[LORA_CHECKSUMS], jax.device_get(jax.jit(lora.checksums)(base)), step_dir, init_from,
+                         "the adapters fit the base they were trained on only")
     merged = lora.model_params(saved["params"], base, config)
     root_step = nested[2] if nested is not None else base_step  # (whose hf/ files an export keeps)
     return jax.tree.map(np.asarray, merged), model_config, root_step

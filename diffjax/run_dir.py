@@ -17,7 +17,7 @@ here works on both, except the conversion's (a local directory: transformers wri
 a record, not an flock: TrainerLock).
 
 Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; then
-`lock_for_training()` makes it one trainer's), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
+`lock_for_training()` makes it one trainer's, which passes this RunDir on: diffjax.train.run's Run.directory), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
 one step: the step to load, with one-line errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
 (an empty directory the converter fills), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
 Who writes what: diffjax.params_checkpoint (params-only checkpoints and config.yaml), diffjax.train.state_checkpoints
@@ -118,6 +118,10 @@ class RunDir:
     def of_step(cls, step_dir: str | Path) -> "RunDir":
         return cls(storage.as_path(step_dir).parent.parent)
 
+    def absolute(self) -> "RunDir":
+        """The same directory by its absolute path (what Orbax needs; a gs:// URL is one already)."""
+        return RunDir(storage.absolute(self.path))
+
     # ---- paths
 
     @property
@@ -172,6 +176,10 @@ class RunDir:
 
     def has_checkpoints(self) -> bool:
         return self.checkpoints.exists() and any(self.checkpoints.iterdir())
+
+    def damaged(self) -> tuple[str, ...]:
+        """The names in damaged-checkpoints/ (the checkpoints set aside there), sorted."""
+        return tuple(sorted(p.name for p in self.damaged_checkpoints.iterdir())) if self.damaged_checkpoints.is_dir() else ()
 
 
 def state_dir(step_dir: str | Path) -> Path:

@@ -100,10 +100,11 @@ def _spy_on_the_mosaic_gpu_kernels(monkeypatch) -> list:
 def test_the_fused_gpu_kernels_run_per_query_chunk_over_the_context_axis(op, monkeypatch):
     """Under a context axis, impl="pallas_gpu" (and "auto" on a Hopper GPU, bf16) calls the Mosaic GPU kernels once
     per query chunk, each against every key with a traced query offset; "auto" falls back to the blockwise XLA path
-    where they cannot run (float32; a GPU that is not Hopper). Traced only, the device faked: interpreted kernels
-    under shard_map would run concurrently on the host devices, which deadlocks Mosaic GPU's interpreter. Their
-    numbers with an offset are tests/test_ops_pallas_gpu.py's (test_pallas_gpu_interpret_query_offset), and the
-    offsets each device passes are the ones the TPU kernels are tested with end to end above."""
+    where they cannot run (float32; a GPU that is not Hopper). Traced only, routed as on an H100 / A100
+    (ops.simulated_device): interpreted kernels under shard_map would run concurrently on the host devices, which
+    deadlocks Mosaic GPU's interpreter. Their numbers with an offset are tests/test_ops_pallas_gpu.py's
+    (test_pallas_gpu_interpret_query_offset), and the offsets each device passes are the ones the TPU kernels are
+    tested with end to end above."""
     B, T, H, K, d, C = 1, 128, 2, 1, 64, 2
     mesh = _mesh(context=C)
     kernel_calls = _spy_on_the_mosaic_gpu_kernels(monkeypatch)
@@ -121,11 +122,11 @@ def test_the_fused_gpu_kernels_run_per_query_chunk_over_the_context_axis(op, mon
 
     each_chunk = [(T // (2 * C), T, True, True)] * 2  # a device's two chunks of 32 queries, all 128 keys
     assert fused_calls(jnp.bfloat16, "pallas_gpu") == each_chunk
-    monkeypatch.setattr(ops, "current_device", lambda: ops.DEVICES["h100"])
-    assert fused_calls(jnp.bfloat16, "auto") == each_chunk
-    assert fused_calls(jnp.float32, "auto") == []
-    monkeypatch.setattr(ops, "current_device", lambda: ops.DEVICES["a100"])
-    assert fused_calls(jnp.bfloat16, "auto") == []
+    with ops.simulated_device(ops.DEVICES["h100"]):
+        assert fused_calls(jnp.bfloat16, "auto") == each_chunk
+        assert fused_calls(jnp.float32, "auto") == []
+    with ops.simulated_device(ops.DEVICES["a100"]):
+        assert fused_calls(jnp.bfloat16, "auto") == []
     with pytest.raises(ValueError, match="impl='pallas_gpu' needs .*bfloat16 / float16, got float32"):
         fused_calls(jnp.float32, "pallas_gpu")
 

@@ -45,6 +45,13 @@ def test_the_package_face_is_lazy(code, refused):
         assert "jax" not in loaded_packages(code)
 
 
+def test_building_a_model_config_loads_no_jax():
+    """ModelConfig checks attention_impl against diffjax.attention_impls, which needs no jax: a config is built
+    (each kind's own checks included) without loading jax or flax."""
+    code = "from diffjax.config import ModelConfig\nModelConfig()\nModelConfig(attention='standard')"
+    assert not {"jax", "flax"} & loaded_packages(code)
+
+
 def test_the_package_names_still_resolve():
     script = ("import diffjax, numpy as np\nfrom flax import nnx\n"
               "m = diffjax.TransformerLM(diffjax.ModelConfig(d_model=32, num_layers=1, num_heads=2), rngs=nnx.Rngs(0))\n"

@@ -237,6 +237,30 @@ def test_byte_tokenizer_scores_equal_a_plain_forward(checkpoints, measured):
     assert 0 < error <= BF16_RTOL
 
 
+def test_a_context_axis_scores_as_one_device(checkpoints, measured):
+    """A mesh with the trainer's context axis splits each scored sequence (data=2 x context=3: 6 chunks per row, so
+    the length buckets round up to multiples of 6) and scores as one device does; generation refuses it by name."""
+    from lm_eval.api.instance import Instance
+
+    from diffjax.checkpoint import load_model
+    from diffjax.eval import DiffjaxLM
+
+    model = load_model(checkpoints[0]["diffllama"][1])
+    one, split = (DiffjaxLM(model=model, tokenizer="byte", batch_size=4, max_length=60, mesh=mesh)
+                  for mesh in (None, "data=2,context=3"))
+    assert dict(split.mesh.shape) == {"data": 2, "fsdp": 1, "context": 3, "tensor": 1}
+    pairs = [("", "hello"), ("the cat ", "sat"), ("x" * 90, " the end")]  # rows of 5, 10 and 60 tokens
+    ours, theirs = (lm.loglikelihood([Instance("loglikelihood", {}, pair, 0) for pair in pairs], disable_tqdm=True)
+                    for lm in (split, one))
+    error = measured("data=2 x context=3 vs one device, max rel err", max_rel_err([ll for ll, _ in ours], [ll for ll, _ in theirs]), 1e-5)
+    assert error <= 1e-5 and [g for _, g in ours] == [g for _, g in theirs]
+    with pytest.raises(ValueError, match="generate_until: KV-cached decoding does not split the sequence, but the mesh "
+                                         "has context=3: run generation tasks on a mesh without a context axis"):
+        split.generate_until([Instance("generate_until", {}, ("the cat", {"until": ["."]}), 0)], disable_tqdm=True)
+    with pytest.raises(ValueError, match=r"max_length 64 must be a multiple of 2 x the mesh's context \(6\)"):
+        DiffjaxLM(model=model, tokenizer="byte", batch_size=4, max_length=MAX_LENGTH, mesh="data=2,context=3")
+
+
 @pytest.mark.slow
 def test_cli_on_the_hf_directory_under_a_mesh(checkpoints, diffjax_results, tmp_path, capsys, measured):
     """python -m diffjax.eval on the HF directory itself, batches split over data=2 (of the 8 simulated CPU
@@ -268,9 +292,13 @@ def test_cli_on_the_hf_directory_under_a_mesh(checkpoints, diffjax_results, tmp_
                          "--no-builtin-tasks"],
      "error: --tasks: unknown task(s) nonexistent_task (not in --include-path {tasks}; `python -m lm_eval ls tasks` lists "
      "lm_eval's)\n"),
-    (lambda tmp, tasks: ["--model-path", "{run}", "--tasks", "dj_choice", "--include-path", str(tasks), "--mesh", "context=2"],
-     "error: mesh 'context=2': expected axis=size items, each of the axes ('data', 'fsdp', 'tensor') at most once, sizes "
-     "positive or one -1 (e.g. data=4,tensor=2); got 'context=2' (context parallelism is not used for evaluation)\n"),
+    (lambda tmp, tasks: ["--model-path", "{run}", "--tasks", "dj_choice", "--include-path", str(tasks), "--mesh", "pipe=2"],
+     "error: mesh 'pipe=2': expected axis=size items, each of the axes ('data', 'fsdp', 'context', 'tensor') at most "
+     "once (e.g. data=4,tensor=2); got 'pipe=2'\n"),
+    (lambda tmp, tasks: ["--model-path", "{run}", "--tasks", "dj_choice", "--include-path", str(tasks), "--mesh", "data=0"],
+     "error: mesh 'data=0': parallel.data must be a positive integer or -1 (fill), got 0\n"),
+    (lambda tmp, tasks: ["--model-path", "{run}", "--tasks", "dj_choice", "--include-path", str(tasks), "--mesh", "data=16"],
+     "error: mesh 'data=16' does not fit the 8 devices\n"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, checkpoints, tmp_path, capsys):
     from diffjax.eval.__main__ import main

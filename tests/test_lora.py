@@ -113,6 +113,23 @@ def test_config_errors_name_the_field_and_the_allowed_values():
         "q_kernel", "q_base", "k_kernel", "k_base", "v_kernel", "o_kernel")
 
 
+def test_a_run_directory_names_its_lora_settings_and_base_in_config_yaml(tmp_path):
+    """lora.run_settings reads a run's config.yaml (what load_model and the export need to merge a LoRA run)."""
+    config_file = tmp_path / "config.yaml"
+    assert lora.run_settings(config_file) is None  # no config.yaml: not a LoRA run
+    config_file.write_text("model: {}\nlora: {rank: 0}\n")
+    assert lora.run_settings(config_file) is None
+    config_file.write_text("lora: {rank: 2, alpha: 4.0, targets: [q, v]}\ntrain: {init_from: /base}\n")
+    assert lora.run_settings(config_file) == (lora.LoraConfig(rank=2, alpha=4.0, targets=("q", "v")), "/base")
+    config_file.write_text("lora: {rank: 2, alpha: 4.0, rnak: 3}\ntrain: {init_from: /base}\n")
+    with pytest.raises(ValueError, match=rf"^{config_file}: unknown config key lora.rnak; valid keys under lora: alpha, "
+                                         "rank, targets, trainable$"):
+        lora.run_settings(config_file)
+    config_file.write_text("lora: {rank: 2}\n")
+    with pytest.raises(ValueError, match=rf"^{config_file}: a LoRA run \(lora.rank 2\) without train.init_from"):
+        lora.run_settings(config_file)
+
+
 def test_adapters_are_sharded_like_their_kernels_input_and_output_axes():
     from diffjax.train.mesh import ParallelConfig, make_mesh
 

@@ -29,7 +29,11 @@ TINY = dict(vocab_size=50, d_model=32, num_layers=2, num_heads=2)
         (dict(rope_type="yarn"), "rope_type must be one of"),
         (dict(rope_type="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0), "rope_low_freq_factor < rope_high_freq_factor"),
         (dict(head_dim=7), "head_dim must be even"),
-        (dict(shared_diff_rank=4), "shared_diff_rank is only used by attention 'shared_diff', got 4 with attention 'diff'"),
+        (dict(attention_options={"rank": 4}), "attention_options: 'diff' has no options, got {'rank': 4}"),
+        (dict(attention="gda", attention_options={"rank": 4}), "unknown config key attention_options.rank; valid keys under attention_options: num_noise_heads"),
+        (dict(attention="gda", attention_options={"num_noise_heads": 0}), "attention_options.num_noise_heads must be a positive integer, got 0"),
+        (dict(mlp="moe"), "mlp must be one of ('gated',), got 'moe'"),
+        (dict(residual="hyper"), "residual must be one of ('plain',), got 'hyper'"),
         (dict(attention_impl="pallas_gpu", attention="standard"), "attention_impl 'pallas_gpu' (the fused Mosaic GPU kernels) needs dtype bfloat16 or float16"),
     ],
 )
@@ -51,11 +55,14 @@ def test_config_derives_sizes_and_rederives_on_replace():
     v2 = config.replace(attention="diff_v2", num_heads=16)  # V2's heads are the baseline's: d = D / h
     assert (v2.head_dim, v2.num_kv_heads) == (64, 16)
     shared = config.replace(attention="shared_diff")  # d = D / 2H as DIFF; rank d_model / 16 unless given
-    assert (shared.head_dim, shared.shared_diff_rank) == (64, 64)
-    assert shared.replace(attention="diff").shared_diff_rank is None  # a derived rank is dropped with the kind
+    assert (shared.head_dim, shared.attention_options.rank) == (64, 64)
+    assert shared.replace(attention="diff").attention_options is None  # a kind's options go with the kind
+    assert shared.replace(d_model=512).attention_options.rank == 32  # a derived rank is derived again
+    assert shared.replace(attention_options={"rank": 8}).replace(d_model=512).attention_options.rank == 8
     explicit = ModelConfig(vocab_size=100, d_model=1000, num_layers=1, num_heads=7, head_dim=128)
     assert explicit.head_dim == 128  # explicit head_dim lifts the divisibility rule (Shared DIFF shapes)
     assert ModelConfig.from_dict(config.to_dict()) == config
+    assert ModelConfig.from_dict(shared.to_dict()) == shared and "attention_options" not in config.to_dict()
     with pytest.raises(ValueError, match="unknown ModelConfig keys \\['heads'\\]"):
         ModelConfig.from_dict({"heads": 3})
 
@@ -90,7 +97,7 @@ def test_param_count_matches_paper_table_9(size, measured):
 @pytest.mark.parametrize(
     "fields",
     [dict(), dict(num_kv_heads=1), dict(tie_embeddings=True), dict(attention="standard", num_kv_heads=1), dict(mlp_dim=40),
-     dict(attention="diff_v2", num_heads=4, num_kv_heads=2), dict(attention="shared_diff", num_kv_heads=1, shared_diff_rank=3)],
+     dict(attention="diff_v2", num_heads=4, num_kv_heads=2), dict(attention="shared_diff", num_kv_heads=1, attention_options={"rank": 3})],
 )
 def test_param_count_equals_the_arrays(fields):
     config = ModelConfig(**{**TINY, **fields})

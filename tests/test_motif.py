@@ -79,7 +79,7 @@ def test_polynorm_equals_vllms():
 def test_logits_fp32(case, saved, measured):
     reference, directory = saved(case)
     model = diffjax.load_hf(directory)
-    assert (model.config.attention, model.config.num_noise_heads) == EXPECTED_KIND[case]
+    assert (model.config.attention, getattr(model.config.attention_options, "num_noise_heads", None)) == EXPECTED_KIND[case]
     assert (model.config.activation, model.config.lambda_init_depth_offset) == ("polynorm", -1)
     assert model.num_params() == sum(p.numel() for p in reference.parameters())
     tokens = random_tokens(reference.config.vocab_size)
@@ -135,7 +135,7 @@ def test_hf_to_diffjax_to_hf_is_bit_exact(case, saved, tmp_path):
 @pytest.mark.slow
 def test_a_gda_model_trained_in_diffjax_exports_to_what_motifs_code_computes(tmp_path, measured):
     """diffjax -> HF: a random diffjax GDA model (2:1, GQA) saved as a Motif directory, run by the re-statement."""
-    config = ModelConfig(vocab_size=97, d_model=64, num_layers=2, num_heads=4, num_kv_heads=1, num_noise_heads=2,
+    config = ModelConfig(vocab_size=97, d_model=64, num_layers=2, num_heads=4, num_kv_heads=1, attention_options={"num_noise_heads": 2},
                          attention="gda", activation="polynorm", lambda_init_depth_offset=-1, subln_eps=1e-5,
                          init_std=0.15, lambda_std=0.3, attention_impl="xla")
     model = diffjax.TransformerLM(config, rngs=nnx.Rngs(3))
@@ -186,7 +186,7 @@ def test_configs_diffjax_cannot_build_are_named(changes, message):
 def test_config_mapping():
     config = config_from_hf({**BASE, "num_attention_heads": 10, "num_noise_heads": 2, "head_dim": 4, "rms_norm_eps": 1e-6,
                              "attn_rms_norm_eps": 1e-5, "num_key_value_heads": 4})
-    assert (config.attention, config.num_heads, config.num_noise_heads, config.num_kv_heads) == ("gda", 8, 2, 2)
+    assert (config.attention, config.num_heads, config.attention_options.num_noise_heads, config.num_kv_heads) == ("gda", 8, 2, 2)
     assert (config.norm_eps, config.subln_norm_eps, config.lambda_init_at(0)) == (1e-6, 1e-5, pytest.approx(0.8 - 0.6 * 1.3498588, rel=1e-6))  # exp(0.3)
     v1 = config_from_hf(BASE)
     assert (v1.attention, v1.num_heads, v1.num_kv_heads, v1.head_dim, v1.subln_norm_eps) == ("diff", 4, 2, 4, 1e-6)

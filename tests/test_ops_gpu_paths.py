@@ -102,15 +102,17 @@ def test_triton_refuses_what_it_cannot_run():
 # --- what impl="auto" picks: diffjax.ops.choose, a pure function of the call's shapes and the device ----------
 
 
-def _call(d, dv, *, op="diff_attention", G=2, T=128, S=None, segments=None, causal=True, dtype="bfloat16"):
+def _call(d, dv, *, op="diff_attention", G=2, T=128, S=None, segments=None, causal=True, dtype="bfloat16",
+          window=None, context=1):
     S = S or T
     if op == "diff_attention":
-        return ops.AttentionCall(op, (1, T, 4, 2, d), (1, S, 2, G, d), (1, S, 2, dv), dtype, causal, segments)
-    return ops.AttentionCall(op, (1, T, 4, d), (1, S, 2, d), (1, S, 2, dv), dtype, causal, segments)
+        return ops.AttentionCall(op, (1, T, 4, 2, d), (1, S, 2, G, d), (1, S, 2, dv), dtype, causal, segments, window,
+                                 context)
+    return ops.AttentionCall(op, (1, T, 4, d), (1, S, 2, d), (1, S, 2, dv), dtype, causal, segments, window, context)
 
 
 def _auto(call, device):
-    return ops.choose(call, "auto", ops.DEVICES[device])[0]
+    return ops.choose(call, "auto", ops.DEVICES[device]).impl
 
 
 # (device, op, d, packed) -> the impl auto picks (bf16, T = 128, causal); the table of README "Attention kernels".
@@ -145,16 +147,17 @@ def test_auto_edges_decode_and_reasons():
     decode = _call(128, 256, T=1, S=4096, segments="pair", causal=False)
     assert decode.is_decode
     for device in ("h100", "a100", "v5e", "cpu"):
-        impl, reason = ops.choose(decode, "auto", ops.DEVICES[device])
-        assert impl == "xla" and reason.startswith("decode"), (device, reason)
+        route = ops.choose(decode, "auto", ops.DEVICES[device])
+        assert route == ops.Route("xla", False, False, route.reason) and route.reason.startswith("decode"), (device, route)
     # A TPU call shorter than one kernel block; a non-causal diff call on Hopper at d 64 (not measured slower)
     # and at d 128 (measured slower: cuDNN).
-    assert ops.choose(_call(64, 128, T=64), "auto", ops.DEVICES["v5e"]) == ("xla", "T=64 < 128 is below one kernel block")
+    assert ops.choose(_call(64, 128, T=64), "auto", ops.DEVICES["v5e"]) == ops.Route(
+        "xla", context=False, blockwise=False, reason="T=64 < 128 is below one kernel block")
     assert _auto(_call(64, 128, causal=False), "h100") == "pallas_gpu"
     assert _auto(_call(128, 256, causal=False), "h100") == "cudnn"
     # A q / kv segment pair that is not a decode (T != S, T > 1) runs nowhere but xla: every reason named.
-    impl, reason = ops.choose(_call(64, 128, T=64, S=128, segments="pair"), "auto", ops.DEVICES["a100"])
-    assert impl == "xla" and "pallas_gpu needs a Hopper GPU" in reason and "triton needs T == S" in reason
+    route = ops.choose(_call(64, 128, T=64, S=128, segments="pair"), "auto", ops.DEVICES["a100"])
+    assert route.impl == "xla" and "pallas_gpu needs a Hopper GPU" in route.reason and "triton needs T == S" in route.reason
     # float32 on a GPU: neither cuDNN nor the fused kernel; the Triton composition.
     assert _auto(_call(64, 128, dtype="float32", segments="one"), "h100") == "triton"
 
@@ -166,16 +169,69 @@ def test_explicit_impls_are_checked_by_the_chooser():
         ops.choose(_call(96, 192), "pallas_gpu", ops.DEVICES["h100"])
     with pytest.raises(ValueError, match="attention impl must be one of"):
         ops.choose(_call(64, 128), "flash", ops.DEVICES["h100"])
-    assert ops.choose(_call(64, 128), "pallas_tpu", ops.DEVICES["cpu"]) == ("pallas_tpu", "asked for; runs in Pallas interpret mode (slow)")
+    assert ops.choose(_call(64, 128), "pallas_tpu", ops.DEVICES["cpu"]) == ops.Route(
+        "pallas_tpu", context=False, blockwise=False, reason="asked for; runs in Pallas interpret mode (slow)")
 
 
-def test_auto_logs_its_choice_once_and_warns_for_xla_on_an_accelerator(monkeypatch, caplog):
-    """Through ops.dot_product_attention / diff_attention on an A100 (the running device replaced by the public
-    current_device): the choice and its reason are logged once; xla on an accelerator is a warning."""
-    monkeypatch.setattr(ops, "current_device", lambda: ops.DEVICES["a100"])
+# (device, impl, call) -> (impl, context, blockwise): the route over a context axis of 2 (bf16, causal, d 128 / dv
+# 256 unless named). Only the fused kernels take a query offset; every other impl attends blockwise in XLA, and
+# "auto" takes the fused kernels wherever they run the call: neither TPU_MIN_T nor CUDNN_FASTER_ON_HOPPER applies.
+CONTEXT_ROUTES = {
+    ("v5p", "auto", "T=64"): ("pallas_tpu", True, False),  # below TPU_MIN_T: xla without the context axis
+    ("h100", "auto", "unpacked"): ("pallas_gpu", True, False),  # in CUDNN_FASTER_ON_HOPPER: cudnn without it
+    ("h100", "auto", "packed"): ("pallas_gpu", True, False),
+    ("h100", "auto", "window"): ("xla", True, True),  # pallas_gpu takes no window
+    ("h100", "auto", "float32"): ("xla", True, True),  # nor float32
+    ("a100", "auto", "unpacked"): ("xla", True, True),
+    ("cpu", "auto", "unpacked"): ("xla", True, True),
+    ("cpu", "pallas_tpu", "T=64"): ("pallas_tpu", True, False),  # explicit: interpreted off a TPU
+    ("cpu", "pallas_gpu", "unpacked"): ("pallas_gpu", True, False),
+    ("cpu", "cudnn", "unpacked"): ("xla", True, True),  # cudnn has no context route (and is not checked for one)
+    ("h100", "triton", "window"): ("xla", True, True),
+    ("v5p", "xla", "unpacked"): ("xla", True, True),
+}
+CONTEXT_CALLS = {"T=64": dict(T=64), "unpacked": {}, "packed": dict(segments="one"), "window": dict(window=32),
+                 "float32": dict(dtype="float32")}
+
+
+@pytest.mark.parametrize("device, impl, case", list(CONTEXT_ROUTES), ids=["-".join(key) for key in CONTEXT_ROUTES])
+def test_the_route_over_a_context_axis(device, impl, case):
+    route = ops.choose(_call(128, 256, context=2, **CONTEXT_CALLS[case]), impl, ops.DEVICES[device])
+    assert (route.impl, route.context, route.blockwise) == CONTEXT_ROUTES[device, impl, case], route
+
+
+def test_the_context_route_refuses_a_fused_kernel_that_cannot_take_the_call():
+    with pytest.raises(ValueError, match=r"impl='pallas_gpu' needs the q and k head dim d in \(64, 128\), got 96"):
+        ops.choose(_call(96, 192, context=2), "pallas_gpu", ops.DEVICES["h100"])
+    with pytest.raises(ValueError, match="attention impl must be one of"):
+        ops.choose(_call(64, 128, context=2), "flash", ops.DEVICES["h100"])
+
+
+# (device, impl, T, S, window) -> whether the XLA path runs blockwise (one device): self-attention from
+# BLOCKWISE_FROM (8192) tokens on, or under a window beyond 4 key blocks of DEFAULT_BLOCK (512).
+BLOCKWISE_ROUTES = {
+    ("cpu", "xla", 8192, 8192, None): True, ("cpu", "auto", 8192, 8192, None): True,
+    ("cpu", "xla", 4096, 4096, None): False, ("cpu", "xla", 8192, 16384, None): False,  # not self-attention
+    ("cpu", "xla", 2560, 2560, 512): True, ("cpu", "xla", 2048, 2048, 512): False,  # 4 blocks: one T x T pass
+    ("h100", "auto", 8192, 8192, None): False,  # cudnn: no blockwise route
+    ("v5e", "auto", 8192, 8192, None): False,  # pallas_tpu
+}
+
+
+@pytest.mark.parametrize("device, impl, T, S, window", list(BLOCKWISE_ROUTES),
+                         ids=["-".join(map(str, key)) for key in BLOCKWISE_ROUTES])
+def test_the_xla_path_runs_blockwise_for_long_or_windowed_self_attention(device, impl, T, S, window):
+    route = ops.choose(_call(64, 128, T=T, S=S, window=window), impl, ops.DEVICES[device])
+    assert route.blockwise == BLOCKWISE_ROUTES[device, impl, T, S, window] and not route.context, route
+    assert not route.blockwise or (route.impl == "xla" and "blockwise: " in route.reason)
+
+
+def test_auto_logs_its_choice_once_and_warns_for_xla_on_an_accelerator(caplog):
+    """Through ops.dot_product_attention / diff_attention routed as on an A100 (ops.simulated_device): the choice
+    and its reason are logged once; xla on an accelerator is a warning."""
     q, k, v = jnp.zeros((1, 64, 4, 2, 64)), jnp.zeros((1, 128, 2, 2, 64)), jnp.zeros((1, 128, 2, 128))
     ids = (jnp.ones((1, 64), jnp.int32), jnp.ones((1, 128), jnp.int32))
-    with caplog.at_level(logging.INFO, logger="diffjax.ops"):
+    with caplog.at_level(logging.INFO, logger="diffjax.ops"), ops.simulated_device(ops.DEVICES["a100"]):
         for _ in range(2):
             ops.diff_attention(q, k, v, 0.5, segment_ids=ids)
     (record,) = [r for r in caplog.records if "chose 'xla'" in r.getMessage()]
@@ -193,6 +249,38 @@ def test_the_command_prints_each_calls_choice(capsys):
     assert main(["--config", str(configs / "tiny.yaml"), "--device", "a100", "model.attention=standard",
                  "model.dtype=bfloat16"]) == 0
     assert "dot_product_attention q [1, 128, 4, 32]" in capsys.readouterr().out
+
+
+def test_the_command_previews_the_context_and_blockwise_routes(capsys):
+    """--context 2 --window 256 (layer 0 global), 4096 tokens, on an H100, a TPU v5p and a CPU: the train step's
+    route over the context axis (fused kernels with a query offset, or blockwise XLA), the prefill's without one."""
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "paper" / "diff-1.4b.yaml")
+
+    def routes(device):
+        assert main(["--config", config, "--device", device, "--context", "2", "--window", "256",
+                     "model.global_layers=[0]", "data.seq_len=4096", "model.max_seq_len=4096"]) == 0
+        out = capsys.readouterr().out
+        assert "window 256, context axis of 2" in out
+        return dict(re.findall(r"^  (\S[^:]*): .*\n    -> ([^:]*):", out, re.MULTILINE))
+
+    from diffjax.ops.__main__ import main
+
+    chunked, blockwise = "per query chunk over the context axis", "xla blockwise per query chunk over the context axis"
+    assert routes("h100") == {
+        "train step (packed rows) (global layers)": f"pallas_gpu {chunked}",
+        "train step (packed rows) (windowed layers)": blockwise,  # pallas_gpu takes no window
+        "generation prefill (global layers)": "cudnn", "generation prefill (windowed layers)": "cudnn",
+        "generation decode step": "xla"}
+    assert routes("v5p") == {
+        "train step (packed rows) (global layers)": f"pallas_tpu {chunked}",
+        "train step (packed rows) (windowed layers)": f"pallas_tpu {chunked}",
+        "generation prefill (global layers)": "pallas_tpu", "generation prefill (windowed layers)": "pallas_tpu",
+        "generation decode step": "xla"}
+    assert routes("cpu") == {
+        "train step (packed rows) (global layers)": blockwise, "train step (packed rows) (windowed layers)": blockwise,
+        "generation prefill (global layers)": "xla",
+        "generation prefill (windowed layers)": "xla blockwise",  # a window over more than 4 key blocks
+        "generation decode step": "xla"}
 
 
 @pytest.mark.gpu

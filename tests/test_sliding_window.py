@@ -182,10 +182,10 @@ def test_the_explicit_impls_that_take_no_window_refuse_it():
     with pytest.raises(ValueError, match="impl='triton' takes no sliding window"):
         ops.choose(call, "triton", ops.DEVICES["h100"])
     # On an H100, auto takes cuDNN (local_window_size) for a windowed call without segment ids...
-    assert ops.choose(call, "auto", ops.DEVICES["h100"])[0] == "cudnn"
+    assert ops.choose(call, "auto", ops.DEVICES["h100"]).impl == "cudnn"
     # ...and the blockwise XLA path, which skips the blocks outside the window, for packed rows.
     packed = ops.AttentionCall.of("diff_attention", q.astype(jnp.bfloat16), k, v, True, _packed_ids(), WINDOW)
-    assert ops.choose(packed, "auto", ops.DEVICES["h100"])[0] == "xla"
+    assert ops.choose(packed, "auto", ops.DEVICES["h100"]).impl == "xla"
     for bad, message in [(0, "positive integer"), (2.5, "positive integer"), (True, "positive integer")]:
         with pytest.raises(ValueError, match=f"window must be None .* {message}"):
             ops.diff_attention(q, k, v, lam, window=bad)

@@ -119,7 +119,7 @@ def test_variant_paper_configs(measured):
     for name, (d_model, layers, heads, rank, head_dim) in SHARED_DIFF_ROWS.items():
         config = load_run_config(PAPER / f"shared-diff-{name}.yaml")
         m = config.model
-        assert (m.attention, m.d_model, m.num_layers, m.num_heads, m.shared_diff_rank, m.head_dim) == (
+        assert (m.attention, m.d_model, m.num_layers, m.num_heads, m.attention_options.rank, m.head_dim) == (
             "shared_diff", d_model, layers, heads, rank, head_dim)
         twin = load_run_config(PAPER / f"diff-{'3b' if name == '3b' else name}.yaml")
         assert (config.optim, config.data.seq_len, config.train.steps) == (twin.optim, twin.data.seq_len, twin.train.steps)

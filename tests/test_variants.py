@@ -61,7 +61,7 @@ def shared_diff_restated(params: dict[str, np.ndarray], x, depth: int, eps: floa
 
 
 def test_shared_diff_matches_the_papers_equations(measured):
-    config = ModelConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, attention="shared_diff", shared_diff_rank=3)
+    config = ModelConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, attention="shared_diff", attention_options={"rank": 3})
     make = lambda: SharedDiffAttention(config, depth=1, rngs=nnx.Rngs(0))  # noqa: E731
     shapes = {name: v.shape for name, v in nnx.to_pure_dict(nnx.state(nnx.eval_shape(make))).items()}
     assert set(shapes) == {"q_base", "k_base", "q_down", "q_up", "k_down", "k_up", "v_kernel", "o_kernel",
@@ -87,7 +87,7 @@ def test_shared_diff_param_count_is_the_papers_formula_plus_the_key_updates():
     equations') is the paper's plus 2 D r + 2 d r. Counted from the module's arrays."""
     D, d, r = 48, 12, 5
     for H, K in ((1, 1), (4, 4), (4, 2)):
-        config = ModelConfig(d_model=D, num_layers=1, num_heads=H, num_kv_heads=K, head_dim=d, attention="shared_diff", shared_diff_rank=r)
+        config = ModelConfig(d_model=D, num_layers=1, num_heads=H, num_kv_heads=K, head_dim=d, attention="shared_diff", attention_options={"rank": r})
         layer = nnx.eval_shape(lambda: SharedDiffAttention(config, depth=0, rngs=nnx.Rngs(0)))
         qk = sum(getattr(layer, name).size for name in ("q_base", "k_base", "q_down", "q_up", "k_down", "k_up"))
         if H == K:
@@ -105,9 +105,9 @@ def test_shared_diff_param_count_is_the_papers_formula_plus_the_key_updates():
 MODELS = {
     "diff_v2": ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, attention="diff_v2"),
     "shared_diff": ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32,
-                               attention="shared_diff", shared_diff_rank=4),
+                               attention="shared_diff", attention_options={"rank": 4}),
     "gda": ModelConfig(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32,
-                       attention="gda", num_noise_heads=2),
+                       attention="gda", attention_options={"num_noise_heads": 2}),
 }
 # The new parameters' mesh axes by the rules (embed -> fsdp; heads, kv heads -> tensor; rank, head_dim and the
 # stacked layers axis are never split), written out by hand.

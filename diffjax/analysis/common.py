@@ -32,8 +32,8 @@ def describe(model) -> str:
     config = model.config
     kind = attention_kinds.get(config.attention)
     heads = f"{config.num_heads} {'diff ' if kind.maps == 2 else ''}heads"
-    if config.num_noise_heads:  # GDA
-        heads += f", {config.num_noise_heads} noise heads"
+    if config.attention_options is not None and config.attention_options.describe():  # GDA's noise heads, ...
+        heads += f", {config.attention_options.describe()}"
     return f"{kind.label} ({heads}, {model.num_params() / 1e6:.2f}M params)"
 
 

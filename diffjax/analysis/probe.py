@@ -3,7 +3,8 @@ logits quantized.
 
 The attention layers never materialise their score matrices (the fused kernels cannot), so this module runs
 each layer's attention through the layer's own `explicit_maps` (every attention kind has one:
-diffjax/model/attention/base.py) and the rest of the block through the block's own modules: the output equals `model(tokens)` (tested in
+diffjax/model/attention/base.py) in place of its attention call, and the rest of the block as the block runs it
+(`DecoderBlock.forward`): the output equals `model(tokens)` (tested in
 float32), and the logits, maps and hidden states on the way are handed to an `observe` function that
 reduces them inside the same jitted program (so a [B, H, T, S] map never leaves the device).
 """
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import ops
+from diffjax.model import residual
 from diffjax.model.rope import inv_frequencies, rope_tables
 
 QUANTIZATION_BITS = (8, 6, 4)  # the paper's Figure 8 (16 bits: unquantized)
@@ -76,7 +78,8 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
         real_BT = jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0
         cos_sin = rope_tables(positions_BT, inv_frequencies(config), dtype)
         constants = model.depth_constants(dtype)
-        x_BTD = model.embed(tokens_BT, dtype)
+        residual_form = residual.module_class(config)
+        stream = residual_form.expand(config, model.embed(tokens_BT, dtype))
         observed = []
         for depth in range(config.num_layers):
             block = nnx.merge(graph, jax.tree.map(lambda x: x[depth], params))
@@ -84,17 +87,17 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
             mask = ops.attention_mask(T, T, causal=True, segment_ids=segment_ids_BT, window=config.window_at(depth))
             allowed_BTS = jnp.broadcast_to(mask, (B, T, T))
             counted_BTS = allowed_BTS & real_BT[:, :, None]
-            explicit = block.attn.explicit_maps(block.attn_norm(x_BTD), cos_sin, allowed_BTS, layer_constants,
-                                                lambda s: _quantized_logits(s, counted_BTS, logit_bits))
-            s, effective = explicit.logits_MBHTS, explicit.effective_BHTS
-            h_BTD = x_BTD + explicit.out_BTD
-            x_BTD = h_BTD + block.mlp(block.mlp_norm(h_BTD))
-            observed.append(observe(LayerView(depth, s, effective, counted_BTS, x_BTD, real_BT), aux))
-        x_BTD = model.final_norm(x_BTD)
-        if config.tie_embeddings:
-            logits = model.embed.attend(x_BTD)
-        else:
-            logits = jnp.einsum("btd,dv->btv", x_BTD, model.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
+
+            def explicit_attention(x_BTD):
+                explicit = block.attn.explicit_maps(x_BTD, cos_sin, allowed_BTS, layer_constants,
+                                                    lambda s: _quantized_logits(s, counted_BTS, logit_bits))
+                return explicit.out_BTD, explicit
+
+            stream, explicit = block.forward(stream, explicit_attention)
+            hidden_BTD = residual_form.collapse(config, stream)
+            view = LayerView(depth, explicit.logits_MBHTS, explicit.effective_BHTS, counted_BTS, hidden_BTD, real_BT)
+            observed.append(observe(view, aux))
+        logits = model.logits(model.final_norm(residual_form.collapse(config, stream)))
         return logits, observed
 
     def probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None, *, logit_bits=None):

@@ -54,6 +54,9 @@ def check_exportable(config: ModelConfig) -> None:
         counterparts = [f"{k.hf_architecture.removesuffix('ForCausalLM')} (attention {k.name!r})"
                         for k in map(attention_kinds.get, attention_kinds.names()) if k.hf_model_type]
         problems.append(f"attention={config.attention!r}: Hugging Face has {', '.join(counterparts)} only")
+    for part, built_in in (("mlp", "gated"), ("residual", "plain")):  # the HF formats' blocks
+        if getattr(config, part) != built_in:
+            problems.append(f"{part}={getattr(config, part)!r}: the Hugging Face formats hold {part}={built_in!r} only")
     if model_type in ("diffllama", motif.MODEL_TYPE) and not config.subln:
         problems.append(f"subln=false: HF {model_type} always normalizes each head's output")
     if model_type == motif.MODEL_TYPE:
@@ -208,8 +211,9 @@ def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tup
     params: {diffjax path: array} (flat, as from `flatten`; layers stacked), or a lazy mapping with `shapes`
     and `dtypes` attributes and a `layer(path, depth)` method that reads an array (or one layer of a
     stacked one) only when asked (then nothing is read here).
-    Missing, unexpected or mis-shaped params raise ConversionError.
+    Missing, unexpected or mis-shaped params raise ConversionError, as does a config no HF format expresses.
     """
+    check_exportable(config)  # (first: the weight table below is the HF formats')
     shapes = getattr(params, "shapes", None) or {p: tuple(np.shape(v)) for p, v in params.items()}
     dtypes = getattr(params, "dtypes", None) or {p: np.asarray(v).dtype for p, v in params.items()}
     expected = _diffjax_shapes(config)

@@ -59,7 +59,7 @@ def config_fields(hf: dict) -> dict:
         fields["subln_eps"] = float(hf["attn_rms_norm_eps"])
     if n_noise == n_signal:
         return {**fields, "attention": "diff"}
-    return {**fields, "attention": "gda", "num_noise_heads": n_noise}
+    return {**fields, "attention": "gda", "attention_options": {"num_noise_heads": n_noise}}
 
 
 def export_fields(config: ModelConfig) -> dict:
@@ -80,7 +80,9 @@ def export_problems(config: ModelConfig) -> list[str]:
 
 
 def noise_heads(config: ModelConfig) -> int:
-    return config.num_noise_heads or config.num_heads  # DIFF V1: one noise head per signal head
+    if config.attention == "gda":  # (Motif's format is GDA's: it reads GDA's own options)
+        return config.attention_options.num_noise_heads
+    return config.num_heads  # DIFF V1: one noise head per signal head
 
 
 # ------------------------------------------------------------------------------ weights

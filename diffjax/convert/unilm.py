@@ -228,53 +228,15 @@ def load_unilm_attention(
         raise ValueError(f"dtype must be one of {tuple(_NP_DTYPES)}, got {dtype!r}")
     if param_dtype is not None and param_dtype not in _NP_DTYPES:
         raise ValueError(f"param_dtype must be None or one of {tuple(_NP_DTYPES)}, got {param_dtype!r}")
-
     found = {full_key[len(prefix):]: value for full_key, value in state_dict.items() if full_key.startswith(prefix)}
     variant = _variant(found)
-    known = UNILM_V2_ATTENTION_KEYS if variant == "V2" else UNILM_ATTENTION_KEYS
     if variant == "V1" and (not isinstance(depth, (int, np.integer)) or depth < 0):
         raise ValueError(f"depth must be a non-negative integer (0-based layer index) for a unilm V1 module, got {depth!r}")
     if variant == "V2" and lambda_init is not None:
         raise ValueError(f"lambda_init={lambda_init!r} does not apply to a unilm V2 module (its lambda is sigmoid(x W_lambda))")
 
-    arrays: dict[str, np.ndarray] = {}
-    unexpected: list[str] = []
-    for key, value in found.items():
-        if key not in known:
-            shape = tuple(getattr(value, "shape", ()))
-            unexpected.append(
-                f"unexpected key {prefix + key!r} (shape {shape}; expected shape: none, the key is not part of a unilm "
-                f"{variant} attention module, whose keys are {', '.join(prefix + k for k in known)})"
-            )
-            continue
-        arrays[key] = to_numpy(value)
-
-    problems: list[str] = []
-    for key in known:
-        if key in arrays and not np.issubdtype(arrays[key].dtype, np.floating) and arrays[key].dtype != ml_dtypes.bfloat16:
-            problems.append(f"{prefix + key!r} has dtype {arrays[key].dtype}; expected a floating dtype")
-    if not arrays:
-        raise ValueError(
-            f"no unilm attention keys found under prefix {prefix!r}; expected V1 keys "
-            f"{', '.join(prefix + k for k in UNILM_ATTENTION_KEYS)} or V2 keys {', '.join(prefix + k for k in UNILM_V2_ATTENTION_KEYS)}"
-            + ("; " + "; ".join(unexpected) if unexpected else "")
-        )
-
-    E, d, H, K = (_infer_v2_sizes if variant == "V2" else _infer_sizes)(arrays)
-    for key, shape in _expected_shapes(variant, E, d, H, K).items():
-        if key not in arrays:
-            if key not in _OPTIONAL_KEYS:
-                problems.append(f"missing key {prefix + key!r} (shape found: none; expected shape {shape})")
-        elif tuple(arrays[key].shape) != shape:
-            problems.append(f"key {prefix + key!r} has shape {tuple(arrays[key].shape)}; expected shape {shape}")
-    problems += unexpected
-    if problems:
-        raise ValueError(
-            f"invalid unilm {variant} attention state_dict (E={E}, num_heads={H}, num_kv_heads={K}, head_dim={d}): "
-            + "; ".join(problems)
-        )
-
-    if param_dtype is None:
+    arrays, (E, d, H, K) = _checked_arrays(found, variant, prefix)
+    if param_dtype is None:  # the checkpoint's, when its tensors share one
         names = {_dtype_name(a.dtype) for a in arrays.values()}
         param_dtype = names.pop() if len(names) == 1 and None not in names else "float32"
     common = dict(
@@ -282,18 +244,63 @@ def load_unilm_attention(
         rope_theta=float(rope_theta), dtype=dtype, param_dtype=param_dtype, attention_window=window_from_unilm(window_size),
     )
     if variant == "V2":
-        config = ModelConfig(num_layers=1, attention=attention_kinds.for_unilm_module(V2_MODULE).name, **common)
-        params = {
-            ("q_kernel",): arrays["q_proj.weight"].T.reshape(E, H, 2, d),
-            ("k_kernel",): arrays["k_proj.weight"].T.reshape(E, K, d),
-            ("v_kernel",): arrays["v_proj.weight"].T.reshape(E, K, d),
-            ("o_kernel",): arrays["o_proj.weight"].T.reshape(H, d, E),
-            ("lambda_kernel",): arrays["lambda_proj.weight"].T,
-        }
-        return build_module(lambda: DiffAttentionV2(config, rngs=nnx.Rngs(0)), params, _NP_DTYPES[param_dtype])
+        return _v2_module(arrays, common)
+    return _v1_module(arrays, common, depth=int(depth), lambda_init=lambda_init, norm_eps=norm_eps)
 
+
+def _checked_arrays(found: dict[str, Any], variant: str, prefix: str) -> tuple[dict[str, np.ndarray], tuple[int, ...]]:
+    """The variant's tensors as numpy and its sizes (E, d, H, Hkv); one ValueError naming every missing,
+    unexpected, non-float or mis-shaped key (with `prefix`), the shape found and the shape expected."""
+    known = UNILM_V2_ATTENTION_KEYS if variant == "V2" else UNILM_ATTENTION_KEYS
+    arrays = {key: to_numpy(value) for key, value in found.items() if key in known}
+    unexpected = [
+        f"unexpected key {prefix + key!r} (shape {tuple(getattr(value, 'shape', ()))}; expected shape: none, the key is "
+        f"not part of a unilm {variant} attention module, whose keys are {', '.join(prefix + k for k in known)})"
+        for key, value in found.items() if key not in known
+    ]
+    if not arrays:
+        raise ValueError(
+            f"no unilm attention keys found under prefix {prefix!r}; expected V1 keys "
+            f"{', '.join(prefix + k for k in UNILM_ATTENTION_KEYS)} or V2 keys {', '.join(prefix + k for k in UNILM_V2_ATTENTION_KEYS)}"
+            + ("; " + "; ".join(unexpected) if unexpected else "")
+        )
+    problems = [f"{prefix + key!r} has dtype {arrays[key].dtype}; expected a floating dtype" for key in known
+                if key in arrays and not np.issubdtype(arrays[key].dtype, np.floating) and arrays[key].dtype != ml_dtypes.bfloat16]
+    E, d, H, K = (_infer_v2_sizes if variant == "V2" else _infer_sizes)(arrays)
+    for key, shape in _expected_shapes(variant, E, d, H, K).items():
+        if key not in arrays:
+            if key not in _OPTIONAL_KEYS:
+                problems.append(f"missing key {prefix + key!r} (shape found: none; expected shape {shape})")
+        elif tuple(arrays[key].shape) != shape:
+            problems.append(f"key {prefix + key!r} has shape {tuple(arrays[key].shape)}; expected shape {shape}")
+    if problems + unexpected:
+        raise ValueError(
+            f"invalid unilm {variant} attention state_dict (E={E}, num_heads={H}, num_kv_heads={K}, head_dim={d}): "
+            + "; ".join(problems + unexpected)
+        )
+    return arrays, (E, d, H, K)
+
+
+def _v2_module(arrays: dict[str, np.ndarray], common: dict[str, Any]) -> DiffAttentionV2:
+    """A DiffAttentionV2 holding a V2 module's tensors (plain transposes and reshapes: nothing is permuted)."""
+    E, H, K, d = common["d_model"], common["num_heads"], common["num_kv_heads"], common["head_dim"]
+    config = ModelConfig(num_layers=1, attention=attention_kinds.for_unilm_module(V2_MODULE).name, **common)
+    params = {
+        ("q_kernel",): arrays["q_proj.weight"].T.reshape(E, H, 2, d),
+        ("k_kernel",): arrays["k_proj.weight"].T.reshape(E, K, d),
+        ("v_kernel",): arrays["v_proj.weight"].T.reshape(E, K, d),
+        ("o_kernel",): arrays["o_proj.weight"].T.reshape(H, d, E),
+        ("lambda_kernel",): arrays["lambda_proj.weight"].T,
+    }
+    return build_module(lambda: DiffAttentionV2(config, rngs=nnx.Rngs(0)), params, _NP_DTYPES[config.param_dtype])
+
+
+def _v1_module(arrays: dict[str, np.ndarray], common: dict[str, Any], *, depth: int, lambda_init: float | None,
+               norm_eps: float) -> DiffAttention:
+    """A DiffAttention (layer `depth` of its config) holding a V1 module's tensors; subln.weight ones when absent."""
+    E, H, K, d = common["d_model"], common["num_heads"], common["num_kv_heads"], common["head_dim"]
     config = ModelConfig(
-        num_layers=int(depth) + 1, attention=attention_kinds.for_unilm_module(V1_MODULE).name, lambda_init=None if lambda_init is None else float(lambda_init),
+        num_layers=depth + 1, attention=attention_kinds.for_unilm_module(V1_MODULE).name, lambda_init=None if lambda_init is None else float(lambda_init),
         norm_eps=float(norm_eps), **common,
     )
     subln = arrays.get("subln.weight")
@@ -307,7 +314,7 @@ def load_unilm_attention(
         **{(name,): arrays[name] for name in LAMBDA_KEYS},
         ("subln_scale",): subln,
     }
-    return build_module(lambda: DiffAttention(config, int(depth), rngs=nnx.Rngs(0)), params, _NP_DTYPES[param_dtype])
+    return build_module(lambda: DiffAttention(config, depth, rngs=nnx.Rngs(0)), params, _NP_DTYPES[config.param_dtype])
 
 
 def window_from_unilm(window_size) -> int | None:

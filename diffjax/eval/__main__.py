@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-gen-toks", type=int, default=256, metavar="N",
                         help="generation budget when a task sets none (default 256)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute and parameter dtype (default: the checkpoint's)")
-    parser.add_argument("--mesh", metavar="AXES", help="a device mesh, e.g. data=4,tensor=2 (axes data, fsdp, tensor)")
+    parser.add_argument("--mesh", metavar="AXES", help="a device mesh, e.g. data=4,tensor=2 (the trainer's axes data, "
+                        "fsdp, context, tensor; context splits scored sequences, not generation)")
     parser.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (or its directory), or 'byte' (default: the checkpoint's)")
     parser.add_argument("--seed", type=int, default=1234, help="sampled generation's seed (default 1234)")
     parser.add_argument("--output", metavar="JSON", help="write the results here")

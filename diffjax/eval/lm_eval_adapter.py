@@ -46,13 +46,15 @@ from lm_eval.models.utils import Collator, normalize_gen_kwargs, postprocess_gen
 from tqdm import tqdm
 
 from diffjax import sharding, storage
+from diffjax.ops.context_parallel import context_order, context_size, to_context_order
+from diffjax.train.config import build_config
+from diffjax.train.mesh import MESH_AXES, ParallelConfig, make_mesh
 
 log = logging.getLogger("diffjax.eval")
 
 MIN_BUCKET = 32  # the shortest padded length; then powers of two up to LONG_BUCKET, then its multiples
 LONG_BUCKET = 512
 STOP_CHECK_EVERY = 8  # decode steps between checks of "every row has finished" (eos or a stop string: detokenizes)
-MESH_AXES = ("data", "fsdp", "tensor")  # the axes an evaluation mesh may have (diffjax.sharding's rules)
 _SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p", "until", "max_gen_toks"}
 
 
@@ -60,27 +62,30 @@ _SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p", "until", "max_ge
 
 
 def parse_mesh(spec: str | Mesh | None) -> Mesh | None:
-    """A Mesh from "data=4,tensor=2" (or "data:4/tensor:2", which fits in lm_eval's comma-separated
-    model_args): axes data, fsdp and tensor (diffjax.sharding's rules); one size may be -1 (the devices
-    left). None or a Mesh: returned as is."""
+    """The trainer's mesh (diffjax.train.mesh: axes data, fsdp, context, tensor) from "data=4,tensor=2" (or
+    "data:4/tensor:2", which fits in lm_eval's comma-separated model_args): axes not named have size 1, one size
+    may be -1 (the devices left); without a -1 the mesh takes the first devices it needs. A context axis splits
+    each scored sequence (generation takes none). None or a Mesh: returned as is."""
     if spec is None or isinstance(spec, Mesh):
         return spec
     sizes = {}
     for part in filter(None, re.split(r"[,/;\s]+", str(spec).strip())):
         name, _, size = part.replace(":", "=").partition("=")
-        if name not in MESH_AXES or not re.fullmatch(r"-1|[1-9]\d*", size) or name in sizes:
-            hint = " (context parallelism is not used for evaluation)" if name == "context" else ""
-            raise ValueError(f"mesh {spec!r}: expected axis=size items, each of the axes {MESH_AXES} at most once, sizes "
-                             f"positive or one -1 (e.g. data=4,tensor=2); got {part!r}{hint}")
-        sizes[name] = int(size)
-    if not sizes or list(sizes.values()).count(-1) > 1:
-        raise ValueError(f"mesh {spec!r}: name at least one axis, at most one of them -1 (e.g. data=4,tensor=2)")
-    devices = jax.devices()
-    fixed = math.prod(size for size in sizes.values() if size != -1)
-    if fixed > len(devices) or (-1 in sizes.values() and len(devices) % fixed):
+        if name not in MESH_AXES or not size or name in sizes:
+            raise ValueError(f"mesh {spec!r}: expected axis=size items, each of the axes {MESH_AXES} at most once "
+                             f"(e.g. data=4,tensor=2); got {part!r}")
+        sizes[name] = size
+    if not sizes:
+        raise ValueError(f"mesh {spec!r}: name at least one axis (e.g. data=4,tensor=2)")
+    try:  # the trainer's checks: integer sizes, positive or one -1
+        config = build_config(ParallelConfig, {axis: 1 for axis in MESH_AXES} | sizes)
+    except ValueError as error:
+        raise ValueError(f"mesh {spec!r}: {error}") from None
+    devices, shape = jax.devices(), [getattr(config, axis) for axis in MESH_AXES]
+    fixed, fill = math.prod(size for size in shape if size != -1), -1 in shape
+    if fixed > len(devices) or (fill and len(devices) % fixed):
         raise ValueError(f"mesh {spec!r} does not fit the {len(devices)} devices")
-    sizes = {name: (len(devices) // fixed if size == -1 else size) for name, size in sizes.items()}
-    return Mesh(np.asarray(devices[: math.prod(sizes.values())]).reshape(tuple(sizes.values())), tuple(sizes))
+    return make_mesh(config, devices if fill else devices[:fixed])
 
 
 def _load_run(step_dir: Path, mesh: Mesh | None, what: str):
@@ -120,9 +125,9 @@ def load_for_eval(path, *, dtype: str | None = None, mesh: Mesh | None = None, t
 
     path = storage.as_path(path)  # a local path or gs://
     if (path / "config.json").is_file():  # a Hugging Face directory (a run directory has config.yaml instead)
-        import diffjax
+        from diffjax.convert import load_hf
 
-        model, own_tokenizer = diffjax.load_hf(path), functools.partial(HFTokenizer, path)
+        model, own_tokenizer = load_hf(path), functools.partial(HFTokenizer, path)
         if mesh is not None:
             state = nnx.state(model, nnx.Param)
             nnx.replace_by_pure_dict(state, jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh)))
@@ -163,9 +168,13 @@ def with_dtype(model, dtype: str | None):
 @functools.partial(jax.jit, static_argnames=("graphdef", "mesh"))
 def _score(graphdef, params, tokens_BT, lengths_B, *, mesh):
     """For right-padded rows: log p(tokens[t + 1] | tokens[:t + 1]) [B, T], the argmax token at each position
-    [B, T] and the whole log-softmax at each row's last position [B, V] (float32)."""
+    [B, T] and the whole log-softmax at each row's last position [B, V] (float32). Under a context axis the model
+    reads the sequence in its layout (ops.context_parallel): the tokens go in so, the logits come back in order."""
+    context = 1 if mesh is None else context_size(mesh)
     with sharding.activation_sharding(mesh):
-        logits_BTV = nnx.merge(graphdef, params)(tokens_BT).astype(jnp.float32)
+        logits_BTV = nnx.merge(graphdef, params)(to_context_order(tokens_BT, context)).astype(jnp.float32)
+    if context > 1:
+        logits_BTV = jnp.take(logits_BTV, jnp.asarray(np.argsort(context_order(tokens_BT.shape[1], context))), axis=1)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     next_BT = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros_like(tokens_BT[:, :1])], axis=1)
     next_logp_BT = jnp.take_along_axis(logits_BTV, next_BT[..., None], axis=-1)[..., 0] - lse_BT
@@ -174,11 +183,12 @@ def _score(graphdef, params, tokens_BT, lengths_B, *, mesh):
     return next_logp_BT, jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32), last_BV
 
 
-def length_bucket(length: int, cap: int) -> int:
+def length_bucket(length: int, cap: int, multiple: int = 1) -> int:
     """The padded length of a batch whose longest row has `length` tokens: a power of two from MIN_BUCKET up
-    to LONG_BUCKET, then a multiple of LONG_BUCKET; at most `cap`."""
+    to LONG_BUCKET, then a multiple of LONG_BUCKET; rounded up to a multiple of `multiple` (a context axis's
+    2 x context chunks); at most `cap`."""
     bucket = max(MIN_BUCKET, 1 << (length - 1).bit_length()) if length <= LONG_BUCKET else -(-length // LONG_BUCKET) * LONG_BUCKET
-    return min(bucket, cap)
+    return min(-(-bucket // multiple) * multiple, cap)
 
 
 @dataclasses.dataclass
@@ -199,10 +209,10 @@ class DiffjaxLM(TemplateLM):
     batch_size: rows per forward pass (and per generation batch); max_length: the context the model sees
     (default and cap: the model's max_seq_len); max_gen_toks: generation's default budget (a task's
     generation_kwargs override it); dtype: "float32" / "bfloat16" (default: the checkpoint's); mesh: a Mesh or
-    "data=4,tensor=2" / "data:4/tensor:2" (batches split over data x fsdp, params by diffjax.sharding's
-    rules); add_bos_token / prefix_token_id: as HFLM's (None: the tokenizer's default / bos, else eos);
-    seed: sampled generation's key. device and max_batch_size (lm_eval passes them to every model) are
-    ignored: JAX places the work.
+    "data=4,tensor=2" / "data:4/tensor:2" (`parse_mesh`: batches split over data x fsdp, params by
+    diffjax.sharding's rules, each scored sequence over context); add_bos_token / prefix_token_id: as HFLM's
+    (None: the tokenizer's default / bos, else eos); seed: sampled generation's key. device and max_batch_size
+    (lm_eval passes them to every model) are ignored: JAX places the work.
     """
 
     def __init__(self, pretrained: str | None = None, *, model=None, tokenizer=None, batch_size: int | str = 8,
@@ -218,6 +228,7 @@ class DiffjaxLM(TemplateLM):
         if max_length is not None and not (isinstance(max_length, int) and 2 <= max_length):
             raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
         self.mesh = parse_mesh(mesh)
+        self.context = 1 if self.mesh is None else context_size(self.mesh)
         if self.mesh is not None:
             rows = math.prod(dict(self.mesh.shape).get(axis, 1) for axis in ("data", "fsdp"))
             if int(batch_size) % rows:
@@ -251,6 +262,9 @@ class DiffjaxLM(TemplateLM):
             self._rust = RustTokenizer.from_file(tokenizer.path)
         self.batch_size_per_gpu = int(batch_size)
         self._max_length = min(max_length or self.config.max_seq_len, self.config.max_seq_len)
+        if self.context > 1 and self._max_length % (2 * self.context):
+            raise ValueError(f"max_length {self._max_length} must be a multiple of 2 x the mesh's context "
+                             f"({2 * self.context}): a context axis splits each sequence into that many chunks")
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
@@ -327,7 +341,7 @@ class DiffjaxLM(TemplateLM):
         """Yields (row, next_logp [T], argmax [T], last_logp [V]) for rows sorted longest first, batch by batch."""
         for start in range(0, len(rows), self.batch_size):
             batch = rows[start : start + self.batch_size]
-            T = length_bucket(len(batch[0].tokens), self.max_length)
+            T = length_bucket(len(batch[0].tokens), self.max_length, 2 * self.context)
             tokens_BT = np.zeros((self.batch_size, T), np.int32)
             lengths_B = np.ones((self.batch_size,), np.int32)
             for b, row in enumerate(batch):
@@ -398,6 +412,9 @@ class DiffjaxLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Batched KV-cached generation per group of equal generation_kwargs, longest contexts first."""
+        if self.context > 1:
+            raise ValueError(f"generate_until: KV-cached decoding does not split the sequence, but the mesh has "
+                             f"context={self.context}: run generation tasks on a mesh without a context axis")
         collator = Collator([req.args for req in requests], sort_fn=lambda args: (-len(self.tok_encode(args[0])), args[0]),
                             group_by="gen_kwargs", group_fn=lambda args: args[1])
         progress = tqdm(total=len(requests), disable=disable_tqdm, desc="Running generate_until requests")

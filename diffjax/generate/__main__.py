@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     import jax
 
-    import diffjax
+    from diffjax.generate.decode import generate
     from diffjax.params_checkpoint import load_model, resolve_checkpoint
 
     try:
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         # One text prompt streams as it is generated; a batch (or ids) prints when done.
         printer = _StreamPrinter(tokenizer, eos, args.prompt[0]) if tokenizer is not None and len(prompts) == 1 else None
         clock = _Clock(printer)
-        new_tokens = diffjax.generate(
+        new_tokens = generate(
             model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed), on_tokens=clock)
         clock.stop()

@@ -5,10 +5,12 @@ from diffjax.model.attention import (
     SharedDiffAttention,
     StandardAttention,
 )
-from diffjax.model.layers import Embedding, GatedMLP, RMSNorm
+from diffjax.model.layers import Embedding, RMSNorm
+from diffjax.model.mlp import GatedMLP, MLPModule
+from diffjax.model.residual import PlainResidual, ResidualForm
 from diffjax.model.transformer import DecoderBlock, TransformerLM
 
 __all__ = [
-    "AttentionModule", "DecoderBlock", "DiffAttention", "DiffAttentionV2", "Embedding", "GatedMLP", "RMSNorm", "SharedDiffAttention",
-    "StandardAttention", "TransformerLM",
+    "AttentionModule", "DecoderBlock", "DiffAttention", "DiffAttentionV2", "Embedding", "GatedMLP", "MLPModule",
+    "PlainResidual", "RMSNorm", "ResidualForm", "SharedDiffAttention", "StandardAttention", "TransformerLM",
 ]

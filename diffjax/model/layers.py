@@ -1,4 +1,4 @@
-"""Small building blocks: parameters with logical axes, RMSNorm, gated MLP, token embedding."""
+"""Small building blocks: parameters with logical axes, RMSNorm, the MLP activations, token embedding."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diffjax.config import ModelConfig
 from diffjax.sharding import constrain
 
 
@@ -73,7 +72,7 @@ class RMSNorm(nnx.Module):
         return rms_normalize(x, self.eps) * self.scale[...].astype(x.dtype)
 
 
-_ACTIVATIONS = {
+ACTIVATIONS = {  # ModelConfig.activation -> function ("polynorm" has parameters: polynorm())
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -98,33 +97,6 @@ def polynorm(x, weight_3, bias_1):
     mean = functools.partial(jnp.mean, axis=-1, keepdims=True)
     out = w[0] * norm(x3, mean(x3 * x3)) + w[1] * norm(x2, mean(x2 * x2)) + w[2] * norm(x32, mean(x2)) + b
     return out.astype(x.dtype)
-
-
-class GatedMLP(nnx.Module):
-    """down(act(x gate) * (x up)): SwiGLU with the default silu; with "polynorm" the activation has parameters
-    (polynorm_weight [3], initially 1/3 each, and polynorm_bias [1], initially 0; Motif's act_fn.weight / .bias)."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        D, F, std, pdt = config.d_model, config.mlp_dim, config.init_std, config.param_dtype
-        self.activation = config.activation
-        self.gate_kernel = normal_param(rngs, (D, F), std, pdt, ("embed", "mlp"))
-        self.up_kernel = normal_param(rngs, (D, F), std, pdt, ("embed", "mlp"))
-        self.down_kernel = normal_param(rngs, (F, D), std, pdt, ("mlp", "embed"))
-        if config.activation == "polynorm":
-            self.polynorm_weight = nnx.Param(jnp.full((3,), 1 / 3, pdt), logical_axes=(None,))
-            self.polynorm_bias = nnx.Param(jnp.zeros((1,), pdt), logical_axes=(None,))
-
-    def activate(self, gate_BTF):
-        if self.activation == "polynorm":
-            return polynorm(gate_BTF, self.polynorm_weight[...], self.polynorm_bias[...])
-        return _ACTIVATIONS[self.activation](gate_BTF)
-
-    def __call__(self, x_BTD):
-        dtype = x_BTD.dtype
-        gate_BTF = x_BTD @ self.gate_kernel[...].astype(dtype)
-        up_BTF = x_BTD @ self.up_kernel[...].astype(dtype)
-        hidden_BTF = constrain(self.activate(gate_BTF) * up_BTF, ("batch", "length", "act_mlp"))
-        return constrain(hidden_BTF @ self.down_kernel[...].astype(dtype), ("batch", "length", "act_embed"))
 
 
 class Embedding(nnx.Module):

@@ -9,9 +9,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
+from diffjax.model import mlp, residual
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache
-from diffjax.model.layers import Embedding, GatedMLP, RMSNorm, normal_param, prepend_axis
+from diffjax.model.layers import Embedding, RMSNorm, normal_param, prepend_axis
 from diffjax.model.rope import inv_frequencies, rope_tables
 from diffjax.ops.context_parallel import context_size, to_context_order
 from diffjax.sharding import constrain
@@ -29,28 +30,42 @@ REMAT_POLICIES = {
 
 
 class DecoderBlock(nnx.Module):
-    """h = x + attn(norm(x)); out = h + mlp(norm(h)). depth None: a layer of TransformerLM's stack."""
+    """An attention sublayer, then an MLP sublayer, each pre-normed and joined to the residual stream by the
+    config's residual form; the three parts are the config's kinds (diffjax.kinds). With the plain form:
+    h = x + attn(norm(x)); out = h + mlp(norm(h)). depth None: a layer of TransformerLM's stack."""
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
         # A standalone layer's own flag for models that mix windowed and global layers (a stack's come with its
         # depth constants).
         self.global_attention = None if depth is None or not config.mixes_windows else depth in config.global_layers
+        residual_form = residual.module_class(config)
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         self.attn = module_class(config)(config, depth, rngs=rngs)
+        self.attn_residual = residual_form(config, rngs=rngs)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
-        self.mlp = GatedMLP(config, rngs=rngs)
+        self.mlp = mlp.module_class(config)(config, depth, rngs=rngs)
+        self.mlp_residual = residual_form(config, rngs=rngs)
 
-    def __call__(self, x_BTD, rope_cos_sin, segment_ids=None, constants=None):
-        """The block's output [B, T, D]."""
-        return self.call_with_cache(x_BTD, rope_cos_sin, segment_ids, constants, None)[0]
+    def __call__(self, stream, rope_cos_sin, segment_ids=None, constants=None):
+        """The block's output: the residual stream ([B, T, D] for the plain form)."""
+        return self.call_with_cache(stream, rope_cos_sin, segment_ids, constants, None)[0]
 
-    def call_with_cache(self, x_BTD, rope_cos_sin, segment_ids, constants, cache):
-        """(output [B, T, D], this layer's updated KVCache) (generation); cache None: (output, None)."""
+    def call_with_cache(self, stream, rope_cos_sin, segment_ids, constants, cache):
+        """(output stream, this layer's updated KVCache) (generation); cache None: (output, None)."""
         if constants is None and self.global_attention is not None:
-            constants = {**self.attn.layer_constants(x_BTD.dtype), "global_attention": self.global_attention}
-        attn_BTD, cache = self.attn.call_with_cache(self.attn_norm(x_BTD), rope_cos_sin, segment_ids, constants, cache)
-        h_BTD = checkpoint_name(x_BTD + attn_BTD, "attention_residual")
-        return constrain(h_BTD + self.mlp(self.mlp_norm(h_BTD)), BTD), cache
+            constants = {**self.attn.layer_constants(stream.dtype), "global_attention": self.global_attention}
+        return self.forward(stream, lambda x_BTD: self.attn.call_with_cache(x_BTD, rope_cos_sin, segment_ids, constants,
+                                                                            cache))
+
+    def forward(self, stream, attention):
+        """(output stream, aux) with `attention(normed x_BTD) -> (y_BTD, aux)` as the attention sublayer's call: the
+        layer's own (call_with_cache; aux: the cache) or the analyses' explicit maps (aux: what they computed)."""
+        x_BTD, carry = self.attn_residual.read(stream)
+        attn_BTD, aux = attention(self.attn_norm(x_BTD))
+        stream = checkpoint_name(self.attn_residual.write(stream, attn_BTD, carry), "attention_residual")
+        x_BTD, carry = self.mlp_residual.read(stream)
+        stream = self.mlp_residual.write(stream, self.mlp(self.mlp_norm(x_BTD)), carry)
+        return constrain(stream, self.mlp_residual.stream_axes), aux
 
 
 class TransformerLM(nnx.Module):
@@ -117,10 +132,12 @@ class TransformerLM(nnx.Module):
             # Under a context axis the tokens are in its layout (ops.context_parallel), and so their positions.
             positions_BT = jnp.broadcast_to(to_context_order(jnp.arange(T)[None], context_size()), tokens_BT.shape)
         dtype = jnp.dtype(self.config.dtype)
-        x_BTD = constrain(self.embed(tokens_BT, dtype), BTD)
+        residual_form = residual.module_class(self.config)
+        stream = residual_form.expand(self.config, constrain(self.embed(tokens_BT, dtype), BTD))
         rope_cos_sin = rope_tables(positions_BT, inv_frequencies(self.config), dtype)
-        x_BTD, cache = self._run_blocks(x_BTD, rope_cos_sin, segment_ids_BT, cache, lambda_scale, layer_params)
-        return self.final_norm(x_BTD) if cache is None else (self.final_norm(x_BTD), cache)
+        stream, cache = self._run_blocks(stream, rope_cos_sin, segment_ids_BT, cache, lambda_scale, layer_params)
+        hidden_BTD = self.final_norm(residual_form.collapse(self.config, stream))
+        return hidden_BTD if cache is None else (hidden_BTD, cache)
 
     def logits(self, hidden_BTD):
         """float32 logits [B, T, vocab] of final hidden states."""
@@ -166,42 +183,42 @@ class TransformerLM(nnx.Module):
         params = nnx.state(self.blocks)
         return tuple(jax.tree.map(lambda x: x[depth], params) for depth in range(self.config.num_layers))
 
-    def _run_blocks(self, x_BTD, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale=None,
+    def _run_blocks(self, stream, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale=None,
                     layer_params=None):
         """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop (over
         `layer_params` if given, else over the stack's slices). A cache's buffers go through the layers with the
-        params: stacked [L, ...] through a scan, one per layer through the loop; returns (x, cache)."""
+        params: stacked [L, ...] through a scan, one per layer through the loop; returns (stream, cache)."""
         remat = self.config.remat
         scan = self.config.scan_layers and layer_params is None
         graphdef, params = nnx.split(self.blocks)
-        constants = self.depth_constants(x_BTD.dtype)
+        constants = self.depth_constants(stream.dtype)
         if lambda_scale is not None:
             constants["lambda_scale"] = jnp.broadcast_to(jnp.asarray(lambda_scale, jnp.float32), (self.config.num_layers,))
         kv = None if cache is None else (cache.k, cache.v)
 
-        def apply_block(x_BTD, layer_params, layer_constants, layer_kv):
+        def apply_block(stream, layer_params, layer_constants, layer_kv):
             block = nnx.merge(graphdef, layer_params)
             if cache is None:
-                return block(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants), None
-            x_BTD, layer_cache = block.call_with_cache(x_BTD, rope_cos_sin, segment_ids_BT, layer_constants,
+                return block(stream, rope_cos_sin, segment_ids_BT, layer_constants), None
+            stream, layer_cache = block.call_with_cache(stream, rope_cos_sin, segment_ids_BT, layer_constants,
                                                        cache.layer(*layer_kv))
-            return x_BTD, (layer_cache.k, layer_cache.v)
+            return stream, (layer_cache.k, layer_cache.v)
 
         if remat != "none":
             apply_block = jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
         if scan:
-            x_BTD, kv = jax.lax.scan(lambda x, layer: apply_block(x, *layer), x_BTD, (params, constants, kv))
+            stream, kv = jax.lax.scan(lambda stream, layer: apply_block(stream, *layer), stream, (params, constants, kv))
         else:
             layers_kv = []
             for depth in range(self.config.num_layers):
                 layer = jax.tree.map(lambda x: x[depth], params) if layer_params is None else layer_params[depth]
                 layer_kv = None if kv is None else tuple(None if x is None else x[depth] for x in kv)
-                x_BTD, layer_kv = apply_block(x_BTD, layer, jax.tree.map(lambda x: x[depth], constants), layer_kv)
+                stream, layer_kv = apply_block(stream, layer, jax.tree.map(lambda x: x[depth], constants), layer_kv)
                 layers_kv.append(layer_kv)
             kv = None if cache is None else tuple(zip(*layers_kv))  # (k per layer, v per layer): no restacking
         if cache is None:
-            return x_BTD, None
-        return x_BTD, KVCache(*kv, cache.lengths_B + x_BTD.shape[1], cache.max_len)
+            return stream, None
+        return stream, KVCache(*kv, cache.lengths_B + stream.shape[1], cache.max_len)
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))

@@ -7,9 +7,6 @@ impl:
                 flash-style backward: memory of one query piece x one key block).
   window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, splash and cudnn;
   pallas_gpu and triton refuse it, and "auto" passes over them.
-  A mesh with a context axis (parallel.context > 1) splits the sequence: attention then all-gathers K/V over
-  that axis; each device attends its two query chunks with the fused Pallas TPU kernels (impl "pallas_tpu", or
-  "auto" on a TPU) or blockwise XLA attention (every other impl) (context_parallel.py).
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
@@ -26,40 +23,70 @@ impl:
                 with or without segment ids, except where cuDNN was measured faster on a call cuDNN
                 takes (CUDNN_FASTER_ON_HOPPER); else "cudnn" when it takes the call (no segment ids);
                 else "triton" (segment ids, any CUDA GPU); "xla" only when none of them runs; a decode
-                step (one query against a KV cache) runs "xla". The choice is `diffjax.ops.choose`, a pure
-                function of the shapes and the device (choice.py; `python -m diffjax.ops --config ...
-                --device h100` prints it per attention call); it and its reason are logged once per (op,
-                platform, choice, reason); "xla" on an accelerator is a warning.
-Under a mesh with a context axis (context_parallel.py): "pallas_tpu" / "pallas_gpu", and "auto" on a TPU / on a
-Hopper GPU where the Mosaic GPU kernels take the call, run the fused kernels per query chunk (the chunk's place
-in the sequence as their query offset); every other impl attends blockwise in XLA.
+                step (one query against a KV cache) runs "xla".
+A mesh with a context axis (parallel.context > 1; context_parallel.py) splits the sequence: attention all-gathers
+K/V over that axis, and each device attends its two query chunks. "pallas_tpu" / "pallas_gpu", and "auto" on a TPU
+/ on a Hopper GPU where the Mosaic GPU kernels take the call, run the fused kernels per chunk (the chunk's place in
+the sequence as their query offset); every other impl attends blockwise in XLA.
+
+The whole route of a call (impl, context axis, blockwise) is `diffjax.ops.choose(call, impl, device) -> Route`, a
+pure function of the shapes, the context axis' size and the device (choice.py; `python -m diffjax.ops --config ...
+--device h100 --context 2` prints it per attention call); auto's choice and its reason are logged once per (op,
+platform, choice, reason), "xla" on an accelerator as a warning. One table (_KERNELS) says how each impl is called.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import logging
+from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 from diffjax import sharding
+from diffjax.attention_impls import IMPLS, config_problems
 from diffjax.ops import compositions, context_parallel
-from diffjax.ops.choice import (CUDNN_FASTER_ON_HOPPER, DEVICES, IMPLS, AttentionCall, Device, choose, current_device,
-                                pallas_gpu_unsupported)
-from diffjax.ops.reference import attention_mask, check_window, diff_attention_xla, dot_product_attention_xla
-
-def config_problems(impl: str, dtype: str) -> list[str]:
-    """What is wrong with running `impl` at a model's compute dtype (ModelConfig checks this at
-    construction, before anything is traced)."""
-    if impl not in IMPLS:
-        return [f"attention_impl must be one of {IMPLS}, got {impl!r}"]
-    if impl == "pallas_gpu" and dtype not in ("bfloat16", "float16"):
-        return [f"attention_impl 'pallas_gpu' (the fused Mosaic GPU kernels) needs dtype bfloat16 or float16, got "
-                f"dtype {dtype!r} (use 'cudnn', 'triton', 'xla' or 'auto' otherwise)"]
-    return []
-
+from diffjax.ops.choice import (CUDNN_FASTER_ON_HOPPER, DEVICES, AttentionCall, Device, Route, choose, current_device,
+                                simulated_device)
+from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """How an impl is called: diff_attention's and dot_product_attention's function in diffjax.ops.<module>
+    (imported on first use: the Pallas modules load only where they run), the keywords it takes beside causal,
+    segment_ids and scale (from the op's window and block_sizes, and the running platform), and whether it runs
+    per device under shard_map (XLA cannot partition a Pallas call)."""
+
+    module: str
+    functions: tuple[str, str]  # (diff_attention's, dot_product_attention's)
+    keywords: Callable[..., dict]  # (window, block_sizes, platform) -> keywords
+    per_device: bool
+
+    def function(self, op: str):
+        return getattr(importlib.import_module(f"diffjax.ops.{self.module}"), self.functions[op != "diff_attention"])
+
+
+_KERNELS = {
+    "xla": _Kernel("reference", ("diff_attention_xla", "dot_product_attention_xla"),
+                   lambda window, **_: dict(window=window), per_device=False),
+    "cudnn": _Kernel("compositions", ("diff_attention_cudnn", "dot_product_attention_cudnn"),
+                     lambda window, **_: dict(window=window), per_device=False),
+    "pallas_tpu": _Kernel("pallas_tpu", ("diff_attention_pallas", "dot_product_attention_pallas"),
+                          lambda window, block_sizes, **_: dict(block_sizes=block_sizes, window=window),
+                          per_device=True),
+    "pallas_gpu": _Kernel("pallas_gpu", ("diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu"),
+                          lambda block_sizes, **_: dict(tuning=block_sizes), per_device=True),
+    "splash": _Kernel("compositions", ("diff_attention_splash", "dot_product_attention_splash"),
+                      lambda window, platform, **_: dict(window=window, interpret=platform != "tpu"), per_device=True),
+    "triton": _Kernel("compositions", ("diff_attention_triton", "dot_product_attention_triton"),
+                      lambda platform, **_: dict(interpret=platform != "gpu"), per_device=True),
+}
 
 
 def _log_once(level, key, message):
@@ -68,19 +95,27 @@ def _log_once(level, key, message):
         logger.log(level, message)
 
 
-def _resolve(op: str, impl: str, q, k, v, causal, segment_ids, window) -> tuple[str, Device]:
-    """(the impl to run, the device) by `choice.choose`, logging auto's choice once per (op, platform, choice,
-    reason) ("xla" on an accelerator is a warning) and an explicit impl that runs interpreted."""
-    device, call = current_device(), AttentionCall.of(op, q, k, v, causal, segment_ids, window)
-    choice, reason = choose(call, impl, device)
-    if impl == "auto":
-        slow = device.platform in ("tpu", "gpu") and choice == "xla" and not call.is_decode
-        level = logging.WARNING if slow else logging.INFO
-        _log_once(level, (op, device.platform, choice, reason), f"{op}: impl='auto' on {device.platform} chose {choice!r} ({reason})")
-    elif "interpret" in reason:
-        level = logging.INFO if impl == "pallas_tpu" else logging.WARNING
-        _log_once(level, (op, device.platform, impl), f"{op}: impl={impl!r} on {device.platform} {reason.removeprefix('asked for; ')}")
-    return choice, device
+def _route(op: str, impl: str, q, k, v, causal, segment_ids, window) -> Route:
+    """choose's route for this call on current_device(), under the active mesh's context axis; logged once per
+    (op, platform, choice, reason) for auto ("xla" on an accelerator is a warning), for an explicit impl that runs
+    interpreted, and per context route."""
+    call = AttentionCall.of(op, q, k, v, causal, segment_ids, window, context_parallel.context_size())
+    device = current_device()
+    route = choose(call, impl, device)
+    if route.context:
+        path = "blockwise XLA attention" if route.blockwise else {
+            "pallas_tpu": "the fused Pallas TPU kernels", "pallas_gpu": "the fused Mosaic GPU kernels"}[route.impl]
+        _log_once(logging.INFO, ("context", impl, None if route.blockwise else route.impl),
+                  f"attention over the context axis: all-gathered K/V, {path} per query chunk "
+                  f"(diffjax.ops.context_parallel; impl={impl!r})")
+    elif impl == "auto":
+        slow = device.platform in ("tpu", "gpu") and route.impl == "xla" and not call.is_decode
+        _log_once(logging.WARNING if slow else logging.INFO, (op, device.platform, route.impl, route.reason),
+                  f"{op}: impl='auto' on {device.platform} chose {route.impl!r} ({route.reason})")
+    elif "interpret" in route.reason:
+        _log_once(logging.INFO if impl == "pallas_tpu" else logging.WARNING, (op, device.platform, impl),
+                  f"{op}: impl={impl!r} on {device.platform} {route.reason.removeprefix('asked for; ')}")
+    return route
 
 
 def _partitioned(kernel, q, k, v, lam, segment_ids):
@@ -106,51 +141,6 @@ def _partitioned(kernel, q, k, v, lam, segment_ids):
     return sharding.shard_map_by_logical_axes(per_device, mesh, arrays, ("batch", "length", "act_heads", None))
 
 
-def _runs_blockwise(q, k, choice, window) -> bool:
-    """Whether attention runs blockwise (context_parallel.py): always over a context axis (choice None), and on the
-    XLA path for self-attention from context_parallel.BLOCKWISE_FROM tokens on, or under a sliding window beyond 4
-    key blocks (blocks outside the window are skipped: cost T x window; at 4 blocks, 2048 tokens with a window of
-    512, one T x T pass was still faster on CPU: benchmarks/sliding_window.py)."""
-    if choice is None:
-        return True
-    T = q.shape[1]
-    windowed = window is not None and T > 4 * context_parallel.DEFAULT_BLOCK
-    long_enough = T >= context_parallel.BLOCKWISE_FROM or windowed
-    return choice == "xla" and T == k.shape[1] and long_enough
-
-
-def _blockwise(q_BTKRMd, k_BSKGd, v_BSKv, causal, segment_ids, scale, window):
-    """Per-map outputs [B, T, K, R, M, dv]: over the active mesh's context axis when it has one, else on one device."""
-    scale = q_BTKRMd.shape[-1] ** -0.5 if scale is None else scale
-    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale, window=window)
-    if context_parallel.context_size() == 1:
-        return context_parallel.blockwise_xla_attention(q_BTKRMd, k_BSKGd, v_BSKv, **kwargs)
-    return context_parallel.context_parallel_attention(q_BTKRMd, k_BSKGd, v_BSKv, mesh=sharding.active_mesh(), **kwargs)
-
-
-def _choose(op: str, impl: str, q, k, v, causal, segment_ids, window) -> tuple[str | None, Device | None]:
-    """_resolve's choice; under a context axis "context_pallas_tpu" / "context_pallas_gpu" (the fused kernels per
-    query chunk, with the chunk's place as their query offset) for that impl, or for "auto" on a TPU / on a Hopper
-    GPU where the Mosaic GPU kernels take the call; else (None, None): blockwise XLA attention."""
-    check_window(window, causal)
-    if context_parallel.context_size() > 1:
-        device = current_device()
-        call = AttentionCall.of(op, q, k, v, causal, segment_ids, window)
-        fused = None
-        if impl in ("pallas_tpu", "pallas_gpu"):
-            fused = choose(call, impl, device)[0]  # raises a clear error where the kernel cannot take the call
-        elif impl == "auto" and device.platform == "tpu":
-            fused = "pallas_tpu"
-        elif impl == "auto" and device.is_hopper and pallas_gpu_unsupported(call) is None:
-            fused = "pallas_gpu"
-        path = {"pallas_tpu": "the fused Pallas TPU kernels", "pallas_gpu": "the fused Mosaic GPU kernels",
-                None: "blockwise XLA attention"}[fused]
-        _log_once(logging.INFO, ("context", impl, fused), f"attention over the context axis: all-gathered K/V, {path} "
-                  f"per query chunk (diffjax.ops.context_parallel; impl={impl!r})")
-        return (f"context_{fused}", device) if fused else (None, None)
-    return _resolve(op, impl, q, k, v, causal, segment_ids, window)
-
-
 def _context_fused(kernel, q, k, v, lam, segment_ids):
     """kernel(q, k, v, lam, segment_ids, q_offset) per query chunk over the context axis (context_parallel_fused)."""
     heads = ("batch", "length", "act_heads") + (None,) * (q.ndim - 3)
@@ -159,6 +149,46 @@ def _context_fused(kernel, q, k, v, lam, segment_ids):
     return context_parallel.context_parallel_fused(kernel, q, k, v, lam, segment_ids=segment_ids,
                                                    mesh=sharding.active_mesh(), q_axes=heads, kv_axes=kv_heads,
                                                    lam_axes=lam_axes)
+
+
+def _blockwise(op, q, k, v, lam, *, over_context, causal, segment_ids, scale, window):
+    """Blockwise XLA attention (context_parallel.py): over the active mesh's context axis, or on one device. Both
+    ops attend as per-map outputs [B, T, K, R, M, dv] (K kv heads, R query heads per kv head, M maps)."""
+    B, T, H, d = q.shape[0], q.shape[1], q.shape[2], q.shape[-1]
+    maps = 2 if op == "diff_attention" else 1
+    q_BTKRMd = q.reshape(B, T, k.shape[2], -1, maps, d)
+    k_BSKGd = k if maps == 2 else k[:, :, :, None]
+    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=d ** -0.5 if scale is None else scale, window=window)
+    if over_context:
+        o_BTKRMv = context_parallel.context_parallel_attention(q_BTKRMd, k_BSKGd, v, mesh=sharding.active_mesh(),
+                                                               **kwargs)
+    else:
+        o_BTKRMv = context_parallel.blockwise_xla_attention(q_BTKRMd, k_BSKGd, v, **kwargs)
+    if maps == 1:
+        return o_BTKRMv.reshape(B, T, H, v.shape[-1])
+    return compositions.lam_epilogue(o_BTKRMv.reshape(B, T, H, 2, v.shape[-1]), lam, v.dtype)
+
+
+def _attention(op, q, k, v, lam, *, causal, segment_ids, scale, impl, block_sizes, window):
+    """Both ops' dispatch: the call's route, then its impl's row of _KERNELS (lam None for dot_product_attention)."""
+    route = _route(op, impl, q, k, v, causal, segment_ids, window)
+    if route.blockwise:
+        return _blockwise(op, q, k, v, lam, over_context=route.context, causal=causal, segment_ids=segment_ids,
+                          scale=scale, window=window)
+    kernel = _KERNELS[route.impl]
+    function = kernel.function(op)
+    keywords = dict(causal=causal, scale=scale, **kernel.keywords(window=window, block_sizes=block_sizes,
+                                                                   platform=jax.default_backend()))
+
+    def attend(q, k, v, lam, ids, **offset):  # (lam is a placeholder for dot_product_attention)
+        return function(q, k, v, *((lam,) if op == "diff_attention" else ()), segment_ids=ids, **keywords, **offset)
+
+    if route.context:
+        return _context_fused(lambda q, k, v, lam, ids, offset: attend(q, k, v, lam, ids, q_offset=offset),
+                              q, k, v, lam, segment_ids)
+    if kernel.per_device:
+        return _partitioned(attend, q, k, v, lam, segment_ids)
+    return attend(q, k, v, lam, segment_ids)
 
 
 def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None,
@@ -173,45 +203,8 @@ def diff_attention(q, k, v, lam, *, causal=True, segment_ids=None, scale=None, i
     window: None, or W: a sliding window, each query sees its W latest keys (itself included; causal only).
     Under an activation-sharding mesh with a context axis, the sequence is split over it (context_parallel.py).
     """
-    choice, device = _choose("diff_attention", impl, q, k, v, causal, segment_ids, window)
-    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale, window=window)
-    if choice == "context_pallas_tpu":
-        from diffjax.ops.pallas_tpu import diff_attention_pallas
-
-        return _context_fused(lambda q, k, v, lam, ids, offset: diff_attention_pallas(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window,
-            q_offset=offset), q, k, v, lam, segment_ids)
-    if choice == "context_pallas_gpu":
-        from diffjax.ops.pallas_gpu import diff_attention_pallas_gpu
-
-        return _context_fused(lambda q, k, v, lam, ids, offset: diff_attention_pallas_gpu(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes, q_offset=offset),
-            q, k, v, lam, segment_ids)
-    if choice == "pallas_tpu":
-        from diffjax.ops.pallas_tpu import diff_attention_pallas
-
-        return _partitioned(lambda q, k, v, lam, ids: diff_attention_pallas(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window),
-            q, k, v, lam, segment_ids)
-    if choice == "pallas_gpu":
-        from diffjax.ops.pallas_gpu import diff_attention_pallas_gpu
-
-        return _partitioned(lambda q, k, v, lam, ids: diff_attention_pallas_gpu(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes), q, k, v, lam, segment_ids)
-    if choice == "cudnn":
-        return compositions.diff_attention_cudnn(q, k, v, lam, **kwargs)
-    if choice == "triton":
-        return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_triton(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "gpu"), q, k, v, lam, segment_ids)
-    if choice == "splash":
-        return _partitioned(lambda q, k, v, lam, ids: compositions.diff_attention_splash(
-            q, k, v, lam, causal=causal, segment_ids=ids, scale=scale, window=window, interpret=device.platform != "tpu"),
-            q, k, v, lam, segment_ids)
-    if _runs_blockwise(q, k, choice, window):
-        B, T, H, _, d = q.shape
-        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 2, d), k, v, causal, segment_ids, scale, window)
-        return compositions.lam_epilogue(o_BTKRMv.reshape(B, T, H, 2, v.shape[-1]), lam, v.dtype)
-    return diff_attention_xla(q, k, v, lam, **kwargs)
+    return _attention("diff_attention", q, k, v, lam, causal=causal, segment_ids=segment_ids, scale=scale, impl=impl,
+                      block_sizes=block_sizes, window=window)
 
 
 def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None, impl="auto", block_sizes=None,
@@ -222,49 +215,12 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
     single-map mode of the fused kernels, "cudnn" calls jax.nn.dot_product_attention directly).
     block_sizes, window: as for diff_attention. A context axis splits the sequence as for diff_attention.
     """
-    choice, device = _choose("dot_product_attention", impl, q, k, v, causal, segment_ids, window)
-    kwargs = dict(causal=causal, segment_ids=segment_ids, scale=scale, window=window)
-    if choice == "context_pallas_tpu":
-        from diffjax.ops.pallas_tpu import dot_product_attention_pallas
-
-        return _context_fused(lambda q, k, v, _, ids, offset: dot_product_attention_pallas(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window,
-            q_offset=offset), q, k, v, None, segment_ids)
-    if choice == "context_pallas_gpu":
-        from diffjax.ops.pallas_gpu import dot_product_attention_pallas_gpu
-
-        return _context_fused(lambda q, k, v, _, ids, offset: dot_product_attention_pallas_gpu(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes, q_offset=offset),
-            q, k, v, None, segment_ids)
-    if choice == "pallas_tpu":
-        from diffjax.ops.pallas_tpu import dot_product_attention_pallas
-
-        return _partitioned(lambda q, k, v, _, ids: dot_product_attention_pallas(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, block_sizes=block_sizes, window=window),
-            q, k, v, None, segment_ids)
-    if choice == "pallas_gpu":
-        from diffjax.ops.pallas_gpu import dot_product_attention_pallas_gpu
-
-        return _partitioned(lambda q, k, v, _, ids: dot_product_attention_pallas_gpu(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, tuning=block_sizes), q, k, v, None, segment_ids)
-    if choice == "cudnn":
-        return compositions.dot_product_attention_cudnn(q, k, v, **kwargs)
-    if choice == "triton":
-        return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_triton(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, interpret=device.platform != "gpu"), q, k, v, None, segment_ids)
-    if choice == "splash":
-        return _partitioned(lambda q, k, v, _, ids: compositions.dot_product_attention_splash(
-            q, k, v, causal=causal, segment_ids=ids, scale=scale, window=window, interpret=device.platform != "tpu"),
-            q, k, v, None, segment_ids)
-    if _runs_blockwise(q, k, choice, window):
-        B, T, N, d = q.shape
-        o_BTKRMv = _blockwise(q.reshape(B, T, k.shape[2], -1, 1, d), k[:, :, :, None], v, causal, segment_ids, scale,
-                              window)
-        return o_BTKRMv.reshape(B, T, N, v.shape[-1])
-    return dot_product_attention_xla(q, k, v, **kwargs)
+    return _attention("dot_product_attention", q, k, v, None, causal=causal, segment_ids=segment_ids, scale=scale,
+                      impl=impl, block_sizes=block_sizes, window=window)
 
 
 __all__ = [
-    "CUDNN_FASTER_ON_HOPPER", "DEVICES", "IMPLS", "AttentionCall", "Device", "attention_mask", "choose", "config_problems",
-    "current_device", "diff_attention", "dot_product_attention",
+    "CUDNN_FASTER_ON_HOPPER", "DEVICES", "IMPLS", "AttentionCall", "Device", "Route", "attention_mask", "choose",
+    "config_problems", "current_device", "diff_attention", "diff_attention_xla", "dot_product_attention",
+    "dot_product_attention_xla", "simulated_device",
 ]

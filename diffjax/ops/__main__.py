@@ -1,11 +1,13 @@
-"""Which attention implementation each attention call of a model runs, and why, on a device you may not have.
+"""How each attention call of a model runs, and why, on a device you may not have.
 
-    python -m diffjax.ops --config configs/paper/diff-1.4b.yaml --device h100 [key=value ...]
+    python -m diffjax.ops --config configs/paper/diff-1.4b.yaml --device h100 [--context N] [--window W] [key=value ...]
 
 prints, for the training step (packed rows: segment ids), a generation prefill and a decode step, the op's
-shapes and `diffjax.ops.choose`'s answer for the config's `model.attention_impl` (default auto). The shapes
+shapes and `diffjax.ops.choose`'s route for the config's `model.attention_impl` (default auto): the impl,
+whether it runs per query chunk over the context axis, whether the XLA path runs blockwise, and why. The shapes
 come from the attention module's own `project` (abstractly: nothing is computed); they are per micro-batch
-row (B = 1) and unsharded.
+row (B = 1) and unsharded. --context N: the train step's context axis (default: the config's parallel.context;
+generation runs without one). --window W: model.attention_window=W (windowed and global layers call apart).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import sys
 from diffjax.ops.choice import DEVICES, AttentionCall, choose, current_device
 
 
-def attention_calls(config, seq_len: int) -> list[tuple[str, AttentionCall]]:
-    """(what, call) for a model config's training step, prefill and decode step, shapes by abstract evaluation."""
+def attention_calls(config, seq_len: int, context: int = 1) -> list[tuple[str, AttentionCall]]:
+    """(what, call) for a model config's training step (under a context axis of `context`), prefill and decode step,
+    shapes by abstract evaluation."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -46,7 +49,8 @@ def attention_calls(config, seq_len: int) -> list[tuple[str, AttentionCall]]:
     for window in windows:
         layers = "" if len(windows) == 1 else " (global layers)" if window is None else " (windowed layers)"
         calls += [
-            (f"train step (packed rows){layers}", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, "one", window)),
+            (f"train step (packed rows){layers}",
+             AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, "one", window, context)),
             (f"generation prefill{layers}", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, None, window)),
         ]
     return calls + [("generation decode step", AttentionCall(op, q1.shape, cache(k1), cache(v1), dtype.name, False, "pair"))]
@@ -57,24 +61,32 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a run config (train.py's YAML)")
     parser.add_argument("--device", choices=sorted(DEVICES), default=None, help="default: this machine's first device")
+    parser.add_argument("--context", type=int, default=None, metavar="N",
+                        help="the train step's context axis size (default: the config's parallel.context, 1 for -1)")
+    parser.add_argument("--window", type=int, default=None, metavar="W", help="model.attention_window=W")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as train.py takes them")
     args = parser.parse_args(argv)
+    if args.context is not None and args.context < 1:
+        parser.error(f"--context must be a positive integer, got {args.context}")
     from diffjax.train.config import load_run_config
 
+    overrides = args.overrides + ([] if args.window is None else [f"model.attention_window={args.window}"])
     try:
-        config = load_run_config(args.config, args.overrides)
+        config = load_run_config(args.config, overrides)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     device = DEVICES[args.device] if args.device else current_device()
     model = config.model
     print(f"{model.attention} attention, attention_impl={model.attention_impl!r}, on {device.kind} ({device.platform})")
-    for what, call in attention_calls(model, config.data.seq_len):
+    context = max(config.parallel.context, 1) if args.context is None else args.context
+    for what, call in attention_calls(model, config.data.seq_len, context):
         try:
-            impl, reason = choose(call, model.attention_impl, device)
+            route = choose(call, model.attention_impl, device)
+            path, reason = route.describe(), route.reason
         except ValueError as error:
-            impl, reason = "refused", str(error)
-        print(f"  {what}: {call.describe()}\n    -> {impl}: {reason}")
+            path, reason = "refused", str(error)
+        print(f"  {what}: {call.describe()}\n    -> {path}: {reason}")
     return 0
 
 

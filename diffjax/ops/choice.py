@@ -1,22 +1,26 @@
-"""Which attention implementation runs a call, and why: a pure function of the call's shapes and the device,
-so "what would `auto` pick on an H100 for these shapes" needs no H100 (`python -m diffjax.ops --config ...
---device h100` prints it for a model's every attention call).
+"""The route of an attention call, and why: which impl runs it, whether per query chunk over the mesh's context
+axis, whether the XLA path runs blockwise. A pure function of the call's shapes, the context axis' size and the
+device, so "what would `auto` do on an H100 for these shapes" needs no H100 (`python -m diffjax.ops --config ...
+--device h100 --context 2` prints it for a model's every attention call).
 
-`choose(call, impl, device) -> (impl, reason)`; an explicit impl that cannot run the call is a ValueError naming
-the impl, the shapes and what to use instead. diffjax.ops' diff_attention / dot_product_attention and the KV
-cache's decode step call it with the running device (`current_device()`).
+`choose(call, impl, device) -> Route`; an explicit impl that cannot run the call is a ValueError naming the impl,
+the shapes and what to use instead. diffjax.ops' diff_attention / dot_product_attention (and so the KV cache's
+decode step) call it with `current_device()`: the running device, or the one `simulated_device` sets (tests).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from diffjax.ops import compositions
+from diffjax.attention_impls import IMPLS
+from diffjax.ops import compositions, context_parallel
+from diffjax.ops.reference import check_window
 
-IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "splash", "cudnn", "triton")  # ModelConfig.attention_impl
 # (op, d, dv, causal) where the cuDNN composition was measured faster than pallas_gpu on Hopper (fwd+bwd,
 # bf16, T = 8192): for these "auto" takes cuDNN when cuDNN takes the call (no segment ids; packed training
 # batches keep pallas_gpu). H100, jax 0.11.2, 2026-11-26 (benchmarks/results/attention_gpu.json), TFLOP/s
@@ -53,8 +57,24 @@ DEVICES = {  # short names for the command line and tests
 }
 
 
+_SIMULATED: contextvars.ContextVar[Device | None] = contextvars.ContextVar("simulated_device", default=None)
+
+
 def current_device() -> Device:
-    return Device(jax.default_backend(), jax.devices()[0].device_kind)
+    """The device calls are routed for: the one `simulated_device` sets, else the running one."""
+    return _SIMULATED.get() or Device(jax.default_backend(), jax.devices()[0].device_kind)
+
+
+@contextlib.contextmanager
+def simulated_device(device: Device):
+    """Route the attention calls traced inside as on `device` (e.g. DEVICES["h100"]), whatever runs them: tests of
+    the dispatch on a machine without that device. The kernels still run as the running device can (interpreted
+    off their platform)."""
+    token = _SIMULATED.set(device)
+    try:
+        yield device
+    finally:
+        _SIMULATED.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +82,7 @@ class AttentionCall:
     """An attention op call by its shapes: q [B, T, H, 2, d] (diff_attention) or [B, T, H, d]
     (dot_product_attention), k [B, S, Hkv, G, d] or [B, S, Hkv, d], v [B, S, Hkv, dv]. segments: None, "one"
     (one [B, T] id array, T == S) or "pair" (q ids and kv ids: decoding against a cache). window: None or the
-    sliding window's keys per query."""
+    sliding window's keys per query. context: the size of the mesh's context axis the call runs under (1: none)."""
 
     op: str
     q_shape: tuple
@@ -72,12 +92,14 @@ class AttentionCall:
     causal: bool = True
     segments: str | None = None
     window: int | None = None
+    context: int = 1
 
     @classmethod
-    def of(cls, op, q, k, v, causal, segment_ids, window=None) -> "AttentionCall":
+    def of(cls, op, q, k, v, causal, segment_ids, window=None, context=1) -> "AttentionCall":
+        check_window(window, causal)
         segments = None if segment_ids is None else "pair" if isinstance(segment_ids, (tuple, list)) else "one"
         return cls(op, tuple(q.shape), tuple(k.shape), tuple(v.shape), jnp.dtype(q.dtype).name, bool(causal), segments,
-                   None if window is None else int(window))
+                   None if window is None else int(window), int(context))
 
     def arrays(self):
         """(q, k, v, segment_ids) as ShapeDtypeStructs: what the kernels' `unsupported` checks read."""
@@ -95,8 +117,27 @@ class AttentionCall:
     def describe(self) -> str:
         ids = {None: "", "one": ", segment ids", "pair": ", q / kv segment ids"}[self.segments]
         window = "" if self.window is None else f", window {self.window}"
+        context = "" if self.context == 1 else f", context axis of {self.context}"
         return (f"{self.op} q {list(self.q_shape)} k {list(self.k_shape)} v {list(self.v_shape)} {self.dtype}"
-                f"{', causal' if self.causal else ''}{ids}{window}")
+                f"{', causal' if self.causal else ''}{ids}{window}{context}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How diffjax.ops runs a call. impl: the implementation that runs it. context: per query chunk over the
+    mesh's context axis (K/V all-gathered; impl pallas_tpu / pallas_gpu: the fused kernels with the chunk's place
+    in the sequence as their query offset, else blockwise XLA). blockwise: the XLA path attends blockwise (online
+    softmax over key blocks, flash-style backward: context_parallel.blockwise_attention) instead of materialising
+    the T x S scores. reason: why."""
+
+    impl: str
+    context: bool
+    blockwise: bool
+    reason: str
+
+    def describe(self) -> str:
+        path = f"{self.impl} blockwise" if self.blockwise else self.impl
+        return f"{path} per query chunk over the context axis" if self.context else path
 
 
 def pallas_gpu_unsupported(call: AttentionCall) -> str | None:
@@ -115,13 +156,54 @@ _PALLAS_COMPOSITIONS = {
 }
 
 
-def choose(call: AttentionCall, impl: str = "auto", device: Device | None = None) -> tuple[str, str]:
-    """(the impl that runs `call` on `device`, why). device None: the running one."""
+def choose(call: AttentionCall, impl: str = "auto", device: Device | None = None) -> Route:
+    """The route of `call` on `device` (None: `current_device()`)."""
     device = device or current_device()
     if impl not in IMPLS:
         raise ValueError(f"{call.op}: attention impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return _auto(call, device)
+    if call.context > 1:
+        return _over_the_context_axis(call, impl, device)
+    impl, reason = _auto(call, device) if impl == "auto" else _asked_for(call, impl, device)
+    why_blockwise = _why_xla_runs_blockwise(call) if impl == "xla" else None
+    if why_blockwise:
+        return Route(impl, context=False, blockwise=True, reason=f"{reason}; blockwise: {why_blockwise}")
+    return Route(impl, context=False, blockwise=False, reason=reason)
+
+
+def _over_the_context_axis(call: AttentionCall, impl: str, device: Device) -> Route:
+    """Over a context axis only the fused kernels take a query chunk's offset; every other impl attends blockwise in
+    XLA. So "auto" takes the fused kernels wherever they run the call, with none of its single-device preferences:
+    TPU_MIN_T and CUDNN_FASTER_ON_HOPPER weigh a kernel against the XLA reference and cuDNN, and over a context
+    axis the alternative is blockwise XLA."""
+    if impl in ("pallas_tpu", "pallas_gpu"):
+        reason = _asked_for(call, impl, device)[1]  # raises where the kernel cannot take the call
+        return Route(impl, context=True, blockwise=False, reason=reason)
+    if impl != "auto":
+        return Route("xla", context=True, blockwise=True, reason=f"impl {impl!r} takes no query offset")
+    if device.platform == "tpu":
+        return Route("pallas_tpu", context=True, blockwise=False, reason="fused Pallas TPU kernel with a query offset")
+    why_not = pallas_gpu_unsupported(call) if device.is_hopper else "needs a Hopper GPU"
+    if why_not is None:
+        return Route("pallas_gpu", context=True, blockwise=False, reason="fused Mosaic GPU kernel with a query offset")
+    return Route("xla", context=True, blockwise=True, reason=f"pallas_tpu needs a TPU; pallas_gpu {why_not}")
+
+
+def _why_xla_runs_blockwise(call: AttentionCall) -> str | None:
+    """Self-attention from context_parallel.BLOCKWISE_FROM tokens on, or under a sliding window beyond 4 key blocks
+    (blocks outside the window are skipped: cost T x window; at 4 blocks, 2048 tokens with a window of 512, one
+    T x T pass was still faster on CPU: benchmarks/sliding_window.py). None: the reference's T x S pass."""
+    T, S, block = call.q_shape[1], call.k_shape[1], context_parallel.DEFAULT_BLOCK
+    if T != S:
+        return None
+    if T >= context_parallel.BLOCKWISE_FROM:
+        return f"T={T} >= {context_parallel.BLOCKWISE_FROM} (the T x T scores would not fit)"
+    if call.window is not None and T > 4 * block:
+        return f"window {call.window} over T={T} > 4 key blocks of {block} (blocks outside the window are skipped)"
+    return None
+
+
+def _asked_for(call: AttentionCall, impl: str, device: Device) -> tuple[str, str]:
+    """(impl, why) for an explicit impl, or a ValueError where it cannot run `call`."""
     q, k, v, segment_ids = call.arrays()
     where = f"shapes q {call.q_shape}, k {call.k_shape}, v {call.v_shape}"
     if impl == "cudnn":

@@ -1,26 +1,31 @@
-"""Training: run config, optimizer, train step, Orbax checkpoints, metrics and the loop behind train.py."""
+"""Training: run config, optimizer, train step, Orbax checkpoints, metrics and the loop behind train.py.
 
-from diffjax.train.batching import BatchPlan, plan_batch
-from diffjax.train.config import CheckpointConfig, RunConfig, TrainConfig, load_run_config
-from diffjax.train.hooks import Hook
-from diffjax.train.loop import train
-from diffjax.train.run import Run, TrainResult, setup_run
-from diffjax.train.optimizer import OptimizerConfig, make_optimizer, make_schedule, weight_decay_mask
+The names below are imported on first use (as the package face does), so that a module of this package that needs
+no jax (start.py, the plan of where a run starts) can be imported without the trainer.
+"""
 
-__all__ = [
-    "BatchPlan",
-    "CheckpointConfig",
-    "Hook",
-    "OptimizerConfig",
-    "Run",
-    "RunConfig",
-    "TrainConfig",
-    "TrainResult",
-    "load_run_config",
-    "make_optimizer",
-    "make_schedule",
-    "plan_batch",
-    "setup_run",
-    "train",
-    "weight_decay_mask",
-]
+_EXPORTS = {
+    "BatchPlan": "diffjax.train.batching", "plan_batch": "diffjax.train.batching",
+    "CheckpointConfig": "diffjax.train.config", "RunConfig": "diffjax.train.config",
+    "TrainConfig": "diffjax.train.config", "load_run_config": "diffjax.train.config",
+    "Hook": "diffjax.train.hooks",
+    "train": "diffjax.train.loop",
+    "Run": "diffjax.train.run", "TrainResult": "diffjax.train.run", "setup_run": "diffjax.train.run",
+    "OptimizerConfig": "diffjax.train.optimizer", "make_optimizer": "diffjax.train.optimizer",
+    "make_schedule": "diffjax.train.optimizer", "weight_decay_mask": "diffjax.train.optimizer",
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'diffjax.train' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)

@@ -11,9 +11,6 @@ and list what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +18,7 @@ import yaml
 
 from diffjax import attention_kinds, storage
 from diffjax.config import ModelConfig
+from diffjax.config_values import build_config, plain
 from diffjax.data.config import DataConfig
 from diffjax.lora import LoraConfig
 from diffjax.train.mesh import ParallelConfig
@@ -202,109 +200,15 @@ class RunConfig:
         # (the lora section only when on: a run without LoRA writes the config.yaml it did before LoRA existed)
         return {
             "model": self.model.to_dict(),
-            **{name: _plain(dataclasses.asdict(getattr(self, name))) for name in SECTIONS[1:]
+            **{name: plain(dataclasses.asdict(getattr(self, name))) for name in SECTIONS[1:]
                if name != "lora" or self.lora.enabled},
         }
-
-
-def _plain(value):
-    """Tuples as lists, recursively (for YAML / JSON)."""
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    return value
-
-
-# --- building configs from nested dicts ------------------------------------------------------
-
-
-def _convert(value, annotation, key: str):
-    """`value` (from YAML or a command-line string) as the field type `annotation`; errors name `key`."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
-            if type(None) in options:
-                return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _convert(value, option, key)
-            except ValueError as error:
-                errors.append(str(error))
-        raise ValueError(errors[0] if len(errors) == 1 else f"{key}: cannot use {value!r} ({'; '.join(errors)})")
-    if dataclasses.is_dataclass(annotation):
-        if not isinstance(value, dict):
-            raise ValueError(f"{key} must be a mapping of {annotation.__name__} fields, got {value!r}")
-        return build_config(annotation, value, prefix=key)
-    if origin is tuple:
-        (item_type, *_rest) = typing.get_args(annotation)
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{key} must be a list, got {value!r}")
-        return tuple(_convert(item, item_type, f"{key}[{i}]") for i, item in enumerate(value))
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, bool):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key} must be an integer, got {value!r}") from None
-        if not (math.isfinite(number) and number == int(number)):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
-        return int(number)
-    if annotation is float:
-        if isinstance(value, bool):
-            raise ValueError(f"{key} must be a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key} must be a number, got {value!r}") from None
-    if annotation is str:
-        if isinstance(value, (dict, list)):
-            raise ValueError(f"{key} must be a string, got {value!r}")
-        return str(value)
-    raise TypeError(f"{key}: unsupported field type {annotation!r}")
-
-
-def build_config(cls, values: dict[str, Any], *, prefix: str = ""):
-    """`cls(**values)` with nested dataclasses built recursively and values converted to field types."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ValueError(
-            f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(where + k for k in unknown)}; "
-            f"valid keys{' under ' + prefix if prefix else ''}: {', '.join(sorted(fields))}"
-        )
-    kwargs = {}
-    for name, value in values.items():
-        key = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _convert(value, hints[name], key)
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as error:
-        message = str(error)
-        raise ValueError(message if prefix in message or not prefix else f"{prefix}: {message}") from None
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """['model.num_layers=4', 'optim.lr=3e-4'] -> {'model': {'num_layers': '4'}, 'optim': {'lr': '3e-4'}}.
 
-    Values stay strings unless they are YAML lists / mappings; `_convert` turns them into the
+    Values stay strings unless they are YAML lists / mappings; `config_values.convert` turns them into the
     field's type (so '3e-4' is a float wherever a float is expected).
     """
     nested: dict[str, Any] = {}

@@ -10,7 +10,7 @@ The loop calls, on each hook in order:
   on_checkpoint(run, step)      before checkpoint `step` is saved: write out what the hook holds of steps
                                 <= step; raising stops the save
   on_end(run, result)           when the run ends: its TrainResult, or None when it ends on an error
-`run` is the Run (run.py): config, run_dir, state, step, log, ...
+`run` is the Run (run.py): config, directory (its RunDir; run_dir: the path), state, step, log, ...
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import jax
 import numpy as np
 
 from diffjax import storage
-from diffjax.run_dir import RunDir
 from diffjax.train.guard import NonfiniteGuard
 from diffjax.train.metrics import (MetricsWriter, peak_flops_per_device, read_records,
                                    training_flops_per_token)
@@ -59,7 +58,7 @@ class ProfileWindow(Hook):
         self.target, self.local = None, None  # a gs:// run's trace is written locally, then copied up
 
     def _start(self, run):
-        self.tracing, self.target = True, RunDir(run.run_dir).tensorboard
+        self.tracing, self.target = True, run.directory.tensorboard
         if storage.is_url(self.target):
             self.local = Path(tempfile.mkdtemp(prefix="diffjax-profile-"))
         jax.profiler.start_trace(str(self.local or self.target))
@@ -75,7 +74,7 @@ class ProfileWindow(Hook):
         elif step == self.last and self.tracing:
             jax.block_until_ready(metrics)
             self._stop()
-            run.log(f"profile of steps {self.first}-{self.last} written under {RunDir(run.run_dir).tensorboard} "
+            run.log(f"profile of steps {self.first}-{self.last} written under {run.directory.tensorboard} "
                     "(TensorBoard / XProf, profile tab)")
 
     def on_end(self, run, result):
@@ -106,7 +105,7 @@ class MetricsLog(Hook):
 
     def __init__(self, run):
         config = run.config
-        self.writer = MetricsWriter(run.run_dir, tensorboard=config.train.tensorboard, resume_step=run.start_step,
+        self.writer = MetricsWriter(run.directory, tensorboard=config.train.tensorboard, resume_step=run.start_step,
                                     enabled=run.is_main_process)
         if self.writer.kept_as:
             run.log(f"note: this run starts at step 0; the metrics of its earlier start are kept in {self.writer.kept_as}")
@@ -133,7 +132,7 @@ class MetricsLog(Hook):
     def on_eval(self, run, step, loss):
         self.flush(run)
         if step > run.start_step or not any(r["step"] == step and r["kind"] == "eval"  # a kill lost it
-                                            for r in read_records(RunDir(run.run_dir).metrics_file)):
+                                            for r in read_records(run.directory.metrics_file)):
             self._write(step, "eval", {"loss": loss})
         self.progress.note(f"step {step}: eval loss {loss:.4f}")
 

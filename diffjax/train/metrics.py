@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from diffjax import attention_kinds, storage
+from diffjax import attention_kinds, mlp_kinds, residual_kinds, storage
 from diffjax.config import ModelConfig
 from diffjax.run_dir import RunDir
 
@@ -44,12 +44,12 @@ PEAK_FLOPS = (
 
 
 def matmul_params(config: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (the LM head counts even when tied)."""
-    D = config.d_model
-    polynorm = 4 if config.activation == "polynorm" else 0
-    # norms; the attention's; PolyNorm's weights and bias
-    vectors_per_layer = 2 * D + attention_kinds.get(config.attention).vector_params(config) + polynorm
-    return config.param_counts()["layers"] - config.num_layers * vectors_per_layer + D * config.vocab_size
+    """Parameters that take part in a matmul per token (the LM head counts even when tied; a mixture of experts
+    counts the experts a token is routed to: the MLP kind's matmul_params)."""
+    attention = attention_kinds.get(config.attention)
+    per_layer = (attention.attention_params(config) - attention.vector_params(config)
+                 + mlp_kinds.get(config.mlp).matmul_params(config) + residual_kinds.get(config.residual).matmul_params(config))
+    return config.num_layers * per_layer + config.d_model * config.vocab_size
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -151,12 +151,11 @@ class MetricsWriter:
     metrics.jsonl.1 (.2, ...), and TensorBoard hides the earlier events from step 1 on (they stay on disk).
     """
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool, resume_step: int = 0, enabled: bool = True):
+    def __init__(self, run: RunDir, *, tensorboard: bool, resume_step: int = 0, enabled: bool = True):
         self.enabled = enabled  # False on all but the main process of a multi-process run
         self.kept_as = None  # where the records of an earlier start went
         if not enabled:
             return
-        run = RunDir(run_dir)
         self.jsonl_path = run.metrics_file
         if resume_step and self.jsonl_path.exists():
             self._truncate_after(resume_step)

@@ -1,8 +1,9 @@
 """`setup_run(config, log)`: everything a run needs before its first step, in one `Run`.
 
-Set-up checks the run directory (same model, newest intact checkpoint, already complete?), builds the
-mesh, tokenizer, data iterators, sharded state and jitted steps, and restores a checkpoint or initial
-params. The loop (loop.py) then only steps `run.state` and calls its hooks.
+Set-up checks the run directory (same model?), plans where the run starts from what the checkpointer finds there
+(start.py: fresh, resume, converted params, train.init_from, LoRA over a base, or already complete), builds the
+mesh, tokenizer, data iterators, sharded state and jitted steps, and follows the plan. The loop (loop.py) then only
+steps `run.state` and calls its hooks. The run directory travels as the RunDir `setup_run` opens (Run.directory).
 """
 
 from __future__ import annotations
@@ -21,22 +22,22 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from diffjax import lora, parallel
+from diffjax import lora
 from diffjax.config import RUNTIME_FIELDS, ModelConfig
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.ops.context_parallel import context_order
+from diffjax.params_checkpoint import load_params
+from diffjax.run_dir import RunDir, RunDirInUseError, TrainerLock
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
-from diffjax.train.state_checkpoints import (Checkpointer, UnreadableCheckpoint, abstract_like, load_params,
-                                             restore_params)
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
-from diffjax.run_dir import RunDir, RunDirInUseError, TrainerLock
-from diffjax.train.mesh import allgather_json
+from diffjax.train.mesh import allgather_json, describe, initialize_distributed, make_mesh, process_batch_shard
 from diffjax.train.metrics import read_records, training_flops_per_token
 from diffjax.train.optimizer import lambda_scale, make_optimizer
+from diffjax.train.start import Start, StartPlan, StartSettings, plan_start
+from diffjax.train.state_checkpoints import Checkpointer, Restored, abstract_like, restore_params
 from diffjax.train.step import ShardedTraining, setup_sharded_state, sharded_lora_init
-
 
 
 @dataclasses.dataclass
@@ -72,7 +73,7 @@ class Run:
     """A run set up: what the loop steps and what hooks may read. `state` and `step` move as it trains."""
 
     config: RunConfig
-    run_dir: Path
+    directory: RunDir  # the run directory (train.run_dir), as given
     log: Callable[[str], None]  # silent on all but process 0
     lock: TrainerLock  # the run directory's, held by process 0 until close()
     checkpointer: Checkpointer
@@ -105,6 +106,10 @@ class Run:
             self.checkpointer.close()
         finally:
             self.lock.release()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.directory.path
 
     @property
     def is_main_process(self) -> bool:
@@ -159,15 +164,16 @@ def setup_errors():
 def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | TrainResult:
     """The run set up (restored from its newest checkpoint, if any), or the TrainResult of a run already
     complete: rerunning it redoes nothing."""
-    parallel.initialize_distributed(config.parallel)
+    initialize_distributed(config.parallel)
     if jax.process_index() != 0:  # one process speaks and writes metrics for all
         log = lambda _: None  # noqa: E731
     with setup_errors():
-        lock = _lock_run_dir(RunDir.for_training(config.train.run_dir), log)
+        directory = RunDir.for_training(config.train.run_dir)
+        lock = _lock_run_dir(directory, log)
     with contextlib.ExitStack() as opened:  # undone (checkpointer closed, lock released) unless a Run takes them
         opened.callback(lock.release)
         with setup_errors():
-            run = _set_up(config, log, lock, opened)
+            run = _set_up(config, log, directory, lock, opened)
         if isinstance(run, Run):
             opened.pop_all()  # Run.close() gives them back
     return run
@@ -192,43 +198,116 @@ def _lock_run_dir(run: RunDir, log) -> TrainerLock:
     return lock
 
 
-def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitStack) -> Run | TrainResult:
-    run_dir = lock.path.parent
-    check_resumable(run_dir, config, log)
-    checkpointer = Checkpointer(run_dir, config.checkpoint)
+def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
+            opened: contextlib.ExitStack) -> Run | TrainResult:
+    """Where the run starts (start.plan_start), then everything it needs, then the start the plan says."""
+    check_resumable(directory, config, log)
+    checkpointer = Checkpointer(directory, config.checkpoint)
     opened.callback(checkpointer.close)
-    latest_step, start_step = checkpointer.newest_intact(log), 0
-    if latest_step is None:
-        _refuse_a_silent_restart(checkpointer.run)
-    if (finished := _finished_run(run_dir, config, latest_step)) is not None:
-        log(f"the run in {run_dir} is complete (step {latest_step} of train.steps = {config.train.steps}); nothing to do")
-        return finished
+    survey = checkpointer.survey(log)
+    final = _final_record(directory, config, survey.newest)
+    plan = plan_start(dataclasses.replace(survey, final_record=final is not None), StartSettings.of(config))
+    if plan.kind is Start.COMPLETE:
+        log(f"the run in {directory.path} is complete (step {plan.step} of train.steps = {config.train.steps}); "
+            "nothing to do")
+        eval_losses = {plan.step: final["loss"]} if final["kind"] == "eval" else {}
+        return TrainResult(step=plan.step, losses={}, eval_losses=eval_losses, tokens_per_second=None, sample=None)
 
+    tokenizer = _tokenizer(config, directory)
+    mesh = make_mesh(config.parallel)
+    context_order(config.data.seq_len, mesh.shape["context"])  # the sequence must split over the context axis
+    batch_plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
+                            micro_batch_per_device=config.train.micro_batch_per_device)
+    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    if plan.lora_base:
+        training, state, frozen = _lora_state(config, plan.lora_base, tx, mesh, log)
+    else:
+        training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
+        frozen = None
+    data_iter, eval_batches = _data(config, tokenizer, training, batch_plan)
+    state, start_step, last_saved = _start_from(plan, checkpointer, state, data_iter, config, log)
+    if jax.process_index() == 0:
+        save_run_config(config, directory.config_file)
+
+    train_step, eval_step = _jitted_steps(config, training, tx, schedule, frozen)
+    run = Run(
+        config=config, directory=directory, log=log, lock=lock, checkpointer=checkpointer, last_saved=last_saved,
+        start_step=start_step, step=start_step, mesh=mesh, plan=batch_plan, tokenizer=tokenizer, training=training,
+        train_step=train_step, eval_step=eval_step, state=state, data_iter=data_iter, eval_batches=eval_batches,
+        frozen=frozen,
+    )
+    _log_set_up(run)
+    return run
+
+
+def _final_record(directory: RunDir, config: RunConfig, step: int | None) -> dict | None:
+    """The run's final record at checkpoint `step` in metrics.jsonl: its final eval, or without held-out data its
+    last train step. None without one, before train.steps, and in a multi-process run (only process 0 writes
+    metrics; every process plans alike)."""
+    if step is None or step < config.train.steps or jax.process_count() > 1:
+        return None
+    final_kind = "eval" if config.data.eval_fraction > 0 else "train"
+    final = [r for r in read_records(directory.metrics_file) if r["step"] == step and r["kind"] == final_kind]
+    return final[-1] if final else None
+
+
+def _start_from(plan: StartPlan, checkpointer: Checkpointer, state: dict, data_iter, config: RunConfig,
+                log) -> tuple[dict, int, int | None]:
+    """Follows the plan: (the train state, the step training starts at, the newest checkpoint on disk)."""
+    if plan.kind is Start.RESUME:
+        restored = checkpointer.restore_newest(plan.step, abstract_like(state), log)
+        if isinstance(restored, Restored):
+            return _resumed(restored, state, data_iter, plan, checkpointer, log)
+        # Orbax read no train state from plan.step down (each was set aside): plan again from what is left
+        plan = plan_start(restored, StartSettings.of(config))
+    if plan.kind is Start.CONVERTED:  # a converted / exported model: train on from its params
+        step_dir = checkpointer.run.step_dir(plan.step)
+        state["params"] = load_params(step_dir, abstract_like(state["params"]))
+        log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
+    elif plan.kind is Start.INIT_FROM:
+        state["params"] = restore_params(plan.init_from, abstract_like(state))
+        log(f"initialized the params from {plan.init_from}")
+    return state, 0, plan.step
+
+
+def _resumed(restored: Restored, state: dict, data_iter, plan: StartPlan, checkpointer: Checkpointer,
+             log) -> tuple[dict, int, int]:
+    step_dir = checkpointer.run.step_dir(restored.step)
+    if plan.lora_base:  # the adapters fit the base they were trained on only
+        lora.check_same_base(jax.device_get(restored.state["base_checksums"]), jax.device_get(state["base_checksums"]),
+                             step_dir, plan.lora_base, "resume with the base it was trained on (or choose another "
+                             "train.run_dir)")
+    if restored.data_state is None:
+        log("note: the checkpoint's data position was saved by a different number of processes; "
+            "this run's data order starts afresh")
+    else:
+        data_iter.set_state(restored.data_state)
+    log(f"resumed from {step_dir} (step {restored.step})")
+    return restored.state, restored.step, restored.step
+
+
+def _tokenizer(config: RunConfig, directory: RunDir):
+    """data.tokenizer's, refused where it does not fit the model or the converted model in the run directory."""
     tokenizer = make_tokenizer(config.data.tokenizer)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(
             f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}, {tokenizer.name}); leave model.vocab_size out to use the tokenizer's"
         )
-    converted_tokenizer = RunDir(run_dir).hf / "tokenizer.json"
+    converted_tokenizer = directory.hf / "tokenizer.json"
     if config.data.tokenizer.kind == "byte" and converted_tokenizer.exists():
         raise ValueError(
-            f"data.tokenizer is the byte tokenizer, but {run_dir} holds a converted model whose tokenizer is "
+            f"data.tokenizer is the byte tokenizer, but {directory.path} holds a converted model whose tokenizer is "
             f"{converted_tokenizer} (vocab_size {config.model.vocab_size}): set data.tokenizer to "
             f"{{kind: hf, path: {converted_tokenizer.parent}}} (conversions since 2026-11-25 name it in config.yaml)"
         )
-    mesh = parallel.make_mesh(config.parallel)
-    context_order(config.data.seq_len, mesh.shape["context"])  # the sequence must split over the context axis
-    plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
-                      micro_batch_per_device=config.train.micro_batch_per_device)
-    tx, schedule = make_optimizer(config.optim, config.train.steps)
-    if config.lora.enabled:
-        training, state, frozen = _lora_state(config, tx, mesh, log)
-    else:
-        training, state = setup_sharded_state(config.model, tx, config.train.seed, mesh)
-        frozen = None
-    # Each process loads only the batch rows its devices hold.
-    shard_index, shard_count = parallel.process_batch_shard(
+    return tokenizer
+
+
+def _data(config: RunConfig, tokenizer, training: ShardedTraining, plan: BatchPlan) -> tuple[Any, list]:
+    """(this process's train data iterator, the held-out batches on the devices). Each process loads only the
+    batch rows its devices hold."""
+    shard_index, shard_count = process_batch_shard(
         training.step_batch_sharding, (plan.accum_steps, plan.global_batch // plan.accum_steps, config.data.seq_len),
         batch_axis=1,
     )
@@ -242,79 +321,51 @@ def _set_up(config: RunConfig, log, lock: TrainerLock, opened: contextlib.ExitSt
         _global_batch(batch, training.eval_batch_sharding, eval_rows)
         for batch in make_eval_batches(config.data, tokenizer, batch_size=eval_rows // shard_count, **shard)
     ]
+    return data_iter, eval_batches
 
-    while latest_step is not None:
-        step_dir = checkpointer.run.step_dir(latest_step)
-        if checkpointer.state_keys(latest_step) == {"params"} and frozen is not None:
-            raise ValueError(f"{run_dir} holds a params-only checkpoint (a converted or exported model): a LoRA run "
-                             "keeps its adapters in a run directory of its own; set train.init_from to this directory "
-                             "and train.run_dir to a new one")
-        if checkpointer.state_keys(latest_step) == {"params"}:  # a converted / exported model: train on from its params
-            state["params"] = load_params(step_dir, abstract_like(state["params"]))
-            log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
-            break
-        try:
-            restored, data_state = checkpointer.restore(latest_step, abstract_like(state))
-        except UnreadableCheckpoint as error:  # (one without a digest): set aside like a damaged one
-            checkpointer.set_aside(latest_step, str(error), log)
-            latest_step = checkpointer.newest_intact(log)
-            if latest_step is None:
-                _refuse_a_silent_restart(checkpointer.run)
-            continue
-        if frozen is not None:
-            _check_same_base(restored["base_checksums"], state["base_checksums"], config, step_dir)
-        state, start_step = restored, latest_step
-        if data_state is None:
-            log("note: the checkpoint's data position was saved by a different number of processes; "
-                "this run's data order starts afresh")
-        else:
-            data_iter.set_state(data_state)
-        log(f"resumed from {step_dir} (step {start_step})")
-        break
-    if latest_step is None and config.train.init_from and frozen is None:  # (LoRA read its base above)
-        state["params"] = restore_params(config.train.init_from, abstract_like(state))
-        log(f"initialized the params from {config.train.init_from}")
-    if jax.process_index() == 0:
-        save_run_config(config, RunDir(run_dir).config_file)
 
-    model = config.model
-    log(
-        f"model: {model.attention} attention, d_model {model.d_model}, {model.num_layers} layers, "
-        f"{model.num_heads} heads of dim {model.head_dim}"
-        f"{f' ({model.num_noise_heads} noise heads)' if model.num_noise_heads else ''}, {model.param_count():,} params; "
-        f"{training_flops_per_token(model, config.data.seq_len) / 1e6:,.1f} MFLOP per trained token"
-    )
-    log(f"mesh: {parallel.describe(mesh)} over {jax.process_count()} process(es)")
-    if training.unsharded:
-        log(f"note: kept whole because the mesh axes do not divide them: {'; '.join(training.unsharded)}")
-    log(f"data: {config.data.source}, tokenizer {tokenizer.name}; batch {plan.describe(config.data.seq_len)}")
-    log(f"run directory: {run_dir}")
-    if not eval_batches:
-        log(f"note: no held-out documents (data.eval_fraction = {config.data.eval_fraction}): no eval loss")
+def _jitted_steps(config: RunConfig, training: ShardedTraining, tx, schedule, frozen) -> tuple[Callable, Callable]:
     train_step = training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk,
                                          partial(lambda_scale, config.optim) if config.optim.lambda_warmup_steps else None)
     eval_step = training.jit_eval_step(config.model, config.train.loss_chunk)
     if frozen is not None:  # the frozen base rides along as the steps' last argument
         train_step = partial(_with_frozen, train_step, frozen)
         eval_step = partial(_with_frozen, eval_step, frozen)
-    return Run(
-        config=config, run_dir=run_dir, log=log, lock=lock, checkpointer=checkpointer, last_saved=latest_step,
-        start_step=start_step, step=start_step, mesh=mesh, plan=plan, tokenizer=tokenizer, training=training,
-        train_step=train_step, eval_step=eval_step, state=state, data_iter=data_iter, eval_batches=eval_batches,
-        frozen=frozen,
-    )
+    return train_step, eval_step
 
 
 def _with_frozen(step, frozen, *args):
     return step(*args, frozen)
 
 
-def _lora_state(config: RunConfig, tx, mesh, log) -> tuple[ShardedTraining, dict, dict]:
+def _log_set_up(run: Run) -> None:
+    config, log = run.config, run.log
+    log(_describe_model(config))
+    log(f"mesh: {describe(run.mesh)} over {jax.process_count()} process(es)")
+    if run.training.unsharded:
+        log(f"note: kept whole because the mesh axes do not divide them: {'; '.join(run.training.unsharded)}")
+    log(f"data: {config.data.source}, tokenizer {run.tokenizer.name}; batch {run.plan.describe(config.data.seq_len)}")
+    log(f"run directory: {run.run_dir}")
+    if not run.eval_batches:
+        log(f"note: no held-out documents (data.eval_fraction = {config.data.eval_fraction}): no eval loss")
+
+
+def _describe_model(config: RunConfig) -> str:
+    model = config.model
+    return (
+        f"model: {model.attention} attention, d_model {model.d_model}, {model.num_layers} layers, "
+        f"{model.num_heads} heads of dim {model.head_dim}"
+        f"{_options_note(model)}, {model.param_count():,} params; "
+        f"{training_flops_per_token(model, config.data.seq_len) / 1e6:,.1f} MFLOP per trained token"
+    )
+
+
+def _lora_state(config: RunConfig, base_path: str, tx, mesh, log) -> tuple[ShardedTraining, dict, dict]:
     """(ShardedTraining, the fresh train state, the frozen base) of a LoRA run: the base is read from
     train.init_from (at every start: checkpoints hold only the trainable part), split into the params that train
     too (lora.trainable) and the frozen rest."""
     training, base_target, init = sharded_lora_init(config.model, config.lora, tx, mesh)
-    base = restore_params(config.train.init_from, {"params": base_target})
+    base = restore_params(base_path, {"params": base_target})
     checksums = jax.jit(lora.checksums)(base)
     chosen, frozen = lora.split_base(base, config.lora)
     state = init(jax.random.key(config.train.seed), chosen, checksums)
@@ -325,42 +376,19 @@ def _lora_state(config: RunConfig, tx, mesh, log) -> tuple[ShardedTraining, dict
     log(f"LoRA: rank {config.lora.rank}, alpha {config.lora.alpha:g} on {', '.join(kernels)}; training "
         f"{sizes['adapters']:,} adapter params + {sizes['base']:,} base params "
         f"({', '.join(config.lora.trainable) or 'lora.trainable: none'}), {sizes['frozen']:,} frozen from "
-        f"{config.train.init_from}")
+        f"{base_path}")
     return training, state, frozen
 
 
-def _check_same_base(saved: dict, current: dict, config: RunConfig, step_dir: Path) -> None:
-    """A LoRA checkpoint's adapters fit the base it was trained on: refuse to resume on a base that changed."""
-    changed = lora.changed_leaves(jax.device_get(saved), jax.device_get(current))
-    if changed:
-        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-        raise ValueError(
-            f"the base model changed since the LoRA checkpoint {step_dir} was saved: train.init_from "
-            f"{config.train.init_from} now holds different {', '.join(changed[:3])}{more}; resume with the base it "
-            "was trained on (or choose another train.run_dir)")
-
-
-def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
+def check_resumable(directory: RunDir, config: RunConfig, log) -> None:
     """A run directory belongs to one model: refuse to resume with a different model section (fields
     that only change how it computes, such as remat or the attention kernel, may change)."""
-    saved_path = RunDir(run_dir).config_file
+    saved_path = directory.config_file
     if not saved_path.exists():
         return
-    saved = read_yaml(saved_path)
-    current = config.to_dict()
-    # A field the saved config predates has its default there.
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.init}
-    saved_model, current_model = {**defaults, **saved.get("model", {})}, current["model"]
-    saved_model["global_layers"] = list(saved_model["global_layers"])
-    keys = set(saved_model) | set(current_model)
-    differing = sorted(k for k in keys - set(RUNTIME_FIELDS) if saved_model.get(k) != current_model.get(k))
-    if differing:
-        raise ValueError(
-            f"run directory {run_dir} holds a run of a different model (model.{', model.'.join(differing)} differ "
-            f"from {saved_path}); choose another train.run_dir or restore those values"
-        )
-    _check_same_lora(run_dir, saved, config, saved_path)
-    changed = [f"model.{k}" for k in sorted(keys) if saved_model.get(k) != current_model.get(k)]
+    saved, current = read_yaml(saved_path), config.to_dict()
+    changed = _check_same_model(directory, saved, current, saved_path)
+    _check_same_lora(directory, saved, config, saved_path)
     for section in SECTIONS[1:]:
         if section == "lora":
             continue  # (the same: _check_same_lora)
@@ -371,7 +399,25 @@ def check_resumable(run_dir: Path, config: RunConfig, log) -> None:
         log(f"note: resuming with changed {', '.join(changed)}")
 
 
-def _check_same_lora(run_dir: Path, saved: dict, config: RunConfig, saved_path: Path) -> None:
+def _check_same_model(directory: RunDir, saved: dict, current: dict, saved_path: Path) -> list[str]:
+    """Refuses a different model section; returns the model fields that changed and may (model.<runtime field>)."""
+    # A field the saved config predates has its default there.
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.init}
+    # (older config files name a kind's options at the top of the model section: read them as options)
+    # (older config files name a kind's options at the top of the model section: read them as options)
+    saved_model, current_model = {**defaults, **ModelConfig.legacy_values(saved.get("model", {}))}, current["model"]
+    saved_model["global_layers"] = list(saved_model["global_layers"])
+    keys = set(saved_model) | set(current_model)
+    differing = sorted(k for k in keys - set(RUNTIME_FIELDS) if saved_model.get(k) != current_model.get(k))
+    if differing:
+        raise ValueError(
+            f"run directory {directory.path} holds a run of a different model (model.{', model.'.join(differing)} "
+            f"differ from {saved_path}); choose another train.run_dir or restore those values"
+        )
+    return [f"model.{k}" for k in sorted(keys) if saved_model.get(k) != current_model.get(k)]
+
+
+def _check_same_lora(directory: RunDir, saved: dict, config: RunConfig, saved_path: Path) -> None:
     """A run directory trains with or without LoRA, of one rank, alpha, targets and trainable base params."""
     defaults = dataclasses.asdict(lora.LoraConfig())
     saved_lora = {**defaults, **(saved.get("lora") or {})}
@@ -380,7 +426,7 @@ def _check_same_lora(run_dir: Path, saved: dict, config: RunConfig, saved_path: 
     differing = [k for k in current if plain(saved_lora[k]) != plain(current[k])]
     if differing:
         raise ValueError(
-            f"run directory {run_dir} holds a run with different LoRA settings (lora.{', lora.'.join(differing)} "
+            f"run directory {directory.path} holds a run with different LoRA settings (lora.{', lora.'.join(differing)} "
             f"differ from {saved_path}); choose another train.run_dir or restore those values")
 
 
@@ -394,31 +440,6 @@ def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, global_
     return {key: make(value) for key, value in local.items()}
 
 
-def _refuse_a_silent_restart(run: RunDir) -> None:
-    """No intact checkpoint, but damaged ones set aside: the run's history would be restarted at step 0 by
-    accident. Stop, saying what is where and how to start over deliberately."""
-    damaged = sorted(p.name for p in run.damaged_checkpoints.iterdir()) if run.damaged_checkpoints.is_dir() else []
-    if damaged:
-        raise ValueError(
-            f"no intact checkpoint remains in {run.checkpoints}: {', '.join(damaged)} are in {run.damaged_checkpoints} "
-            f"(nothing was deleted). To start this run over from step 0, move {run.damaged_checkpoints} out of "
-            f"{run.path} (metrics.jsonl is kept beside the new one); or choose another train.run_dir"
-        )
-
-
-def _finished_run(run_dir: Path, config: RunConfig, latest_step: int | None) -> TrainResult | None:
-    """The result of a run already complete, its final record in metrics.jsonl (the final eval, or the last
-    train step without held-out data). None when there is anything left to do."""
-    if latest_step is None or latest_step < config.train.steps or jax.process_count() > 1:
-        return None
-    final_kind = "eval" if config.data.eval_fraction > 0 else "train"
-    final = [r for r in read_records(RunDir(run_dir).metrics_file) if r["step"] == latest_step and r["kind"] == final_kind]
-    if not final:
-        return None
-    eval_losses = {latest_step: final[-1]["loss"]} if final_kind == "eval" else {}
-    return TrainResult(step=latest_step, losses={}, eval_losses=eval_losses, tokens_per_second=None, sample=None)
-
-
 def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
     """An empty corpus packs into rows with nothing to predict (and takes ages to pack): refuse it rather than
     'train' at loss 0. The first `sample` documents tell, without reading a large corpus."""
@@ -427,3 +448,10 @@ def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
         where = f"data.paths {list(config.data.paths)}" if config.data.paths else f"data.source {config.data.source!r}"
         what = "all empty" if n == len(documents) else f"empty (the first {n})"
         raise ValueError(f"the training data has no text to learn from ({where}: its documents are {what})")
+
+
+def _options_note(model: ModelConfig) -> str:
+    """' (2 noise heads)': what the model's kinds' own options say of it, for the set-up log."""
+    notes = [options.describe() for options in (model.attention_options, model.mlp_options, model.residual_options)
+             if options is not None and options.describe()]
+    return f" ({', '.join(notes)})" if notes else ""

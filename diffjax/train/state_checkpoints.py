@@ -3,7 +3,9 @@
 Layout (diffjax/run_dir.py): <run_dir>/checkpoints/<step>/{state, data, digest.json}. Orbax writes each checkpoint into a
 temporary directory and renames it when complete, so a crash during a save leaves the previous checkpoint
 as the latest restorable one (leftover temporary directories are removed on the next start). The digest
-(integrity.py) is written when a save is complete and checked before a restore.
+(integrity.py) is written when a save is complete and checked before a restore. At a start the Checkpointer
+describes the run directory for start.plan_start (`survey`) and restores the plan's train state
+(`restore_newest`), setting each damaged or unreadable checkpoint aside and trying the next.
 Params-only checkpoints (load_params, save_params, load_model): diffjax.params_checkpoint (`diffjax.checkpoint`).
 """
 
@@ -12,17 +14,17 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
 
 from diffjax.params_checkpoint import check_same_params, load_model_params, refuse_per_layer
-from diffjax.params_checkpoint import load_params  # noqa: F401 (train.run imports it from here)
 from diffjax.run_dir import COMMIT_FILE, DATA_ITEM, STATE_ITEM, RunDir
 from diffjax import integrity, storage
 from diffjax.train.config import CheckpointConfig
 from diffjax.train.mesh import allgather_json
+from diffjax.train.start import RunDirState
 
 
 TEMPORARY_MARK = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress: <step>.orbax-checkpoint-tmp-<n>
@@ -30,6 +32,12 @@ TEMPORARY_MARK = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress:
 
 class UnreadableCheckpoint(RuntimeError):
     """Orbax could not restore a checkpoint (one without a digest, or damaged in a way it does not cover)."""
+
+
+class Restored(NamedTuple):
+    step: int
+    state: Any
+    data_state: dict | None  # this process's data-iterator state (None: saved by a different number of processes)
 
 
 def _first_line(error: BaseException) -> str:
@@ -54,8 +62,8 @@ class _OrbaxErrorsWeReport(logging.Filter):
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str | Path, config: CheckpointConfig):
-        self.run = RunDir(storage.absolute(run_dir))
+    def __init__(self, run: RunDir | str | Path, config: CheckpointConfig):
+        self.run = (run if isinstance(run, RunDir) else RunDir(run)).absolute()  # (tools and tests pass a path)
         self.directory = self.run.checkpoints
         self._async, self._saving = config.async_save, None
         self._quiet = _OrbaxErrorsWeReport()
@@ -104,6 +112,18 @@ class Checkpointer:
         """Top-level keys of a checkpoint's state: {"params"} alone for a params-only (converted) checkpoint."""
         return set(self.manager.item_metadata(step)[STATE_ITEM].keys())
 
+    def holds_params_only(self, step: int) -> bool:
+        return self.state_keys(step) == {"params"}
+
+    def survey(self, log) -> RunDirState:
+        """What the run directory holds, for start.plan_start: its newest intact checkpoint (each damaged newer one
+        set aside first) and what that holds. (final_record is the trainer's to add: metrics are not checkpoints.)"""
+        return self._state_at(self.newest_intact(log))
+
+    def _state_at(self, newest: int | None) -> RunDirState:
+        return RunDirState(self.run, newest, params_only=newest is not None and self.holds_params_only(newest),
+                           set_aside=self.run.damaged())
+
     def newest_intact(self, log) -> int | None:
         """The newest checkpoint whose files match their digest and whose metadata reads; each damaged
         newer one is reported and set aside (integrity.py). A checkpoint without a digest (params-only,
@@ -122,6 +142,18 @@ class Checkpointer:
                 return step
             self.set_aside(step, problem, log)
         return None
+
+    def restore_newest(self, step: int, abstract_state: Any, log) -> Restored | RunDirState:
+        """The train state of checkpoint `step` or, when Orbax cannot read it, of the newest intact one below it:
+        each unreadable checkpoint is set aside like a damaged one. When what is left holds params alone or nothing,
+        the survey of it instead, for the caller to plan its start again (start.plan_start)."""
+        while step is not None and not self.holds_params_only(step):
+            try:
+                return Restored(step, *self.restore(step, abstract_state))
+            except UnreadableCheckpoint as error:
+                self.set_aside(step, str(error), log)
+                step = self.newest_intact(log)
+        return self._state_at(step)
 
     def set_aside(self, step: int, problem: str, log) -> None:
         """Moves checkpoint `step` to damaged-checkpoints/ (process 0; every process waits for it), saying why."""

@@ -29,7 +29,6 @@ import signal
 from pathlib import Path
 
 from diffjax import storage
-from diffjax.run_dir import RunDir
 from diffjax.train.hooks import Hook, MetricsLog
 
 INSTALL = 'pip install "diffjax[wandb]"'
@@ -75,7 +74,7 @@ class WandbLog(Hook):
             import wandb
         except ImportError as error:
             raise _setup_error(f"train.wandb is on but wandb cannot be imported ({error}): {INSTALL}") from None
-        run_dir = RunDir(storage.absolute(run.run_dir))
+        run_dir = run.directory.absolute()
         self.run_file = run_dir.wandb_run_file
         saved = read_run_file(self.run_file)
         resume_id = saved.get("id") if run.start_step > 0 else None

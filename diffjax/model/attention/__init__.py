@@ -8,9 +8,7 @@ only what differs. `module_class(config)` is the class of a config's kind: the k
 
 from __future__ import annotations
 
-import importlib
-
-from diffjax import attention_kinds
+from diffjax import attention_kinds, kinds
 from diffjax.config import ModelConfig
 from diffjax.model.attention.base import (
     BTD,
@@ -28,14 +26,7 @@ from diffjax.model.attention.standard import StandardAttention
 
 
 def module_class(config: ModelConfig) -> type[AttentionModule]:
-    kind = attention_kinds.get(config.attention)
-    if isinstance(kind.module, type):
-        return kind.module
-    module_name, _, class_name = kind.module.partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, AttentionModule)):
-        raise TypeError(f"attention kind {kind.name!r}: {kind.module!r} is not an AttentionModule subclass")
-    return cls
+    return kinds.module_class(attention_kinds.get(config.attention), AttentionModule)
 
 
 __all__ = [

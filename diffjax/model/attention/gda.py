@@ -28,7 +28,8 @@ class GroupedDiffAttention(DiffAttention):
     DiffAttention except its query parameters and `queries`."""
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
-        D, H, N, K, d = config.d_model, config.num_heads, config.num_noise_heads, config.num_kv_heads, config.head_dim
+        D, H, K, d = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+        N = config.attention_options.num_noise_heads
         std, pdt = config.init_std, config.param_dtype
         self.config = config
         self.lambda_init = None if depth is None else config.lambda_init_at(depth)
@@ -39,7 +40,7 @@ class GroupedDiffAttention(DiffAttention):
     def queries(self, x_BTD):
         """q [B, T, H, 2, d] before RoPE: q[:, :, s, 1] is noise head s // (H / N)'s query."""
         B, T, _ = x_BTD.shape
-        H, N = self.config.num_heads, self.config.num_noise_heads
+        H, N = self.config.num_heads, self.config.attention_options.num_noise_heads
         q_BTNgd = jnp.einsum("btD,Dngd->btngd", x_BTD, self.q_kernel[...].astype(x_BTD.dtype))
         signal_BTHd = q_BTNgd[:, :, :, :-1].reshape(B, T, H, -1)
         noise_BTHd = jnp.repeat(q_BTNgd[:, :, :, -1], H // N, axis=2)  # signal head s -> noise head s // (H / N)

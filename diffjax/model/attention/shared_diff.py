@@ -46,7 +46,7 @@ class SharedDiffAttention(DiffAttention):
     """
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
-        D, H, K, d, r = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.shared_diff_rank
+        D, H, K, d, r = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.attention_options.rank
         std, pdt = config.init_std, config.param_dtype
         self.config = config
         self.lambda_init = None if depth is None else config.lambda_init_at(depth)

@@ -1,0 +1,126 @@
+"""What the three tables of block parts share (jax-free): a decoder block is an attention kind
+(diffjax.attention_kinds) + an MLP kind (diffjax.mlp_kinds) + a residual form (diffjax.residual_kinds), each
+chosen by name in ModelConfig (`attention`, `mlp`, `residual`) and each a row of its table.
+
+A row names its module ("package.module:Class", imported when a model is built, or the class itself) and may
+carry its own options: a frozen dataclass subclassing `Options` whose fields are that kind's settings and
+nothing else's (GDA's noise heads, Shared DIFF's rank). ModelConfig holds them as `attention_options`,
+`mlp_options` and `residual_options` (mappings in YAML: `model.attention_options.num_noise_heads=2`); only the
+kind's module, its row and its own converter read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, ClassVar, Generic, Mapping, TypeVar
+
+from diffjax.config_values import build_config
+
+
+class Options:
+    """A kind's own settings (subclass it as a frozen dataclass). A field left None may be derived from the rest
+    of the ModelConfig (`defaults`); `problems` says what is invalid once every size is known."""
+
+    # Flat ModelConfig keys that config files written before options existed used -> this class's field.
+    legacy_keys: ClassVar[Mapping[str, str]] = {}
+
+    def defaults(self, config) -> dict[str, Any]:
+        """{field: value} for the fields left None, derived from `config` (its shared sizes are resolved)."""
+        return {}
+
+    def problems(self, config) -> list[str]:
+        """What is invalid about these options in `config`, one line each (they and the sizes resolved)."""
+        return []
+
+    def describe(self) -> str:
+        """A few words for logs and tables ("2 noise heads"); "" when there is nothing to say."""
+        return ""
+
+
+def positive_int_problems(options: Options, *names: str) -> list[str]:
+    """The usual check of size fields: each a positive integer (or None before defaults fill it)."""
+    problems = []
+    for name in names:
+        value = getattr(options, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            problems.append(f"{name} must be a positive integer, got {value!r}")
+    return problems
+
+
+K = TypeVar("K")
+
+
+class Table(Generic[K]):
+    """Rows by name: `register` adds one (a kind defined in user code or a test), `get` finds one."""
+
+    def __init__(self, field: str):
+        self.field = field  # the ModelConfig field that names a row
+        self._rows: dict[str, K] = {}
+
+    def register(self, row: K, *, replace: bool = False) -> K:
+        """Add `row` (replace=True overwrites a row of the same name)."""
+        if row.name in self._rows and not replace:
+            raise ValueError(f"{self.field} kind {row.name!r} is already registered (pass replace=True to overwrite it)")
+        self._rows[row.name] = row
+        return row
+
+    def unregister(self, name: str) -> None:
+        self._rows.pop(name, None)
+
+    def get(self, name: str) -> K:
+        if name not in self._rows:
+            raise ValueError(f"{self.field} must be one of {self.names()}, got {name!r}")
+        return self._rows[name]
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._rows)
+
+    def rows(self) -> tuple[K, ...]:
+        return tuple(self._rows.values())
+
+
+def resolve_options(row, given, config, field: str) -> tuple[Options | None, tuple[str, ...]]:
+    """(the row's options for `config` with defaults filled, the names of the fields that were derived) from what
+    was given: None, a mapping (YAML / the command line) or an instance of the row's options class. Errors name
+    `field` (e.g. "attention_options.num_noise_heads") and say what is allowed."""
+    options_class = row.options
+    if options_class is None:
+        if given:  # None or an empty mapping
+            raise ValueError(f"{field}: {row.name!r} has no options, got {_plain(given)!r}")
+        return None, ()
+    if given is None:
+        given = {}
+    if isinstance(given, Mapping):
+        given = build_config(options_class, dict(given), prefix=field)
+    elif not isinstance(given, options_class):
+        raise ValueError(f"{field} must be a mapping of {options_class.__name__} fields, got {given!r}")
+    derived = tuple(f.name for f in dataclasses.fields(given) if getattr(given, f.name) is None)
+    resolved = dataclasses.replace(given, **{k: v for k, v in given.defaults(config).items() if k in derived})
+    problems = [f"{field}.{line}" for line in resolved.problems(config)]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return resolved, derived
+
+
+def given_options(options: Options | None, derived: tuple[str, ...]) -> dict[str, Any] | None:
+    """The options as given (derived fields None again, so a saved config derives them afresh); None: no options."""
+    if options is None:
+        return None
+    return {f.name: None if f.name in derived else getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
+def module_class(row, base: type) -> type:
+    """The class a row names: its `module` ("package.module:Class", imported now, or the class), a `base` subclass."""
+    if isinstance(row.module, type):
+        cls = row.module
+    else:
+        module_name, _, class_name = row.module.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"kind {row.name!r}: {row.module!r} is not a {base.__name__} subclass")
+    return cls
+
+
+def _plain(value):
+    return dict(value) if isinstance(value, Mapping) else value
