@@ -244,8 +244,10 @@ def _loss_and_grads(config: ModelConfig, parallel_config: ParallelConfig, params
     return float(loss), jax.device_get(grads)
 
 
-# Every kind on CI's oldest-jax leg; DIFF V1 alone on the newest (the op tests above cover the other op forms there).
-@pytest.mark.parametrize("kind", [n if n == "diff" else pytest.param(n, marks=[pytest.mark.single_leg, pytest.mark.slow]) for n in KINDS])
+# Every kind on CI's oldest-jax leg; DIFF V1 alone on the newest and in the fast lane (the op tests above cover the
+# other op forms there).
+@pytest.mark.parametrize("kind", [n if n == "diff" else
+                                  pytest.param(n, marks=[pytest.mark.single_leg, pytest.mark.slow]) for n in KINDS])
 def test_loss_and_every_gradient_with_a_context_axis_equal_one_device(kind, measured):
     """Packed, unpacked and padded rows in one batch. DIFF V1 on context 2 (with data and tensor), 4 (with fsdp)
     and 8; the other kinds, whose op forms the tests above run on every mesh, on context 2 x data 2 x tensor 2."""

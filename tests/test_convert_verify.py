@@ -34,7 +34,8 @@ def saved(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("case", [c if c.endswith("gqa_tied") else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
+@pytest.mark.parametrize("case", [c if c == "diffllama_gqa_tied" else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in CASES])
 def test_verify_passes_on_converted_models(case, saved, measured):
     result = verify(saved(case), prompts=2, seq_len=32)
     assert result.passed, result.report()

@@ -36,7 +36,8 @@ def saved(model, tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("llama3_rope", "gelu_head_dim") else c for c in DIFF_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("llama3_rope", "gelu_head_dim")
+                                  else c for c in DIFF_CASES])
 def test_diffllama_logits_fp32(case, tmp_path, measured):
     hf = make_hf_model("diffllama", **DIFF_CASES[case])
     tokens = random_tokens(hf.config.vocab_size)

@@ -307,7 +307,7 @@ def test_merged_export_loads_in_transformers_and_equals_the_lora_model(lora_runs
 
 
 def test_merge_lora_refuses_a_run_that_is_not_a_lora_run(tmp_path, capsys):
-    """`python -m diffjax.convert merge-lora` of a params-only run directory: exit 2, one line naming it, nothing written."""
+    """`python -m diffjax.convert merge-lora` of a params-only run directory: exit 2, one line, nothing written."""
     from diffjax.convert.__main__ import main
     from diffjax.params_checkpoint import save_params
 

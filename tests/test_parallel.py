@@ -96,7 +96,8 @@ def single_device_step():
     return jax.device_get(state), metrics
 
 
-@pytest.mark.parametrize("mesh_name", [m if m == "data=2,fsdp=2,tensor=2" else pytest.param(m, marks=pytest.mark.slow) for m in MESHES])
+@pytest.mark.parametrize("mesh_name", [m if m == "data=2,fsdp=2,tensor=2" else pytest.param(m, marks=pytest.mark.slow)
+                                       for m in MESHES])
 def test_sharded_step_equals_one_device_and_params_follow_the_rules(mesh_name, single_device_step, measured):
     mesh, state, metrics = _one_step(MODEL, MESHES[mesh_name])
     reference_state, reference_metrics = single_device_step

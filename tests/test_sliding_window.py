@@ -240,8 +240,10 @@ def _loss_and_grads(graphdef, params, batch):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-# ~20 s a kind: the newest leg runs "diff" (the kinds share the windowed blockwise op), the oldest every kind.
-@pytest.mark.parametrize("kind", [n if n == "diff" else pytest.param(n, marks=[pytest.mark.single_leg, pytest.mark.slow])
+# ~20 s a kind: the newest leg and the fast lane run "diff" (the kinds share the windowed blockwise op), the oldest
+# leg every kind.
+@pytest.mark.parametrize("kind", [n if n == "diff" else
+                                  pytest.param(n, marks=[pytest.mark.single_leg, pytest.mark.slow])
                                   for n in attention_kinds.names()])
 def test_every_kind_windowed_blockwise_equals_the_reference_loss_and_gradients(kind, monkeypatch, measured):
     """A scanned stack of windowed layers around a global one (lax.cond picks per layer), packed rows: with the

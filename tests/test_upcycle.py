@@ -44,7 +44,8 @@ def llama(tmp_path_factory):
     return directory, tokens, logits
 
 
-@pytest.mark.parametrize("option", [pytest.param(o, marks=pytest.mark.slow) if o == "v1_mirror_schedule" else o for o in OPTIONS])
+@pytest.mark.parametrize("option", [pytest.param(o, marks=pytest.mark.slow) if o == "v1_mirror_schedule" else o
+                                    for o in OPTIONS])
 def test_the_upcycled_model_computes_the_llamas_logits(option, llama, measured):
     directory, tokens, expected = llama
     model = upcycle(diffjax.load_hf(directory), **OPTIONS[option])
