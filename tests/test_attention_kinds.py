@@ -62,6 +62,7 @@ def test_the_table_names_the_built_in_kinds():
 
 # Every kind on CI's oldest-jax leg; DIFF V1 alone on the newest (the kinds share every path below the module).
 @pytest.mark.parametrize("name", [n if n == "diff" else pytest.param(n, marks=pytest.mark.single_leg) for n in KINDS])
+@pytest.mark.slow
 def test_kind_walks_through_diffjax(name, models, measured):
     kind, model = attention_kinds.get(name), models[name]
     config = model.config
@@ -125,6 +126,7 @@ def test_kind_round_trips_through_its_unilm_module(name, models):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_two_map_outlier_medians_sample_both_maps():
     """With every value sampled, the median of the attention logits is the median over both maps of every
     two-map kind (Shared DIFF's second map was never sampled before the table)."""

@@ -30,6 +30,7 @@ TOY = {
 
 
 @pytest.mark.single_leg  # subprocess trainings; the analyses it calls are tested on both legs
+@pytest.mark.slow
 def test_the_benchmark_trains_every_kind_and_seed_and_writes_its_tables(tmp_path):
     config = tmp_path / "toy.yaml"
     config.write_text(yaml.safe_dump({**TOY, "out_dir": str(tmp_path / "out")}))

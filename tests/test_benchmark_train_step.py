@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.single_leg  # a subprocess of the train step, which test_trainer / test_chunked_loss cover on both legs

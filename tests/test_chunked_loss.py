@@ -97,6 +97,7 @@ def test_chunked_loss_in_bf16_is_as_close_to_fp32_as_the_full_logits_loss(measur
     assert errors[CHUNK_TOKENS] <= 1.5 * errors[0]
 
 
+@pytest.mark.slow
 def test_model_train_loss_with_chunks_equals_full_logits_in_every_param_gradient(measured):
     """Through the model (tied head: the embedding's gradient comes from the lookup and the head), as the
     train step calls it (hidden_states + head vs model(...) logits)."""

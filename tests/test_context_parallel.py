@@ -177,7 +177,7 @@ def _check_attention_over_the_context_axis(case, impl, marker, measured):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"gradient of {name}")
 
 
-@pytest.mark.parametrize("op", ["diff", "standard"])
+@pytest.mark.parametrize("op", [pytest.param("diff", marks=pytest.mark.slow), "standard"])
 def test_the_xla_path_attends_long_sequences_blockwise(op, monkeypatch, measured):
     """From BLOCKWISE_FROM tokens the XLA path runs blockwise (query pieces x key blocks, blocks in a piece's
     future skipped, flash-style backward): the reference's output and gradients. Lowered here to 48 tokens in
@@ -244,8 +244,10 @@ def _loss_and_grads(config: ModelConfig, parallel_config: ParallelConfig, params
     return float(loss), jax.device_get(grads)
 
 
-# Every kind on CI's oldest-jax leg; DIFF V1 alone on the newest (the op tests above cover the other op forms there).
-@pytest.mark.parametrize("kind", [n if n == "diff" else pytest.param(n, marks=pytest.mark.single_leg) for n in KINDS])
+# Every kind on CI's oldest-jax leg; DIFF V1 alone on the newest and in the fast lane (the op tests above cover the
+# other op forms there).
+@pytest.mark.parametrize("kind", [n if n == "diff" else
+                                  pytest.param(n, marks=[pytest.mark.single_leg, pytest.mark.slow]) for n in KINDS])
 def test_loss_and_every_gradient_with_a_context_axis_equal_one_device(kind, measured):
     """Packed, unpacked and padded rows in one batch. DIFF V1 on context 2 (with data and tensor), 4 (with fsdp)
     and 8; the other kinds, whose op forms the tests above run on every mesh, on context 2 x data 2 x tensor 2."""
@@ -253,6 +255,7 @@ def test_loss_and_every_gradient_with_a_context_axis_equal_one_device(kind, meas
     _check_context_meshes_equal_one_device(MODEL.replace(attention=kind), meshes, kind, measured)
 
 
+@pytest.mark.slow
 def test_windowed_and_global_layers_with_a_context_axis_equal_one_device(measured):
     """A sliding window (5 keys) on layers 0 and 2 around a global layer 1, scanned (lax.cond picks per layer)."""
     config = MODEL.replace(attention="diff_v2", num_layers=3, attention_window=5, global_layers=(1,), scan_layers=True)
@@ -261,6 +264,7 @@ def test_windowed_and_global_layers_with_a_context_axis_equal_one_device(measure
 
 
 @pytest.mark.single_leg
+@pytest.mark.slow
 def test_the_trainer_with_fused_tpu_kernels_on_a_context_axis_equals_one_device(measured):
     """The train step's loss and gradients with attention_impl="pallas_tpu" (interpret mode here; what "auto" runs
     on a TPU) on context 4 x fsdp 2, scanned layers with remat, against one device running the same kernels."""
@@ -289,6 +293,7 @@ def _check_context_meshes_equal_one_device(config, meshes, kind, measured):
 
 
 @pytest.mark.single_leg  # context meshes on the newest jax: the loss-and-gradient equalities above run there
+@pytest.mark.slow
 def test_the_64k_recipe_trains_with_context_parallelism_and_its_checkpoints_move_between_meshes(tmp_path):
     """configs/paper/diff-3b-64k.yaml at a small width and a 512-token sequence (CPU), the byte tokenizer and the
     built-in corpus: 3 steps on context=8; its step-2 checkpoint restores exactly, with the rules'

@@ -43,6 +43,7 @@ def converted(tmp_path_factory):
     return root, model
 
 
+@pytest.mark.slow
 def test_verify_passes_and_diffjax_to_hf(converted, capsys):
     root, model = converted
     assert main(["verify", str(root / "hf"), "--diffjax", str(root / "diffjax"), "--prompts", "2", "--seq-len", "24"]) == 0
@@ -56,6 +57,7 @@ def test_verify_passes_and_diffjax_to_hf(converted, capsys):
         np.testing.assert_array_equal(exported(tokens).logits.numpy(), model(tokens).logits.numpy())
 
 
+@pytest.mark.slow
 def test_verify_exits_nonzero_on_a_corrupted_checkpoint(converted):
     root, _ = converted
     model = load_diffjax_as(root / "diffjax", "float32")
@@ -85,6 +87,7 @@ def test_errors_in_process_exit_2(tmp_path, capsys):
     assert "no checkpoint under" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_conversion_names_its_tokenizer_for_training_and_generation(tmp_path, capsys):
     """hf-to-diffjax carries the checkpoint's tokenizer.json: config.yaml names it (data.tokenizer kind hf), so
     training on from the conversion and the generate CLI use it. Before, the config named none: training fell

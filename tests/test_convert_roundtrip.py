@@ -51,7 +51,7 @@ def exported_tensors(directory):
     return tensors
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c == "llama_mha" else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_hf_to_diffjax_to_hf_is_bit_exact(case, tmp_path, measured):
     kind, overrides = CASES[case]
     original = make_hf_model(kind, **overrides)
@@ -142,8 +142,9 @@ def random_diffjax_model(**overrides):
 
 @pytest.mark.parametrize(
     "overrides",
-    [dict(), dict(tie_embeddings=True, activation="gelu_tanh"), dict(rope_type="llama3", rope_original_max_len=16, rope_theta=5e5),
-     dict(rope_style="rotate_half"), dict(attention="standard", num_heads=8, num_kv_heads=4)],
+    [pytest.param(dict(), marks=pytest.mark.slow), dict(tie_embeddings=True, activation="gelu_tanh"),
+     dict(rope_type="llama3", rope_original_max_len=16, rope_theta=5e5), dict(rope_style="rotate_half"),
+     pytest.param(dict(attention="standard", num_heads=8, num_kv_heads=4), marks=pytest.mark.slow)],
     ids=["diff_gqa", "diff_tied_gelu_tanh", "diff_llama3", "diff_rotate_half", "standard_gqa"],
 )
 def test_diffjax_model_exports_to_transformers(overrides, tmp_path, measured):
@@ -166,6 +167,7 @@ def test_unexpressible_settings_are_named(tmp_path):
     diffjax.save_hf(one_layer, tmp_path / "one")
 
 
+@pytest.mark.slow
 def test_converted_run_directory_trains_on_and_the_result_exports(tmp_path, measured):
     """train.py's loop continues from a converted checkpoint (fresh optimizer, step 0); its own
     checkpoint (full train state, OCDBT) then exports to HF like a converted one."""

@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("safetensors")  # writes the test's HF files (the converter itself reads them without it)
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
+pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 FIXED_ALLOWANCE = 96 * MiB

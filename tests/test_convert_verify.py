@@ -34,7 +34,8 @@ def saved(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c == "diffllama_gqa_tied" else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in CASES])
 def test_verify_passes_on_converted_models(case, saved, measured):
     result = verify(saved(case), prompts=2, seq_len=32)
     assert result.passed, result.report()
@@ -45,6 +46,7 @@ def test_verify_passes_on_converted_models(case, saved, measured):
     assert result.top1 == 1.0
 
 
+@pytest.mark.slow
 def test_verify_bfloat16(saved, measured):
     result = verify(saved("diffllama_gqa_tied"), dtype="bfloat16", prompts=2, seq_len=32)
     assert result.passed, result.report()

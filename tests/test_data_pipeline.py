@@ -212,6 +212,7 @@ def test_bad_arguments_are_rejected():
         make_train_dataset(config(), IdTokenizer(), batch_size=1, seed=-1, shard_index=0, shard_count=1, source=id_source([3]))
 
 
+@pytest.mark.slow
 def test_worker_processes_resume_exactly():
     """worker_count > 0: grain's multiprocess prefetch, whose state also restores exactly."""
     ds = make_train_dataset(

@@ -38,6 +38,7 @@ def _train_losses(metrics_file) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
+@pytest.mark.slow
 def test_a_run_on_gcs_is_killed_resumes_exactly_and_falls_back_past_a_damaged_checkpoint(gcs, tmp_path):
     url = gcs.url("run")
     run = RunDir(url)

@@ -36,7 +36,8 @@ def saved(model, tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("case", list(DIFF_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("llama3_rope", "gelu_head_dim")
+                                  else c for c in DIFF_CASES])
 def test_diffllama_logits_fp32(case, tmp_path, measured):
     hf = make_hf_model("diffllama", **DIFF_CASES[case])
     tokens = random_tokens(hf.config.vocab_size)
@@ -79,7 +80,7 @@ def mean_relative_error(actual, expected) -> float:
     return float(np.abs(actual - expected).mean() / np.abs(expected).max())
 
 
-@pytest.mark.parametrize("kind", ["diffllama", "llama"])
+@pytest.mark.parametrize("kind", [pytest.param("diffllama", marks=pytest.mark.slow), "llama"])
 def test_bf16_logits(kind, tmp_path, measured):
     """bf16 checkpoints load as bf16, agree with HF in bf16, and are no less accurate against fp32."""
     hf = make_hf_model(kind, num_key_value_heads=4)
@@ -98,7 +99,7 @@ def test_bf16_logits(kind, tmp_path, measured):
     assert ours_mean_error <= 1.25 * hf_mean_error
 
 
-@pytest.mark.parametrize("case", ["gqa_nrep2", "tied"])
+@pytest.mark.parametrize("case", [pytest.param("gqa_nrep2", marks=pytest.mark.slow), "tied"])
 def test_gradients_match_torch_autograd(case, tmp_path, measured):
     """jax.grad of the mean next-token loss against torch autograd, for every parameter."""
     hf = make_hf_model("diffllama", **DIFF_CASES[case])

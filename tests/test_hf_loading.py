@@ -41,6 +41,7 @@ def test_sharded_checkpoint_loads(hf_model, tmp_path):
     assert max_relative_error(model(jnp.asarray(tokens)), reference_logits(hf_model, tokens)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_dtype_argument_casts(checkpoint):
     model = diffjax.load_hf(checkpoint, dtype="bfloat16")
     assert model.blocks.attn.q_kernel[...].dtype == jnp.bfloat16

@@ -169,6 +169,7 @@ def max_rel_err(ours, theirs) -> float:
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.slow
 def test_scores_and_generations_equal_lm_evals_hf_backend(kind, checkpoints, diffjax_results, measured):
     (hf_dir, _), tasks_dir = checkpoints[0][kind], checkpoints[1]
     ours = diffjax_results[kind]
@@ -260,6 +261,7 @@ def test_a_context_axis_scores_as_one_device(checkpoints, measured):
         DiffjaxLM(model=model, tokenizer="byte", batch_size=4, max_length=MAX_LENGTH, mesh="data=2,context=3")
 
 
+@pytest.mark.slow
 def test_cli_on_the_hf_directory_under_a_mesh(checkpoints, diffjax_results, tmp_path, capsys, measured):
     """python -m diffjax.eval on the HF directory itself, batches split over data=2 (of the 8 simulated CPU
     devices): the per-sample scores of the run directory on one device."""

@@ -49,7 +49,7 @@ def _numpy_merged(params, adapters, config: lora.LoraConfig):
     return merged
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "diff" else k for k in KINDS])
 def test_merge_is_the_base_at_zero_and_w_plus_ab_otherwise(kind):
     model_config, graphdef, params = _model(kind)
     config = lora.LoraConfig(rank=4, alpha=8.0, targets=("attention", "mlp"))
@@ -194,6 +194,7 @@ def lora_runs(tmp_path_factory):
                 base_logits=lambda tokens: base_model(tokens))
 
 
+@pytest.mark.slow
 def test_lora_training_state_checkpoints_and_exact_resume(lora_runs):
     from diffjax.train.config import CheckpointConfig
     from diffjax.train.state_checkpoints import Checkpointer
@@ -231,6 +232,7 @@ def test_lora_training_state_checkpoints_and_exact_resume(lora_runs):
     assert np.abs(params["lora"]["blocks"]["attn"]["q_kernel"]["lora_b"]).max() > 0
 
 
+@pytest.mark.slow
 def test_lora_resume_refuses_a_changed_base_or_changed_lora_settings(lora_runs, tmp_path):
     import shutil
 
@@ -262,6 +264,7 @@ def test_lora_resume_refuses_a_changed_base_or_changed_lora_settings(lora_runs, 
 # export: the adapters merged into the base
 
 
+@pytest.mark.slow
 def test_merged_export_loads_in_transformers_and_equals_the_lora_model(lora_runs, tmp_path):
     from diffjax.convert.__main__ import main
     from diffjax.convert.hf_directories import diffjax_to_hf
@@ -301,3 +304,15 @@ def test_merged_export_loads_in_transformers_and_equals_the_lora_model(lora_runs
         hf_logits = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     assert max_relative_error(hf_logits, expected) < 1e-5
     assert max_relative_error(hf_logits, np.asarray(lora_runs["base_logits"](tokens))) > 1e-3  # not the base
+
+
+def test_merge_lora_refuses_a_run_that_is_not_a_lora_run(tmp_path, capsys):
+    """`python -m diffjax.convert merge-lora` of a params-only run directory: exit 2, one line, nothing written."""
+    from diffjax.convert.__main__ import main
+    from diffjax.params_checkpoint import save_params
+
+    model_config, _, params = _model("standard")
+    save_params(tmp_path / "base", params, model_config)
+    assert main(["merge-lora", str(tmp_path / "base"), str(tmp_path / "merged")]) == 2
+    assert f"error: {tmp_path / 'base'} is not a LoRA run" in capsys.readouterr().err
+    assert not (tmp_path / "merged").exists()

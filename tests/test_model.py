@@ -140,7 +140,7 @@ def test_bad_token_shapes_and_dtypes(tiny_model):
 # ---------------------------------------------------------------------------- properties
 
 
-@pytest.mark.parametrize("attention", ["diff", "standard"])
+@pytest.mark.parametrize("attention", [pytest.param("diff", marks=pytest.mark.slow), "standard"])
 def test_packed_documents_equal_documents_alone(attention):
     """With per-document positions and segment ids, attention never crosses documents."""
     model = diffjax.TransformerLM(ModelConfig(**TINY, attention=attention), rngs=nnx.Rngs(1))

@@ -53,6 +53,7 @@ def test_model_loss_and_grads_pallas_equal_xla(attention, measured):
     assert measured(f"worst param grad rel err ({jax.tree_util.keystr(path)})", worst, GRAD_TOL) <= GRAD_TOL
 
 
+@pytest.mark.slow
 def test_model_trains_with_pallas_tpu(measured):
     """Three AdamW steps on one packed batch through diffjax.train's jitted step: identical loss trajectories."""
     rng = np.random.default_rng(1)

@@ -142,6 +142,7 @@ def with_ci_parameters(notebook, name: str):
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.single_leg) if p.name in ONE_LEG else p for p in NOTEBOOKS],
                          ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.slow
 def test_notebook_runs(path, kernel_env, tmp_path):
     missing = missing_imports(nbformat.read(path, as_version=4))
     if missing:

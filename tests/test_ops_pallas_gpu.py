@@ -142,12 +142,15 @@ def test_pallas_gpu_through_ops_dispatch_and_shard_map(measured):
     assert measured("o rel err vs f32 ref", _rel(got, want), 2e-2) <= 2e-2
 
 
-# The newest-jax CI leg runs the cheapest case of each mode (the interpreter is what differs between versions).
+# The newest-jax CI leg and the fast lane run the cheapest case of each mode (the interpreter is what differs between
+# versions).
 def _cheapest_on_every_leg(cases, cheapest):
-    return [name if name == cheapest else pytest.param(name, marks=pytest.mark.single_leg) for name in cases]
+    slow_on_one_leg = [pytest.mark.single_leg, pytest.mark.slow]
+    return [name if name == cheapest else pytest.param(name, marks=slow_on_one_leg) for name in cases]
 
 
 @pytest.mark.parametrize("name", _cheapest_on_every_leg(INTERPRET_CASES, "full-rep1-G2-bf16"))
+@pytest.mark.slow
 def test_pallas_gpu_interpret_forward_and_grads(name, measured):
     _check_against_reference(INTERPRET_CASES[name], measured, interpret=True)
 
@@ -203,6 +206,7 @@ def _check_chunk_against_reference(case, measured, *, interpret):
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.single_leg) for name in OFFSET_CASES])
+@pytest.mark.slow
 def test_pallas_gpu_interpret_query_offset(name, measured):
     _check_chunk_against_reference(OFFSET_CASES[name], measured, interpret=True)
 

@@ -53,6 +53,7 @@ CASES = {
     "causal-rep2-G2-token-seg-bf16": (1, 64, 64, 4, 2, 2, 32, 64, True, True, "same", "bfloat16", (32, 32)),
     "full-rep4-G1-scalar-bf16": (1, 40, 40, 4, 1, 1, 16, 32, False, False, None, "bfloat16", (16, 16)),
 }
+SLOW_CASES = ("causal-T>S-rep1-G2-scalar-f32", "causal-rep2-G2-token-seg-bf16", "full-rep4-G1-scalar-bf16")
 
 
 def _inputs(case, seed=0):
@@ -84,7 +85,7 @@ def _value_and_grads(fn, q, k, v, lam, ct):
     return (o, *vjp(ct))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])
 def test_diff_attention_pallas_forward_and_grads(name, measured):
     case = CASES[name]
     causal, dtype, blocks = case[8], case[11], case[12]
@@ -122,7 +123,7 @@ def test_diff_attention_pallas_forward_and_grads(name, measured):
         assert measured("max |o|, |dq| on fully masked rows", max(float(jnp.abs(got[0][dead_BT]).max()), float(jnp.abs(got[1][dead_BT]).max())), 0.0) == 0.0
 
 
-@pytest.mark.parametrize("causal, seg", [(True, "same"), (False, None)])
+@pytest.mark.parametrize("causal, seg", [pytest.param(True, "same", marks=pytest.mark.slow), (False, None)])
 def test_dot_product_attention_pallas_single_map(causal, seg, measured):
     rng = np.random.default_rng(1)
     B, T, N, K, d = 1, 72, 4, 2, 16
@@ -136,6 +137,7 @@ def test_dot_product_attention_pallas_single_map(causal, seg, measured):
         assert measured(f"{label} rel err f32", _rel(a, b), F32_TOL) <= F32_TOL, label
 
 
+@pytest.mark.slow
 def test_splash_composition_interpret(measured):
     """splash (TPU kernel, interpret mode here): one MQA call per map and kv head; needs T % 128 == 0."""
     rng = np.random.default_rng(2)

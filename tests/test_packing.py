@@ -39,7 +39,7 @@ def packed_rows(batch_size=4, num_batches=3):
     return {key: np.concatenate([b[key] for b in batches]) for key in batches[0]}
 
 
-@pytest.mark.parametrize("attention", ["diff", "standard"])
+@pytest.mark.parametrize("attention", [pytest.param("diff", marks=pytest.mark.slow), "standard"])
 def test_each_packed_document_gets_the_logits_it_gets_alone(attention, measured):
     config = ModelConfig(vocab_size=256, d_model=32, num_layers=2, num_heads=2 if attention == "diff" else 4, max_seq_len=64, attention=attention)
     graphdef, params = nnx.split(TransformerLM(config, rngs=nnx.Rngs(0)))

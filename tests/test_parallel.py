@@ -96,7 +96,8 @@ def single_device_step():
     return jax.device_get(state), metrics
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("mesh_name", [m if m == "data=2,fsdp=2,tensor=2" else pytest.param(m, marks=pytest.mark.slow)
+                                       for m in MESHES])
 def test_sharded_step_equals_one_device_and_params_follow_the_rules(mesh_name, single_device_step, measured):
     mesh, state, metrics = _one_step(MODEL, MESHES[mesh_name])
     reference_state, reference_metrics = single_device_step
@@ -116,7 +117,7 @@ def test_sharded_step_equals_one_device_and_params_follow_the_rules(mesh_name, s
             f"{name} on {mesh_name}: {array.sharding.spec}, the rules say {spec}")
 
 
-@pytest.mark.parametrize("mesh_name", ["fsdp=8", "data=2,fsdp=2,tensor=2"])
+@pytest.mark.parametrize("mesh_name", [pytest.param("fsdp=8", marks=pytest.mark.slow), "data=2,fsdp=2,tensor=2"])
 def test_optimizer_state_is_created_sharded_like_the_params(mesh_name):
     """AdamW moments follow their parameter's sharding, and the state is created under jit straight into
     its shardings: with fsdp=8 each device holds 1/8 of every split tensor."""
@@ -137,6 +138,7 @@ def test_optimizer_state_is_created_sharded_like_the_params(mesh_name):
 
 
 @pytest.mark.single_leg  # jax's remat and scan are exercised on the newest leg by the trainer tests
+@pytest.mark.slow
 def test_remat_and_scan_give_the_same_step():
     """Rematerialization and scanning change memory and compile time, not the numbers (float32)."""
     reference = None
@@ -152,6 +154,7 @@ def test_remat_and_scan_give_the_same_step():
             np.testing.assert_allclose(x, y, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_scanned_remat_step_on_a_3d_mesh_equals_one_device(single_device_step):
     _, state, metrics = _one_step(MODEL.replace(remat="full", scan_layers=True), MESHES["data=2,fsdp=2,tensor=2"])
     np.testing.assert_allclose(metrics["loss"], single_device_step[1]["loss"], rtol=1e-6)
@@ -203,7 +206,7 @@ def test_a_vocabulary_the_tensor_axis_does_not_divide_stays_whole():
     assert any(note.startswith("embed.embedding (vocab = 257") for note in parallel.unsharded_dims(abstract, mesh))
 
 
-@pytest.mark.parametrize("op", ["diff", "diff_v2", "standard"])
+@pytest.mark.parametrize("op", ["diff", pytest.param("diff_v2", marks=pytest.mark.slow), "standard"])
 def test_pallas_kernels_run_per_device_under_a_mesh(op, measured):
     """Pallas calls cannot be partitioned by XLA: on a mesh they run inside shard_map over batch and heads
     (interpret mode here) and give the unsharded XLA reference's values and gradients. diff_v2: V2's call,

@@ -33,6 +33,7 @@ def _all_finite(run_dir, step) -> bool:
     return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state) if np.asarray(x).dtype.kind == "f")
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_before_saving_a_nonfinite_state_and_its_advice_works(tmp_path):
     from diffjax.train.guard import DivergedError
 
@@ -83,6 +84,7 @@ def _damage(step_dir, how):
         (step_dir / "digest.json").write_text("[1, 2]")
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_are_skipped_for_the_newest_intact_one(tmp_path):
     run_dir = tmp_path / "run"
     every = ["checkpoint.every=2", "checkpoint.keep=3"]
@@ -102,6 +104,7 @@ def test_damaged_checkpoints_are_skipped_for_the_newest_intact_one(tmp_path):
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [12, 14, 16]
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_left_stops_instead_of_restarting_and_nothing_is_deleted(tmp_path):
     run_dir = tmp_path / "run"
     every = ["train.steps=4", "checkpoint.every=2"]
@@ -123,6 +126,7 @@ def test_no_intact_checkpoint_left_stops_instead_of_restarting_and_nothing_is_de
     assert [json.loads(line) for line in (run_dir / "metrics.jsonl.1").read_text().splitlines()] == records
 
 
+@pytest.mark.slow
 def test_an_unverified_checkpoint_that_fails_to_restore_is_set_aside_too(tmp_path):
     run_dir = tmp_path / "run"
     every = ["checkpoint.every=2", "checkpoint.keep=3"]
@@ -138,6 +142,7 @@ def test_an_unverified_checkpoint_that_fails_to_restore_is_set_aside_too(tmp_pat
     assert result.step == 8
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_not_redone_and_its_final_eval_survives_a_kill(tmp_path, caplog):
     run_dir = tmp_path / "run"
     train(_config(run_dir, "train.steps=2"), **QUIET)
@@ -234,6 +239,7 @@ def test_help_keys_shows_the_values_the_run_will_use(capsys):
     assert "  train.log_every = 25\n" in out and "  train.steps = 7\n" in out  # tiny.yaml's, the override's
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_with_one_line_and_leaves_the_checkpoints_intact(tmp_path, monkeypatch):
     import errno
     import shutil
@@ -348,6 +354,7 @@ def test_a_read_only_run_dir_and_a_still_full_disk_are_one_line(tmp_path, monkey
     assert not (run_dir / "trainer.lock").exists()
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_is_one_line_and_the_checkpoints_stay_intact(tmp_path):
     """A 1.5 MB tmpfs as the run directory's disk (needs root; skipped where mounting is not allowed)."""
     from diffjax.integrity import find_damage

@@ -196,6 +196,7 @@ def test_the_explicit_impls_that_take_no_window_refuse_it():
 # --- the model --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_windowed_baseline_equals_transformers_mistral(tmp_path, measured):
     """Mistral is Llama with a sliding window: a random Llama loaded into diffjax with attention_window W computes
     what transformers' MistralForCausalLM(sliding_window=W) computes with the same weights (and not what the
@@ -239,8 +240,10 @@ def _loss_and_grads(graphdef, params, batch):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-# ~20 s a kind: the newest leg runs "diff" (the kinds share the windowed blockwise op), the oldest every kind.
-@pytest.mark.parametrize("kind", [n if n == "diff" else pytest.param(n, marks=pytest.mark.single_leg)
+# ~20 s a kind: the newest leg and the fast lane run "diff" (the kinds share the windowed blockwise op), the oldest
+# leg every kind.
+@pytest.mark.parametrize("kind", [n if n == "diff" else
+                                  pytest.param(n, marks=[pytest.mark.single_leg, pytest.mark.slow])
                                   for n in attention_kinds.names()])
 def test_every_kind_windowed_blockwise_equals_the_reference_loss_and_gradients(kind, monkeypatch, measured):
     """A scanned stack of windowed layers around a global one (lax.cond picks per layer), packed rows: with the
@@ -273,6 +276,7 @@ def test_every_kind_windowed_blockwise_equals_the_reference_loss_and_gradients(k
     assert abs(float(_loss_and_grads(unwindowed, params, batch)[0]) - float(reference_loss)) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_analyses_see_each_layers_window():
     """The probe's explicit maps (what the analyses read) use each layer's own mask: its logits equal the model's,
     and a windowed layer's maps are zero outside the window while the global layer's are not."""

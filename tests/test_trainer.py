@@ -100,6 +100,7 @@ class Recorder(Hook):
         self.calls.append(("end", result.step))
 
 
+@pytest.mark.slow
 def test_metrics_are_written_as_jsonl_and_tensorboard_and_a_user_hook_sees_every_step(tmp_path):
     recorder = Recorder()
     lines = []
@@ -149,6 +150,7 @@ def _checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_continues_from_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # Metrics are flushed to the log only every 100 steps: the records must still survive the kill.
@@ -176,6 +178,7 @@ def test_kill_9_then_rerun_continues_from_the_last_checkpoint(tmp_path):
     assert _checkpoint_steps(run_dir)[-1] == 30
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step(tmp_path):
     run_dir = tmp_path / "run"
     command = _command(run_dir, "train.steps=500", "checkpoint.every=1000")
@@ -191,6 +194,7 @@ def test_sigterm_saves_the_current_step(tmp_path):
     assert 3 <= step < 500 and _checkpoint_steps(run_dir) == [step]  # every=1000: only the SIGTERM save
 
 
+@pytest.mark.slow
 def test_a_run_directory_refuses_a_different_model(tmp_path):
     train(_config(tmp_path / "run", "train.steps=1"), log=lambda _: None)
     with pytest.raises(ValueError, match=r"different model \(model\.num_layers differ"):
@@ -201,6 +205,7 @@ def test_a_run_directory_refuses_a_different_model(tmp_path):
 
 
 @pytest.mark.single_leg  # the newest leg trains through train() in every other trainer test; this one is the slow full-size default
+@pytest.mark.slow
 def test_default_run_learns(tmp_path):
     """`python train.py` with the default config, shortened: the loss falls well below uniform."""
     one_cpu = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as on a user's CPU: one device
@@ -221,6 +226,7 @@ def test_default_run_learns(tmp_path):
     assert "sample (temperature" in out and "tok/s" in out and "eta" in out
 
 
+@pytest.mark.slow
 def test_init_from_takes_the_params_of_another_run(tmp_path):
     """The 64K-extension path: a fresh run (other RoPE theta) starts from another run's params."""
     train(_config(tmp_path / "base", "train.steps=2"), log=lambda _: None)
@@ -240,6 +246,7 @@ def test_init_from_takes_the_params_of_another_run(tmp_path):
         train(_config(tmp_path / "none", "train.steps=1", f"train.init_from={tmp_path / 'missing'}"), log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_params_only_checkpoint_loads_trains_on_and_initializes(tmp_path):
     """save_params (what the converter writes): load_model gives the same logits, train.py in that
     run directory trains on from those params, and train.init_from takes them."""

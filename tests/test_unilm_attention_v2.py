@@ -74,7 +74,7 @@ def torch_v2_forward(module, x):
         return module(x, cos, sin)
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", [s if s == "gqa2" else pytest.param(s, marks=pytest.mark.slow) for s in SHAPES])
 def test_fp32_matches_unilm_v2(shape, measured):
     E, H, Hkv, d = SHAPES[shape]
     module = make_v2(shape, seed=len(shape))
@@ -111,6 +111,7 @@ def test_bf16_matches_unilm_v2(measured):
     assert measured("bf16 V2 gqa2: max abs diff / max |out|", rel, BF16_RTOL) <= BF16_RTOL
 
 
+@pytest.mark.slow
 def test_gradients_match_torch_autograd(measured, shape="gqa2"):
     """d(sum(out * cotangent)) for every parameter (lambda_proj included) and the input, under GQA."""
     E = SHAPES[shape][0]
@@ -149,6 +150,7 @@ def test_export_round_trip(dtype):
         assert torch.equal(reloaded.state_dict()[key], value), key
 
 
+@pytest.mark.slow
 def test_pallas_tpu_serves_v2(measured):
     """The fused kernels (Pallas interpret mode on CPU) take V2's call: shared keys (G = 1), dv = d, lambda
     [B, T, h]; output and every gradient equal the XLA reference's, with packed segments."""

@@ -44,7 +44,8 @@ def llama(tmp_path_factory):
     return directory, tokens, logits
 
 
-@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("option", [pytest.param(o, marks=pytest.mark.slow) if o == "v1_mirror_schedule" else o
+                                    for o in OPTIONS])
 def test_the_upcycled_model_computes_the_llamas_logits(option, llama, measured):
     directory, tokens, expected = llama
     model = upcycle(diffjax.load_hf(directory), **OPTIONS[option])
@@ -56,6 +57,7 @@ def test_the_upcycled_model_computes_the_llamas_logits(option, llama, measured):
 
 
 @pytest.mark.parametrize("kind", ["diff", "diff_v2"])
+@pytest.mark.slow
 def test_every_new_parameter_trains(kind, llama):
     """At step 0 every parameter has a gradient except V1's new value half, which enters through zero rows of o:
     those rows have one, so after one step the new values have one too."""
@@ -104,6 +106,7 @@ def test_upcycled_for_a_lambda_warmup_it_starts_as_the_llama_at_lambda_scale_0(o
     assert max_relative_error(model(jnp.asarray(tokens), lambda_scale=1.0), expected) > 100 * FP32_TOL
 
 
+@pytest.mark.slow
 def test_the_trainer_warms_lambda_up_from_the_source(llama):
     """Train steps with optim.lambda_warmup_steps on an upcycled model: the first step's loss is the Llama's, the
     logged lambda_scale is min(1, step / W), and the loss moves away from the source's as lambda grows."""
@@ -134,6 +137,7 @@ def test_the_trainer_warms_lambda_up_from_the_source(llama):
     assert optax.tree.norm(state["params"]) > 0
 
 
+@pytest.mark.slow
 def test_the_cli_writes_a_run_directory_that_loads(llama, tmp_path, capsys, measured):
     directory, tokens, expected = llama
     run = tmp_path / "up"
