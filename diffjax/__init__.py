@@ -1,7 +1,7 @@
 """diffjax: the Differential Transformer in JAX / Flax NNX.
 
-Layers, each importing only those before it: jax_compat, attention_kinds, config -> sharding -> ops -> model ->
-checkpoint -> convert -> data, tokenizers -> train (generate and analysis beside train). The package face is
+Layers, each importing only those before it (tests/test_layering.py): config and the tables of kinds -> sharding ->
+ops -> model -> checkpoint -> convert -> tokenizers -> data -> train -> eval, analysis, CLIs. The package face is
 lazy: `import diffjax` (and `import diffjax.config` / `diffjax.ops`, which import it first) loads only the jax
 version check; `diffjax.TransformerLM`, `diffjax.generate(model, tokens, max_new_tokens)` (the module
 diffjax.generate, callable), `diffjax.load_hf` ... import their module when first used.

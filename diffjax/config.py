@@ -145,7 +145,8 @@ class ModelConfig:
             return errors + [f"global_layers must be a list of layer indices, got {layers!r}"]
         bad = [i for i in layers if not _is_int(i) or not 0 <= i < self.num_layers]
         if bad:
-            errors.append(f"global_layers must hold 0-based layer indices below num_layers ({self.num_layers}), got {bad}")
+            errors.append(f"global_layers must hold 0-based layer indices below num_layers ({self.num_layers}), "
+                          f"got {bad}")
         if len(set(layers)) != len(layers):
             errors.append(f"global_layers has repeats: {list(layers)}")
         if layers and window is None:
@@ -163,7 +164,8 @@ class ModelConfig:
             (self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}"),
             (self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps!r}"),
             (isinstance(self.subln, bool), f"subln must be true or false, got {self.subln!r}"),
-            (self.subln_eps is None or self.subln_eps > 0, f"subln_eps must be None (norm_eps) or > 0, got {self.subln_eps!r}"),
+            (self.subln_eps is None or self.subln_eps > 0,
+             f"subln_eps must be None (norm_eps) or > 0, got {self.subln_eps!r}"),
             (_is_int(self.lambda_init_depth_offset),
              f"lambda_init_depth_offset must be an integer, got {self.lambda_init_depth_offset!r}"),
             (self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta!r}"),
@@ -205,7 +207,8 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"invalid ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
         if self.mlp_dim is None:
-            object.__setattr__(self, "mlp_dim", max(MLP_MULTIPLE, round(8 * self.d_model / 3 / MLP_MULTIPLE) * MLP_MULTIPLE))
+            rounded = round(8 * self.d_model / 3 / MLP_MULTIPLE) * MLP_MULTIPLE
+            object.__setattr__(self, "mlp_dim", max(MLP_MULTIPLE, rounded))
         return derived
 
     # ----------------------------------------------------------------------------------------

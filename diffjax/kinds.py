@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, ClassVar, Generic, Mapping, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
 from diffjax.config_values import build_config
 
@@ -36,6 +36,20 @@ class Options:
     def describe(self) -> str:
         """A few words for logs and tables ("2 noise heads"); "" when there is nothing to say."""
         return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PartKind:
+    """A row of the MLP kinds' or the residual forms' table (attention kinds have a richer row: AttentionKind)."""
+
+    name: str  # the ModelConfig field's value (ModelConfig.mlp, ModelConfig.residual)
+    label: str  # for tables and logs
+    module: str | type  # "package.module:Class" (imported when a model is built) or the class itself
+    params: Callable = lambda config: 0  # (ModelConfig) -> the part's parameters in one layer
+    # (ModelConfig) -> the parameters one token's forward multiplies by in one layer (FLOPs: 2 per multiply-add); a
+    # mixture of experts counts the experts a token is routed to, not all of them
+    matmul_params: Callable = lambda config: 0
+    options: type[Options] | None = None  # the kind's own settings (ModelConfig.mlp_options / residual_options)
 
 
 def positive_int_problems(options: Options, *names: str) -> list[str]:
@@ -61,7 +75,8 @@ class Table(Generic[K]):
     def register(self, row: K, *, replace: bool = False) -> K:
         """Add `row` (replace=True overwrites a row of the same name)."""
         if row.name in self._rows and not replace:
-            raise ValueError(f"{self.field} kind {row.name!r} is already registered (pass replace=True to overwrite it)")
+            raise ValueError(f"{self.field} kind {row.name!r} is already registered "
+                             "(pass replace=True to overwrite it)")
         self._rows[row.name] = row
         return row
 
@@ -86,8 +101,9 @@ def resolve_options(row, given, config, field: str) -> tuple[Options | None, tup
     `field` (e.g. "attention_options.num_noise_heads") and say what is allowed."""
     options_class = row.options
     if options_class is None:
-        if given:  # None or an empty mapping
-            raise ValueError(f"{field}: {row.name!r} has no options, got {_plain(given)!r}")
+        if given:  # (None and an empty mapping are no options)
+            shown = dict(given) if isinstance(given, Mapping) else given
+            raise ValueError(f"{field}: {row.name!r} has no options, got {shown!r}")
         return None, ()
     if given is None:
         given = {}
@@ -121,6 +137,3 @@ def module_class(row, base: type) -> type:
         raise TypeError(f"kind {row.name!r}: {row.module!r} is not a {base.__name__} subclass")
     return cls
 
-
-def _plain(value):
-    return dict(value) if isinstance(value, Mapping) else value

@@ -11,23 +11,9 @@ formulas count is checked against the built model (tests/test_block_kinds.py).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
-
 from diffjax import kinds
 
-
-@dataclasses.dataclass(frozen=True)
-class MLPKind:
-    name: str  # ModelConfig.mlp
-    label: str  # for tables and logs
-    module: str | type  # "package.module:Class" (imported when a model is built) or the class itself
-    params: Callable  # (ModelConfig) -> parameters of one layer's MLP
-    # (ModelConfig) -> the parameters one token's forward multiplies by (FLOPs: 2 per multiply-add); a mixture of
-    # experts counts the experts a token is routed to, not all of them
-    matmul_params: Callable
-    options: type[kinds.Options] | None = None  # the kind's own settings (ModelConfig.mlp_options)
-
+MLPKind = kinds.PartKind  # a row: name, label, module, params, matmul_params, options
 
 TABLE: kinds.Table[MLPKind] = kinds.Table("mlp")
 register, unregister, get, names = TABLE.register, TABLE.unregister, TABLE.get, TABLE.names

@@ -7,21 +7,9 @@ Transformer's x + sublayer(norm(x)); hyper-connections (several streams mixed ar
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
-
 from diffjax import kinds
 
-
-@dataclasses.dataclass(frozen=True)
-class ResidualKind:
-    name: str  # ModelConfig.residual
-    label: str
-    module: str | type  # "package.module:Class" or the class itself
-    params: Callable = lambda config: 0  # (ModelConfig) -> parameters of one layer's residual connections
-    matmul_params: Callable = lambda config: 0  # (ModelConfig) -> of those, the ones in a matmul per token
-    options: type[kinds.Options] | None = None  # the form's own settings (ModelConfig.residual_options)
-
+ResidualKind = kinds.PartKind  # a row: name, label, module, params and matmul_params (default 0), options
 
 TABLE: kinds.Table[ResidualKind] = kinds.Table("residual")
 register, unregister, get, names = TABLE.register, TABLE.unregister, TABLE.get, TABLE.names

@@ -17,8 +17,9 @@ here works on both, except the conversion's (a local directory: transformers wri
 a record, not an flock: TrainerLock).
 
 Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; then
-`lock_for_training()` makes it one trainer's, which passes this RunDir on: diffjax.train.run's Run.directory), `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or
-one step: the step to load, with one-line errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
+`lock_for_training()` makes it one trainer's, which holds this RunDir: diffjax.train.run's Run.directory),
+`RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or one step: the step to load, with one-line
+errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
 (an empty directory the converter fills), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
 Who writes what: diffjax.params_checkpoint (params-only checkpoints and config.yaml), diffjax.train.state_checkpoints
 (the trainer's Orbax checkpoints, digests via diffjax.integrity), diffjax.train.metrics (metrics.jsonl,
@@ -179,7 +180,9 @@ class RunDir:
 
     def damaged(self) -> tuple[str, ...]:
         """The names in damaged-checkpoints/ (the checkpoints set aside there), sorted."""
-        return tuple(sorted(p.name for p in self.damaged_checkpoints.iterdir())) if self.damaged_checkpoints.is_dir() else ()
+        if not self.damaged_checkpoints.is_dir():
+            return ()
+        return tuple(sorted(p.name for p in self.damaged_checkpoints.iterdir()))
 
 
 def state_dir(step_dir: str | Path) -> Path:

@@ -207,7 +207,8 @@ class TransformerLM(nnx.Module):
         if remat != "none":
             apply_block = jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
         if scan:
-            stream, kv = jax.lax.scan(lambda stream, layer: apply_block(stream, *layer), stream, (params, constants, kv))
+            stream, kv = jax.lax.scan(lambda carried, layer: apply_block(carried, *layer), stream,
+                                      (params, constants, kv))
         else:
             layers_kv = []
             for depth in range(self.config.num_layers):
