@@ -12,6 +12,7 @@ import numpy as np
 import yaml
 
 from diffjax import attention_kinds
+from diffjax.config_values import build_config
 from diffjax.data.config import DataConfig
 from diffjax.run_dir import RunDir
 from diffjax.tokenizers import Tokenizer
@@ -42,7 +43,6 @@ def load_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:
     data section. A model whose config names no tokenizer must use the byte tokenizer's 257 ids."""
     from diffjax.params_checkpoint import load_model, resolve_checkpoint
     from diffjax.tokenizers import make_tokenizer
-    from diffjax.train.config import build_config
 
     step_dir = resolve_checkpoint(path, "--checkpoint")
     model = load_model(step_dir, what="--checkpoint")

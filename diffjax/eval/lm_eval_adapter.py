@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from diffjax import sharding, storage
 from diffjax.ops.context_parallel import context_order, context_size, to_context_order
-from diffjax.train.config import build_config
+from diffjax.config_values import build_config
 from diffjax.train.mesh import MESH_AXES, ParallelConfig, make_mesh
 
 log = logging.getLogger("diffjax.eval")
