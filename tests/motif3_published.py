@@ -72,7 +72,6 @@ PUBLISHED = {
     "mhc_expansion_rate": 4,
     "mhc_identity_init": False,
     "mhc_sinkhorn_iters": 20,
-    "mhc_h_post_alpha_end": 0.0,
     "polynorm_output_scale": 0.5,
     "polynorm_output_scale_per_layer": {},
     "polynorm_bias_clamp": 0.5,
@@ -103,14 +102,22 @@ FIELD_SOURCES = {
     "rope_factor": "rlx (its test asserts mscale^2 from ln(64) on the published config), mlx default 64",
     "mscale": "rlx (top-level mscale, 1.0), mlx default 1.0",
     "rope_scaling": "explainer (rope_type yarn, factor 64, mscale 1, beta_fast 32, beta_slow 1); "
-                    "original_max_position_embeddings inferred = original_seq_len (rlx falls back to it)",
-    "mhc_h_post_alpha_end": "inferred: absent or 0.0 (vllm docs: coefficient 1.0 for motif3; mlx default 0.0)",
+                    "original_max_position_embeddings inferred = original_seq_len (rlx falls back to it). Whatever "
+                    "else it holds, cos/sin are not scaled (vllm docs: apply_yarn_scaling=false suppresses that "
+                    "mscale; rlx: attention_factor pinned to 1.0); mscale^2 goes on the softmax scale",
     "polynorm_sigmoid_weight": "vllm docs (the deployed config must set it); mlx default True; rlx default True",
     "torch_dtype": "explainer (dtype bfloat16)",
 }
 assert set(FIELD_SOURCES) == set(PUBLISHED), set(PUBLISHED) ^ set(FIELD_SOURCES)
-PUBLISHED_TOTAL_PARAMS = 314e9  # the model card: 314B total
-PUBLISHED_ACTIVE_PARAMS = 13.2e9  # and 13.2B active per token
+# Not in PUBLISHED: mhc_h_post_alpha_end (a Tenstorrent port: "absent -> 0"; vLLM and mlx default 0.0, so h_post's
+# coefficient is 1.0). Read and never used by the modeling code: max_window_layers, k_ratio,
+# headwise_attn_output_gate, diff_v2 (GDLA is v2), attention_cls, the training-only router fields.
+
+# The model card: 314B total, 13.2B active per token. Counted from the tensors the checkpoint ships (the model as
+# built plus the multi-token-prediction block): 314.84B total (an mlx port's case study states 314.84B) and 13.23B
+# active; the model as built (no MTP block) has 314.59B total and 12.98B active, so 13.2B counts the MTP block.
+PUBLISHED_TOTAL_PARAMS = 314e9
+PUBLISHED_ACTIVE_PARAMS = 13.2e9
 
 # A small Motif 3 with every feature on: 4 layers (dense, then MoE; global on 0 and 2, a 3-key window on 1 and 3),
 # groups of 4 signal + 1 noise heads over 2 KV heads as published, v narrower than q/k, YaRN on the global layers.

@@ -165,29 +165,43 @@ def test_noise_head_is_the_last_of_each_group_and_kv_heads_serve_consecutive_que
     assert got == [2.0] * 5 + [20.0] * 5
 
 
-def kernel_activation(gate, up, w, b, hidden_clamp, bias_clamp, output_scale, eps=1e-6):
+def kernel_activation(gate, up, w, b, output_scale, hidden_clamp=None, bias_clamp=None, product_clamp=False):
     """vLLM's grouped_poly_norm_topk_kernel per-row math (its header comment) and the caller's output clamp and
-    scale, element by element in float64 numpy."""
+    scale, element by element in float64 numpy; without clamps it is PolyNorm.forward_native's formula."""
     w = 1 / (1 + np.exp(-w))
-    b = float(np.clip(b, -bias_clamp, bias_clamp))
-    x, m = np.clip(gate, -hidden_clamp, hidden_clamp), np.clip(up, -hidden_clamp, hidden_clamp)
+    b = float(np.clip(b, -bias_clamp, bias_clamp)) if bias_clamp is not None else float(b)
+    x, m = (np.clip(gate, -hidden_clamp, hidden_clamp), np.clip(up, -hidden_clamp, hidden_clamp)) \
+        if hidden_clamp is not None else (gate, up)
     D = x.shape[-1]
-    rms = [1 / math.sqrt(sum(float(v) ** p for v in x) / D + eps) for p in (2, 4, 6)]
-    poly = np.array([w[0] * v ** 3 * rms[2] + w[1] * v * v * rms[1] + w[2] * v * rms[0] + b for v in x])
-    return np.clip(poly * m, -hidden_clamp, hidden_clamp) * output_scale
+    rms = [1 / math.sqrt(sum(float(v) ** p for v in x) / D + 1e-6) for p in (2, 4, 6)]
+    out = np.array([w[0] * v ** 3 * rms[2] + w[1] * v * v * rms[1] + w[2] * v * rms[0] + b for v in x]) * m
+    return (np.clip(out, -hidden_clamp, hidden_clamp) if product_clamp else out) * output_scale
 
 
-def test_routed_experts_clamps_as_the_cuda_kernel_states_them():
+def test_polynorm_clamps_per_ffn_kind_as_vllm_applies_them():
+    """Routed experts clamp gate, up, the bias and the product; the shared expert clamps gate and up only; the dense
+    MLP clamps nothing (tight clamps so that each one bites)."""
     model = make_motif3_model(small_config("tight_clamps"), dtype=torch.float64)
-    experts = model.model.layers[1].moe.experts
     rng = np.random.RandomState(2)
     gate, up = rng.normal(size=(5, 16)), rng.normal(size=(5, 16))
+    experts = model.model.layers[1].moe.experts
     for e in range(6):
         got = experts.expert_activation(e, torch.tensor(gate), torch.tensor(up), 0.5).detach().numpy()
         w, b = experts.act_fn.weight[e].detach().numpy(), experts.act_fn.bias[e, 0].item()
-        want = np.stack([kernel_activation(g, u, w, b, 0.3, 0.05, 0.5) for g, u in zip(gate, up)])
+        want = np.stack([kernel_activation(g, u, w, b, 0.5, 0.3, 0.05, True) for g, u in zip(gate, up)])
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
     assert (experts.act_fn.bias.abs() > 0.05).any()  # the bias clamp bites on these weights
+    for mlp, hidden_clamp in ((model.model.layers[1].moe.shared_experts, 0.3), (model.model.layers[0].mlp, None)):
+        act = mlp.act_fn
+        got = act.forward_mul(*(torch.tensor(a).clamp(-0.3, 0.3) if hidden_clamp else torch.tensor(a)
+                                for a in (gate, up))).detach().numpy() * 0.5
+        w, b = act.weight.detach().numpy(), act.bias.item()
+        want = np.stack([kernel_activation(g, u, w, b, 0.5, hidden_clamp) for g, u in zip(gate, up)])
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+        x = torch.tensor(3 * rng.normal(size=(5, 32)))  # the module clamps (or not) by itself
+        expected = mlp.down_proj(act.forward_mul(*(p(x).clamp(-0.3, 0.3) if hidden_clamp else p(x)
+                                                   for p in (mlp.gate_proj, mlp.up_proj))) * 0.5)
+        torch.testing.assert_close(mlp(x), expected, rtol=0, atol=0)
 
 
 def test_routing_selects_with_the_bias_and_weighs_without_it():
@@ -238,3 +252,19 @@ def test_mhc_collapse_and_combine_are_the_stated_sums():
         for i in range(4):
             want = sum(h_res[0, t, i, j] * x[0, t, j] for j in range(4)) + h_post[0, t, i] * out[0, t]
             torch.testing.assert_close(combined[0, t, i], want)
+
+
+def test_every_trained_parameter_gets_a_gradient(all_on):
+    """The re-statement is differentiable end to end (the gradient checks of the JAX port read these)."""
+    all_on.zero_grad()
+    logits = all_on(TOKENS).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), TOKENS[:, 1:].reshape(-1)).backward()
+    try:
+        for name, param in all_on.named_parameters():
+            if name.endswith("moe.expert_bias"):  # selection only: no gradient, as in training (a load-balance bias)
+                assert not param.requires_grad and param.grad is None, name
+            else:
+                assert param.grad is not None and torch.isfinite(param.grad).all(), name
+                assert param.grad.abs().max() > 0, name
+    finally:
+        all_on.zero_grad()
