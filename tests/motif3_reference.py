@@ -128,9 +128,9 @@ def poly_norm(x, weight, bias, eps=1e-6):
     and bias [..., 1] broadcast against x's leading axes."""
     g = at_least_fp32(x)
     g2, g3 = g * g, g * g * g
-    terms = [g3 * torch.rsqrt((g3 * g3).mean(-1, keepdim=True) + eps), g2 * torch.rsqrt((g2 * g2).mean(-1, keepdim=True) + eps),
-             g * torch.rsqrt(g2.mean(-1, keepdim=True) + eps)]
-    return sum(weight[..., k:k + 1] * terms[k] for k in range(3)) + bias
+    rms2, rms4, rms6 = ((y * y).mean(-1, keepdim=True) + eps for y in (g, g2, g3))
+    return (weight[..., 0:1] * g3 * torch.rsqrt(rms6) + weight[..., 1:2] * g2 * torch.rsqrt(rms4)
+            + weight[..., 2:3] * g * torch.rsqrt(rms2) + bias)
 
 
 class PolyNorm(nn.Module):
@@ -163,8 +163,9 @@ class MotifMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.hidden_clamp is not None:
-            gate, up = gate.clamp(-self.hidden_clamp, self.hidden_clamp), up.clamp(-self.hidden_clamp, self.hidden_clamp)
+        hc = self.hidden_clamp
+        if hc is not None:
+            gate, up = gate.clamp(-hc, hc), up.clamp(-hc, hc)
         return self.down_proj(self.act_fn.forward_mul(gate, up) * self.output_scale)
 
 

@@ -80,7 +80,6 @@ def test_small_forward_is_causal(all_on):
     assert (after[:, 10:] - logits[:, 10:]).abs().amax(-1).min() > 1e-4
 
 
-@pytest.mark.slow
 def test_save_pretrained_from_pretrained_trust_remote_code_offline(all_on, tmp_path, monkeypatch):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -88,7 +87,8 @@ def test_save_pretrained_from_pretrained_trust_remote_code_offline(all_on, tmp_p
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     save_with_remote_code(all_on, tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
-    assert written["model_type"] == "Motif" and written["auto_map"]["AutoModelForCausalLM"].endswith("Motif3ForCausalLM")
+    assert written["model_type"] == "Motif"
+    assert written["auto_map"]["AutoModelForCausalLM"] == "modeling_motif.Motif3ForCausalLM"
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == checkpoint_shapes(small_config())
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
@@ -231,7 +231,6 @@ def test_yarn_frequencies_equal_transformers(config):
     assert ours[0] == plain[0] and torch.isclose(ours[-1], plain[-1] / rope["factor"])
 
 
-@pytest.mark.slow
 def test_greedy_generation_and_float64(all_on):
     generated = greedy_generate(all_on, TOKENS[:, :8], 4)
     assert generated.shape == (2, 12) and torch.equal(generated[:, :8], TOKENS[:, :8])
