@@ -92,6 +92,7 @@ class Motif3Config(PretrainedConfig):
         self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
         self.moe_intermediate_size = moe_intermediate_size if moe_intermediate_size is not None else intermediate_size
         self.polynorm_output_scale_per_layer = polynorm_output_scale_per_layer or {}
+        self.sliding_window = sliding_window if use_sliding_window else None
         if head_dim is not None:  # MotifConfig's derived dims
             self.qk_rope_head_dim = qk_rope_head_dim if qk_rope_head_dim is not None else head_dim // 2
             self.qk_nope_head_dim = head_dim - self.qk_rope_head_dim
