@@ -44,24 +44,36 @@ def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
     """The one verified step directory to read from `path`, for every reader of a checkpoint (load_params,
     load_model, the converter's export, generate, the analyses, train.init_from).
 
-    `path`: a run directory or its checkpoints/ directory (the newest step whose files match its digest; each
-    newer damaged one is named in a warning) or a step directory itself (refused, DamagedCheckpointError,
-    when damaged). `what` names the setting in errors (e.g. "train.init_from"). Readers move nothing: the
-    trainer sets damaged checkpoints of its own run aside when it resumes.
+    `path`: a run directory or its checkpoints/ directory (the newest step whose files match its digest; when that
+    is not the newest step, a warning names the step read and each newer damaged one) or a step directory itself
+    (refused, DamagedCheckpointError, when damaged). A checkpoint without a digest is damage where its run's other
+    checkpoints have one; a run where none has is refused (integrity.NotAdoptedError) until adopted. `what` names
+    the setting in errors (e.g. "train.init_from"). Readers move nothing: the trainer sets damaged checkpoints of
+    its own run aside when it resumes.
     """
     run, step_dir = RunDir.for_reading(path, what)
-    if (problem := _damage(step_dir)) is None:
+    try:
+        problem = _damage(step_dir)
+    except integrity.NotAdoptedError:
+        raise integrity.NotAdoptedError(step_dir, prefix=f"{what}: ") from None
+    if problem is None:
         return step_dir
     if storage.absolute(path) == step_dir:
-        raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read")
-    damaged = [f"{step_dir.name} ({problem})"]
+        adopt = (f" (if you trust it, adopt it: {integrity.ADOPT_COMMAND} {step_dir})"
+                 if problem == integrity.MISSING_DIGEST else "")
+        raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read{adopt}")
+    return _newest_intact_below(run, int(step_dir.name), [f"{step_dir.name} ({problem})"], what)
+
+
+def _newest_intact_below(run: RunDir, newest: int, damaged: list[str], what: str) -> Path:
+    """The newest intact step directory of `run` older than its damaged newest step, with a warning naming both."""
     for step in reversed(run.steps()):
-        older = run.step_dir(step)
-        if step >= int(step_dir.name):
+        if step >= newest:
             continue
+        older = run.step_dir(step)
         if (problem := _damage(older)) is None:
-            logger.warning(f"warning: {what}: skipped the damaged checkpoint(s) {'; '.join(damaged)} in "
-                           f"{run.checkpoints}; reading the newest intact one, {older}")
+            logger.warning(f"warning: {what}: reading {older} (step {step}), not the newest checkpoint of "
+                           f"{run.checkpoints} (step {newest}): skipped the damaged checkpoint(s) {'; '.join(damaged)}")
             return older
         damaged.append(f"{step} ({problem})")
     raise DamagedCheckpointError(f"{what}: every checkpoint in {run.checkpoints} is damaged: {'; '.join(damaged)}")
