@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffjax import integrity, storage
-from diffjax.params_checkpoint import _int_keys
+from diffjax.params_checkpoint import int_keys
 from diffjax.run_dir import DATA_ITEM, RunDir, state_dir
 from diffjax.sharding import key_names
 
@@ -56,7 +56,7 @@ def _restore_problem(step_dir: Path) -> str | None:
     try:
         saved = checkpointer.metadata(state_dir(step_dir)).item_metadata
         for key in saved.keys():
-            target = {key: _int_keys(jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved[key]))}
+            target = {key: int_keys(jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved[key]))}
             restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
             restored = checkpointer.restore(state_dir(step_dir), args=ocp.args.PyTreeRestore(
                 target, restore_args=restore_args, partial_restore=True))

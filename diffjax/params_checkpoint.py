@@ -62,18 +62,15 @@ def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
         adopt = (f" (if you trust it, adopt it: {integrity.ADOPT_COMMAND} {step_dir})"
                  if problem == integrity.MISSING_DIGEST else "")
         raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read{adopt}")
-    return _newest_intact_below(run, int(step_dir.name), [f"{step_dir.name} ({problem})"], what)
-
-
-def _newest_intact_below(run: RunDir, newest: int, damaged: list[str], what: str) -> Path:
-    """The newest intact step directory of `run` older than its damaged newest step, with a warning naming both."""
+    damaged = [f"{step_dir.name} ({problem})"]
     for step in reversed(run.steps()):
-        if step >= newest:
-            continue
         older = run.step_dir(step)
+        if step >= int(step_dir.name):
+            continue
         if (problem := _damage(older)) is None:
             logger.warning(f"warning: {what}: reading {older} (step {step}), not the newest checkpoint of "
-                           f"{run.checkpoints} (step {newest}): skipped the damaged checkpoint(s) {'; '.join(damaged)}")
+                           f"{run.checkpoints} (step {step_dir.name}): skipped the damaged checkpoint(s) "
+                           f"{'; '.join(damaged)}")
             return older
         damaged.append(f"{step} ({problem})")
     raise DamagedCheckpointError(f"{what}: every checkpoint in {run.checkpoints} is damaged: {'; '.join(damaged)}")
@@ -143,11 +140,11 @@ def stack_layers(params: dict) -> dict:
     return {**params, STACKED: jax.tree.map(lambda *xs: np.stack(xs), *layers)}
 
 
-def _int_keys(tree: Any) -> Any:
+def int_keys(tree: Any) -> Any:
     """Digit-string dict keys back to ints (Orbax stores the layer indices of per-layer params as strings)."""
     if not isinstance(tree, dict):
         return tree
-    return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in tree.items()}
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: int_keys(v) for k, v in tree.items()}
 
 
 def check_same_params(saved: Any, expected: Any, message: str) -> None:
@@ -186,7 +183,7 @@ def load_params(path: str | Path, abstract_params: Any = None, *, what: str = "c
     per_layer = is_per_layer(saved)
     message = f"{what}: checkpoint {step_dir} does not match this model"
     if abstract_params is None or per_layer:  # per-layer: read to host, stack, then place
-        target = _int_keys(jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved))
+        target = int_keys(jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved))
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
     else:
         check_same_params(saved, abstract_params, message)
