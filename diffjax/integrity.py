@@ -3,6 +3,10 @@ checked before it is restored (Orbax 0.12 keeps no checksums of its own).
 
 A checkpoint that fails the check or cannot be read is moved to <run_dir>/damaged-checkpoints/ (kept
 for inspection, out of reach of rotation, and its step free to be saved again).
+
+A checkpoint without a digest is never trusted: where other checkpoints of its run have one, it is damage (a
+removed digest would otherwise hide any change); where none has (a run written before diffjax kept digests, or by
+hand), it is read only once adopted (diffjax/adoption.py: `python -m diffjax.checkpoint adopt RUN_DIR`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,19 @@ from diffjax import storage
 from diffjax.run_dir import COMMIT_FILE, DIGEST_FILE, RunDir
 
 UNDIGESTED = {DIGEST_FILE, "_CHECKPOINT_METADATA"}  # Orbax writes the last one as it commits
+ADOPT_COMMAND = "python -m diffjax.checkpoint adopt"
+MISSING_DIGEST = f"it has no {DIGEST_FILE}, unlike the other checkpoints of its run"
+
+
+class NotAdoptedError(ValueError):
+    """A checkpoint of a run in which no checkpoint has a digest: it is read only once adopted."""
+
+    def __init__(self, step_dir: Path, prefix: str = ""):
+        run = RunDir.of_step(step_dir)
+        super().__init__(
+            f"{prefix}checkpoint {step_dir} has no {DIGEST_FILE}, nor has any checkpoint of its run (written before "
+            f"diffjax kept digests, or by hand), so it cannot be verified: if you trust it, adopt the run (it is "
+            f"restored, checked to be finite and given its digest): {ADOPT_COMMAND} {run.path}")
 
 
 def _files(step_dir: Path) -> list[Path]:
@@ -47,6 +64,12 @@ def has_digest(step_dir: Path) -> bool:
     return (storage.as_path(step_dir) / DIGEST_FILE).is_file()
 
 
+def run_has_digests(run: RunDir) -> bool:
+    """Whether any checkpoint of the run, kept or set aside, has a digest (then one without is damage)."""
+    return any(directory.is_dir() and any(directory.glob(f"*/{DIGEST_FILE}"))
+               for directory in (run.checkpoints, run.damaged_checkpoints))
+
+
 def _read_digest(step_dir: Path) -> dict[str, tuple[int, str]]:
     """{relative path: (size, sha256)} of a digest.json; ValueError naming what is malformed."""
     digest = json.loads((step_dir / DIGEST_FILE).read_text())
@@ -59,13 +82,16 @@ def _read_digest(step_dir: Path) -> dict[str, tuple[int, str]]:
 
 
 def find_damage(step_dir: Path) -> str | None:
-    """What is wrong with a checkpoint's files against its digest (None: intact or no digest). A digest that
-    cannot be read or is malformed is damage, and so is a file it does not list."""
+    """What is wrong with a checkpoint's files against its digest (None: intact). A digest that is missing (where
+    its run's other checkpoints have one), cannot be read or is malformed is damage, and so is a file it does not
+    list. NotAdoptedError when no checkpoint of its run has a digest."""
     step_dir = storage.as_path(step_dir)
     try:
         digest = _read_digest(step_dir)
     except FileNotFoundError:
-        return None
+        if run_has_digests(RunDir.of_step(step_dir)):
+            return MISSING_DIGEST
+        raise NotAdoptedError(step_dir) from None
     except ValueError as error:  # JSONDecodeError included
         message = str(error)
         return message if message.startswith("its ") else f"its {DIGEST_FILE} is unreadable ({message})"

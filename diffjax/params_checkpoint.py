@@ -44,24 +44,33 @@ def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
     """The one verified step directory to read from `path`, for every reader of a checkpoint (load_params,
     load_model, the converter's export, generate, the analyses, train.init_from).
 
-    `path`: a run directory or its checkpoints/ directory (the newest step whose files match its digest; each
-    newer damaged one is named in a warning) or a step directory itself (refused, DamagedCheckpointError,
-    when damaged). `what` names the setting in errors (e.g. "train.init_from"). Readers move nothing: the
-    trainer sets damaged checkpoints of its own run aside when it resumes.
+    `path`: a run directory or its checkpoints/ directory (the newest step whose files match its digest; when that
+    is not the newest step, a warning names the step read and each newer damaged one) or a step directory itself
+    (refused, DamagedCheckpointError, when damaged). A checkpoint without a digest is damage where its run's other
+    checkpoints have one; a run where none has is refused (integrity.NotAdoptedError) until adopted. `what` names
+    the setting in errors (e.g. "train.init_from"). Readers move nothing: the trainer sets damaged checkpoints of
+    its own run aside when it resumes.
     """
     run, step_dir = RunDir.for_reading(path, what)
-    if (problem := _damage(step_dir)) is None:
+    try:
+        problem = _damage(step_dir)
+    except integrity.NotAdoptedError:
+        raise integrity.NotAdoptedError(step_dir, prefix=f"{what}: ") from None
+    if problem is None:
         return step_dir
     if storage.absolute(path) == step_dir:
-        raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read")
+        adopt = (f" (if you trust it, adopt it: {integrity.ADOPT_COMMAND} {step_dir})"
+                 if problem == integrity.MISSING_DIGEST else "")
+        raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read{adopt}")
     damaged = [f"{step_dir.name} ({problem})"]
     for step in reversed(run.steps()):
         older = run.step_dir(step)
         if step >= int(step_dir.name):
             continue
         if (problem := _damage(older)) is None:
-            logger.warning(f"warning: {what}: skipped the damaged checkpoint(s) {'; '.join(damaged)} in "
-                           f"{run.checkpoints}; reading the newest intact one, {older}")
+            logger.warning(f"warning: {what}: reading {older} (step {step}), not the newest checkpoint of "
+                           f"{run.checkpoints} (step {step_dir.name}): skipped the damaged checkpoint(s) "
+                           f"{'; '.join(damaged)}")
             return older
         damaged.append(f"{step} ({problem})")
     raise DamagedCheckpointError(f"{what}: every checkpoint in {run.checkpoints} is damaged: {'; '.join(damaged)}")
@@ -131,11 +140,11 @@ def stack_layers(params: dict) -> dict:
     return {**params, STACKED: jax.tree.map(lambda *xs: np.stack(xs), *layers)}
 
 
-def _int_keys(tree: Any) -> Any:
+def int_keys(tree: Any) -> Any:
     """Digit-string dict keys back to ints (Orbax stores the layer indices of per-layer params as strings)."""
     if not isinstance(tree, dict):
         return tree
-    return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in tree.items()}
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: int_keys(v) for k, v in tree.items()}
 
 
 def check_same_params(saved: Any, expected: Any, message: str) -> None:
@@ -174,7 +183,7 @@ def load_params(path: str | Path, abstract_params: Any = None, *, what: str = "c
     per_layer = is_per_layer(saved)
     message = f"{what}: checkpoint {step_dir} does not match this model"
     if abstract_params is None or per_layer:  # per-layer: read to host, stack, then place
-        target = _int_keys(jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved))
+        target = int_keys(jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved))
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
     else:
         check_same_params(saved, abstract_params, message)

@@ -1,7 +1,9 @@
 """Every reader of a checkpoint checks it against its digest (issue 30 item 1): load_model, load_params, the
 converter's export, generate, the analyses and train.init_from refuse a damaged step in one line naming the
-file; from a run directory they read the newest intact step instead, naming the damaged one; a malformed
-digest is damage. A tiny params-only checkpoint (the converter's format), no training."""
+file; from a run directory they read the newest intact step instead, naming the damaged one and the step read; a
+malformed digest is damage, and so is a missing one where the run's other checkpoints have theirs; a run without any
+digest is read once adopted (issue 45; the trainer's checkpoints: test_missing_digest.py). A tiny params-only
+checkpoint (the converter's format), no training."""
 
 from __future__ import annotations
 
@@ -90,7 +92,8 @@ def test_a_run_directory_is_read_at_its_newest_intact_step(clean_run, tmp_path, 
     with caplog.at_level(logging.WARNING, logger="diffjax.checkpoint"):
         model = load_model(run_dir)
     assert "skipped the damaged checkpoint(s) 5 (" in caplog.text
-    assert f"reading the newest intact one, {run_dir / 'checkpoints' / '0'}" in caplog.text
+    assert (f"reading {run_dir / 'checkpoints' / '0'} (step 0), not the newest checkpoint of {run_dir / 'checkpoints'} "
+            "(step 5)") in caplog.text
     loaded = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded), clean_run[1])
     assert (run_dir / "checkpoints" / "5").is_dir()  # readers move nothing
@@ -127,3 +130,24 @@ def test_init_from_a_damaged_checkpoint_is_refused(damaged_run, tmp_path, capsys
     code = _main(*SMALL, *model, f"train.run_dir={tmp_path / 'new'}", f"train.init_from={step_dir}")
     err = _one_line_error(capsys, code)
     assert err.startswith("error: train.init_from: checkpoint") and f"{damaged_file} differs" in err, err
+
+
+def test_a_missing_digest_is_damage_in_a_digested_run_and_asks_for_adoption_in_a_run_without_any(clean_run, tmp_path):
+    from diffjax.checkpoint import NotAdoptedError, adopt
+    from diffjax.integrity import MISSING_DIGEST
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(clean_run[0], run_dir)
+    newer = run_dir / "checkpoints" / "5"
+    shutil.copytree(run_dir / "checkpoints" / "0", newer)
+    (newer / "digest.json").unlink()
+    assert find_damage(newer) == MISSING_DIGEST  # step 0 has its digest
+    (run_dir / "checkpoints" / "0" / "digest.json").unlink()
+    for step_dir in (newer, run_dir / "checkpoints" / "0"):
+        with pytest.raises(NotAdoptedError, match=rf"adopt the run .*: python -m diffjax.checkpoint adopt {run_dir}$"):
+            find_damage(step_dir)
+    with pytest.raises(NotAdoptedError, match=rf"^checkpoint: checkpoint {newer} has no digest.json, nor has any"):
+        load_model(run_dir)
+    assert adopt(run_dir) == [run_dir / "checkpoints" / "0", newer]
+    assert find_damage(newer) is None and adopt(run_dir) == []
+    jax.tree.map(np.testing.assert_array_equal, load_params(run_dir), clean_run[1])

@@ -21,8 +21,8 @@ LAYERS = (
     ("sharding", ("diffjax.sharding",)),
     ("ops", ("diffjax.ops",)),
     ("model", ("diffjax.model", "diffjax.losses", "diffjax.lora", "diffjax.generate")),  # and decoding with it
-    ("checkpoint", ("diffjax.params_checkpoint", "diffjax.checkpoint", "diffjax.integrity", "diffjax.run_dir",
-                    "diffjax.storage")),
+    ("checkpoint", ("diffjax.params_checkpoint", "diffjax.checkpoint", "diffjax.adoption", "diffjax.integrity",
+                    "diffjax.run_dir", "diffjax.storage")),
     ("convert", ("diffjax.convert",)),
     ("tokenizers", ("diffjax.tokenizers",)),
     ("data", ("diffjax.data",)),  # a DataConfig names its tokenizer

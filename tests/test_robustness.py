@@ -127,17 +127,21 @@ def test_no_intact_checkpoint_left_stops_instead_of_restarting_and_nothing_is_de
 
 
 @pytest.mark.slow
-def test_an_unverified_checkpoint_that_fails_to_restore_is_set_aside_too(tmp_path):
+def test_a_checkpoint_without_its_digest_or_that_fails_to_restore_is_set_aside_too(tmp_path):
+    from diffjax import integrity
+
     run_dir = tmp_path / "run"
     every = ["checkpoint.every=2", "checkpoint.keep=3"]
     train(_config(run_dir, "train.steps=6", *every), **QUIET)
-    _damage(run_dir / "checkpoints" / "6", "flipped byte")
-    (run_dir / "checkpoints" / "4" / "digest.json").unlink()  # as a kill right after its save leaves it
+    (run_dir / "checkpoints" / "6" / "digest.json").unlink()  # as a kill right after a synchronous save leaves it
+    _damage(run_dir / "checkpoints" / "6", "flipped byte")  # (then restored unverified: issue 45)
     _damage(run_dir / "checkpoints" / "4", "truncated")
+    integrity.write_digest(run_dir / "checkpoints" / "4")  # damaged before its digest was written: it matches
     lines = []
     result = train(_config(run_dir, "train.steps=8", *every), log=lines.append)
     warnings = [line for line in lines if line.startswith("warning: checkpoint")]
     assert [int(re.search(r"checkpoints/(\d+) is damaged", w).group(1)) for w in warnings] == [6, 4], lines
+    assert "(it has no digest.json, unlike the other checkpoints of its run)" in warnings[0]
     assert "unreadable" in warnings[1] and "(step 2)" in [line for line in lines if line.startswith("resumed")][0]
     assert result.step == 8
 

@@ -31,7 +31,7 @@ TEMPORARY_MARK = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress:
 
 
 class UnreadableCheckpoint(RuntimeError):
-    """Orbax could not restore a checkpoint (one without a digest, or damaged in a way it does not cover)."""
+    """Orbax could not restore a checkpoint that matches its digest (damaged in a way the digest does not cover)."""
 
 
 class Restored(NamedTuple):
@@ -126,19 +126,16 @@ class Checkpointer:
 
     def newest_intact(self, log) -> int | None:
         """The newest checkpoint whose files match their digest and whose metadata reads; each damaged
-        newer one is reported and set aside (integrity.py). A checkpoint without a digest (params-only,
-        or a kill right after its save) is used after the metadata check alone."""
+        newer one is reported and set aside (integrity.py: one without a digest is damage where the run's other
+        checkpoints have one; integrity.NotAdoptedError where none has, before anything is moved)."""
         for step in sorted(self.manager.all_steps(), reverse=True):
-            step_dir = self.run.step_dir(step)
-            problem = integrity.find_damage(step_dir)
+            problem = integrity.find_damage(self.run.step_dir(step))
             if problem is None:
                 try:
                     self.state_keys(step)
                 except Exception as error:  # any failure to read it means the same: not usable
                     problem = _first_line(error)
             if problem is None:
-                if not integrity.has_digest(step_dir):
-                    log(f"note: checkpoint {step_dir} has no digest; restoring it unverified")
                 return step
             self.set_aside(step, problem, log)
         return None
