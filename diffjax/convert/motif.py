@@ -1,5 +1,6 @@
-"""Motif Technologies' Hugging Face format (model_type "motif") <-> diffjax: Motif-2.6B (DIFF V1 with PolyNorm MLPs)
-and Motif-2-12.7B (Grouped Differential Attention). diffjax.convert.hf and .export call these for that model_type.
+"""Motif Technologies' Hugging Face format (model_type "Motif", read in any case) <-> diffjax: Motif-2.6B (DIFF V1
+with PolyNorm MLPs) and Motif-2-12.7B (Grouped Differential Attention). diffjax.convert.hf and .export call these for
+that model_type.
 
 What the checkpoints compute is what their serving code computes: vLLM's `model_executor/models/motif.py` (Motif's
 fork MotifTechnologies/vllm, branch `motif`, with `v1/attention/backends/grouped_diff_attn.py` and PolyNorm in
@@ -23,6 +24,7 @@ from diffjax.convert.common import ConversionError
 from diffjax.model.rope import interleaved_from_rotate_half
 
 MODEL_TYPE, ARCHITECTURE = "motif", "MotifForCausalLM"
+PUBLISHED_MODEL_TYPE = "Motif"  # config.json's spelling in Motif's checkpoints and vLLM's MotifConfig (read in any case)
 LAMBDA_INIT_DEPTH_OFFSET = -1  # Motif's lambda_init counts layers from -1
 DEFAULT_NORM_EPS = 1e-6
 
