@@ -109,6 +109,16 @@ def test_a_local_directory_wins_over_the_hub_name(offline, tmp_path, monkeypatch
         diffjax.load_hf(NAME, revision="v2")
 
 
+def test_eval_loads_a_hub_name(offline):
+    """diffjax.eval's loader (the --model-path / pretrained= of lm_eval's diffjax model) reads names as load_hf does."""
+    pytest.importorskip("lm_eval")
+    from diffjax.eval.lm_eval_adapter import load_for_eval
+
+    tokens = jnp.asarray(random_tokens(offline["v2"].config.vocab_size))
+    model, _ = load_for_eval(NAME, revision="v2", tokenizer="byte")
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(diffjax.load_hf(NAME, revision="v2")(tokens)))
+
+
 @pytest.mark.parametrize("name,revision,message", [
     ("diffjax-tests/not-cached", None, r"^diffjax-tests/not-cached is not a local directory and is not \(fully\) in "
      r"the Hugging Face cache .*hub, and offline mode \(HF_HUB_OFFLINE\) is on; fetch it with "

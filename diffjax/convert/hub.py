@@ -71,7 +71,7 @@ def _snapshot(huggingface_hub, name: str, revision: str | None, patterns) -> Pat
     except errors.RepositoryNotFoundError:
         problem = f"{name}: no such model on the Hugging Face Hub (a private one needs HF_TOKEN or `hf auth login`)"
     except errors.LocalEntryNotFoundError as error:
-        offline = "offline mode (HF_HUB_OFFLINE) is on" if huggingface_hub.constants.is_offline_mode() else (
+        offline = "offline mode (HF_HUB_OFFLINE) is on" if huggingface_hub.constants.HF_HUB_OFFLINE else (
             f"the Hub could not be reached ({_first_line(error.__cause__ or error)})")
         problem = (f"{_described(name, revision)} is not a local directory and is not (fully) in the Hugging Face "
                    f"cache {huggingface_hub.constants.HF_HUB_CACHE}, and {offline}")

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         from diffjax.convert.hub import is_hub_name
 
         if not Path(args.model_path).exists() and not is_hub_name(args.model_path):
-            raise FileNotFoundError(f"--model-path: {args.model_path} does not exist (nor is it a Hub name org/name)")
+            raise FileNotFoundError(f"--model-path: {args.model_path} does not exist")
         if args.limit is not None and args.limit <= 0:
             raise ValueError(f"--limit must be positive, got {args.limit:g}")
         manager = _task_manager(names, args.include_path, not args.no_builtin_tasks)
