@@ -132,6 +132,13 @@ def test_offline_and_not_cached_is_one_line(offline, name, revision, message):
     assert raised.value.__cause__ is None and raised.value.__context__ is None  # no chained traceback
 
 
+def test_without_huggingface_hub_a_name_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as if not installed
+    with pytest.raises(FileNotFoundError, match=r"^org/name is not a local directory; reading it as a Hugging Face Hub "
+                                                r"name needs huggingface_hub: pip install 'diffjax\[hub\]'$"):
+        diffjax.load_hf("org/name")
+
+
 def test_only_the_files_diffjax_reads_are_fetched():
     """The patterns snapshot_download is given, on a repository's files (huggingface_hub's own filter)."""
     from huggingface_hub.utils import filter_repo_objects
