@@ -143,10 +143,10 @@ def test_only_the_files_diffjax_reads_are_fetched():
     """The patterns snapshot_download is given, on a repository's files (huggingface_hub's own filter)."""
     from huggingface_hub.utils import filter_repo_objects
 
-    files = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-             "model.safetensors.index.json", "pytorch_model.bin", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "modeling_motif.py", "README.md", ".gitattributes", "original/consolidated.00.pth",
-             "onnx/model.safetensors"]
+    files = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+             "model-00002-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "modeling_motif.py", "README.md", ".gitattributes",
+             "original/consolidated.00.pth", "onnx/model.safetensors"]
 
     def fetched(patterns):
         return set(filter_repo_objects(files, allow_patterns=list(patterns), ignore_patterns=list(hub._TOP_LEVEL_ONLY)))

@@ -241,7 +241,8 @@ def test_the_published_spelling_reads_exactly_and_exports_as_spelled(spelling, s
     exported = diffjax.save_hf(model, tmp_path / "out", base_config=base)
     assert json.loads((exported / "config.json").read_text())["model_type"] == spelling
     original = safetensors_torch.load_file(directory / "model.safetensors")
-    assert all(torch.equal(safetensors_torch.load_file(exported / "model.safetensors")[k], v) for k, v in original.items())
+    written = safetensors_torch.load_file(exported / "model.safetensors")
+    assert all(torch.equal(written[k], v) for k, v in original.items())
     without_source = diffjax.save_hf(model, tmp_path / "bare")  # no source config: the publisher's spelling
     assert json.loads((without_source / "config.json").read_text())["model_type"] == "Motif"
 

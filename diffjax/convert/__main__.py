@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _hub_arguments(parser: argparse.ArgumentParser, remote_code: str | None = None) -> None:
     """--revision (and --trust-remote-code) of a command whose SRC may be a Hub name (diffjax.convert.hub)."""
-    parser.add_argument("--revision", help="with a Hub name: the branch, tag or commit (default: the repository's main)")
+    parser.add_argument("--revision", help="with a Hub name: its branch, tag or commit (default: its main)")
     if remote_code:
         parser.add_argument("--trust-remote-code", action="store_true", help=remote_code)
 

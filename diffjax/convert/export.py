@@ -113,7 +113,8 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
     model_type = hf_model_type(config)
     heads = kind.maps  # HF counts DiffLlama's sub-heads
     spelling = _model_type_spelling(model_type, base)
-    values = {k: v for k, v in base.items() if k not in _DERIVED_FIELDS} if spelling == (base or {}).get("model_type") else {}
+    same_type = spelling == (base or {}).get("model_type")
+    values = {k: v for k, v in base.items() if k not in _DERIVED_FIELDS} if same_type else {}
     values.setdefault("initializer_range", float(config.init_std))
     values.setdefault("use_cache", True)
     dtype = dtype or config.param_dtype

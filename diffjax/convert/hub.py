@@ -86,7 +86,7 @@ def _described(name: str, revision: str | None) -> str:
 
 def _fetch_hint(name: str, revision: str | None) -> str:
     command = f"hf download {name}" + (f" --revision {revision}" if revision is not None else "")
-    return f"fetch it with `{command}` where the Hub is reachable (with HF_HUB_OFFLINE unset), or pass a local directory"
+    return f"fetch it with `{command}` where the Hub is reachable (HF_HUB_OFFLINE unset), or pass a local directory"
 
 
 def _first_line(error: BaseException) -> str:

@@ -24,7 +24,7 @@ from diffjax.convert.common import ConversionError
 from diffjax.model.rope import interleaved_from_rotate_half
 
 MODEL_TYPE, ARCHITECTURE = "motif", "MotifForCausalLM"
-PUBLISHED_MODEL_TYPE = "Motif"  # config.json's spelling in Motif's checkpoints and vLLM's MotifConfig (read in any case)
+PUBLISHED_MODEL_TYPE = "Motif"  # the spelling of Motif's checkpoints and vLLM's MotifConfig (read in any case)
 LAMBDA_INIT_DEPTH_OFFSET = -1  # Motif's lambda_init counts layers from -1
 DEFAULT_NORM_EPS = 1e-6
 

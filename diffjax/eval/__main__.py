@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-path", required=True, metavar="PATH",
                         help="a run directory, its checkpoints/ directory, a step directory, a Hugging Face directory "
                              "or Hub name org/name")
-    parser.add_argument("--revision", help="with a Hub name: the branch, tag or commit (default: the repository's main)")
+    parser.add_argument("--revision", help="with a Hub name: its branch, tag or commit (default: its main)")
     parser.add_argument("--tasks", required=True, metavar="T1,T2", help="comma-separated lm_eval task (or group) names")
     parser.add_argument("--include-path", metavar="DIR", help="a directory of your own task YAML configs")
     parser.add_argument("--no-builtin-tasks", action="store_true",

@@ -206,8 +206,8 @@ class _Row:
 class DiffjaxLM(TemplateLM):
     """An lm_eval model for diffjax checkpoints (see the module docstring).
 
-    pretrained: a path or Hub name load_for_eval reads (revision: a Hub name's); or model= a TransformerLM and tokenizer= its Tokenizer (pretrained
-    then only names it in the results).
+    pretrained: a path or Hub name load_for_eval reads (revision: a Hub name's); or model= a TransformerLM and
+    tokenizer= its Tokenizer (pretrained then only names it in the results).
     batch_size: rows per forward pass (and per generation batch); max_length: the context the model sees
     (default and cap: the model's max_seq_len); max_gen_toks: generation's default budget (a task's
     generation_kwargs override it); dtype: "float32" / "bfloat16" (default: the checkpoint's); mesh: a Mesh or
@@ -224,8 +224,9 @@ class DiffjaxLM(TemplateLM):
                  **unknown):
         super().__init__()
         if unknown:
-            raise TypeError(f"DiffjaxLM got unknown model_args {sorted(unknown)}; known: pretrained, revision, tokenizer, "
-                            "batch_size, max_length, max_gen_toks, dtype, mesh, add_bos_token, prefix_token_id, seed")
+            raise TypeError(f"DiffjaxLM got unknown model_args {sorted(unknown)}; known: pretrained, revision, "
+                            "tokenizer, batch_size, max_length, max_gen_toks, dtype, mesh, add_bos_token, "
+                            "prefix_token_id, seed")
         if not (isinstance(batch_size, int) or str(batch_size).isdigit()) or int(batch_size) < 1:
             raise ValueError(f"batch_size must be a positive integer (no 'auto': pick the rows per forward pass), got {batch_size!r}")
         if max_length is not None and not (isinstance(max_length, int) and 2 <= max_length):
@@ -240,7 +241,8 @@ class DiffjaxLM(TemplateLM):
             if pretrained is None:
                 raise ValueError("DiffjaxLM needs pretrained=PATH (a run directory, checkpoint or Hugging Face directory) "
                                  "or model= and tokenizer=")
-            model, tokenizer = load_for_eval(pretrained, dtype=dtype, mesh=self.mesh, tokenizer=tokenizer, revision=revision)
+            model, tokenizer = load_for_eval(pretrained, dtype=dtype, mesh=self.mesh, tokenizer=tokenizer,
+                                             revision=revision)
         elif tokenizer is None:
             raise ValueError("DiffjaxLM(model=...) needs tokenizer= (a diffjax Tokenizer, a tokenizer.json or 'byte')")
         else:
