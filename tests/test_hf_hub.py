@@ -28,6 +28,7 @@ from hf_models import make_hf_model, max_relative_error, random_tokens  # noqa: 
 FP32_TOL = 1e-5  # as tests/test_hf_equivalence.py's
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAME = "diffjax-tests/tiny-diffllama"
+LLAMA = "diffjax-tests/tiny-llama"
 
 
 def commit_of(revision: str) -> str:
@@ -61,6 +62,8 @@ def hub_home(tmp_path_factory):
         saved[revision] = root / "saved" / revision
         models[revision].save_pretrained(saved[revision])
     write_cached_repo(root / "home" / "hub", NAME, saved)
+    make_hf_model("llama", num_key_value_heads=4).save_pretrained(root / "saved" / "llama")
+    write_cached_repo(root / "home" / "hub", LLAMA, {"main": root / "saved" / "llama"})
     return root / "home", models
 
 
@@ -159,8 +162,9 @@ def test_only_the_files_diffjax_reads_are_fetched():
     assert fetched(hub.PYTORCH_BIN) == {"pytorch_model.bin"}
 
 
+@pytest.mark.slow
 def test_the_convert_cli_by_name(offline, tmp_path, capsys):
-    """hf-to-diffjax and verify of a Hub name (and its revision), in this process."""
+    """hf-to-diffjax, verify and upcycle of a Hub name (and its revision), in this process."""
     assert main(["hf-to-diffjax", NAME, str(tmp_path / "run"), "--revision", "v2"]) == 0
     assert main(["verify", NAME, "--revision", "v2", "--diffjax", str(tmp_path / "run"), "--prompts", "1",
                  "--seq-len", "16"]) == 0
@@ -168,6 +172,8 @@ def test_the_convert_cli_by_name(offline, tmp_path, capsys):
     assert f"verify {NAME}:" in report and "PASS" in report
     assert main(["verify", NAME, "--diffjax", str(tmp_path / "run"), "--prompts", "1", "--seq-len", "16"]) == 1
     assert "FAIL" in capsys.readouterr().out  # main's weights are not v2's conversion
+    assert main(["upcycle", LLAMA, str(tmp_path / "upcycled")]) == 0
+    assert (tmp_path / "upcycled" / "hf" / "config.json").is_file()  # the source's files, kept as from a directory
 
 
 def run_cli(*args, **env):
