@@ -5,6 +5,7 @@ greedy generation in float32, HF -> diffjax -> HF bit-exact, verify through the 
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -174,6 +175,8 @@ BASE = {"model_type": "motif", "vocab_size": 10, "hidden_size": 32, "intermediat
     ({"num_noise_heads": 2}, r"num_noise_heads needs head_dim"),
     ({"num_key_value_heads": 3}, r"num_key_value_heads must be even"),
     ({"use_bias": True}, r"use_bias=true is not supported"),
+    ({"model_type": "Motif", "mhc_enabled": True, "num_experts": 384}, r"mhc_enabled \(mHC residual streams\), "
+     r"num_experts \(routed experts\): a Motif 3 checkpoint, which is not supported"),
     ({"hidden_act": "relu"}, r"hidden_act 'relu' is not supported; supported: .*'poly_norm'"),
     ({"num_attention_heads": 10, "num_noise_heads": 2, "num_key_value_heads": 8, "head_dim": 4},
      r"num_noise_heads \(2\) must divide num_heads \(8\) and be a multiple of num_kv_heads \(4\)"),
@@ -213,3 +216,50 @@ def test_the_convert_cli_reads_and_writes_motif_directories(saved, tmp_path, cap
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["auto_map"] == json.loads(
         (directory / "config.json").read_text())["auto_map"]
     assert (tmp_path / "hf" / "modeling_motif.py").read_text() == (directory / "modeling_motif.py").read_text()
+
+
+def as_published(directory, tmp_path, spelling: str):
+    """A copy of `directory` whose config.json spells model_type `spelling` (Motif's checkpoints and vLLM: "Motif")."""
+    copy = tmp_path / f"spelled_{spelling}"
+    shutil.copytree(directory, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "model_type": spelling}, indent=2))
+    return copy
+
+
+@pytest.mark.parametrize("spelling", ["Motif", "motif"])
+def test_the_published_spelling_reads_exactly_and_exports_as_spelled(spelling, saved, tmp_path, measured):
+    reference, directory = saved("gda_3to1")
+    source = as_published(directory, tmp_path, spelling)
+    model = diffjax.load_hf(source)
+    tokens = random_tokens(reference.config.vocab_size)
+    logits = np.asarray(model(jnp.asarray(tokens)))
+    np.testing.assert_array_equal(logits, np.asarray(diffjax.load_hf(directory)(jnp.asarray(tokens))))
+    assert measured(f"Motif logits max rel err (fp32, model_type {spelling!r})",
+                    max_relative_error(logits, torch_logits(reference, tokens)), FP32_TOL) <= FP32_TOL
+    base = json.loads((source / "config.json").read_text())
+    exported = diffjax.save_hf(model, tmp_path / "out", base_config=base)
+    assert json.loads((exported / "config.json").read_text())["model_type"] == spelling
+    original = safetensors_torch.load_file(directory / "model.safetensors")
+    written = safetensors_torch.load_file(exported / "model.safetensors")
+    assert all(torch.equal(written[k], v) for k, v in original.items())
+    without_source = diffjax.save_hf(model, tmp_path / "bare")  # no source config: the publisher's spelling
+    assert json.loads((without_source / "config.json").read_text())["model_type"] == "Motif"
+
+
+@pytest.mark.slow
+def test_a_converted_run_remembers_the_sources_spelling(saved, tmp_path):
+    """hf-to-diffjax of a "Motif" and of a "motif" directory, diffjax-to-hf of each run: the source's spelling; verify
+    (its remote code) reads the published spelling too."""
+    from diffjax.convert import diffjax_to_hf, hf_to_diffjax, verify
+
+    _, directory = saved("gda_3to1")
+    for spelling in ("Motif", "motif"):
+        source = as_published(directory, tmp_path, spelling)
+        hf_to_diffjax(source, tmp_path / f"run_{spelling}")
+        out = diffjax_to_hf(tmp_path / f"run_{spelling}", tmp_path / f"hf_{spelling}")
+        assert json.loads((out / "config.json").read_text())["model_type"] == spelling
+    published = tmp_path / "spelled_Motif"
+    with pytest.raises(ConversionError, match=r"transformers has no Motif model built in.*--trust-remote-code"):
+        verify(published, prompts=1, seq_len=8)
+    assert verify(published, diffjax_path=tmp_path / "run_Motif", prompts=1, seq_len=8, trust_remote_code=True).passed

@@ -37,10 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("hf-to-diffjax", help="HF directory (diffllama / llama / motif) -> diffjax run directory")
-    p.add_argument("src", help="local HF directory: config.json + safetensors (or pytorch_model*.bin)")
+    p.add_argument("src", help="HF directory (config.json + safetensors, or pytorch_model*.bin) or Hub name org/name")
     p.add_argument("dst", help="new or empty directory for the diffjax run directory (config.yaml + Orbax checkpoint)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="parameter dtype (default: the checkpoint's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing conversion in DST")
+    _hub_arguments(p, remote_code="also fetch a Hub repository's Python files (its modeling code, e.g. Motif's), "
+                                  "kept in DST/hf/ for exports; diffjax never runs them")
 
     p = commands.add_parser("diffjax-to-hf", help="diffjax run directory or checkpoint -> HF directory")
     p.add_argument("src", help="diffjax run directory, its checkpoints/ directory, or a step directory")
@@ -51,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("upcycle", help="a Transformer (HF Llama directory or diffjax run) -> a DIFF run directory "
                                             "computing the same function")
-    p.add_argument("src", help="local HF Llama directory, or a diffjax run directory / checkpoint of attention standard")
+    p.add_argument("src", help="HF Llama directory or Hub name org/name, or a diffjax run directory / checkpoint of "
+                               "attention standard")
     p.add_argument("dst", help="new or empty directory for the DIFF model's run directory")
     p.add_argument("--kind", choices=("diff", "diff_v2"), default="diff", help="DIFF V1 (default) or V2")
     p.add_argument("--second-map", choices=("mirror", "zero_query"), default="mirror",
@@ -62,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="upcycle for training with lambda grown from 0 over STEPS steps (written to DST's config.yaml "
                         "as optim.lambda_warmup_steps): any --second-map and --lambda-init start as the source")
     p.add_argument("--overwrite", action="store_true", help="replace an existing conversion in DST")
+    _hub_arguments(p)
 
     p = commands.add_parser("merge-lora", help="a LoRA run directory -> a run directory of its base with the adapters "
                                                "merged into the weights")
@@ -70,15 +74,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing conversion in DST")
 
     p = commands.add_parser("verify", help="compare transformers and diffjax on the same prompts")
-    p.add_argument("src", help="local HF directory")
+    p.add_argument("src", help="HF directory or Hub name org/name")
     p.add_argument("--diffjax", metavar="DIR", help="a converted diffjax run directory to check (default: convert SRC in memory)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--prompts", type=int, default=4, help="number of random prompts (default 4)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per prompt (default 64)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="run the modeling code SRC ships (needed for Motif; executes SRC's Python files)")
+    _hub_arguments(p, remote_code="run the modeling code SRC ships (needed for Motif; executes SRC's Python files)")
     return parser
+
+
+def _hub_arguments(parser: argparse.ArgumentParser, remote_code: str | None = None) -> None:
+    """--revision (and --trust-remote-code) of a command whose SRC may be a Hub name (diffjax.convert.hub)."""
+    parser.add_argument("--revision", help="with a Hub name: its branch, tag or commit (default: its main)")
+    if remote_code:
+        parser.add_argument("--trust-remote-code", action="store_true", help=remote_code)
 
 
 def main(argv=None) -> int:
@@ -97,7 +107,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "hf-to-diffjax":
             from diffjax.convert.hf_directories import hf_to_diffjax
-            step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress)
+            step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress,
+                                     revision=args.revision, trust_remote_code=args.trust_remote_code)
             print(f"wrote {step_dir} (run directory {args.dst}: train on with "
                   f"`python train.py --config {RunDir(args.dst).config_file} train.run_dir={args.dst}`)")
         elif args.command == "diffjax-to-hf":
@@ -109,7 +120,8 @@ def main(argv=None) -> int:
             from diffjax.convert.upcycle import upcycle_directory
             step_dir = upcycle_directory(args.src, args.dst, kind=args.kind, second_map=args.second_map,
                                          lambda_init=args.lambda_init, seed=args.seed,
-                                         lambda_warmup_steps=args.lambda_warmup, overwrite=args.overwrite)
+                                         lambda_warmup_steps=args.lambda_warmup, overwrite=args.overwrite,
+                                         revision=args.revision)
             print(f"wrote {step_dir} (train on with `python train.py --config {RunDir(args.dst).config_file} "
                   f"train.run_dir={args.dst}`)")
         elif args.command == "merge-lora":
@@ -119,7 +131,8 @@ def main(argv=None) -> int:
         else:
             from diffjax.convert.verify import verify
             result = verify(args.src, diffjax_path=args.diffjax, dtype=args.dtype, prompts=args.prompts,
-                            seq_len=args.seq_len, seed=args.seed, trust_remote_code=args.trust_remote_code)
+                            seq_len=args.seq_len, seed=args.seed, trust_remote_code=args.trust_remote_code,
+                            revision=args.revision)
             print(result.report())
             return 0 if result.passed else 1
     except (ConversionError, ValueError, FileNotFoundError, FileExistsError) as error:

@@ -96,20 +96,31 @@ def _rope_config(config: ModelConfig) -> dict:
     return {"rope_parameters": parameters, "rope_theta": float(config.rope_theta), "rope_scaling": scaling}
 
 
+def _model_type_spelling(model_type: str, base: Mapping | None) -> str:
+    """model_type as the source spelled it (a base config of the same type, in any case), else as its publisher
+    does (Motif: "Motif")."""
+    spelled = (base or {}).get("model_type")
+    if isinstance(spelled, str) and spelled.lower() == model_type:
+        return spelled
+    return motif.PUBLISHED_MODEL_TYPE if model_type == motif.MODEL_TYPE else model_type
+
+
 def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | None = None) -> dict:
     """config.json for `config`. base: an original HF config whose other fields (token ids,
-    initializer_range, ...) are kept when it describes the same model_type."""
+    initializer_range, ...) and spelling of model_type are kept when it describes the same model_type."""
     check_exportable(config)
     kind = attention_kinds.get(config.attention)
     model_type = hf_model_type(config)
     heads = kind.maps  # HF counts DiffLlama's sub-heads
-    values = {k: v for k, v in (base or {}).items() if k not in _DERIVED_FIELDS} if (base or {}).get("model_type") == model_type else {}
+    spelling = _model_type_spelling(model_type, base)
+    same_type = spelling == (base or {}).get("model_type")
+    values = {k: v for k, v in base.items() if k not in _DERIVED_FIELDS} if same_type else {}
     values.setdefault("initializer_range", float(config.init_std))
     values.setdefault("use_cache", True)
     dtype = dtype or config.param_dtype
     values.update(
         architectures=[motif.ARCHITECTURE if model_type == motif.MODEL_TYPE else kind.hf_architecture],
-        model_type=model_type,
+        model_type=spelling,
         vocab_size=config.vocab_size,
         hidden_size=config.d_model,
         intermediate_size=config.mlp_dim,

@@ -20,7 +20,7 @@ from flax import nnx
 
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
-from diffjax.convert import motif
+from diffjax.convert import hub, motif
 from diffjax.convert.common import ConversionError, build_module, to_numpy
 from diffjax.convert.hf_files import HFWeights
 from diffjax.model.rope import interleaved_from_rotate_half
@@ -49,6 +49,16 @@ def hf_model_type(config: ModelConfig) -> str | None:
 def is_diffllama(config: ModelConfig) -> bool:
     """Whether `config`'s weights map as HF DiffLlama's."""
     return hf_model_type(config) == "diffllama"
+
+
+def model_type_of(hf: dict) -> str:
+    """config.json's model_type as MODEL_TYPES spells it: publishers' spellings differ in case (Motif's checkpoints
+    and vLLM say "Motif")."""
+    model_type = hf.get("model_type")
+    if not isinstance(model_type, str) or model_type.lower() not in MODEL_TYPES:
+        raise ConversionError(f"config.json: model_type {model_type!r} is not supported; supported: {MODEL_TYPES} "
+                              "(in any case)")
+    return model_type.lower()
 
 
 def _rope_fields(hf: dict) -> dict:
@@ -85,9 +95,7 @@ def config_from_hf(hf: dict, *, dtype=None, param_dtype=None) -> ModelConfig:
 
     Settings diffjax cannot express raise ConversionError naming the setting and what is allowed.
     """
-    model_type = hf.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ConversionError(f"config.json: model_type {model_type!r} is not supported; supported: {MODEL_TYPES}")
+    model_type = model_type_of(hf)
     missing = [key for key in _REQUIRED if key not in hf]
     if missing:
         raise ConversionError(f"config.json: missing required key(s) {missing}")
@@ -347,14 +355,17 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return config
 
 
-def load_hf(path: str | os.PathLike, dtype=None, *, param_dtype=None, rope_style: str = "interleaved") -> TransformerLM:
-    """Load a local HF directory (config.json + safetensors, or PyTorch .bin files) of model_type diffllama, llama or
-    motif.
+def load_hf(path: str | os.PathLike, dtype=None, *, param_dtype=None, rope_style: str = "interleaved",
+            revision: str | None = None) -> TransformerLM:
+    """Load an HF model of model_type diffllama, llama or motif: a local directory (config.json + safetensors, or
+    PyTorch .bin files) or a Hugging Face Hub name `org/name` at `revision` (read through huggingface_hub's cache:
+    diffjax.convert.hub; a local directory of that path wins).
 
     dtype: compute dtype (and parameter dtype unless param_dtype is given); None keeps the
     checkpoint's dtype. The returned model's `model.config` is its ModelConfig.
     rope_style: "interleaved" (canonical; q/k channels permuted at load) or "rotate_half" (HF order kept).
     """
+    path = hub.resolve(path, revision=revision)
     config = config_from_hf(read_hf_config(path), dtype=dtype, param_dtype=param_dtype)
     config = config.replace(rope_style=rope_style)
     params = params_from_hf_dir(path, config, config.param_dtype)

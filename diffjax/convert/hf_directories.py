@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from diffjax.config import ModelConfig
+from diffjax.convert import hub
 from diffjax.convert.common import nested
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
@@ -56,10 +57,13 @@ def keep_hf_files(src, run: RunDir) -> dict | None:
     return {"tokenizer": {"kind": "hf", "path": str(run.hf.absolute())}} if (run.hf / "tokenizer.json").exists() else None
 
 
-def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False, progress=None) -> Path:
-    """Convert the HF directory `src` (diffllama, llama or motif; safetensors or .bin) into the diffjax run
-    directory `dst`, streaming one weight file at a time. dtype: parameter (and compute) dtype,
-    None keeps the checkpoint's. Returns the step directory."""
+def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False, progress=None,
+                  revision: str | None = None, trust_remote_code: bool = False) -> Path:
+    """Convert the HF directory or Hub name `src` (diffllama, llama or motif; safetensors or .bin) into the diffjax
+    run directory `dst`, streaming one weight file at a time. dtype: parameter (and compute) dtype,
+    None keeps the checkpoint's. revision, trust_remote_code: a Hub name's (diffjax.convert.hub; the repository's
+    Python files are fetched, and kept in DST/hf/, only with trust_remote_code). Returns the step directory."""
+    src = hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)
     config = config_from_hf(read_hf_config(src), dtype=dtype)
     with conversion_run_dir(dst, overwrite=overwrite) as run:
         params = params_from_hf_dir(src, config, config.param_dtype, progress=progress)

@@ -1,5 +1,6 @@
-"""Motif Technologies' Hugging Face format (model_type "motif") <-> diffjax: Motif-2.6B (DIFF V1 with PolyNorm MLPs)
-and Motif-2-12.7B (Grouped Differential Attention). diffjax.convert.hf and .export call these for that model_type.
+"""Motif Technologies' Hugging Face format (model_type "Motif", read in any case) <-> diffjax: Motif-2.6B (DIFF V1
+with PolyNorm MLPs) and Motif-2-12.7B (Grouped Differential Attention). diffjax.convert.hf and .export call these for
+that model_type.
 
 What the checkpoints compute is what their serving code computes: vLLM's `model_executor/models/motif.py` (Motif's
 fork MotifTechnologies/vllm, branch `motif`, with `v1/attention/backends/grouped_diff_attn.py` and PolyNorm in
@@ -23,12 +24,21 @@ from diffjax.convert.common import ConversionError
 from diffjax.model.rope import interleaved_from_rotate_half
 
 MODEL_TYPE, ARCHITECTURE = "motif", "MotifForCausalLM"
+PUBLISHED_MODEL_TYPE = "Motif"  # the spelling of Motif's checkpoints and vLLM's MotifConfig (read in any case)
 LAMBDA_INIT_DEPTH_OFFSET = -1  # Motif's lambda_init counts layers from -1
 DEFAULT_NORM_EPS = 1e-6
 
 
+# Motif 3's config.json keys (its checkpoints say model_type "Motif" too): parts diffjax does not build.
+_MOTIF3_KEYS = {"mhc_enabled": "mHC residual streams", "num_experts": "routed experts", "q_lora_rank": "MLA-style "
+                "compressed attention", "kv_lora_rank": "MLA-style compressed attention", "diff_v2": "DIFF V2 maps"}
+
+
 def config_fields(hf: dict) -> dict:
     """ModelConfig fields of a Motif config.json's attention and MLP (the rest is read as for Llama)."""
+    if motif3 := [f"{key} ({part})" for key, part in _MOTIF3_KEYS.items() if hf.get(key)]:
+        raise ConversionError(f"config.json: {', '.join(motif3)}: a Motif 3 checkpoint, which is not supported "
+                              "(diffjax reads Motif-2.6B's and Motif-2-12.7B's format)")
     for flag in ("use_bias", "qkv_bias"):
         if hf.get(flag):
             raise ConversionError(f"config.json: {flag}=true is not supported (diffjax layers have no biases)")

@@ -98,16 +98,20 @@ def upcycle(model: TransformerLM, kind: str = "diff", second_map: str = "mirror"
 
 
 def upcycle_directory(src, dst, *, kind: str = "diff", second_map: str = "mirror", lambda_init: float | None = None,
-                      seed: int = 0, lambda_warmup_steps: int = 0, overwrite: bool = False) -> Path:
-    """Upcycle the Transformer in `src` (an HF Llama directory, or a diffjax run directory or checkpoint) into the
-    diffjax run directory `dst` (a params-only checkpoint: train on with train.run_dir, or train.init_from).
+                      seed: int = 0, lambda_warmup_steps: int = 0, overwrite: bool = False,
+                      revision: str | None = None) -> Path:
+    """Upcycle the Transformer in `src` (an HF Llama directory or Hub name at `revision`, or a diffjax run directory
+    or checkpoint) into the diffjax run directory `dst` (a params-only checkpoint: train on with train.run_dir, or
+    train.init_from).
     An HF source's files but its weights are kept in DST/hf/ (as hf-to-diffjax keeps them). lambda_warmup_steps > 0:
     upcycled for a lambda warm-up (upcycle's lambda_warmup), written as optim.lambda_warmup_steps into DST's
     config.yaml. Returns the step directory."""
     from diffjax.convert.hf import load_hf
     from diffjax.convert.hf_directories import conversion_run_dir, keep_hf_files
+    from diffjax.convert.hub import resolve
     from diffjax.params_checkpoint import load_model, save_params
 
+    src = resolve(src, revision=revision)
     from_hf = (Path(src) / "config.json").is_file()
     source = load_hf(src) if from_hf else load_model(src, what="upcycle source")
     if not (isinstance(lambda_warmup_steps, int) and lambda_warmup_steps >= 0):

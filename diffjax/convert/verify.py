@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diffjax.convert import hub, motif
 from diffjax.convert.common import ConversionError, build_module, flatten
 from diffjax.convert.hf import load_hf, read_hf_config
 from diffjax.model.rope import inv_frequencies, rope_tables
@@ -165,8 +166,10 @@ def verify(
     seed: int = 0,
     model: TransformerLM | None = None,
     trust_remote_code: bool = False,
+    revision: str | None = None,
 ) -> VerifyResult:
-    """Compare the HF directory `src` under transformers with diffjax on random prompts.
+    """Compare the HF directory or Hub name `src` (at `revision`: diffjax.convert.hub) under transformers with
+    diffjax on random prompts.
 
     The diffjax side is `model` if given, else the run directory / checkpoint `diffjax_path`
     (e.g. the output of hf-to-diffjax), else `src` converted in memory by load_hf. Both run in `dtype`.
@@ -177,7 +180,7 @@ def verify(
         raise ConversionError(f"verify: dtype must be one of {tuple(TOLERANCES)}, got {dtype!r}")
     if prompts < 1 or seq_len < 1:
         raise ConversionError(f"verify: prompts and seq_len must be >= 1, got {prompts} and {seq_len}")
-    src = Path(src)
+    source, src = str(src), Path(hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code))
     hf = read_hf_config(src)
     if model is None:
         model = load_diffjax_as(diffjax_path, dtype) if diffjax_path is not None else load_hf(src, dtype=dtype)
@@ -185,10 +188,10 @@ def verify(
     if config.vocab_size != hf.get("vocab_size") or config.num_layers != hf.get("num_hidden_layers"):
         raise ConversionError(
             f"verify: the diffjax model (vocab_size {config.vocab_size}, {config.num_layers} layers) is not a "
-            f"conversion of {src} (vocab_size {hf.get('vocab_size')}, {hf.get('num_hidden_layers')} layers)"
+            f"conversion of {source} (vocab_size {hf.get('vocab_size')}, {hf.get('num_hidden_layers')} layers)"
         )
-    if hf.get("model_type") == "motif" and not trust_remote_code:
-        raise ConversionError(f"verify: transformers has no Motif model built in; {src}'s own modeling code (its "
+    if str(hf.get("model_type")).lower() == motif.MODEL_TYPE and not trust_remote_code:
+        raise ConversionError(f"verify: transformers has no Motif model built in; {source}'s own modeling code (its "
                               "config.json's auto_map) runs with trust_remote_code=True (--trust-remote-code), which "
                               "executes that directory's Python files")
     seq_len = min(seq_len, config.max_seq_len, int(hf.get("max_position_embeddings", seq_len)))
@@ -199,7 +202,7 @@ def verify(
     stages = [(name, *_diff(ours, ref)) for name, ours, ref in zip(names, our_stages, ref_stages)]
     kl_mean, kl_max, top1 = _kl_and_top1(ref_logits, our_logits)
     return VerifyResult(
-        source=str(src), dtype=dtype, shape=tokens.shape, stages=stages,
+        source=source, dtype=dtype, shape=tokens.shape, stages=stages,
         logits_abs=_diff(our_logits, ref_logits)[0], logits_rel=_diff(our_logits, ref_logits)[1],
         kl_mean=kl_mean, kl_max=kl_max, top1=top1, tolerance=TOLERANCES[dtype],
     )

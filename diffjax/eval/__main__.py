@@ -20,7 +20,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffjax.eval",
                                      description="Run lm-evaluation-harness tasks on a diffjax checkpoint.")
     parser.add_argument("--model-path", required=True, metavar="PATH",
-                        help="a run directory, its checkpoints/ directory, a step directory or a Hugging Face directory")
+                        help="a run directory, its checkpoints/ directory, a step directory, a Hugging Face directory "
+                             "or Hub name org/name")
+    parser.add_argument("--revision", help="with a Hub name: its branch, tag or commit (default: its main)")
     parser.add_argument("--tasks", required=True, metavar="T1,T2", help="comma-separated lm_eval task (or group) names")
     parser.add_argument("--include-path", metavar="DIR", help="a directory of your own task YAML configs")
     parser.add_argument("--no-builtin-tasks", action="store_true",
@@ -76,7 +78,9 @@ def main(argv=None) -> int:
         names = [name.strip() for name in args.tasks.split(",") if name.strip()]
         if not names:
             raise ValueError("--tasks names no task")
-        if not Path(args.model_path).exists():
+        from diffjax.convert.hub import is_hub_name
+
+        if not Path(args.model_path).exists() and not is_hub_name(args.model_path):
             raise FileNotFoundError(f"--model-path: {args.model_path} does not exist")
         if args.limit is not None and args.limit <= 0:
             raise ValueError(f"--limit must be positive, got {args.limit:g}")
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
 
         mesh = parse_mesh(args.mesh)
         loaded, tokenizer = load_for_eval(args.model_path, dtype=args.dtype, mesh=mesh, tokenizer=args.tokenizer,
-                                          what="--model-path")
+                                          what="--model-path", revision=args.revision)
         model = DiffjaxLM(args.model_path, model=loaded, tokenizer=tokenizer, batch_size=args.batch_size,
                           max_length=args.max_length, max_gen_toks=args.max_gen_toks, mesh=mesh, seed=args.seed)
         limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)

@@ -113,17 +113,19 @@ def _run_tokenizer(step_dir: Path):
         raise ValueError(str(error).replace("or pass --prompt-ids", "or pass tokenizer=PATH")) from None
 
 
-def load_for_eval(path, *, dtype: str | None = None, mesh: Mesh | None = None, tokenizer=None, what: str = "pretrained"):
+def load_for_eval(path, *, dtype: str | None = None, mesh: Mesh | None = None, tokenizer=None, what: str = "pretrained",
+                  revision: str | None = None):
     """(TransformerLM, Tokenizer) of any checkpoint diffjax loads: a Hugging Face directory (config.json and
-    weights: DiffLlama, Llama, Motif) or a diffjax run directory, its checkpoints/ directory or one step
-    directory (train.py's or a conversion's).
+    weights: DiffLlama, Llama, Motif) or Hub name org/name at `revision` (diffjax.convert.hub), or a diffjax run
+    directory, its checkpoints/ directory or one step directory (train.py's or a conversion's).
 
     dtype: compute and parameter dtype (None: the checkpoint's). mesh: params placed by diffjax.sharding's rules
     (a run directory's read shard by shard). tokenizer: a Tokenizer, a tokenizer.json or the directory holding
     one, or "byte"; None: the checkpoint's own (an HF directory's tokenizer.json, config.yaml's data.tokenizer)."""
+    from diffjax.convert.hub import resolve
     from diffjax.tokenizers import HFTokenizer
 
-    path = storage.as_path(path)  # a local path or gs://
+    path = storage.as_path(resolve(path, revision=revision))  # a local path or gs://
     if (path / "config.json").is_file():  # a Hugging Face directory (a run directory has config.yaml instead)
         from diffjax.convert import load_hf
 
@@ -204,8 +206,8 @@ class _Row:
 class DiffjaxLM(TemplateLM):
     """An lm_eval model for diffjax checkpoints (see the module docstring).
 
-    pretrained: a path load_for_eval reads; or model= a TransformerLM and tokenizer= its Tokenizer (pretrained
-    then only names it in the results).
+    pretrained: a path or Hub name load_for_eval reads (revision: a Hub name's); or model= a TransformerLM and
+    tokenizer= its Tokenizer (pretrained then only names it in the results).
     batch_size: rows per forward pass (and per generation batch); max_length: the context the model sees
     (default and cap: the model's max_seq_len); max_gen_toks: generation's default budget (a task's
     generation_kwargs override it); dtype: "float32" / "bfloat16" (default: the checkpoint's); mesh: a Mesh or
@@ -218,11 +220,13 @@ class DiffjaxLM(TemplateLM):
     def __init__(self, pretrained: str | None = None, *, model=None, tokenizer=None, batch_size: int | str = 8,
                  max_length: int | None = None, max_gen_toks: int = 256, dtype: str | None = None, mesh=None,
                  add_bos_token: bool | None = None, prefix_token_id: int | None = None, seed: int = 1234,
-                 device: str | None = None, max_batch_size: int | None = None, **unknown):
+                 device: str | None = None, max_batch_size: int | None = None, revision: str | None = None,
+                 **unknown):
         super().__init__()
         if unknown:
-            raise TypeError(f"DiffjaxLM got unknown model_args {sorted(unknown)}; known: pretrained, tokenizer, batch_size, "
-                            "max_length, max_gen_toks, dtype, mesh, add_bos_token, prefix_token_id, seed")
+            raise TypeError(f"DiffjaxLM got unknown model_args {sorted(unknown)}; known: pretrained, revision, "
+                            "tokenizer, batch_size, max_length, max_gen_toks, dtype, mesh, add_bos_token, "
+                            "prefix_token_id, seed")
         if not (isinstance(batch_size, int) or str(batch_size).isdigit()) or int(batch_size) < 1:
             raise ValueError(f"batch_size must be a positive integer (no 'auto': pick the rows per forward pass), got {batch_size!r}")
         if max_length is not None and not (isinstance(max_length, int) and 2 <= max_length):
@@ -237,7 +241,8 @@ class DiffjaxLM(TemplateLM):
             if pretrained is None:
                 raise ValueError("DiffjaxLM needs pretrained=PATH (a run directory, checkpoint or Hugging Face directory) "
                                  "or model= and tokenizer=")
-            model, tokenizer = load_for_eval(pretrained, dtype=dtype, mesh=self.mesh, tokenizer=tokenizer)
+            model, tokenizer = load_for_eval(pretrained, dtype=dtype, mesh=self.mesh, tokenizer=tokenizer,
+                                             revision=revision)
         elif tokenizer is None:
             raise ValueError("DiffjaxLM(model=...) needs tokenizer= (a diffjax Tokenizer, a tokenizer.json or 'byte')")
         else:

@@ -1,0 +1,94 @@
+"""A checkpoint argument as a local directory: the directory itself, or a Hugging Face Hub name read through
+huggingface_hub's cache.
+
+An existing path always wins. Otherwise a name `org/name` (at `revision`: a branch, tag or commit; default the
+repository's main) is resolved by `huggingface_hub.snapshot_download`, which honours HF_HUB_OFFLINE, HF_HOME /
+HF_HUB_CACHE and HF_TOKEN, and fetches only the files diffjax reads: config.json, the safetensors weights and their
+index (PyTorch `pytorch_model*.bin` only where a repository has no safetensors), the tokenizer and generation files,
+and the repository's Python files only with trust_remote_code. Every failure is one FileNotFoundError line saying
+what is missing and how to fetch it. huggingface_hub (a dependency of transformers) is imported here only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+CONFIG_AND_TOKENIZER = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+                        "added_tokens.json", "vocab.json", "merges.txt", "chat_template*")
+SAFETENSORS = ("*.safetensors", "model.safetensors.index.json")
+PYTORCH_BIN = ("pytorch_model*.bin", "pytorch_model.bin.index.json")  # read only where there are no safetensors
+REMOTE_CODE = ("*.py",)
+_TOP_LEVEL_ONLY = ("*/*",)  # the files diffjax reads sit at a repository's top level
+# org/name as the Hub spells repository ids (no "..", no "--", no leading or trailing "." / "-" in a part).
+_HUB_NAME = re.compile(r"^(?!.*(?:\.\.|--))[A-Za-z0-9_](?:[\w.-]*[\w])?/[A-Za-z0-9_](?:[\w.-]*[\w])?$")
+
+
+def is_hub_name(text: str) -> bool:
+    """Whether `text` reads as a Hub repository id `org/name` (a path such as ./x, /x or a/b/c does not)."""
+    return bool(_HUB_NAME.match(text))
+
+
+def resolve(src: str | os.PathLike, *, revision: str | None = None, trust_remote_code: bool = False):
+    """`src` itself where it exists or is no Hub name (its reader reports a missing path), else the local snapshot
+    directory of the Hub model `src` (`org/name`) at `revision`, fetched (the needed files only) unless
+    HF_HUB_OFFLINE is set. trust_remote_code: the repository's Python files too."""
+    name = os.fspath(src) if isinstance(src, (str, os.PathLike)) else str(src)
+    hub_name = is_hub_name(name) and not Path(name).exists()
+    if revision is not None and not hub_name:
+        raise ValueError(f"revision {revision!r} applies to a Hugging Face Hub name (org/name), and {name!r} is "
+                         f"{'a local path' if Path(name).exists() else 'not one'}")
+    if not hub_name:
+        return src
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise FileNotFoundError(f"{name} is not a local directory; reading it as a Hugging Face Hub name needs "
+                                "huggingface_hub: pip install 'diffjax[hub]'") from None
+    patterns = CONFIG_AND_TOKENIZER + SAFETENSORS + (REMOTE_CODE if trust_remote_code else ())
+    snapshot = _snapshot(huggingface_hub, name, revision, patterns)
+    if not any(snapshot.glob("*.safetensors")):
+        snapshot = _snapshot(huggingface_hub, name, revision, PYTORCH_BIN)
+    has_weights = any(snapshot.glob("*.safetensors")) or any(snapshot.glob("pytorch_model*.bin"))
+    if not (snapshot / "config.json").is_file() or not has_weights:  # (offline: a snapshot cached only in part)
+        raise FileNotFoundError(f"{_described(name, revision)}: the snapshot in {snapshot} has no config.json or no "
+                                f"weights (*.safetensors, pytorch_model*.bin); {_fetch_hint(name, revision)}")
+    return snapshot
+
+
+def _snapshot(huggingface_hub, name: str, revision: str | None, patterns) -> Path:
+    """snapshot_download of `patterns`, its errors as one FileNotFoundError line each."""
+    from huggingface_hub import errors
+
+    try:
+        return Path(huggingface_hub.snapshot_download(name, revision=revision, allow_patterns=list(patterns),
+                                                      ignore_patterns=list(_TOP_LEVEL_ONLY)))
+    except errors.RevisionNotFoundError:
+        problem = f"the Hub has no revision {revision!r} of {name}"
+    except errors.GatedRepoError:
+        problem = f"{name} is gated: accept its terms on the Hub, then set HF_TOKEN (or run `hf auth login`)"
+    except errors.RepositoryNotFoundError:
+        problem = f"{name}: no such model on the Hugging Face Hub (a private one needs HF_TOKEN or `hf auth login`)"
+    except errors.LocalEntryNotFoundError as error:
+        offline = "offline mode (HF_HUB_OFFLINE) is on" if huggingface_hub.constants.HF_HUB_OFFLINE else (
+            f"the Hub could not be reached ({_first_line(error.__cause__ or error)})")
+        problem = (f"{_described(name, revision)} is not a local directory and is not (fully) in the Hugging Face "
+                   f"cache {huggingface_hub.constants.HF_HUB_CACHE}, and {offline}")
+    except (OSError, ValueError) as error:  # other HTTP errors, a name the Hub refuses
+        problem = f"{_described(name, revision)}: {type(error).__name__}: {_first_line(error)}"
+    raise FileNotFoundError(f"{problem}; {_fetch_hint(name, revision)}")
+
+
+def _described(name: str, revision: str | None) -> str:
+    return name if revision is None else f"{name} at revision {revision!r}"
+
+
+def _fetch_hint(name: str, revision: str | None) -> str:
+    command = f"hf download {name}" + (f" --revision {revision}" if revision is not None else "")
+    return f"fetch it with `{command}` where the Hub is reachable (HF_HUB_OFFLINE unset), or pass a local directory"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
