@@ -75,7 +75,7 @@ def test_a_dataset_out_of_reach_is_one_line_at_once(offline, byte_run_dir, tmp_p
 def test_a_library_warning_prints_once():
     """absl gives the root logger a handler (at orbax's first log) and huggingface_hub has its own: its warnings
     (download retries) printed twice until the CLI stops them propagating."""
-    script = ("import logging, absl.logging, huggingface_hub\n"
+    script = ("import logging, absl.logging, datasets\n"
               "absl.logging.warning('absl configures the root logger here')\n"
               "from diffjax.eval import hub\n"
               "hub.quiet_duplicate_logs()\n"

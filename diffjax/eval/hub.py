@@ -58,6 +58,8 @@ def _config_of_the_task_being_built(error: BaseException):
 def quiet_duplicate_logs() -> None:
     """Libraries that print their own log records (huggingface_hub, datasets) stop handing them on to the root
     logger as well, which absl gives a handler of its own: each warning once."""
+    import datasets  # noqa: F401 (lm_eval's, loaded here if not yet: it gives huggingface_hub's logger a handler)
+
     for name, logger in list(logging.root.manager.loggerDict.items()):
         if isinstance(logger, logging.Logger) and logger.handlers and "." not in name:
             logger.propagate = False
