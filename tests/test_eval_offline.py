@@ -77,8 +77,8 @@ def test_a_library_warning_prints_once():
     (download retries) printed twice until the CLI stops them propagating."""
     script = ("import logging, absl.logging, datasets\n"
               "absl.logging.warning('absl configures the root logger here')\n"
-              "from diffjax.eval import hub\n"
-              "hub.quiet_duplicate_logs()\n"
+              "from diffjax.eval import hub_datasets\n"
+              "hub_datasets.quiet_duplicate_logs()\n"
               "logging.getLogger('huggingface_hub.utils._http').warning('a retry')\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stderr.count("a retry") == 1, result.stderr

@@ -71,9 +71,9 @@ def _unknown(manager, names: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from diffjax.eval import hub
+    from diffjax.eval import hub_datasets
 
-    hub.offline_unless_reachable()  # before lm_eval loads datasets and huggingface_hub
+    hub_datasets.offline_unless_reachable()  # before lm_eval loads datasets and huggingface_hub
     try:
         from diffjax.eval import require_lm_eval
 
@@ -95,14 +95,14 @@ def main(argv=None) -> int:
         model = DiffjaxLM(args.model_path, model=loaded, tokenizer=tokenizer, batch_size=args.batch_size,
                           max_length=args.max_length, max_gen_toks=args.max_gen_toks, mesh=mesh, seed=args.seed)
         limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-        hub.quiet_duplicate_logs()
+        hub_datasets.quiet_duplicate_logs()
         results = lm_eval.simple_evaluate(model=model, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot,
                                           limit=limit, log_samples=args.log_samples or False)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except ConnectionError as error:  # datasets' "Couldn't reach 'org/name' on the Hub"
-        print(f"error: {hub.dataset_out_of_reach(error)}", file=sys.stderr)
+        print(f"error: {hub_datasets.dataset_out_of_reach(error)}", file=sys.stderr)
         return 2
     from lm_eval.utils import handle_non_serializable, make_table
 
