@@ -8,9 +8,11 @@
 For every (layers, scan_layers, remat) it lowers and compiles the jitted train step (AdamW, one device) and
 reports the wall time of `.lower()` and of `.compile()`, and XLA's compiled memory analysis (temp bytes:
 activations kept for the backward pass plus scratch). Ratios are against the unrolled, no-remat step
-of the same depth measured in the same run. Writes benchmarks/results/compile_<platform>.json.
+of the same depth measured in the same run. Writes runs/benchmarks/compile_<platform>.json (or --out).
 With --init, lowers and compiles the jitted train-state init of each config file instead (what
-train.py runs first; nothing is allocated) and writes benchmarks/results/compile_init_<platform>.json.
+train.py runs first; nothing is allocated) and writes runs/benchmarks/compile_init_<platform>.json (or --out).
+The dated record is benchmarks/results/compile_cpu.json and compile_init_cpu.json (compile_time.md): a run
+replaces it only when asked to, e.g. `--out benchmarks/results/compile_cpu.json`.
 """
 
 from __future__ import annotations
@@ -89,10 +91,11 @@ def main() -> None:
     parser.add_argument("--scan", choices=("both", "true", "false"), default="both")
     parser.add_argument("--remat", default="none,minimal,full", help="comma-separated remat policies")
     parser.add_argument("--init", type=Path, nargs="+", default=None, help="config files: time the train-state init")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON to write (default: runs/benchmarks/compile[_init]_<platform>.json, git-ignored)")
     args = parser.parse_args()
     platform = jax.devices()[0].platform
-    results = Path(__file__).resolve().parent / "results"
+    results = Path(__file__).resolve().parents[1] / "runs" / "benchmarks"  # not the tracked record in results/
     if args.init:
         rows = []
         for config_path in args.init:

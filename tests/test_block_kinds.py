@@ -199,16 +199,14 @@ def test_a_run_directory_written_before_options_resumes_with_them(tmp_path):
 
     from diffjax.run_dir import RunDir
     from diffjax.train.config import RunConfig
-    from diffjax.train.run import check_resumable
+    from diffjax.train.run import changed_settings
 
     model = ModelConfig(attention="gda", num_heads=4, num_kv_heads=1, attention_options={"num_noise_heads": 2})
     new_keys = ("attention_options", "mlp", "residual")
     old_model = {key: value for key, value in model.to_dict().items() if key not in new_keys}
     old_model.update(num_noise_heads=2, shared_diff_rank=None)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": old_model}))
-    notes = []
-    check_resumable(RunDir(tmp_path), RunConfig(model=model), notes.append)
-    assert notes == []
+    assert changed_settings(RunDir(tmp_path), RunConfig(model=model)) == []
     other = model.replace(attention_options={"num_noise_heads": 4})
     with pytest.raises(ValueError, match=r"different model \(model.attention_options differ"):
-        check_resumable(RunDir(tmp_path), RunConfig(model=other), notes.append)
+        changed_settings(RunDir(tmp_path), RunConfig(model=other))

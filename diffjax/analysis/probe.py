@@ -11,6 +11,7 @@ reduces them inside the same jitted program (so a [B, H, T, S] map never leaves 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -113,3 +114,20 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
         return run(state, tokens_BT, positions_BT, segment_ids_BT, aux, jnp.int32(logit_bits or 0))
 
     return probe
+
+
+def main(argv=None) -> int:
+    """This module is a library: its command line says so and names the analyses that run on it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m diffjax.analysis.probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="It has no command line of its own. The analyses that run on it: python -m diffjax.analysis.<name> "
+               "--help, <name> one of needles, recall, attention_scores, outliers, quantization.")
+    parser.parse_args(argv)
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

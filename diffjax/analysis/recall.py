@@ -11,19 +11,24 @@ the queried pairs, answer spans = the values after the queries), scored teacher-
     from diffjax.analysis import recall
     documents = recall.training_documents(ByteTokenizer(), 20000, pair_counts=(4, 8, 16, 32))  # segments.to_json_line
     result = recall.evaluate(checkpoint, recall.RecallTask(pair_counts=(8, 16, 32)))
+
+    python -m diffjax.analysis.recall --checkpoint runs/diff --checkpoint runs/transformer --pairs 8,16,32
+    python -m diffjax.analysis.recall --write-training recall.jsonl --count 20000 --pairs 4,8,16,32
 """
 
 from __future__ import annotations
 
 import dataclasses
 import string
+import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from diffjax.analysis import common
 from diffjax.analysis.needles import DEPTHS, NeedleExample, accuracy_by_depth
-from diffjax.data.segments import Segments
+from diffjax.data.segments import Segments, to_json_line
 from diffjax.tokenizers import Tokenizer
 
 # Zoology's layout: each key directly followed by its value (letters, then digits), so retrieving is one
@@ -138,3 +143,46 @@ def format_results(labels: Sequence[str], results: Sequence[RecallResult]) -> st
     title = (f"Associative recall accuracy ({task.num_queries} queries, {task.samples} samples per cell, "
              f"{task.value_digits}-digit values: chance {chance:g}; columns: model @pairs in context)")
     return common.table(header, rows, title=title)
+
+
+def main(argv=None) -> int:
+    parser = common.parser(__doc__, "diffjax.analysis.recall", checkpoint_required=False)  # not to write training data
+    parser.add_argument("--pairs", type=common.positive_int_list, default=RecallTask.pair_counts,
+                        help="key-value pairs per context, one column each (default 8,16,32)")
+    parser.add_argument("--queries", type=common.positive_int, default=RecallTask.num_queries,
+                        help="keys asked per sample (default 4; training data: 1 to this many)")
+    parser.add_argument("--depths", type=common.int_list, default=DEPTHS, help="answer depths in percent (default 0,25,50,75,100)")
+    parser.add_argument("--samples", type=common.positive_int, default=RecallTask.samples,
+                        help="samples per (pairs, depth) (default 50)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=common.positive_int, default=16)
+    parser.add_argument("--write-training", type=Path, metavar="JSONL",
+                        help="write --count training documents (segments lines: the loss counts the answers) instead")
+    parser.add_argument("--count", type=common.positive_int, default=1000, help="training documents to write (default 1000)")
+    args = parser.parse_args(argv)
+    if args.write_training:
+        return _write_training(args)
+    if not args.checkpoint:
+        parser.error("give --checkpoint DIR (one or more) or --write-training JSONL")
+    task = RecallTask(args.pairs, args.queries, args.depths, args.samples, seed=args.seed)
+    return common.run_cli(args, lambda c: evaluate(c, task, batch_size=args.batch_size), format_results)
+
+
+def _write_training(args) -> int:
+    """Byte-tokenizer training documents, seeded apart from the evaluation's samples."""
+    from diffjax.tokenizers import ByteTokenizer
+
+    if not args.write_training.parent.is_dir():
+        print(f"error: --write-training {args.write_training}: directory {args.write_training.parent} does not exist",
+              file=sys.stderr)
+        return 2
+    documents = training_documents(ByteTokenizer(), args.count, pair_counts=args.pairs, max_queries=args.queries,
+                                   seed=args.seed + 1)
+    with open(args.write_training, "w") as file:
+        file.writelines(to_json_line(document) + "\n" for document in documents)
+    print(f"wrote {len(documents)} documents to {args.write_training}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

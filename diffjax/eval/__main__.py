@@ -5,7 +5,9 @@ or a conversion's), its checkpoints/ directory, a step directory or a Hugging Fa
 results table; --output writes the results as JSON (with every sample's responses under --log-samples).
 Tasks: lm_eval's own (indexing its ~15,000 task configs takes ~15 s) or your YAML configs under --include-path
 (looked up there first: when every task is found there, lm_eval's are not indexed at all).
-Exit status: 0 done, 2 bad input (one line on stderr).
+Offline (the Hub does not answer, or HF_HUB_OFFLINE is set), tasks read their datasets from the local cache only,
+and a dataset not cached is one line naming the task.
+Exit status: 0 done, 2 bad input or a dataset out of reach (one line on stderr).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def _unknown(manager, names: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from diffjax.eval import hub_datasets
+
+    hub_datasets.offline_unless_reachable()  # before lm_eval loads datasets and huggingface_hub
     try:
         from diffjax.eval import require_lm_eval
 
@@ -94,10 +99,14 @@ def main(argv=None) -> int:
         model = DiffjaxLM(args.model_path, model=loaded, tokenizer=tokenizer, batch_size=args.batch_size,
                           max_length=args.max_length, max_gen_toks=args.max_gen_toks, mesh=mesh, seed=args.seed)
         limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+        hub_datasets.quiet_duplicate_logs()
         results = lm_eval.simple_evaluate(model=model, tasks=names, task_manager=manager, num_fewshot=args.num_fewshot,
                                           limit=limit, log_samples=args.log_samples or False)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except ConnectionError as error:  # datasets' "Couldn't reach 'org/name' on the Hub"
+        print(f"error: {hub_datasets.dataset_out_of_reach(error)}", file=sys.stderr)
         return 2
     from lm_eval.utils import handle_non_serializable, make_table
 

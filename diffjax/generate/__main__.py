@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         clock = _Clock(printer)
         new_tokens = generate(
             model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed), on_tokens=clock)
+            stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed), on_tokens=clock,
+            allowed_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
         clock.stop()
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -12,11 +12,14 @@ import jax.numpy as jnp
 class Sampling:
     """temperature 0: greedy (argmax; top_k / top_p unused). Otherwise logits / temperature, then top-k, then
     top-p (the smallest set of most likely tokens whose probability reaches top_p), the order of HF's
-    `generate`. Hashable: a static argument of the jitted steps."""
+    `generate`. allowed_vocab_size: only ids below it are ever chosen, greedy or sampled (a model's vocabulary
+    padded past its tokenizer's has ids no tokenizer decodes); None: every id. Hashable: a static argument of the
+    jitted steps."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    allowed_vocab_size: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -25,10 +28,20 @@ class Sampling:
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        if self.allowed_vocab_size is not None and not (isinstance(self.allowed_vocab_size, int)
+                                                        and self.allowed_vocab_size > 0):
+            raise ValueError(f"allowed_vocab_size must be a positive integer or None, got {self.allowed_vocab_size!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def mask_padded_vocab(logits_BV, allowed_vocab_size: int | None):
+    """The logits with every id from allowed_vocab_size on set to -inf (None, or no such id: unchanged)."""
+    if allowed_vocab_size is None or allowed_vocab_size >= logits_BV.shape[-1]:
+        return logits_BV
+    return jnp.where(jnp.arange(logits_BV.shape[-1]) < allowed_vocab_size, logits_BV, -jnp.inf)
 
 
 def filter_logits(logits_BV, top_k: int | None = None, top_p: float | None = None):
@@ -49,6 +62,7 @@ def filter_logits(logits_BV, top_k: int | None = None, top_p: float | None = Non
 
 def next_tokens(logits_BV, key, sampling: Sampling):
     """The next token of each row, int32 [B]."""
+    logits_BV = mask_padded_vocab(logits_BV, sampling.allowed_vocab_size)  # before temperature, top-k and top-p
     if sampling.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     scaled_BV = logits_BV.astype(jnp.float32) / jnp.float32(sampling.temperature)

@@ -14,7 +14,9 @@ class Tokenizer(abc.ABC):
     against [0, vocab_size) and skips special ids (eos, bos, ...), so a packed sequence reads as text.
     """
 
-    vocab_size: int  # every id is in [0, vocab_size); the model's embedding needs this many rows
+    # Every id is in [0, vocab_size): the model's embedding needs this many rows, and a model whose vocabulary is
+    # padded past it (sizes rounded up to 64 / 128) generates with allowed_vocab_size=vocab_size (diffjax.generate).
+    vocab_size: int
     eos_id: int | None  # ends a document when packing; None when the tokenizer has none
     bos_id: int | None
     name: str  # a short description for logs

@@ -111,6 +111,7 @@ class MetricsLog(Hook):
             run.log(f"note: this run starts at step 0; the metrics of its earlier start are kept in {self.writer.kept_as}")
         self.progress = Progress(config.train.progress if run.is_main_process else "lines", run.start_step,
                                  config.train.steps, run.tokens_per_step, run.log)
+        run.log = self.progress.log  # hooks' and the loop's lines clear the bar first
         self.flops_per_token = training_flops_per_token(config.model, config.data.seq_len)
         self.peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)
         self.guard = NonfiniteGuard(config.train.on_nonfinite, config.train.max_skipped_steps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -29,6 +30,9 @@ def terminal_size() -> os.terminal_size:
 
 
 class Progress:
+    """`log`: the run's log, which writes each message on a line of its own while the bar is drawn (the trainer
+    gives it to hooks as run.log)."""
+
     def __init__(self, style: str, start_step: int, total_steps: int, tokens_per_step: int, log):
         self.total, self.tokens_per_step, self.log = total_steps, tokens_per_step, log
         use_bar = style == "bar" or (style == "auto" and sys.stderr.isatty())
@@ -41,6 +45,7 @@ class Progress:
             sized = min(terminal_size()) > 0
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=sized,
                             ncols=None if sized else 100, nrows=None if sized else 20)
+            self.log = functools.partial(_beside_the_bars, log)
 
     def update(self, step: int, values: dict[str, float]):
         rate = values.get("tokens_per_second")
@@ -61,11 +66,17 @@ class Progress:
         self.log(line)
 
     def note(self, message: str):
-        if self.bar is not None:
-            self.bar.write(message)
-        else:
-            self.log(message)
+        self.log(message)
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def _beside_the_bars(log, message: str) -> None:
+    """log(message) with tqdm's bars cleared first and drawn again after: the message gets a line of its own
+    (stdout and the bar's stderr share a terminal line otherwise)."""
+    from tqdm import tqdm
+
+    with tqdm.external_write_mode():
+        log(message)

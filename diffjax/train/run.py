@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import time
 from collections.abc import Callable
 from functools import partial
@@ -22,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from diffjax import lora
+from diffjax import lora, storage
 from diffjax.config import RUNTIME_FIELDS, ModelConfig
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
@@ -146,7 +147,8 @@ class Run:
         prompt = self.tokenizer.encode(train.sample_prompt)
         # The prompt and the sample share the model's context (max_seq_len): a longer sample is cut there.
         num_tokens = min(train.sample_tokens, self.config.model.max_seq_len - len(prompt))
-        ids = sample(model, prompt, num_tokens, key=key, temperature=train.sample_temperature)
+        ids = sample(model, prompt, num_tokens, key=key, temperature=train.sample_temperature,
+                     allowed_vocab_size=self.tokenizer.vocab_size)  # a padded vocabulary's extra ids do not decode
         return train.sample_prompt + self.tokenizer.decode(ids)
 
 
@@ -168,15 +170,27 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
     if jax.process_index() != 0:  # one process speaks and writes metrics for all
         log = lambda _: None  # noqa: E731
     with setup_errors():
+        created = not storage.as_path(config.train.run_dir).exists()
         directory = RunDir.for_training(config.train.run_dir)
         lock = _lock_run_dir(directory, log)
     with contextlib.ExitStack() as opened:  # undone (checkpointer closed, lock released) unless a Run takes them
+        if created and jax.process_index() == 0:
+            opened.callback(_remove_if_nothing_written, directory)  # (last: after the lock file is gone)
         opened.callback(lock.release)
         with setup_errors():
             run = _set_up(config, log, directory, lock, opened)
         if isinstance(run, Run):
             opened.pop_all()  # Run.close() gives them back
     return run
+
+
+def _remove_if_nothing_written(directory: RunDir) -> None:
+    """Removes a run directory this start created if the start failed before writing a file there: a refused start
+    leaves no empty runs/<name>/ behind (a local directory; gs:// has no empty directories)."""
+    path = directory.path
+    if storage.is_url(path) or not path.is_dir() or any(not p.is_dir() for p in path.rglob("*")):
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _lock_run_dir(run: RunDir, log) -> TrainerLock:
@@ -201,12 +215,14 @@ def _lock_run_dir(run: RunDir, log) -> TrainerLock:
 def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
             opened: contextlib.ExitStack) -> Run | TrainResult:
     """Where the run starts (start.plan_start), then everything it needs, then the start the plan says."""
-    check_resumable(directory, config, log)
+    changed = changed_settings(directory, config)
     checkpointer = Checkpointer(directory, config.checkpoint)
     opened.callback(checkpointer.close)
     survey = checkpointer.survey(log)
     final = _final_record(directory, config, survey.newest)
     plan = plan_start(dataclasses.replace(survey, final_record=final is not None), StartSettings.of(config))
+    if changed and plan.kind is Start.RESUME:  # (a converted model's first training resumes nothing)
+        log(f"note: resuming with changed {', '.join(changed)}")
     if plan.kind is Start.COMPLETE:
         log(f"the run in {directory.path} is complete (step {plan.step} of train.steps = {config.train.steps}); "
             "nothing to do")
@@ -380,12 +396,13 @@ def _lora_state(config: RunConfig, base_path: str, tx, mesh, log) -> tuple[Shard
     return training, state, frozen
 
 
-def check_resumable(directory: RunDir, config: RunConfig, log) -> None:
-    """A run directory belongs to one model: refuse to resume with a different model section (fields
-    that only change how it computes, such as remat or the attention kernel, may change)."""
+def changed_settings(directory: RunDir, config: RunConfig) -> list[str]:
+    """The keys `config` sets otherwise than the run directory's config.yaml ([] without one). A run directory
+    belongs to one model: ValueError for a different model section (fields that only change how it computes, such
+    as remat or the attention kernel, may change) or LoRA section."""
     saved_path = directory.config_file
     if not saved_path.exists():
-        return
+        return []
     saved, current = read_yaml(saved_path), config.to_dict()
     changed = _check_same_model(directory, saved, current, saved_path)
     _check_same_lora(directory, saved, config, saved_path)
@@ -394,16 +411,15 @@ def check_resumable(directory: RunDir, config: RunConfig, log) -> None:
             continue  # (the same: _check_same_lora)
         # Only the keys the saved config names: a conversion's config.yaml names a few (the trainer's names every one).
         saved_section = saved.get(section) or {}
-        changed += [f"{section}.{k}" for k in current[section] if k in saved_section and saved_section[k] != current[section][k]]
-    if changed:
-        log(f"note: resuming with changed {', '.join(changed)}")
+        changed += [f"{section}.{k}" for k in current[section] if k in saved_section and saved_section[k] != current[section][k]
+                    and f"{section}.{k}" != "train.run_dir"]  # (this directory: another spelling of it changes nothing)
+    return changed
 
 
 def _check_same_model(directory: RunDir, saved: dict, current: dict, saved_path: Path) -> list[str]:
     """Refuses a different model section; returns the model fields that changed and may (model.<runtime field>)."""
     # A field the saved config predates has its default there.
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.init}
-    # (older config files name a kind's options at the top of the model section: read them as options)
     # (older config files name a kind's options at the top of the model section: read them as options)
     saved_model, current_model = {**defaults, **ModelConfig.legacy_values(saved.get("model", {}))}, current["model"]
     saved_model["global_layers"] = list(saved_model["global_layers"])
