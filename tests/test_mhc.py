@@ -255,16 +255,17 @@ def test_options_are_motif3s_by_default_and_bad_ones_are_named():
 def test_identity_init_starts_from_the_identity_mix():
     form = mhc.MHCResidual(_tiny_config(identity_init=True), rngs=nnx.Rngs(0))
     stream = jax.random.normal(jax.random.key(0), (2, 3, E, 32))
-    h_pre, h_post, h_res = form.gates(stream)
+    h_pre, h_post, h_res = nnx.jit(mhc.MHCResidual.gates)(form, stream)
     np.testing.assert_allclose(np.asarray(h_pre), 1 / E, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(h_post), 0.5, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(h_res), np.broadcast_to(np.eye(E), h_res.shape), atol=1e-3)
-    _, _, h_res = mhc.MHCResidual(_tiny_config(), rngs=nnx.Rngs(0)).gates(stream)
+    _, _, h_res = nnx.jit(mhc.MHCResidual.gates)(mhc.MHCResidual(_tiny_config(), rngs=nnx.Rngs(0)), stream)
     assert float(jnp.abs(h_res - jnp.eye(E)).max()) > 0.5  # the default init mixes
 
 
-def test_counts_step_and_kv_cache_decode(measured):
-    config = _tiny_config().replace(scan_layers=True, remat="full")
+@pytest.mark.slow
+def test_counts_step_and_kv_cache_decode():
+    config = _tiny_config()
     model = TransformerLM(config, rngs=nnx.Rngs(0))
     assert model.num_params() == config.param_count()
     kernels = sum(g[...].size for path, g in nnx.to_flat_state(nnx.state(model.blocks, nnx.Param))
@@ -322,3 +323,25 @@ def test_train_py_trains_resumes_bitwise_and_generates(tmp_path):
     generated = np.asarray(diffjax.generate(model, prompt, 5))[0]
     full = np.asarray(jnp.argmax(model(jnp.asarray(np.concatenate([prompt[0], generated])[None]))[0], axis=-1))
     assert generated.tolist() == full[4:9].tolist()
+
+
+@pytest.mark.slow
+def test_a_sharded_step_equals_one_device_and_the_streams_params_follow_the_rules():
+    """data=2, fsdp=2, tensor=2 (test_parallel's step): the same update as one device; the flattened streams' axis
+    of the projections and the norm goes to fsdp like every "embed" axis, the rest is replicated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from test_parallel import MESHES, MODEL, _one_step
+
+    from diffjax.train.mesh import ParallelConfig
+
+    config = MODEL.replace(residual="mhc", residual_options={"streams": 2})
+    mesh, sharded, metrics = _one_step(config, MESHES["data=2,fsdp=2,tensor=2"])
+    _, single, single_metrics = _one_step(config, ParallelConfig(data=1))
+    np.testing.assert_allclose(metrics["loss"], single_metrics["loss"], rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(sharded["params"]), jax.tree.leaves(single["params"]), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+    form = sharded["params"]["blocks"]["attn_residual"]
+    for array, spec in ((form["res_kernel"], P(None, "fsdp", None)), (form["norm"]["scale"], P(None, "fsdp")),
+                        (form["res_bias"], P()), (form["pre_alpha"], P())):
+        assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), array.sharding.spec
