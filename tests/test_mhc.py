@@ -345,3 +345,14 @@ def test_a_sharded_step_equals_one_device_and_the_streams_params_follow_the_rule
     for array, spec in ((form["res_kernel"], P(None, "fsdp", None)), (form["norm"]["scale"], P(None, "fsdp")),
                         (form["res_bias"], P()), (form["pre_alpha"], P())):
         assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), array.sharding.spec
+
+
+def test_weight_decay_spares_its_gates_biases_scales_and_norm():
+    from diffjax.train.optimizer import weight_decay_mask
+
+    params = nnx.to_pure_dict(nnx.state(TransformerLM(_tiny_config(), rngs=nnx.Rngs(0)), nnx.Param))
+    mask = {".".join(str(key.key) for key in path): decayed
+            for path, decayed in jax.tree_util.tree_flatten_with_path(weight_decay_mask(params))[0]}
+    spared = {name for name, decayed in mask.items() if not decayed and "_residual" in name}
+    assert spared == {f"blocks.{form}_residual.{name}" for form in ("attn", "mlp") for name in (
+        "norm.scale", "pre_bias", "post_bias", "res_bias", "pre_alpha", "post_alpha", "res_alpha")}
