@@ -23,7 +23,7 @@ register(ResidualKind(name="plain", label="residual", module="diffjax.model.resi
 
 @dataclasses.dataclass(frozen=True)
 class MHCOptions(kinds.Options):
-    """mHC's settings; Motif 3's config names in brackets, the defaults are Motif 3's (vLLM's MotifMHCLayer)."""
+    """mHC's settings; Motif 3's config names in parentheses, the defaults are Motif 3's (vLLM's MotifMHCLayer)."""
 
     streams: int = 4  # parallel residual streams E (mhc_expansion_rate)
     sinkhorn_iters: int = 20  # rounds of row-then-column normalization of h_res (mhc_sinkhorn_iters)
