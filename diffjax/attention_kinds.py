@@ -165,7 +165,7 @@ class GDLAOptions(kinds.Options):
     qk_nope_head_dim: int | None = None  # None: head_dim - qk_rope_head_dim
     qk_rope_head_dim: int | None = None  # None: head_dim // 2 (MotifConfig's default)
     v_head_dim: int | None = None  # None: head_dim
-    num_noise_heads: int | None = None  # None: num_kv_heads
+    num_noise_heads: int | None = None  # None: num_kv_heads (one group per kv head; num_heads // 2 without GQA)
     output_gate: bool = True  # the element-wise sigmoid gate from q's latent (elementwise_attn_output_gate)
 
     def defaults(self, config) -> dict:
@@ -173,7 +173,7 @@ class GDLAOptions(kinds.Options):
         rope = self.qk_rope_head_dim or (config.head_dim - nope if nope else config.head_dim // 2)
         return {"q_lora_rank": max(1, config.d_model // 4), "kv_lora_rank": max(1, config.d_model // 8),
                 "qk_rope_head_dim": rope, "qk_nope_head_dim": config.head_dim - rope, "v_head_dim": config.head_dim,
-                "num_noise_heads": config.num_kv_heads}
+                "num_noise_heads": config.num_kv_heads if config.num_query_groups >= 2 else max(1, config.num_heads // 2)}
 
     def problems(self, config) -> list[str]:
         problems = kinds.positive_int_problems(self, "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
