@@ -171,9 +171,10 @@ class GDLAOptions(kinds.Options):
     def defaults(self, config) -> dict:
         nope = self.qk_nope_head_dim
         rope = self.qk_rope_head_dim or (config.head_dim - nope if nope else config.head_dim // 2)
+        noise = config.num_kv_heads if config.num_query_groups >= 2 else max(1, config.num_heads // 2)
         return {"q_lora_rank": max(1, config.d_model // 4), "kv_lora_rank": max(1, config.d_model // 8),
                 "qk_rope_head_dim": rope, "qk_nope_head_dim": config.head_dim - rope, "v_head_dim": config.head_dim,
-                "num_noise_heads": config.num_kv_heads if config.num_query_groups >= 2 else max(1, config.num_heads // 2)}
+                "num_noise_heads": noise}
 
     def problems(self, config) -> list[str]:
         problems = kinds.positive_int_problems(self, "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",

@@ -47,7 +47,7 @@ def gdla_config(motif: dict, **overrides) -> ModelConfig:
     windowed = [i for i in range(motif["num_hidden_layers"]) if motif.get("use_sliding_window")
                 and (motif["sliding_window_pattern"] == "all" or i % motif["sliding_window_period"])]
     stretched = motif["max_position_embeddings"] > motif["original_seq_len"]
-    assert not stretched or yarn, "the softmax factor without YaRN frequencies has no ModelConfig spelling"
+    assert not stretched or (yarn and yarn["factor"] == motif["rope_factor"]), "no ModelConfig spelling for this"
     return ModelConfig(**{**dict(
         vocab_size=motif["vocab_size"], d_model=motif["hidden_size"], num_layers=motif["num_hidden_layers"],
         num_heads=motif["num_attention_heads"], num_kv_heads=motif["num_key_value_heads"], head_dim=motif["head_dim"],
@@ -56,8 +56,9 @@ def gdla_config(motif: dict, **overrides) -> ModelConfig:
             qk_rope_head_dim=motif["qk_rope_head_dim"], v_head_dim=motif["v_head_dim"],
             num_noise_heads=motif["num_noise_heads"], output_gate=motif["elementwise_attn_output_gate"]),
         norm_eps=motif["rms_norm_eps"], rope_style="rotate_half", rope_theta=motif["rope_theta"],
-        **(dict(rope_type="yarn", rope_factor=yarn["factor"], rope_original_max_len=yarn["original_max_position_embeddings"],
-                rope_beta_fast=yarn["beta_fast"], rope_beta_slow=yarn["beta_slow"],
+        **(dict(rope_type="yarn", rope_factor=yarn["factor"],
+                rope_original_max_len=yarn["original_max_position_embeddings"], rope_beta_fast=yarn["beta_fast"],
+                rope_beta_slow=yarn["beta_slow"],
                 rope_mscale=motif["mscale"] if stretched else None) if yarn else {}),
         attention_window=motif["sliding_window"] + 1 if windowed else None,
         global_layers=[i for i in range(motif["num_hidden_layers"]) if i not in windowed] if windowed else [],
@@ -138,7 +139,8 @@ def test_output_and_gradients_match_the_reference(case, measured):
     config = gdla_config(motif)
     module = ported(ref, config)
     assert (ref.window is None) == (config.window_at(layer) is None)
-    assert measured(f"GDLA output vs reference ({case})", relative(run(module, layer), reference_out(ref)), 1e-5) <= 1e-5
+    difference = relative(run(module, layer), reference_out(ref))
+    assert measured(f"GDLA output vs reference ({case})", difference, 1e-5) <= 1e-5
     # Gradients of <out, cotangent> for every parameter and the input.
     cotangent = np.random.RandomState(2).randn(*X.shape).astype(np.float32)
     x_torch = torch.tensor(X, requires_grad=True)
@@ -262,7 +264,8 @@ def test_parameter_count_matches_the_checkpoint_and_the_module():
     for motif in (small_config(), small_config("gate_off"), PUBLISHED):
         config = gdla_config(motif)
         shapes = checkpoint_shapes(motif)
-        expected = sum(math.prod(shape) for name, shape in shapes.items() if name.startswith("model.layers.0.self_attn."))
+        expected = sum(math.prod(shape) for name, shape in shapes.items()
+                       if name.startswith("model.layers.0.self_attn."))
         assert attention_kinds.get("gdla").attention_params(config) == expected
         module = nnx.eval_shape(lambda: GroupedDiffLatentAttention(config, rngs=nnx.Rngs(0)))
         assert sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param))) == expected

@@ -115,10 +115,8 @@ def layer_rope_tables(config: ModelConfig, positions_BT, dtype):
     return WindowedRope(rope_tables(positions_BT, inv_frequencies(config), dtype), windowed)
 
 
-def select_rope(rope, windowed):
-    """A layer's (cos, sin) from layer_rope_tables' output; windowed: a bool or a traced one."""
-    if not isinstance(rope, WindowedRope):
-        return rope
+def select_rope(rope: WindowedRope, windowed):
+    """A layer's (cos, sin) of a WindowedRope; windowed: a bool or a traced one."""
     if isinstance(windowed, bool):
         return rope.windowed_cos_sin if windowed else rope.global_cos_sin
     return tuple(jnp.where(windowed, w, g) for w, g in zip(rope.windowed_cos_sin, rope.global_cos_sin))

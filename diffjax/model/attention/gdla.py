@@ -120,7 +120,8 @@ class GroupedDiffLatentAttention(AttentionModule):
             o_BTSv = o_BTSv * jax.nn.sigmoid(gate_BTSv)
         return self._out_projection(o_BTSv, dtype)
 
-    def explicit_maps(self, x_BTD, rope_cos_sin, allowed_BTS, constants=None, transform_logits=None) -> ExplicitAttention:
+    def explicit_maps(self, x_BTD, rope_cos_sin, allowed_BTS, constants=None,
+                      transform_logits=None) -> ExplicitAttention:
         """As AttentionModule's, over the S signal heads: map 0 a signal head's, map 1 its noise head's."""
         constants = {} if constants is None else constants
         q, k, v_BSKv = self.project(x_BTD, self.layer_rope(rope_cos_sin, constants))
