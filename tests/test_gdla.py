@@ -331,3 +331,15 @@ def test_fused_pallas_tpu_kernel_takes_gdla_shapes(measured):
         assert measured(f"GDLA pallas_tpu vs xla (layer {layer})", worst, 1e-5) <= 1e-5
         grads = [jax.grad(lambda x, m=m: jnp.sum(run(m, layer, x) * cotangent))(jnp.asarray(X)) for m in (fused, xla)]
         assert measured(f"GDLA pallas_tpu vs xla, gradient (layer {layer})", relative(*grads), 1e-4) <= 1e-4
+
+
+def test_hf_export_refuses_yarn_rope(tmp_path):
+    """The Llama / DiffLlama exports write default and llama3 RoPE only: a YaRN model is refused, not exported
+    as plain RoPE."""
+    import diffjax
+    from diffjax.convert.common import ConversionError
+
+    config = ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, attention="standard", rope_type="yarn",
+                         rope_original_max_len=16, max_seq_len=64)
+    with pytest.raises(ConversionError, match="rope_type='yarn': HF llama exports write 'default' and 'llama3' RoPE"):
+        diffjax.save_hf(TransformerLM(config, rngs=nnx.Rngs(0)), tmp_path / "hf")
