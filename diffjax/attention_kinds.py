@@ -43,8 +43,19 @@ class AttentionKind:
     unilm_module: str | None = None  # microsoft/unilm's module class it loads from and exports to
     analyses: tuple[str, ...] = ANALYSES
     options: type[kinds.Options] | None = None  # the kind's own settings (ModelConfig.attention_options)
+    rotary_dim: Callable = lambda config: config.head_dim  # (ModelConfig) -> the q / k channels RoPE rotates
+    map_heads: Callable = lambda config: config.num_heads  # (ModelConfig) -> heads of each map explicit_maps gives
+    # The diffjax.ops function its module calls; None: diff_attention for 2 maps, dot_product_attention for 1.
+    op: str | None = None
+
+    @property
+    def attention_op(self) -> str:
+        return self.op or ("diff_attention" if self.maps == 2 else "dot_product_attention")
 
     def __post_init__(self):
+        if self.op not in (None, "diff_attention", "dot_product_attention"):
+            raise ValueError(f"AttentionKind {self.name!r}: op must be None, 'diff_attention' or "
+                             f"'dot_product_attention', got {self.op!r}")
         if self.maps not in (1, 2):
             raise ValueError(f"AttentionKind {self.name!r}: maps must be 1 or 2, got {self.maps!r}")
         if self.lambda_form not in LAMBDA_FORMS:
@@ -143,6 +154,63 @@ def _gda_params(c) -> int:
     return D * (H + N) * d + 2 * D * K * 2 * d + H * 2 * d * D + _v1_vectors(c)  # q signal, q noise, k, v, o
 
 
+@dataclasses.dataclass(frozen=True)
+class GDLAOptions(kinds.Options):
+    """Grouped Differential Latent Attention (Motif 3): MLA-style low-rank q and kv, heads in groups of
+    num_heads / num_noise_heads whose last head is the noise head. head_dim = qk_nope_head_dim + qk_rope_head_dim
+    is the q / k width (Motif's head_dim); values are v_head_dim wide."""
+
+    q_lora_rank: int | None = None  # None: d_model // 4 (Motif 3: 1024 at 4096)
+    kv_lora_rank: int | None = None  # None: d_model // 8 (Motif 3: 512)
+    qk_nope_head_dim: int | None = None  # None: head_dim - qk_rope_head_dim
+    qk_rope_head_dim: int | None = None  # None: head_dim // 2 (MotifConfig's default)
+    v_head_dim: int | None = None  # None: head_dim
+    num_noise_heads: int | None = None  # None: num_kv_heads (one group per kv head; num_heads // 2 without GQA)
+    output_gate: bool = True  # the element-wise sigmoid gate from q's latent (elementwise_attn_output_gate)
+
+    def defaults(self, config) -> dict:
+        nope = self.qk_nope_head_dim
+        rope = self.qk_rope_head_dim or (config.head_dim - nope if nope else config.head_dim // 2)
+        noise = config.num_kv_heads if config.num_query_groups >= 2 else max(1, config.num_heads // 2)
+        return {"q_lora_rank": max(1, config.d_model // 4), "kv_lora_rank": max(1, config.d_model // 8),
+                "qk_rope_head_dim": rope, "qk_nope_head_dim": config.head_dim - rope, "v_head_dim": config.head_dim,
+                "num_noise_heads": noise}
+
+    def problems(self, config) -> list[str]:
+        problems = kinds.positive_int_problems(self, "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                               "qk_rope_head_dim", "v_head_dim", "num_noise_heads")
+        if not isinstance(self.output_gate, bool):
+            problems.append(f"output_gate must be true or false, got {self.output_gate!r}")
+        if problems:
+            return problems
+        H, N = config.num_heads, self.num_noise_heads
+        if self.qk_nope_head_dim + self.qk_rope_head_dim != config.head_dim:
+            problems.append(f"qk_nope_head_dim ({self.qk_nope_head_dim}) + qk_rope_head_dim ({self.qk_rope_head_dim}) "
+                            f"must equal head_dim ({config.head_dim}), the q / k width")
+        if self.qk_rope_head_dim % 2:
+            problems.append(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        if H % N or H // N < 2:
+            problems.append(f"num_noise_heads ({N}) must divide num_heads ({H}) into groups of at least 2 (signal "
+                            "heads, then the group's noise head)")
+        return problems
+
+    def describe(self) -> str:
+        return (f"{self.num_noise_heads} noise heads, q rank {self.q_lora_rank}, kv rank {self.kv_lora_rank}"
+                f"{', output gate' if self.output_gate else ''}")
+
+
+def _gdla_params(c) -> int:
+    D, H, K, d, o = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_options
+    rq, rkv, dv, signal = o.q_lora_rank, o.kv_lora_rank, o.v_head_dim, H - o.num_noise_heads
+    q = D * rq + rq * H * d + (rq * signal * dv if o.output_gate else 0)
+    kv = D * (rkv + o.qk_rope_head_dim) + rkv * K * (o.qk_nope_head_dim + dv)
+    return q + kv + D * signal + signal * dv * D + _gdla_vectors(c)  # + lambda, o
+
+
+def _gdla_vectors(c) -> int:
+    return c.attention_options.q_lora_rank + c.attention_options.kv_lora_rank  # the two latent RMSNorm scales
+
+
 _V1_FLOPS = lambda c, context: 12 * c.num_heads * c.head_dim * context  # noqa: E731  2 maps of d; P V of 2d
 
 for _kind in (
@@ -175,6 +243,16 @@ for _kind in (
         attention_flops=lambda c, context: 6 * (c.num_heads + c.attention_options.num_noise_heads) * c.head_dim * context,
         vector_params=_v1_vectors, hf_model_type="motif", hf_architecture="MotifForCausalLM",
         options=GDAOptions,
+    ),
+    AttentionKind(
+        # One softmax map per query head (ops.dot_product_attention over all H heads, q k^T of d, P V of dv); each
+        # signal head's second map is its group's noise head, subtracted after the op.
+        name="gdla", label="GDLA", module="diffjax.model.attention.gdla:GroupedDiffLatentAttention", maps=2,
+        value_width=1, lambda_form="per_token", attention_params=_gdla_params,
+        attention_flops=lambda c, context: 2 * c.num_heads * (c.head_dim + c.attention_options.v_head_dim) * context,
+        vector_params=_gdla_vectors, options=GDLAOptions, op="dot_product_attention",
+        rotary_dim=lambda c: c.attention_options.qk_rope_head_dim,
+        map_heads=lambda c: c.num_heads - c.attention_options.num_noise_heads,
     ),
 ):
     register(_kind)

@@ -28,7 +28,7 @@ from diffjax.attention_impls import config_problems
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (diffjax.model.layers.polynorm)
 ROPE_STYLES = ("interleaved", "rotate_half")
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "minimal", "attention", "full")  # what a decoder block keeps for the backward pass
 # Fields that change how the model computes, not what it computes: a run may resume with others.
@@ -69,11 +69,20 @@ class ModelConfig:
     # RoPE. "interleaved" is GPT-J / unilm (the canonical layout); "rotate_half" is NeoX / HF.
     rope_theta: float = 10000.0
     rope_style: str = "interleaved"
-    rope_type: str = "default"  # "default" or "llama3" (frequency schedule)
-    rope_factor: float = 8.0  # llama3 only
+    rope_type: str = "default"  # "default", "llama3" or "yarn" (frequency schedule, diffjax.model.rope)
+    rope_factor: float = 8.0  # llama3 and yarn
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_len: int = 8192  # llama3 only
+    rope_original_max_len: int = 8192  # llama3 and yarn
+    rope_beta_fast: float = 32.0  # yarn only: pairs turning more often than this over the original context keep theirs
+    rope_beta_slow: float = 1.0  # yarn only: pairs turning less often than this are divided by rope_factor
+    # yarn only: the layers attending the whole context multiply their softmax scale by
+    # (0.1 rope_mscale ln(rope_factor) + 1)^2 (cos / sin are never scaled); None: unchanged. Motif 3 sets its mscale
+    # (1.0) when max_position_embeddings > original_seq_len.
+    rope_mscale: float | None = None
+    # The windowed layers' RoPE theta (plain frequencies, no YaRN, no softmax factor; Motif 3's swa_rope_theta,
+    # Gemma 3's local base); None: they rotate as the global layers do. Needs an attention_window.
+    window_rope_theta: float | None = None
     # Differential attention.
     lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 (depth + lambda_init_depth_offset)); a float: every layer's
     # The paper, unilm and HF DiffLlama count depth from 0 (offset 0); Motif's code from -1 (offset -1: its first layer's
@@ -151,6 +160,11 @@ class ModelConfig:
             errors.append(f"global_layers has repeats: {list(layers)}")
         if layers and window is None:
             errors.append(f"global_layers {list(layers)} needs an attention_window (without one every layer is global)")
+        theta = self.window_rope_theta
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
+            errors.append(f"window_rope_theta must be None (as the global layers) or > 0, got {theta!r}")
+        elif theta is not None and window is None:
+            errors.append(f"window_rope_theta {theta!r} needs an attention_window (it is the windowed layers' theta)")
         return errors
 
     def _numerics_errors(self) -> list[str]:
@@ -182,6 +196,19 @@ class ModelConfig:
                  f"{self.rope_low_freq_factor!r} and {self.rope_high_freq_factor!r}"),
                 (self.rope_original_max_len > 0, "rope_original_max_len must be > 0"),
             ]
+        if self.rope_type == "yarn":
+            checks += [
+                (self.rope_factor >= 1, f"rope_factor must be >= 1 for yarn RoPE, got {self.rope_factor!r}"),
+                (0 < self.rope_beta_slow < self.rope_beta_fast,
+                 f"yarn RoPE needs 0 < rope_beta_slow < rope_beta_fast, got {self.rope_beta_slow!r} and "
+                 f"{self.rope_beta_fast!r}"),
+                (self.rope_original_max_len > 0, "rope_original_max_len must be > 0"),
+                (self.rope_mscale is None or self.rope_mscale > 0,
+                 f"rope_mscale must be None (no softmax factor) or > 0, got {self.rope_mscale!r}"),
+            ]
+        elif self.rope_mscale is not None:
+            checks.append((False, f"rope_mscale is YaRN's (rope_type 'yarn'), got {self.rope_mscale!r} with rope_type "
+                                  f"{self.rope_type!r}"))
         return [message for ok, message in checks if not ok] + config_problems(self.attention_impl, self.dtype)
 
     def _derive_sizes(self, kind) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ TINY = dict(vocab_size=50, d_model=32, num_layers=2, num_heads=2)
         (dict(num_layers=0), "num_layers must be a positive integer"),
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(lambda_init=1.5), "lambda_init must be None"),
-        (dict(rope_type="yarn"), "rope_type must be one of"),
+        (dict(rope_type="dynamic"), "rope_type must be one of"),
         (dict(rope_type="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0), "rope_low_freq_factor < rope_high_freq_factor"),
         (dict(head_dim=7), "head_dim must be even"),
         (dict(attention_options={"rank": 4}), "attention_options: 'diff' has no options, got {'rank': 4}"),

@@ -60,7 +60,8 @@ def statistics(model, batches: Sequence[dict], *, median_sample: int = 1 << 16, 
     """Table 5's figures for `model` over packed `batches` (tokens / segment_ids / positions [B, T])."""
     probe = make_probe(model, magnitudes)
     config, rng = model.config, np.random.default_rng(seed)
-    maps, heads = attention_kinds.get(config.attention).maps, config.num_heads
+    kind = attention_kinds.get(config.attention)
+    maps, heads = kind.maps, kind.map_heads(config)
     tops = {kind: [] for kind in KINDS}
     samples = {kind: [] for kind in KINDS}
     tokens = 0

@@ -20,7 +20,7 @@ from flax import nnx
 
 from diffjax import ops
 from diffjax.model import residual
-from diffjax.model.rope import inv_frequencies, rope_tables
+from diffjax.model.rope import layer_rope_tables
 
 QUANTIZATION_BITS = (8, 6, 4)  # the paper's Figure 8 (16 bits: unquantized)
 
@@ -77,7 +77,7 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
         dtype = jnp.dtype(config.dtype)
         graph, params = nnx.split(model.blocks)
         real_BT = jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0
-        cos_sin = rope_tables(positions_BT, inv_frequencies(config), dtype)
+        cos_sin = layer_rope_tables(config, positions_BT, dtype)
         constants = model.depth_constants(dtype)
         residual_form = residual.module_class(config)
         stream = residual_form.expand(config, model.embed(tokens_BT, dtype))

@@ -77,6 +77,8 @@ def check_exportable(config: ModelConfig) -> None:
     if config.attention_window is not None:
         problems.append(f"attention_window={config.attention_window}: HF DiffLlama and Llama attend the whole context "
                         "(they have no sliding window); a model trained with one would compute something else there")
+    if config.rope_type not in ("default", "llama3"):
+        problems.append(f"rope_type={config.rope_type!r}: HF {model_type} exports write 'default' and 'llama3' RoPE")
     if problems:
         raise ConversionError("cannot export to Hugging Face: " + "; ".join(problems))
 

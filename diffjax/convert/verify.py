@@ -19,7 +19,7 @@ from flax import nnx
 from diffjax.convert import hub, motif
 from diffjax.convert.common import ConversionError, build_module, flatten
 from diffjax.convert.hf import load_hf, read_hf_config
-from diffjax.model.rope import inv_frequencies, rope_tables
+from diffjax.model.rope import layer_rope_tables
 from diffjax.model.transformer import TransformerLM
 
 
@@ -121,7 +121,7 @@ def _diffjax_run(model: TransformerLM, tokens: np.ndarray):
     dtype = jnp.dtype(config.dtype)
     tokens_BT = jnp.asarray(tokens)
     positions_BT = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens_BT.shape)
-    rope = rope_tables(positions_BT, inv_frequencies(config), dtype)
+    rope = layer_rope_tables(config, positions_BT, dtype)
     x_BTD = model.embed(tokens_BT, dtype)
     stages = [np.asarray(x_BTD.astype(jnp.float32))]
     for depth in range(config.num_layers):

@@ -13,7 +13,7 @@ from diffjax.model import mlp, residual
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache
 from diffjax.model.layers import Embedding, RMSNorm, normal_param, prepend_axis
-from diffjax.model.rope import inv_frequencies, rope_tables
+from diffjax.model.rope import layer_rope_tables
 from diffjax.ops.context_parallel import context_size, to_context_order
 from diffjax.sharding import constrain
 
@@ -134,7 +134,7 @@ class TransformerLM(nnx.Module):
         dtype = jnp.dtype(self.config.dtype)
         residual_form = residual.module_class(self.config)
         stream = residual_form.expand(self.config, constrain(self.embed(tokens_BT, dtype), BTD))
-        rope_cos_sin = rope_tables(positions_BT, inv_frequencies(self.config), dtype)
+        rope_cos_sin = layer_rope_tables(self.config, positions_BT, dtype)
         stream, cache = self._run_blocks(stream, rope_cos_sin, segment_ids_BT, cache, lambda_scale, layer_params)
         hidden_BTD = self.final_norm(residual_form.collapse(self.config, stream))
         return hidden_BTD if cache is None else (hidden_BTD, cache)

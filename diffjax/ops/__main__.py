@@ -29,7 +29,7 @@ def attention_calls(config, seq_len: int, context: int = 1) -> list[tuple[str, A
     from diffjax.model.attention import module_class
     from diffjax.model.rope import inv_frequencies, rope_tables
 
-    op = "diff_attention" if attention_kinds.get(config.attention).maps == 2 else "dot_product_attention"
+    op = attention_kinds.get(config.attention).attention_op
     dtype = jnp.dtype(config.dtype)
     module = nnx.eval_shape(lambda: module_class(config)(config, 0, rngs=nnx.Rngs(0)))
 

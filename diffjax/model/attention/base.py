@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import attention_kinds, ops
 from diffjax.config import ModelConfig
+from diffjax.model.rope import WindowedRope, select_rope, softmax_scale_factor
 from diffjax.sharding import constrain
 
 BTD = ("batch", "length", "act_embed")
@@ -51,23 +52,28 @@ def masked_softmax(s, allowed):
     return jnp.where(jnp.any(allowed, axis=-1, keepdims=True), p, 0.0)
 
 
-def attend(op, q, k, v, *op_args, segment_ids, impl, cache=None, window=None, windowed=True):
+def attend(op, q, k, v, *op_args, segment_ids, impl, cache=None, window=None, windowed=True, global_scale=None):
     """`op(q, k, v, *op_args)` causal. Returns (output, cache): with a KVCache (generation), k and v are stored
     and the op attends over the cache (kv_cache.py). q, k, v and the output carry the names remat keeps.
     window: the layer's sliding window (None: the whole context); windowed: whether it applies, True or a traced
-    bool (a layer of a scanned stack that mixes windowed and global layers: both calls compile, one runs)."""
+    bool (a layer of a scanned stack that mixes windowed and global layers: both calls compile, one runs).
+    global_scale: the softmax scale of a layer attending the whole context (YaRN's factor; None: the op's d^-0.5);
+    windowed layers keep the op's."""
     q, k, v = (checkpoint_name(x, "attention_qkv") for x in (q, k, v))
     kwargs = dict(causal=True, segment_ids=segment_ids, impl=impl, window=window)
     if cache is not None:
         cache, k, v, kwargs = cache.update(k, v, kwargs, windowed)
 
-    def call(window):
-        return op(q, k, v, *op_args, **{**kwargs, "window": window})
+    def call(is_windowed):  # (a decode step's window is already in its mask: kwargs["window"] None)
+        scale = None if is_windowed and window is not None else global_scale
+        return op(q, k, v, *op_args, **{**kwargs, "window": kwargs["window"] if is_windowed else None, "scale": scale})
 
-    if kwargs["window"] is None or isinstance(windowed, bool):
-        out = call(kwargs["window"] if windowed is True else None)
+    if isinstance(windowed, bool):
+        out = call(windowed)
+    elif kwargs["window"] is None and global_scale is None:
+        out = call(True)
     else:
-        out = jax.lax.cond(windowed, lambda: call(kwargs["window"]), lambda: call(None))
+        out = jax.lax.cond(windowed, lambda: call(True), lambda: call(False))
     return checkpoint_name(out, "attention_out"), cache
 
 
@@ -98,11 +104,32 @@ class AttentionModule(nnx.Module):
         """(output [B, T, D], updated cache): the same computation, attending over and extending a KVCache
         (generation); cache None: (output, None)."""
         constants = self.layer_constants(x_BTD.dtype) if constants is None else constants
-        op = ops.diff_attention if self.kind.maps == 2 else ops.dot_product_attention
-        o_BTHv, cache = attend(op, *self.project(x_BTD, rope_cos_sin), *self.lambdas(x_BTD, constants),
+        q, k, v = self.project(x_BTD, self.layer_rope(rope_cos_sin, constants))
+        o_BTHv, cache = attend(getattr(ops, self.kind.attention_op), q, k, v, *self.lambdas(x_BTD, constants),
                                segment_ids=segment_ids, impl=self.config.attention_impl, cache=cache,
-                               window=self.config.attention_window, windowed=self.windowed(constants))
+                               window=self.config.attention_window, windowed=self.windowed(constants),
+                               global_scale=self.global_scale(q.shape[-1]))
         return self.output(o_BTHv, constants), cache
+
+    def layer_rope(self, rope, constants):
+        """This layer's (cos, sin) from rope.layer_rope_tables' output (of a WindowedRope, the windowed or the global
+        pair)."""
+        return select_rope(rope, self.windowed(constants)) if isinstance(rope, WindowedRope) else rope
+
+    def global_scale(self, qk_dim: int) -> float | None:
+        """The softmax scale of a layer attending the whole context: d^-0.5 times YaRN's factor (rope_mscale); None
+        when that factor is 1 (the op's own d^-0.5)."""
+        factor = softmax_scale_factor(self.config)
+        return None if factor == 1.0 else qk_dim ** -0.5 * factor
+
+    def softmax_scale(self, qk_dim: int, constants):
+        """This layer's softmax scale as a float32 (traced where the layer's window flag is)."""
+        plain, global_scale = jnp.float32(qk_dim ** -0.5), self.global_scale(qk_dim)
+        if global_scale is None:
+            return plain
+        if self.config.attention_window is None:
+            return jnp.float32(global_scale)
+        return jnp.where(self.windowed(constants), plain, jnp.float32(global_scale))
 
     def lambdas(self, x_BTD, constants) -> tuple:
         """op_arguments with lambda times constants["lambda_scale"] when there is one (a float32 scalar in [0, 1]:
@@ -137,12 +164,12 @@ class AttentionModule(nnx.Module):
         output up to the op's summation order (exactly, against the XLA reference, in float32)."""
         constants = self.layer_constants(x_BTD.dtype) if constants is None else constants
         n_rep, M = self.config.num_query_groups, self.kind.maps
-        q, k, v_BSKv = self.project(x_BTD, rope_cos_sin)
+        q, k, v_BSKv = self.project(x_BTD, self.layer_rope(rope_cos_sin, constants))
         if M == 1:
             q, k = q[..., None, :], k[..., None, :]
         k_BSHMd = jnp.broadcast_to(jnp.repeat(k, n_rep, axis=2), k.shape[:2] + (q.shape[2], M, k.shape[-1]))
         s_MBHTS = jnp.einsum("bthmd,bshmd->mbhts", q, k_BSHMd, preferred_element_type=jnp.float32)
-        s_MBHTS = s_MBHTS * jnp.float32(q.shape[-1] ** -0.5)
+        s_MBHTS = s_MBHTS * self.softmax_scale(q.shape[-1], constants)
         if transform_logits is not None:
             s_MBHTS = transform_logits(s_MBHTS)
         p_MBHTS = masked_softmax(s_MBHTS, allowed_BTS[None, :, None])
