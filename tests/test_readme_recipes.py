@@ -9,6 +9,7 @@ fails on a non-zero exit or a line saying it did nothing useful (FAILURE_MARKERS
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -41,6 +42,7 @@ SIZES = [
 # A recipe that prints one of these did not do what it says, whatever its exit status.
 FAILURE_MARKERS = re.compile(r"^FAIL\b|nothing to do", re.MULTILINE)
 COPIED = ("train.py", "configs")
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -55,28 +57,14 @@ class Block:
 
 def readme_blocks(text: str) -> list[Block]:
     """Every ```bash / ```python block, with the recipe or not-run comment among the HTML comments just above it."""
-    lines, blocks, index = text.split("\n"), [], 0
-    while index < len(lines):
-        fence = re.fullmatch(r"```(bash|python)\s*", lines[index])
-        if not fence:
-            index += 1 if not lines[index].startswith("```") else _skip_block(lines, index)
-            continue
-        end = _skip_block(lines, index) + index
-        comments, above = [], index - 1
-        while above >= 0 and lines[above].startswith("<!--"):
-            comments.append(lines[above])
-            above -= 1
-        blocks.append(_block(index + 1, fence.group(1), "\n".join(lines[index + 1:end - 1]), comments))
-        index = end
+    blocks = []
+    for fence in FENCE.finditer(text):
+        if fence.group(1) in ("bash", "python"):
+            above = reversed(text[:fence.start()].split("\n")[:-1])
+            comments = list(itertools.takewhile(lambda line: line.startswith("<!--"), above))
+            line = text.count("\n", 0, fence.start()) + 1
+            blocks.append(_block(line, fence.group(1), fence.group(2).rstrip("\n"), comments))
     return blocks
-
-
-def _skip_block(lines: list[str], start: int) -> int:
-    """How many lines the fenced block opening at `start` takes, both fences included."""
-    for index in range(start + 1, len(lines)):
-        if lines[index].startswith("```"):
-            return index - start + 1
-    raise AssertionError(f"README.md line {start + 1}: a code block that never closes")
 
 
 def _block(line: int, language: str, code: str, comments: list[str]) -> Block:
