@@ -32,8 +32,9 @@ from diffjax.sharding import key_names
 
 DECAYS = ("linear", "cosine", "constant")
 # Parameter paths that get no weight decay by default: RMSNorm scales, the per-head subln scale
-# and differential attention's lambda vectors (decaying lambda_q/k would pull lambda to lambda_init).
-DEFAULT_NO_DECAY = (r"norm", r"subln", r"lambda_")
+# and differential attention's lambda vectors (decaying lambda_q/k would pull lambda to lambda_init); an MoE's expert_bias
+# (a selection bias that is never trained: no gradient, and no decay either).
+DEFAULT_NO_DECAY = (r"norm", r"subln", r"lambda_", r"expert_bias")
 
 
 @dataclasses.dataclass(frozen=True)

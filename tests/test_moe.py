@@ -1,0 +1,203 @@
+"""Motif 3's MLPs and layer stack in diffjax (mlp_kinds rows "polynorm" and "moe", model segments): the PyTorch
+re-statement's modules (tests/motif3_reference.py) with their weights copied in give the same outputs and gradients;
+a model of dense-first then MoE layers trains, resumes bitwise and generates through the real CLIs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from motif3_published import small_config  # noqa: E402
+from motif3_reference import Motif3Config, MotifMLP, MotifMoE, _draw  # noqa: E402
+
+from diffjax.config import ModelConfig  # noqa: E402
+from diffjax.model.mlp import moe as moe_module  # noqa: E402
+from diffjax.model.mlp.moe import MoEMLP  # noqa: E402
+from diffjax.model.mlp.polynorm import PolyNormMLP  # noqa: E402
+
+B, T = 2, 5
+
+
+def moe_options(c: dict) -> dict:
+    """A Motif 3 config.json's MoE fields as the "moe" kind's options."""
+    return dict(num_experts=c["num_experts"], top_k=c["experts_top_k"], expert_inner=c["moe_intermediate_size"],
+                num_shared_experts=c["num_shared_experts"], score_func=c["score_func"], route_norm=c["route_norm"],
+                route_scale=c["route_scale"], expert_bias=c.get("load_balance_coeff") is not None,
+                output_scale=c["polynorm_output_scale"], sigmoid_weight=c["polynorm_sigmoid_weight"],
+                bias_clamp=c["polynorm_bias_clamp"], hidden_clamp=c["hidden_clamp"],
+                dense_first_layers=c["n_dense_first_layers"])
+
+
+def diffjax_config(c: dict, **changes) -> ModelConfig:
+    """The diffjax config of a Motif 3 config.json's sizes and MLPs (attention: a stand-in)."""
+    fields = dict(vocab_size=c["vocab_size"], d_model=c["hidden_size"], num_layers=c["num_hidden_layers"],
+                  num_heads=4, mlp_dim=c["intermediate_size"], mlp="moe", mlp_options=moe_options(c),
+                  attention="standard")
+    return ModelConfig(**{**fields, **changes})
+
+
+def drawn(module, seed=0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            param.copy_(_draw(name, param))
+        if getattr(module, "expert_bias", None) is not None:  # not a trained parameter: named_parameters skips none
+            module.expert_bias.copy_(0.1 * torch.randn_like(module.expert_bias))
+    return module
+
+
+def t2j(x):
+    return jnp.asarray(x.detach().numpy())
+
+
+def copy_polynorm_mlp(ours, theirs):
+    ours.gate_kernel[...] = t2j(theirs.gate_proj.weight.T)
+    ours.up_kernel[...] = t2j(theirs.up_proj.weight.T)
+    ours.down_kernel[...] = t2j(theirs.down_proj.weight.T)
+    ours.polynorm_weight[...] = t2j(theirs.act_fn.weight)
+    ours.polynorm_bias[...] = t2j(theirs.act_fn.bias)
+
+
+def copy_moe(ours, theirs):
+    inner = theirs.experts.down_proj.shape[-1]
+    ours.router_kernel[...] = t2j(theirs.router.gate.weight.T)
+    if theirs.expert_bias is not None:
+        ours.expert_bias[...] = t2j(theirs.expert_bias)
+    gate_up = theirs.experts.gate_up_proj
+    ours.expert_gate_kernel[...] = t2j(gate_up[:, :inner].transpose(1, 2))
+    ours.expert_up_kernel[...] = t2j(gate_up[:, inner:].transpose(1, 2))
+    ours.expert_down_kernel[...] = t2j(theirs.experts.down_proj.transpose(1, 2))
+    ours.expert_polynorm_weight[...] = t2j(theirs.experts.act_fn.weight)
+    ours.expert_polynorm_bias[...] = t2j(theirs.experts.act_fn.bias)
+    if theirs.shared_experts is not None:
+        copy_polynorm_mlp(ours.shared_expert, theirs.shared_experts)
+
+
+# (ours, theirs) gradient pairs: diffjax path -> (reference parameter name, its layout -> ours)
+def _t(x):
+    return x.T
+
+
+MLP_GRADS = {"gate_kernel": ("gate_proj.weight", _t), "up_kernel": ("up_proj.weight", _t),
+             "down_kernel": ("down_proj.weight", _t), "polynorm_weight": ("act_fn.weight", None),
+             "polynorm_bias": ("act_fn.bias", None)}
+
+
+def moe_grads(inner):
+    return {"router_kernel": ("router.gate.weight", _t),
+            "expert_gate_kernel": ("experts.gate_up_proj", lambda g: g[:, :inner].transpose(0, 2, 1)),
+            "expert_up_kernel": ("experts.gate_up_proj", lambda g: g[:, inner:].transpose(0, 2, 1)),
+            "expert_down_kernel": ("experts.down_proj", lambda g: g.transpose(0, 2, 1)),
+            "expert_polynorm_weight": ("experts.act_fn.weight", None),
+            "expert_polynorm_bias": ("experts.act_fn.bias", None),
+            **{f"shared_expert.{k}": (f"shared_experts.{name}", f) for k, (name, f) in MLP_GRADS.items()}}
+
+
+def compare(ours, theirs, grad_names, seed=1):
+    """(max relative error of the outputs, of the gradients (x's and every parameter's)) for the same x and
+    cotangent through both modules, float32."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((B, T, theirs_width(theirs)), dtype=np.float32)
+    cot = rng.standard_normal(x.shape, dtype=np.float32)
+    x_t = torch.tensor(x, requires_grad=True)
+    out_t = theirs(x_t)
+    out_t.backward(torch.tensor(cot))
+    graphdef, params, rest = nnx.split(ours, nnx.Param, ...)
+
+    def loss(params, x):
+        return jnp.sum(nnx.merge(graphdef, params, rest)(x) * cot), nnx.merge(graphdef, params, rest)(x)
+
+    (_, out), (g_params, g_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, jnp.asarray(x))
+    flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(g_params)}
+    theirs_grads = dict(theirs.named_parameters())
+    pairs = [(g_x, x_t.grad.numpy())]
+    for ours_name, (their_name, layout) in grad_names.items():
+        if ours_name in flat:
+            their = theirs_grads[their_name].grad.numpy()
+            pairs.append((flat[ours_name][...], layout(their) if layout else their))
+    return rel_err(out, out_t.detach().numpy()), max(rel_err(a, b) for a, b in pairs)
+
+
+def theirs_width(module):
+    return module.router.gate.weight.shape[1] if isinstance(module, MotifMoE) else module.gate_proj.weight.shape[1]
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+def dense_pair(variant="all_on", hidden_clamp=None, **overrides):
+    c = small_config(variant, **overrides)
+    theirs = drawn(MotifMLP(c["hidden_size"], c["intermediate_size"], c["polynorm_output_scale"],
+                            c["polynorm_sigmoid_weight"], hidden_clamp))
+    config = diffjax_config(c, mlp="polynorm", mlp_options=dict(output_scale=c["polynorm_output_scale"],
+                                                                 sigmoid_weight=c["polynorm_sigmoid_weight"],
+                                                                 hidden_clamp=hidden_clamp))
+    ours = PolyNormMLP(config, rngs=nnx.Rngs(0))
+    copy_polynorm_mlp(ours, theirs)
+    return ours, theirs
+
+
+def moe_pair(variant="all_on", **overrides):
+    c = small_config(variant, **overrides)
+    theirs = drawn(MotifMoE(Motif3Config(**c), c["polynorm_output_scale"]))
+    ours = MoEMLP(diffjax_config(c), rngs=nnx.Rngs(0))
+    copy_moe(ours, theirs)
+    return ours, theirs, moe_grads(c["moe_intermediate_size"])
+
+
+@pytest.mark.parametrize("sigmoid_weight", [True, False])
+def test_dense_polynorm_mlp_equals_the_reference(sigmoid_weight):
+    ours, theirs = dense_pair(polynorm_sigmoid_weight=sigmoid_weight)
+    out_err, grad_err = compare(ours, theirs, MLP_GRADS)
+    assert out_err < 1e-5 and grad_err < 1e-4, (out_err, grad_err)
+
+
+def test_clamped_polynorm_mlp_equals_the_reference_shared_expert():
+    ours, theirs = dense_pair(hidden_clamp=0.3)
+    out_err, grad_err = compare(ours, theirs, MLP_GRADS)
+    assert out_err < 1e-5 and grad_err < 1e-4, (out_err, grad_err)
+
+
+MOE_CASES = {
+    "sigmoid, route_norm, shared, bias": dict(variant="all_on"),
+    "softmax, no route_norm": dict(variant="softmax_router"),
+    "softmax, route_norm": dict(variant="softmax_router", route_norm=True, route_scale=1.5),
+    "sigmoid, no route_norm, no shared, no bias": dict(variant="all_on", route_norm=False, num_shared_experts=0,
+                                                       load_balance_coeff=None),
+    "tight clamps": dict(variant="tight_clamps"),
+    "no clamps, no sigmoid weight": dict(variant="all_on", hidden_clamp=None, polynorm_bias_clamp=None,
+                                         polynorm_sigmoid_weight=False),
+}
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_moe_layer_equals_the_reference(case):
+    out_err, grad_err = compare(*moe_pair(**MOE_CASES[case]))
+    assert out_err < 1e-5 and grad_err < 1e-4, (out_err, grad_err)
+
+
+def _route_with_the_bias_in_the_weights(logits, bias, top_k, score_func, route_norm, route_scale):
+    scores = jax.nn.sigmoid(logits) if score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores + bias
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(choice, experts, axis=-1)
+    return experts, (weights / weights.sum(-1, keepdims=True) if route_norm else weights) * route_scale
+
+
+@pytest.mark.parametrize("mutation", ["routing bias in the weights", "routed clamps dropped"])
+def test_mutations_of_the_routed_experts_are_caught(mutation, monkeypatch):
+    if mutation == "routing bias in the weights":
+        monkeypatch.setattr(moe_module, "route", _route_with_the_bias_in_the_weights)
+        pair = moe_pair()
+    else:  # the routed experts' clamps only (the shared expert's module keeps its own)
+        monkeypatch.setattr(moe_module, "clamp", lambda x, bound: x)
+        pair = moe_pair("tight_clamps")
+    out_err, _ = compare(*pair)
+    assert out_err > 1e-3, out_err
