@@ -4,6 +4,8 @@ a model of dense-first then MoE layers trains, resumes bitwise and generates thr
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from diffjax.config import ModelConfig  # noqa: E402
 from diffjax.model.mlp import moe as moe_module  # noqa: E402
 from diffjax.model.mlp.moe import MoEMLP  # noqa: E402
 from diffjax.model.mlp.polynorm import PolyNormMLP  # noqa: E402
+from diffjax.model.transformer import TransformerLM  # noqa: E402
 
 B, T = 2, 5
 
@@ -112,7 +115,7 @@ def compare(ours, theirs, grad_names, seed=1):
     def loss(params, x):
         return jnp.sum(nnx.merge(graphdef, params, rest)(x) * cot), nnx.merge(graphdef, params, rest)(x)
 
-    (_, out), (g_params, g_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, jnp.asarray(x))
+    (_, out), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, jnp.asarray(x))
     flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(g_params)}
     theirs_grads = dict(theirs.named_parameters())
     pairs = [(g_x, x_t.grad.numpy())]
@@ -201,3 +204,124 @@ def test_mutations_of_the_routed_experts_are_caught(mutation, monkeypatch):
         pair = moe_pair("tight_clamps")
     out_err, _ = compare(*pair)
     assert out_err > 1e-3, out_err
+
+
+# ------------------------------------------------------------------------------ sizes
+
+
+def test_published_size_counts_314b_total_and_13_2b_active(capsys):
+    """Motif 3's published config as diffjax's MLP rows (the attention a stand-in, swapped for GDLA's and mHC's tensors
+    as the checkpoint lists them): the MLPs, embeddings and norms count exactly what the checkpoint holds; with the
+    multi-token-prediction block the checkpoint also ships (which 13.2B counts, motif3_published's note) that is
+    314B total and 13.2B active within 1%. As built (no MTP block): 314.59B and 12.98B."""
+    from motif3_published import PUBLISHED, PUBLISHED_ACTIVE_PARAMS, PUBLISHED_TOTAL_PARAMS, _mtp_shapes, checkpoint_shapes
+    from motif3_published import parameter_counts as reference_counts
+
+    from diffjax import attention_kinds
+    from diffjax.model.sizes import describe_parameter_counts, parameter_counts
+
+    config = diffjax_config(PUBLISHED, num_heads=32)
+    total, active = parameter_counts(config)
+    assert (total, active) == (config.param_count(), config.param_count(active=True))  # the rows' formulas agree
+    stand_in = config.num_layers * attention_kinds.get("standard").attention_params(config)
+    gdla_and_mhc = sum(math.prod(shape) for name, shape in checkpoint_shapes(PUBLISHED).items()
+                       if ".self_attn." in name or ".mhc_" in name)
+    built = (total - stand_in + gdla_and_mhc, active - stand_in + gdla_and_mhc)
+    assert built == reference_counts(PUBLISHED)
+    mtp = sum(math.prod(shape) for shape in _mtp_shapes(PUBLISHED).values())
+    assert abs(built[0] + mtp - PUBLISHED_TOTAL_PARAMS) < 0.01 * PUBLISHED_TOTAL_PARAMS
+    assert abs(built[1] + mtp - PUBLISHED_ACTIVE_PARAMS) < 0.01 * PUBLISHED_ACTIVE_PARAMS
+    with capsys.disabled():
+        print(f"\nMotif 3 published, diffjax MLPs with a stand-in attention: {describe_parameter_counts(config)}; "
+              f"with GDLA and mHC as built: {built[0] / 1e9:.2f}B total, {built[1] / 1e9:.2f}B active; "
+              f"+ the MTP block: {(built[0] + mtp) / 1e9:.2f}B / {(built[1] + mtp) / 1e9:.2f}B")
+
+
+# ------------------------------------------------------------------------------ the layer stack
+
+STACK = dict(vocab_size=64, d_model=32, num_layers=4, num_heads=2, mlp_dim=48, mlp="moe", max_seq_len=32,
+             attention_window=3, global_layers=(0, 2),  # per-layer windows across both segments
+             mlp_options=dict(num_experts=4, top_k=2, expert_inner=16, num_shared_experts=1, score_func="sigmoid",
+                              route_norm=True, route_scale=2.0, expert_bias=True, output_scale=0.5, bias_clamp=0.5,
+                              dense_first_layers=2))
+
+
+def stack_model(**changes):
+    return TransformerLM(ModelConfig(**{**STACK, **changes}), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.slow
+def test_dense_first_layers_are_a_segment_of_their_own():
+    from diffjax.model.mlp.polynorm import PolyNormMLP as Dense
+
+    model = stack_model()
+    assert [(s.name, s.start, s.stop) for s in model.segments()] == [("blocks", 0, 2), ("blocks_from_2", 2, 4)]
+    assert isinstance(model.blocks.mlp, Dense) and isinstance(model.blocks_from_2.mlp, MoEMLP)
+    assert model.blocks.mlp.options.hidden_clamp is None and model.blocks.mlp.options.output_scale == 0.5
+    assert model.blocks_from_2.mlp.expert_gate_kernel.shape == (2, 4, 32, 16)
+    assert model.num_params() == model.config.param_count()
+    assert isinstance(model.layer(1).mlp, Dense) and isinstance(model.layer(3).mlp, MoEMLP)
+    # one segment: the params tree as before segments existed
+    plain = TransformerLM(ModelConfig(**{**STACK, "mlp": "gated", "mlp_options": None}), rngs=nnx.Rngs(0))
+    assert [s.name for s in plain.segments()] == ["blocks"] and not hasattr(plain, "blocks_from_2")
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(dense_first_layers=5), "mlp_options.dense_first_layers (5) must be at most num_layers (4)"),
+    (dict(top_k=5), "mlp_options.top_k (5) must be at most num_experts (4)"),
+    (dict(score_func="relu"), "mlp_options.score_func must be one of ('sigmoid', 'softmax'), got 'relu'"),
+    (dict(hidden_clamp=0), "mlp_options.hidden_clamp must be None (off) or > 0, got 0"),
+])
+def test_bad_moe_options_are_named_in_one_line(fields, message):
+    with pytest.raises(ValueError) as error:
+        ModelConfig(**{**STACK, "mlp_options": {**STACK["mlp_options"], **fields}})
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_scan_remat_loop_generate_and_probe_agree():
+    from diffjax import generate
+    from diffjax.analysis.probe import make_probe
+
+    model = stack_model()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)))
+    logits = model(tokens)
+    state = nnx.state(model)
+    for changes in (dict(scan_layers=True), dict(scan_layers=True, remat="full"), dict(remat="minimal")):
+        other = nnx.merge(nnx.graphdef(stack_model(**changes)), state)
+        np.testing.assert_allclose(other(tokens), logits, rtol=1e-5, atol=1e-5, err_msg=str(changes))
+    probed, _ = make_probe(model)(tokens)
+    np.testing.assert_allclose(probed, logits, rtol=1e-5, atol=1e-5)
+    generated = np.asarray(generate(model, np.asarray(tokens[:1, :5]), 4))[0]
+    full = np.asarray(jnp.argmax(model(jnp.asarray(np.concatenate([tokens[0, :5], generated])[None]))[0], axis=-1))
+    assert generated.tolist() == full[4:8].tolist()
+
+
+@pytest.mark.slow
+def test_expert_bias_gets_no_gradient_and_no_weight_decay():
+    import re
+
+    from diffjax.losses import next_token_loss
+    from diffjax.train.optimizer import DEFAULT_NO_DECAY
+
+    model = stack_model()
+    model.blocks_from_2.mlp.expert_bias[...] = jnp.full((2, 4), 0.3)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)))
+
+    def loss(params):
+        return next_token_loss(nnx.merge(graphdef, params, rest)(tokens), tokens)
+
+    grads = nnx.to_flat_state(jax.jit(jax.grad(loss))(params))
+    by_name = {".".join(map(str, path)): g[...] for path, g in grads}
+    assert not np.any(by_name["blocks_from_2.mlp.expert_bias"])
+    assert np.any(by_name["blocks_from_2.mlp.router_kernel"])
+    assert any(re.search(pattern, "blocks_from_2.mlp.expert_bias") for pattern in DEFAULT_NO_DECAY)
+
+
+def test_hf_export_refuses_the_motif3_mlps(tmp_path):
+    import diffjax
+    from diffjax.convert.common import ConversionError
+
+    with pytest.raises(ConversionError, match="mlp='moe': the Hugging Face formats hold mlp='gated' only"):
+        diffjax.save_hf(stack_model(attention="diff"), tmp_path / "hf")
