@@ -325,3 +325,38 @@ def test_hf_export_refuses_the_motif3_mlps(tmp_path):
 
     with pytest.raises(ConversionError, match="mlp='moe': the Hugging Face formats hold mlp='gated' only"):
         diffjax.save_hf(stack_model(attention="diff"), tmp_path / "hf")
+
+
+MOE_RUN = ["model.mlp=moe", "model.mlp_dim=48", "model.num_layers=3", "model.mlp_options.num_experts=4",
+           "model.mlp_options.top_k=2", "model.mlp_options.expert_inner=16", "model.mlp_options.num_shared_experts=1",
+           "model.mlp_options.score_func=sigmoid", "model.mlp_options.route_norm=true",
+           "model.mlp_options.route_scale=2.0", "model.mlp_options.expert_bias=true",
+           "model.mlp_options.output_scale=0.5", "model.mlp_options.bias_clamp=0.5",
+           "model.mlp_options.dense_first_layers=1", "train.sample_tokens=4"]
+
+
+@pytest.mark.slow
+def test_dense_first_then_moe_trains_through_train_py_and_resumes_bitwise(tmp_path):
+    """Two steps by `python train.py` (the real CLI), resumed in train() for two more, equal four straight steps bit
+    for bit; the run samples, its set-up line names the active parameters."""
+    import subprocess
+    import sys
+
+    from diffjax.checkpoint import load_model
+    from diffjax.train import train
+    from test_trainer import REPO_ROOT, SMALL, _config
+
+    result = subprocess.run([sys.executable, "train.py", *SMALL, *MOE_RUN, "train.steps=2",
+                             f"train.run_dir={tmp_path / 'resumed'}"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "active)" in result.stdout and "top 2 of 4 experts + 1 shared, 1 dense first" in result.stdout, result.stdout
+    straight = train(_config(tmp_path / "straight", *MOE_RUN, "train.steps=4"), log=lambda _: None)
+    resumed = train(_config(tmp_path / "resumed", *MOE_RUN, "train.steps=4"), log=lambda _: None)
+    assert resumed.losses == {step: straight.losses[step] for step in (3, 4)}
+    assert resumed.sample == straight.sample
+    ours, theirs = load_model(tmp_path / "resumed"), load_model(tmp_path / "straight")
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(ours, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(theirs, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+    assert not np.any(np.asarray(ours.blocks_from_1.mlp.expert_bias[...]))  # never trained
