@@ -13,8 +13,9 @@ diffjax/model/attention/ says what it computes):
   "gda"          Grouped Differential Attention (arXiv:2510.06949; Motif-2-12.7B): V1 with fewer noise heads than
                  signal heads, `attention_options.num_noise_heads` of them, each serving num_heads / num_noise_heads
                  signal heads
-`mlp` picks the MLP kind (diffjax.mlp_kinds: "gated") and `residual` the residual form (diffjax.residual_kinds:
-"plain"). A kind's own settings are its `*_options` (diffjax.kinds: the row's options class; a mapping in YAML).
+`mlp` picks the MLP kind (diffjax.mlp_kinds: "gated"; Motif 3's "polynorm" and "moe", whose
+`mlp_options.dense_first_layers` builds the first layers with the "polynorm" MLP: diffjax.kinds.layer_segments) and
+`residual` the residual form (diffjax.residual_kinds: "plain"). A kind's own settings are its `*_options` (diffjax.kinds: the row's options class; a mapping in YAML).
 """
 
 from __future__ import annotations

@@ -171,8 +171,8 @@ def layer_segments(config) -> tuple[Segment, ...]:
     """The model's layers as runs of equally built layers (one Segment, the config itself, unless a kind's options
     build some layers differently)."""
     parts = [getattr(config, f"{part}_options") for part in ("attention", "mlp", "residual")]
-    changes = [{k: v for options in parts if options is not None for k, v in options.layer_changes(config, depth).items()}
-               for depth in range(config.num_layers)]
+    changes = [{k: v for options in parts if options is not None
+                for k, v in options.layer_changes(config, depth).items()} for depth in range(config.num_layers)]
     segments, start = [], 0
     for depth in range(1, config.num_layers + 1):
         if depth == config.num_layers or changes[depth] != changes[start]:

@@ -60,7 +60,8 @@ class PolyNormOptions(kinds.Options):
         return problems
 
     def describe(self) -> str:
-        return f"output scale {self.output_scale}" + ("" if self.hidden_clamp is None else f", clamp {self.hidden_clamp}")
+        clamp = "" if self.hidden_clamp is None else f", clamp {self.hidden_clamp}"
+        return f"output scale {self.output_scale}{clamp}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,8 @@ class MoEOptions(kinds.Options):
     coefficients (GroupedPolyNorm: gate, up, their product clamped to hidden_clamp, the bias to bias_clamp); plus
     num_shared_experts always-on experts as one PolyNorm MLP of width shared_inner (gate and up clamped, unscaled by
     route_scale). The first dense_first_layers layers use the "polynorm" MLP instead (width mlp_dim, these
-    output_scale and sigmoid_weight, no clamp): Motif 3's n_dense_first_layers, every later layer an MoE one."""
+    output_scale and sigmoid_weight, no clamp): Motif 3's n_dense_first_layers; the later ones are MoE layers (one in
+    moe_layer_step of them: Motif 3's interleave_moe_layer_step, 1 as published)."""
 
     num_experts: int = 8
     top_k: int = 2  # experts_top_k
@@ -87,13 +89,16 @@ class MoEOptions(kinds.Options):
     bias_clamp: float | None = None  # polynorm_bias_clamp (routed experts only)
     hidden_clamp: float | None = 1000.0  # None: no clamps (Motif 3's default when its config omits it: 1000)
     dense_first_layers: int = 0  # n_dense_first_layers
+    # interleave_moe_layer_step: after the dense first layers, layer i (0-based) is an MoE layer when (i + 1) % step
+    # == 0, else dense (each run of like layers is a stack of its own: steps > 1 make many short stacks)
+    moe_layer_step: int = 1
 
     def defaults(self, config) -> dict:
         inner = self.expert_inner or config.mlp_dim
         return {"expert_inner": inner, "shared_inner": inner * self.num_shared_experts}
 
     def problems(self, config) -> list[str]:
-        problems = kinds.positive_int_problems(self, "num_experts", "top_k", "expert_inner")
+        problems = kinds.positive_int_problems(self, "num_experts", "top_k", "expert_inner", "moe_layer_step")
         for name in ("num_shared_experts", "shared_inner", "dense_first_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -109,7 +114,8 @@ class MoEOptions(kinds.Options):
         if self.score_func not in SCORE_FUNCS:
             problems.append(f"score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
         problems += [f"{name} must be true or false, got {getattr(self, name)!r}"
-                     for name in ("route_norm", "expert_bias", "sigmoid_weight") if not isinstance(getattr(self, name), bool)]
+                     for name in ("route_norm", "expert_bias", "sigmoid_weight")
+                     if not isinstance(getattr(self, name), bool)]
         if not self.route_scale > 0:
             problems.append(f"route_scale must be > 0, got {self.route_scale!r}")
         return problems + _clamp_problems(self, "bias_clamp", "hidden_clamp")
@@ -120,7 +126,7 @@ class MoEOptions(kinds.Options):
         return f"top {self.top_k} of {self.num_experts} experts{shared}{dense}"
 
     def layer_changes(self, config, depth: int) -> dict:
-        if depth >= self.dense_first_layers:
+        if depth >= self.dense_first_layers and (depth + 1) % self.moe_layer_step == 0:
             return {}
         return {"mlp": "polynorm", "mlp_options": PolyNormOptions(self.output_scale, self.sigmoid_weight, None)}
 
@@ -139,6 +145,11 @@ def _moe_params(c, experts: int) -> int:
     return c.d_model * o.num_experts + o.num_experts * o.expert_bias + experts * _routed_expert_params(c) + shared
 
 
+def _active_inner(o: MoEOptions) -> int:
+    """The hidden width a token's matmuls go through: its top_k routed experts' and the shared experts'."""
+    return o.top_k * o.expert_inner + o.shared_inner
+
+
 register(MLPKind(
     name="polynorm", label="PolyNorm MLP (Motif 3)", module="diffjax.model.mlp.polynorm:PolyNormMLP",
     params=lambda c: _polynorm_mlp_params(c, c.mlp_dim), matmul_params=lambda c: 3 * c.d_model * c.mlp_dim,
@@ -148,8 +159,7 @@ register(MLPKind(
     # params: every expert; matmul_params and active_params: the router, the top_k routed experts and the shared one
     name="moe", label="mixture of PolyNorm experts (Motif 3)", module="diffjax.model.mlp.moe:MoEMLP",
     params=lambda c: _moe_params(c, c.mlp_options.num_experts),
-    matmul_params=lambda c: c.d_model * (c.mlp_options.num_experts
-                                         + 3 * (c.mlp_options.top_k * c.mlp_options.expert_inner + c.mlp_options.shared_inner)),
+    matmul_params=lambda c: c.d_model * (c.mlp_options.num_experts + 3 * _active_inner(c.mlp_options)),
     active_params=lambda c: _moe_params(c, c.mlp_options.top_k),
     options=MoEOptions,
 ))

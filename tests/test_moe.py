@@ -33,7 +33,7 @@ def moe_options(c: dict) -> dict:
                 route_scale=c["route_scale"], expert_bias=c.get("load_balance_coeff") is not None,
                 output_scale=c["polynorm_output_scale"], sigmoid_weight=c["polynorm_sigmoid_weight"],
                 bias_clamp=c["polynorm_bias_clamp"], hidden_clamp=c["hidden_clamp"],
-                dense_first_layers=c["n_dense_first_layers"])
+                dense_first_layers=c["n_dense_first_layers"], moe_layer_step=c["interleave_moe_layer_step"])
 
 
 def diffjax_config(c: dict, **changes) -> ModelConfig:
@@ -107,6 +107,7 @@ def compare(ours, theirs, grad_names, seed=1):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((B, T, theirs_width(theirs)), dtype=np.float32)
     cot = rng.standard_normal(x.shape, dtype=np.float32)
+    theirs.zero_grad(set_to_none=True)
     x_t = torch.tensor(x, requires_grad=True)
     out_t = theirs(x_t)
     out_t.backward(torch.tensor(cot))
@@ -115,7 +116,7 @@ def compare(ours, theirs, grad_names, seed=1):
     def loss(params, x):
         return jnp.sum(nnx.merge(graphdef, params, rest)(x) * cot), nnx.merge(graphdef, params, rest)(x)
 
-    (_, out), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, jnp.asarray(x))
+    (_, out), (g_params, g_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, jnp.asarray(x))
     flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(g_params)}
     theirs_grads = dict(theirs.named_parameters())
     pairs = [(g_x, x_t.grad.numpy())]
@@ -180,10 +181,34 @@ MOE_CASES = {
 }
 
 
+@pytest.mark.slow  # each over 4 s: the first op-by-op dispatches of ragged_dot's CPU lowering and its gradient
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_moe_layer_equals_the_reference(case):
     out_err, grad_err = compare(*moe_pair(**MOE_CASES[case]))
     assert out_err < 1e-5 and grad_err < 1e-4, (out_err, grad_err)
+
+
+@pytest.mark.parametrize("score_func, route_norm", [("sigmoid", True), ("sigmoid", False), ("softmax", True),
+                                                    ("softmax", False)])
+def test_routing_equals_the_reference(score_func, route_norm):
+    """The same experts and weights as the reference's route(), with an expert_bias that changes some choices; the
+    weights with the bias in them differ (the mutation the MoE tests catch)."""
+    from motif3_reference import route as reference_route
+
+    rng = np.random.default_rng(0)
+    logits, bias = rng.standard_normal((64, 6), dtype=np.float32), 0.3 * rng.standard_normal(6, dtype=np.float32)
+    experts, weights = moe_module.route(jnp.asarray(logits), jnp.asarray(bias), 2, score_func, route_norm, 2.0)
+    their_experts, their_weights = reference_route(torch.tensor(logits), torch.tensor(bias), 2, score_func,
+                                                   route_norm, 2.0)
+    np.testing.assert_array_equal(np.sort(experts, -1), np.sort(their_experts.numpy(), -1))
+    order, their_order = np.argsort(experts, -1), np.argsort(their_experts.numpy(), -1)
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1),
+                               np.take_along_axis(their_weights.numpy(), their_order, -1), rtol=1e-6)
+    unbiased, _ = moe_module.route(jnp.asarray(logits), None, 2, score_func, route_norm, 2.0)
+    assert np.any(np.sort(experts, -1) != np.sort(unbiased, -1))  # the bias changes choices
+    _, biased_weights = _route_with_the_bias_in_the_weights(jnp.asarray(logits), jnp.asarray(bias), 2, score_func,
+                                                            route_norm, 2.0)
+    assert not np.allclose(np.asarray(biased_weights), np.asarray(weights), rtol=1e-3)
 
 
 def _route_with_the_bias_in_the_weights(logits, bias, top_k, score_func, route_norm, route_scale):
@@ -194,6 +219,7 @@ def _route_with_the_bias_in_the_weights(logits, bias, top_k, score_func, route_n
     return experts, (weights / weights.sum(-1, keepdims=True) if route_norm else weights) * route_scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", ["routing bias in the weights", "routed clamps dropped"])
 def test_mutations_of_the_routed_experts_are_caught(mutation, monkeypatch):
     if mutation == "routing bias in the weights":
@@ -214,7 +240,8 @@ def test_published_size_counts_314b_total_and_13_2b_active(capsys):
     as the checkpoint lists them): the MLPs, embeddings and norms count exactly what the checkpoint holds; with the
     multi-token-prediction block the checkpoint also ships (which 13.2B counts, motif3_published's note) that is
     314B total and 13.2B active within 1%. As built (no MTP block): 314.59B and 12.98B."""
-    from motif3_published import PUBLISHED, PUBLISHED_ACTIVE_PARAMS, PUBLISHED_TOTAL_PARAMS, _mtp_shapes, checkpoint_shapes
+    from motif3_published import (PUBLISHED, PUBLISHED_ACTIVE_PARAMS, PUBLISHED_TOTAL_PARAMS, _mtp_shapes,
+                                  checkpoint_shapes)
     from motif3_published import parameter_counts as reference_counts
 
     from diffjax import attention_kinds
@@ -266,11 +293,25 @@ def test_dense_first_layers_are_a_segment_of_their_own():
     assert [s.name for s in plain.segments()] == ["blocks"] and not hasattr(plain, "blocks_from_2")
 
 
+@pytest.mark.parametrize("dense, step", [(0, 1), (2, 1), (1, 2), (0, 3), (7, 1)])
+def test_the_moe_layers_are_the_references(dense, step):
+    from motif3_published import is_moe_layer
+
+    from diffjax.kinds import layer_segments
+
+    c = small_config(num_hidden_layers=7, n_dense_first_layers=dense, interleave_moe_layer_step=step)
+    segments = layer_segments(diffjax_config(c))
+    assert [depth for s in segments for depth in range(s.start, s.stop) if s.config.mlp == "moe"] == [
+        depth for depth in range(7) if is_moe_layer(c, depth)]
+    assert all(a.config != b.config for a, b in zip(segments, segments[1:]))  # runs of like layers, each maximal
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(dense_first_layers=5), "mlp_options.dense_first_layers (5) must be at most num_layers (4)"),
     (dict(top_k=5), "mlp_options.top_k (5) must be at most num_experts (4)"),
     (dict(score_func="relu"), "mlp_options.score_func must be one of ('sigmoid', 'softmax'), got 'relu'"),
     (dict(hidden_clamp=0), "mlp_options.hidden_clamp must be None (off) or > 0, got 0"),
+    (dict(moe_layer_step=0), "mlp_options.moe_layer_step must be a positive integer, got 0"),
 ])
 def test_bad_moe_options_are_named_in_one_line(fields, message):
     with pytest.raises(ValueError) as error:

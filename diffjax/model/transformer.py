@@ -8,8 +8,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import attention_kinds
-from diffjax.kinds import Segment, layer_segments
 from diffjax.config import ModelConfig
+from diffjax.kinds import Segment, layer_segments
 from diffjax.model import mlp, residual
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache

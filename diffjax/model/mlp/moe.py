@@ -3,9 +3,9 @@
 
 Dispatch: each token's top_k (token, expert) pairs are sorted by expert and run through jax.lax.ragged_dot (one
 group of rows per expert: no capacity, no dropped tokens, the same program whatever the routing), then weighted and
-summed back per token. Its work follows the rows, N top_k x 3 D expert_inner multiply-adds, where XLA lowers
-ragged_dot natively (TPU, GPU); jax's generic lowering (CPU) computes a masked dense product over all experts,
-num_experts / top_k times that: right, but for small models only.
+summed back per token. On GPU and TPU jax lowers ragged_dot to XLA's ragged-dot instruction, whose work follows the
+rows (N top_k x 3 D expert_inner multiply-adds; its speed there is not measured yet); on CPU jax's generic lowering
+computes a masked dense product per expert, num_experts / top_k times that work: exact, for small models only.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def route(logits_NE, expert_bias_E, top_k: int, score_func: str, route_norm: boo
 
 class MoEMLP(MLPModule):
     """Parameters (Motif 3's names, which the HF converter maps by transposes and one split): router_kernel [D, E]
-    (router.gate.weight^T), expert_bias [E] (expert_bias; only with options.expert_bias, never trained: its gradient
-    is stopped and optim's default no_decay lists it), expert_gate_kernel and expert_up_kernel [E, D, I] (the two
+    (router.gate.weight^T), expert_bias [E] (expert_bias; only with options.expert_bias, never trained: it only
+    chooses experts, so its gradient is zero, and optim's default no_decay lists it), expert_gate_kernel and expert_up_kernel [E, D, I] (the two
     halves of experts.gate_up_proj [E, 2I, D], gate first, transposed), expert_down_kernel [E, I, D]
     (experts.down_proj^T), expert_polynorm_weight [E, 3] and expert_polynorm_bias [E, 1] (experts.act_fn.*), and
     shared_expert, a PolyNormMLP (shared_experts.*). The expert matrices' leading axis is the logical "expert"."""
@@ -61,7 +61,7 @@ class MoEMLP(MLPModule):
         o, (B, T, D) = self.options, x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         logits_NE = x_ND.astype(jnp.float32) @ self.router_kernel[...].astype(jnp.float32)
-        bias_E = jax.lax.stop_gradient(self.expert_bias[...].astype(jnp.float32)) if o.expert_bias else None
+        bias_E = self.expert_bias[...].astype(jnp.float32) if o.expert_bias else None
         experts_NK, weights_NK = route(logits_NE, bias_E, o.top_k, o.score_func, o.route_norm, o.route_scale)
         out_BTD = self.routed(x_ND, experts_NK, weights_NK).reshape(B, T, D)
         if o.num_shared_experts:
@@ -91,5 +91,6 @@ class MoEMLP(MLPModule):
         weight_R3 = coefficients(self.expert_polynorm_weight[...], o.sigmoid_weight)[expert_R]
         bias_R1 = clamp(self.expert_polynorm_bias[...].astype(jnp.float32), o.bias_clamp)[expert_R]
         gate_RI, up_RI = clamp(gate_RI, o.hidden_clamp), clamp(up_RI, o.hidden_clamp)
-        hidden_RI = (poly_norm(gate_RI.astype(jnp.float32), weight_R3, bias_R1) * up_RI.astype(jnp.float32)).astype(dtype)
+        poly_RI = poly_norm(gate_RI.astype(jnp.float32), weight_R3, bias_R1)
+        hidden_RI = (poly_RI * up_RI.astype(jnp.float32)).astype(dtype)
         return clamp(hidden_RI, o.hidden_clamp) * o.output_scale
