@@ -13,8 +13,9 @@ diffjax/model/attention/ says what it computes):
   "gda"          Grouped Differential Attention (arXiv:2510.06949; Motif-2-12.7B): V1 with fewer noise heads than
                  signal heads, `attention_options.num_noise_heads` of them, each serving num_heads / num_noise_heads
                  signal heads
-`mlp` picks the MLP kind (diffjax.mlp_kinds: "gated") and `residual` the residual form (diffjax.residual_kinds:
-"plain"). A kind's own settings are its `*_options` (diffjax.kinds: the row's options class; a mapping in YAML).
+`mlp` picks the MLP kind (diffjax.mlp_kinds: "gated"; Motif 3's "polynorm" and "moe", whose
+`mlp_options.dense_first_layers` builds the first layers with the "polynorm" MLP: diffjax.kinds.layer_segments) and
+`residual` the residual form (diffjax.residual_kinds: "plain"). A kind's own settings are its `*_options` (diffjax.kinds: the row's options class; a mapping in YAML).
 """
 
 from __future__ import annotations
@@ -329,24 +330,33 @@ class ModelConfig:
         """n_rep: query heads per kv head."""
         return self.num_heads // self.num_kv_heads
 
-    def param_counts(self) -> dict[str, int]:
-        """Parameters per part, counted from the shapes (tied embeddings count once)."""
+    def param_counts(self, *, active: bool = False) -> dict[str, int]:
+        """Parameters per part, counted from the shapes (tied embeddings count once); active: those one token uses (a
+        mixture of experts' routed experts: the top_k it is sent to)."""
         D = self.d_model
-        per_layer = (attention_kinds.get(self.attention).attention_params(self) + mlp_kinds.get(self.mlp).params(self)
-                     + residual_kinds.get(self.residual).params(self) + 2 * D)  # + the two pre-norms
         return {
             "embedding": self.vocab_size * D,
-            "layers": self.num_layers * per_layer,
+            "layers": sum(segment.num_layers * _layer_params(segment.config, active)
+                          for segment in kinds.layer_segments(self)),
             "final_norm": D,
             "lm_head": 0 if self.tie_embeddings else D * self.vocab_size,
         }
 
-    def param_count(self, *, include_lm_head: bool = True) -> int:
-        """Total parameters. `include_lm_head=False` counts one embedding matrix, as the paper does."""
-        counts = self.param_counts()
+    def param_count(self, *, include_lm_head: bool = True, active: bool = False) -> int:
+        """Total parameters (active: those one token uses). `include_lm_head=False` counts one embedding matrix, as
+        the paper does."""
+        counts = self.param_counts(active=active)
         if not include_lm_head:
             counts.pop("lm_head")
         return sum(counts.values())
+
+
+def _layer_params(c: ModelConfig, active: bool) -> int:
+    """Parameters of one layer of config `c` (active: those one token uses)."""
+    mlp = mlp_kinds.get(c.mlp)
+    mlp_params = mlp.active_params if active and mlp.active_params else mlp.params
+    return (attention_kinds.get(c.attention).attention_params(c) + mlp_params(c)
+            + residual_kinds.get(c.residual).params(c) + 2 * c.d_model)  # + the two pre-norms
 
 
 def _is_int(value) -> bool:

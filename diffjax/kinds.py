@@ -37,6 +37,11 @@ class Options:
         """A few words for logs and tables ("2 noise heads"); "" when there is nothing to say."""
         return ""
 
+    def layer_changes(self, config, depth: int) -> dict[str, Any]:
+        """ModelConfig changes (ModelConfig.replace keywords) that build layer `depth` ({}: as the config says): an
+        MoE kind's dense first layers. Runs of layers with equal changes are the model's segments (layer_segments)."""
+        return {}
+
 
 @dataclasses.dataclass(frozen=True)
 class PartKind:
@@ -49,6 +54,9 @@ class PartKind:
     # (ModelConfig) -> the parameters one token's forward multiplies by in one layer (FLOPs: 2 per multiply-add); a
     # mixture of experts counts the experts a token is routed to, not all of them
     matmul_params: Callable = lambda config: 0
+    # (ModelConfig) -> the parameters one token uses in one layer (a mixture of experts: the routed experts it is sent
+    # to); None: all of `params`
+    active_params: Callable | None = None
     options: type[Options] | None = None  # the kind's own settings (ModelConfig.mlp_options / residual_options)
 
 
@@ -137,3 +145,37 @@ def module_class(row, base: type) -> type:
         raise TypeError(f"kind {row.name!r}: {row.module!r} is not a {base.__name__} subclass")
     return cls
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A run of consecutive layers [start, stop) built alike: one scanned stack of `config`'s block (the model's
+    config with the layers' `Options.layer_changes` applied; its num_layers and depth-indexed fields stay the
+    model's). Its params live under `name`: "blocks" for the first (a model of one segment is stored as before
+    segments existed), "blocks_from_<start>" for the others."""
+
+    start: int
+    stop: int
+    config: Any
+
+    @property
+    def name(self) -> str:
+        return "blocks" if self.start == 0 else f"blocks_from_{self.start}"
+
+    @property
+    def num_layers(self) -> int:
+        return self.stop - self.start
+
+
+def layer_segments(config) -> tuple[Segment, ...]:
+    """The model's layers as runs of equally built layers (one Segment, the config itself, unless a kind's options
+    build some layers differently)."""
+    parts = [getattr(config, f"{part}_options") for part in ("attention", "mlp", "residual")]
+    changes = [{k: v for options in parts if options is not None
+                for k, v in options.layer_changes(config, depth).items()} for depth in range(config.num_layers)]
+    segments, start = [], 0
+    for depth in range(1, config.num_layers + 1):
+        if depth == config.num_layers or changes[depth] != changes[start]:
+            segments.append(Segment(start, depth, config.replace(**changes[start]) if changes[start] else config))
+            start = depth
+    return tuple(segments)

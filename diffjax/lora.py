@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import yaml
 
 from diffjax.config_values import build_config
+from diffjax.kinds import layer_segments
 
 # Projection name -> the kernel names it covers (Shared DIFF's dense query / key parts are q_base / k_base).
 TARGET_KERNELS = {
@@ -149,6 +150,9 @@ def kernel_specs(model_config, config: LoraConfig) -> dict[tuple[str, ...], Kern
 
     from diffjax.model import TransformerLM
 
+    if len(layer_segments(model_config)) > 1:
+        raise ValueError("LoRA: models whose layers are not all built alike (mlp_options.dense_first_layers) are not "
+                         "supported yet")
     abstract = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
     specs, found = {}, set()
     wanted = config.kernel_names

@@ -230,8 +230,9 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     # Written in chunks of at most CHUNK_BYTES, stacked leaves split along the layers axis first: the encoding
     # transient is one chunk, not a whole stack, and CheckpointParams.layer reads only one layer's chunks.
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
-    if STACKED in params:
-        save_args[STACKED] = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,)), params[STACKED])
+    for name in params:  # "blocks", and a model of several segments' "blocks_from_<start>" (diffjax.kinds.Segment)
+        if name == STACKED or name.startswith(f"{STACKED}_from_"):
+            save_args[name] = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,)), params[name])
     manager.save(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave({"params": params},
                                                                                     save_args={"params": save_args})}),
                  force=True)

@@ -41,6 +41,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
+    ("expert", None),  # routed experts [E, ...] (MoE): not split yet
     ("rank", None),  # Shared DIFF's low-rank factors: small, split by their heads axis only
     # activations
     ("batch", ("data", "fsdp")),

@@ -32,7 +32,7 @@ TINY = dict(vocab_size=50, d_model=32, num_layers=2, num_heads=2)
         (dict(attention_options={"rank": 4}), "attention_options: 'diff' has no options, got {'rank': 4}"),
         (dict(attention="gda", attention_options={"rank": 4}), "unknown config key attention_options.rank; valid keys under attention_options: num_noise_heads"),
         (dict(attention="gda", attention_options={"num_noise_heads": 0}), "attention_options.num_noise_heads must be a positive integer, got 0"),
-        (dict(mlp="moe"), "mlp must be one of ('gated',), got 'moe'"),
+        (dict(mlp="kan"), "mlp must be one of ('gated', 'polynorm', 'moe'), got 'kan'"),
         (dict(residual="hyper"), "residual must be one of ('plain', 'mhc'), got 'hyper'"),
         (dict(attention_impl="pallas_gpu", attention="standard"), "attention_impl 'pallas_gpu' (the fused Mosaic GPU kernels) needs dtype bfloat16 or float16"),
     ],

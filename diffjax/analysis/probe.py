@@ -60,6 +60,14 @@ def _quantized_logits(s_MBHTS, counted_BTS, bits):
     return jnp.where(bits > 0, absmax_quantize(s_MBHTS, jnp.maximum(bits, 2), counted_BTS[None, :, None], scale_axis=1), s_MBHTS)
 
 
+def _layers(model):
+    """Each layer's block (depth None: the stack's graph with the layer's slice of its params), in depth order."""
+    for segment in model.segments():
+        graph, params = nnx.split(model.stack(segment))
+        for i in range(segment.num_layers):
+            yield nnx.merge(graph, jax.tree.map(lambda x: x[i], params))
+
+
 def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
     """A jitted `probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None, *, logit_bits=None) ->
     (logits_BTV, observed)` for `model` (a TransformerLM), where observed[i] = observe(LayerView of layer i,
@@ -75,15 +83,13 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
         model = nnx.merge(graphdef, state)
         B, T = tokens_BT.shape
         dtype = jnp.dtype(config.dtype)
-        graph, params = nnx.split(model.blocks)
         real_BT = jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0
         cos_sin = layer_rope_tables(config, positions_BT, dtype)
         constants = model.depth_constants(dtype)
         residual_form = residual.module_class(config)
         stream = residual_form.expand(config, model.embed(tokens_BT, dtype))
         observed = []
-        for depth in range(config.num_layers):
-            block = nnx.merge(graph, jax.tree.map(lambda x: x[depth], params))
+        for depth, block in enumerate(_layers(model)):
             layer_constants = jax.tree.map(lambda x: x[depth], constants)
             mask = ops.attention_mask(T, T, causal=True, segment_ids=segment_ids_BT, window=config.window_at(depth))
             allowed_BTS = jnp.broadcast_to(mask, (B, T, T))

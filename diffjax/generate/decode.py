@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from diffjax import sharding
 from diffjax.generate.sampling import Sampling, next_tokens
+from diffjax.kinds import layer_segments
 from diffjax.model.kv_cache import KVCache
 
 
@@ -57,7 +58,8 @@ def decoding_model(graphdef, params):
     def cast(x):
         return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
 
-    model = nnx.merge(graphdef, {name: tree if name == "blocks" else jax.tree.map(cast, tree) for name, tree in params.items()})
+    stacks = {segment.name for segment in layer_segments(nnx.merge(graphdef, params).config)}
+    model = nnx.merge(graphdef, {name: tree if name in stacks else jax.tree.map(cast, tree) for name, tree in params.items()})
     return model, tuple(jax.tree.map(cast, layer) for layer in model.unstacked_blocks())
 
 

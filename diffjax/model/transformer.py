@@ -9,6 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
+from diffjax.kinds import Segment, layer_segments
 from diffjax.model import mlp, residual
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache
@@ -80,20 +81,16 @@ class TransformerLM(nnx.Module):
     The decoder blocks are one DecoderBlock whose params are stacked over depth ([L, ...] leaves, logical
     axis "layers"), as MaxText and Levanter store them: initialized by one vmapped layer init and applied
     by a scan (or, with scan_layers false, a Python loop over the layer slices), so neither the init nor
-    the scanned step grows with depth and the scan reads the stored params with no restacking.
+    the scanned step grows with depth and the scan reads the stored params with no restacking. A model whose
+    layers are not all built alike (an MoE's dense first layers: diffjax.kinds.layer_segments) holds one such
+    stack per run of like layers, `blocks` (from layer 0) then `blocks_from_<start>`, run one after the other.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed = Embedding(config.vocab_size, config.d_model, config.init_std, config.param_dtype, rngs=rngs)
-
-        @nnx.split_rngs(splits=config.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def init_blocks(rngs):
-            return DecoderBlock(config, rngs=rngs)
-
-        self.blocks = init_blocks(rngs)
-        prepend_axis(self.blocks, "layers")
+        for segment in self.segments():
+            setattr(self, segment.name, _init_stack(segment, rngs))
         self.final_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         if not config.tie_embeddings:
             self.lm_head = normal_param(
@@ -167,34 +164,65 @@ class TransformerLM(nnx.Module):
         if attention_kinds.get(self.config.attention).lambda_form != "per_layer":
             return None
         dtype = jnp.dtype(self.config.dtype)
-        return self.blocks.attn.lambda_full(dtype, self.depth_constants(dtype)["lambda_init"]).astype(jnp.float32)
+        lambda_init = self.depth_constants(dtype)["lambda_init"]
+        return jnp.concatenate([self.stack(segment).attn.lambda_full(dtype, lambda_init[segment.start:segment.stop])
+                                for segment in self.segments()]).astype(jnp.float32)
+
+    def segments(self) -> tuple[Segment, ...]:
+        """The runs of like layers, each one stack of params (`stack`)."""
+        return layer_segments(self.config)
+
+    def stack(self, segment: Segment) -> DecoderBlock:
+        """The segment's layers: one DecoderBlock with [layers, ...] params."""
+        return getattr(self, segment.name)
 
     def layer(self, depth: int) -> DecoderBlock:
         """Layer `depth` as a standalone DecoderBlock (a copy of its params' slice), for inspection."""
-        block = nnx.eval_shape(lambda: DecoderBlock(self.config, depth, rngs=nnx.Rngs(0)))
-        nnx.update(block, jax.tree.map(lambda x: x[depth], nnx.state(self.blocks)))
+        segment = next(segment for segment in self.segments() if segment.start <= depth < segment.stop)
+        block = nnx.eval_shape(lambda: DecoderBlock(segment.config, depth, rngs=nnx.Rngs(0)))
+        nnx.update(block, jax.tree.map(lambda x: x[depth - segment.start], nnx.state(self.stack(segment))))
         return block
 
     def unstacked_blocks(self) -> tuple[nnx.State, ...]:
-        """The blocks' params as one pytree per layer: copies of the stack's slices. A loop over layers that slices
-        the stack copies every weight matrix before its matmul reads it (XLA materializes a slice feeding a dot),
+        """The blocks' params as one pytree per layer: copies of the stacks' slices. A loop over layers that slices
+        a stack copies every weight matrix before its matmul reads it (XLA materializes a slice feeding a dot),
         so generation makes these once and its decode step reads each weight once (memory: a second copy of the
         blocks' params while it runs)."""
-        params = nnx.state(self.blocks)
-        return tuple(jax.tree.map(lambda x: x[depth], params) for depth in range(self.config.num_layers))
+        layers = []
+        for segment in self.segments():
+            params = nnx.state(self.stack(segment))
+            layers += [jax.tree.map(lambda x: x[i], params) for i in range(segment.num_layers)]
+        return tuple(layers)
 
     def _run_blocks(self, stream, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale=None,
                     layer_params=None):
         """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop (over
         `layer_params` if given, else over the stack's slices). A cache's buffers go through the layers with the
         params: stacked [L, ...] through a scan, one per layer through the loop; returns (stream, cache)."""
-        remat = self.config.remat
-        scan = self.config.scan_layers and layer_params is None
-        graphdef, params = nnx.split(self.blocks)
         constants = self.depth_constants(stream.dtype)
         if lambda_scale is not None:
             constants["lambda_scale"] = jnp.broadcast_to(jnp.asarray(lambda_scale, jnp.float32), (self.config.num_layers,))
         kv = None if cache is None else (cache.k, cache.v)
+        segments, kvs = self.segments(), []
+        for segment in segments:
+            layers = slice(segment.start, segment.stop)
+            stream, segment_kv = self._run_stack(
+                segment, stream, rope_cos_sin, segment_ids_BT, cache, jax.tree.map(lambda x: x[layers], constants),
+                None if kv is None else tuple(None if x is None else x[layers] for x in kv),
+                None if layer_params is None else layer_params[layers])
+            kvs.append(segment_kv)
+        if cache is None:
+            return stream, None
+        if len(segments) > 1:  # one [L, ...] array (scanned) or one tuple of L buffers (loop) per k and v
+            join = (lambda parts: sum(parts, ())) if isinstance(kvs[0][0], tuple) else jnp.concatenate
+            kvs = [tuple(join([segment_kv[i] for segment_kv in kvs]) for i in range(2))]
+        return stream, KVCache(*kvs[0], cache.lengths_B + stream.shape[1], cache.max_len)
+
+    def _run_stack(self, segment, stream, rope_cos_sin, segment_ids_BT, cache, constants, kv, layer_params):
+        """One segment's layers (_run_blocks): (stream, its k and v buffers, or None without a cache)."""
+        remat = self.config.remat
+        scan = self.config.scan_layers and layer_params is None
+        graphdef, params = nnx.split(self.stack(segment))
 
         def apply_block(stream, layer_params, layer_constants, layer_kv):
             block = nnx.merge(graphdef, layer_params)
@@ -207,19 +235,27 @@ class TransformerLM(nnx.Module):
         if remat != "none":
             apply_block = jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
         if scan:
-            stream, kv = jax.lax.scan(lambda carried, layer: apply_block(carried, *layer), stream,
-                                      (params, constants, kv))
-        else:
-            layers_kv = []
-            for depth in range(self.config.num_layers):
-                layer = jax.tree.map(lambda x: x[depth], params) if layer_params is None else layer_params[depth]
-                layer_kv = None if kv is None else tuple(None if x is None else x[depth] for x in kv)
-                stream, layer_kv = apply_block(stream, layer, jax.tree.map(lambda x: x[depth], constants), layer_kv)
-                layers_kv.append(layer_kv)
-            kv = None if cache is None else tuple(zip(*layers_kv))  # (k per layer, v per layer): no restacking
-        if cache is None:
-            return stream, None
-        return stream, KVCache(*kv, cache.lengths_B + stream.shape[1], cache.max_len)
+            return jax.lax.scan(lambda carried, layer: apply_block(carried, *layer), stream, (params, constants, kv))
+        layers_kv = []
+        for i in range(segment.num_layers):
+            layer = jax.tree.map(lambda x: x[i], params) if layer_params is None else layer_params[i]
+            layer_kv = None if kv is None else tuple(None if x is None else x[i] for x in kv)
+            stream, layer_kv = apply_block(stream, layer, jax.tree.map(lambda x: x[i], constants), layer_kv)
+            layers_kv.append(layer_kv)
+        return stream, None if cache is None else tuple(zip(*layers_kv))  # (k per layer, v per layer): no restacking
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
+
+
+def _init_stack(segment: Segment, rngs: nnx.Rngs) -> DecoderBlock:
+    """The segment's layers initialized by one vmapped layer init: a DecoderBlock with [layers, ...] params."""
+
+    @nnx.split_rngs(splits=segment.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def init_blocks(rngs):
+        return DecoderBlock(segment.config, rngs=rngs)
+
+    blocks = init_blocks(rngs)
+    prepend_axis(blocks, "layers")
+    return blocks

@@ -26,6 +26,7 @@ import jax
 from flax import nnx
 
 from diffjax import attention_kinds, mlp_kinds, residual_kinds, storage
+from diffjax.kinds import layer_segments
 from diffjax.config import ModelConfig
 from diffjax.run_dir import RunDir
 
@@ -46,10 +47,13 @@ PEAK_FLOPS = (
 def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the LM head counts even when tied; a mixture of experts
     counts the experts a token is routed to: the MLP kind's matmul_params)."""
-    attention = attention_kinds.get(config.attention)
-    per_layer = (attention.attention_params(config) - attention.vector_params(config)
-                 + mlp_kinds.get(config.mlp).matmul_params(config) + residual_kinds.get(config.residual).matmul_params(config))
-    return config.num_layers * per_layer + config.d_model * config.vocab_size
+    def per_layer(c: ModelConfig) -> int:
+        attention = attention_kinds.get(c.attention)
+        return (attention.attention_params(c) - attention.vector_params(c) + mlp_kinds.get(c.mlp).matmul_params(c)
+                + residual_kinds.get(c.residual).matmul_params(c))
+
+    layers = sum(segment.num_layers * per_layer(segment.config) for segment in layer_segments(config))
+    return layers + config.d_model * config.vocab_size
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:

@@ -32,9 +32,10 @@ from diffjax.sharding import key_names
 
 DECAYS = ("linear", "cosine", "constant")
 # Parameter paths that get no weight decay by default: RMSNorm scales, the per-head subln scale
-# and differential attention's lambda vectors (decaying lambda_q/k would pull lambda to lambda_init), and the mHC
-# residual's gate biases and scales (decay would pull its stream mix toward uniform).
-DEFAULT_NO_DECAY = (r"norm", r"subln", r"lambda_", r"residual\.(pre|post|res)_(bias|alpha)")
+# and differential attention's lambda vectors (decaying lambda_q/k would pull lambda to lambda_init), the mHC
+# residual's gate biases and scales (decay would pull its stream mix toward uniform), and an MoE's expert_bias (a
+# selection bias that is never trained: no gradient, and no decay either).
+DEFAULT_NO_DECAY = (r"norm", r"subln", r"lambda_", r"residual\.(pre|post|res)_(bias|alpha)", r"expert_bias")
 
 
 @dataclasses.dataclass(frozen=True)

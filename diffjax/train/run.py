@@ -371,7 +371,7 @@ def _describe_model(config: RunConfig) -> str:
     return (
         f"model: {model.attention} attention, d_model {model.d_model}, {model.num_layers} layers, "
         f"{model.num_heads} heads of dim {model.head_dim}"
-        f"{_options_note(model)}, {model.param_count():,} params; "
+        f"{_options_note(model)}, {_params_note(model)}; "
         f"{training_flops_per_token(model, config.data.seq_len) / 1e6:,.1f} MFLOP per trained token"
     )
 
@@ -464,6 +464,12 @@ def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
         where = f"data.paths {list(config.data.paths)}" if config.data.paths else f"data.source {config.data.source!r}"
         what = "all empty" if n == len(documents) else f"empty (the first {n})"
         raise ValueError(f"the training data has no text to learn from ({where}: its documents are {what})")
+
+
+def _params_note(model: ModelConfig) -> str:
+    """'1,234 params', and a mixture of experts' '(567 active)'."""
+    total, active = model.param_count(), model.param_count(active=True)
+    return f"{total:,} params" + ("" if active == total else f" ({active:,} active)")
 
 
 def _options_note(model: ModelConfig) -> str:
