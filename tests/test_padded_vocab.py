@@ -111,3 +111,30 @@ def test_train_py_samples_a_padded_vocabulary_through_the_end_of_run_sample(tmp_
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sample (temperature" in result.stdout
+
+
+def test_a_tokenizers_gaps_are_never_generated():
+    """tiktoken vocabularies have gaps below n_vocab (cl100k_base: 100256, 100261-100275) that decode() refuses:
+    generation blocks them, as the trainer's sample, the generate CLI and lm-eval pass undecodable_ids()."""
+    import tiktoken
+
+    from diffjax.tokenizers import TiktokenTokenizer
+
+    ranks = {bytes([b]): b for b in range(256)}
+    encoding = tiktoken.Encoding(name="gappy", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
+                                 special_tokens={"<|endoftext|>": 300})  # ids 256..299 name nothing
+    tokenizer = TiktokenTokenizer(encoding)
+    assert tokenizer.vocab_size == 301 and tokenizer.undecodable_ids() == tuple(range(256, 300))
+    assert ByteTokenizer().undecodable_ids() == ()
+    with pytest.raises(ValueError, match="is not in"):
+        tokenizer.decode([280])  # what an unblocked sample would have hit
+    logits_BV = jax.random.normal(jax.random.key(1), (64, PADDED)).at[:, 256:300].add(50.0)
+    for sampling in [Sampling(allowed_vocab_size=301, blocked_ids=tokenizer.undecodable_ids()),
+                     Sampling(1.0, top_k=5, allowed_vocab_size=301, blocked_ids=tokenizer.undecodable_ids())]:
+        tokens_B = np.asarray(next_tokens(logits_BV, jax.random.key(2), sampling))
+        assert not np.isin(tokens_B, range(256, 300)).any() and tokens_B.max() < 301
+        tokenizer.decode(tokens_B)
+    new = diffjax.generate(padded_model(favoured=280), [[104, 105]], 4, allowed_vocab_size=301,
+                           blocked_ids=tokenizer.undecodable_ids())
+    assert not np.isin(new, range(256, 300)).any()
+    tokenizer.decode(new[0])

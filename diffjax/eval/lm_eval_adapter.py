@@ -437,9 +437,10 @@ class DiffjaxLM(TemplateLM):
             from diffjax.generate.sampling import Sampling
 
             temperature = float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0
-            allowed = self.tokenizer.vocab_size  # only ids the tokenizer decodes (a padded vocabulary has more)
-            sampling = Sampling(temperature, kwargs.get("top_k"), kwargs.get("top_p"), allowed) if temperature \
-                else Sampling(allowed_vocab_size=allowed)
+            # only ids the tokenizer decodes (a padded vocabulary has more; a tiktoken vocabulary has gaps)
+            decodable = dict(allowed_vocab_size=self.tokenizer.vocab_size, blocked_ids=self.tokenizer.undecodable_ids())
+            sampling = Sampling(temperature, kwargs.get("top_k"), kwargs.get("top_p"), **decodable) if temperature \
+                else Sampling(**decodable)
             prompts = [self.tok_encode(context, left_truncate_len=self.max_length - max_new) for context in contexts]
             key = jax.random.fold_in(jax.random.key(self.seed), batch_index)
             for context, new in zip(contexts, self._generate(prompts, max_new, sampling, until, key)):

@@ -86,7 +86,8 @@ def main(argv=None) -> int:
         new_tokens = generate(
             model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed), on_tokens=clock,
-            allowed_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
+            allowed_vocab_size=None if tokenizer is None else tokenizer.vocab_size,
+            blocked_ids=() if tokenizer is None else tokenizer.undecodable_ids())
         clock.stop()
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -183,7 +183,7 @@ def _gather(array: jax.Array) -> np.ndarray:
 def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop_tokens: Sequence[int] = (), pad_id: int | None = None, key=None,
              mesh: Mesh | None = None, on_tokens: Callable[[int, np.ndarray], bool | None] | None = None,
-             allowed_vocab_size: int | None = None) -> np.ndarray:
+             allowed_vocab_size: int | None = None, blocked_ids: Sequence[int] = ()) -> np.ndarray:
     """`max_new_tokens` new tokens per prompt, int32 [B, max_new_tokens].
 
     tokens: an int array [B, P] (with `lengths` [B]: row b's prompt is tokens[b, :lengths[b]], the rest
@@ -196,7 +196,8 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
     device (step 0 first; pad_id for stopped rows); returning False stops generation there (the rest of the
     result stays pad_id), and an exception it raises stops it and is raised here.
     allowed_vocab_size: only ids below it are generated (pass the tokenizer's vocab_size when the model's
-    vocabulary is padded past it); None: any id of the model's vocabulary.
+    vocabulary is padded past it); None: any id of the model's vocabulary. blocked_ids: ids never generated either
+    (the tokenizer's undecodable_ids()).
     Prompt + new tokens must fit the model's max_seq_len. While it runs, generation holds a per-layer copy of
     the blocks' params (TransformerLM.unstacked_blocks: what makes a decode step read each weight once).
     """
@@ -212,7 +213,7 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
         raise TypeError(f"on_tokens must be a function (step, tokens) -> bool | None, got {on_tokens!r}")
     if allowed_vocab_size is not None and allowed_vocab_size >= config.vocab_size:
         allowed_vocab_size = None  # every id: the same compiled program as without
-    sampling = Sampling(temperature, top_k, top_p, allowed_vocab_size)
+    sampling = Sampling(temperature, top_k, top_p, allowed_vocab_size, tuple(sorted(int(i) for i in blocked_ids)))
     if key is None:
         if not sampling.greedy:
             raise ValueError(f"temperature {temperature} samples: pass key=jax.random.key(seed) (or temperature=0 for greedy)")

@@ -13,13 +13,15 @@ class Sampling:
     """temperature 0: greedy (argmax; top_k / top_p unused). Otherwise logits / temperature, then top-k, then
     top-p (the smallest set of most likely tokens whose probability reaches top_p), the order of HF's
     `generate`. allowed_vocab_size: only ids below it are ever chosen, greedy or sampled (a model's vocabulary
-    padded past its tokenizer's has ids no tokenizer decodes); None: every id. Hashable: a static argument of the
-    jitted steps."""
+    padded past its tokenizer's has ids no tokenizer decodes); None: every id. blocked_ids: ids below it that are
+    never chosen either (a tokenizer's gaps: tiktoken's cl100k_base has no 100256). Hashable: a static argument of
+    the jitted steps."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     allowed_vocab_size: int | None = None
+    blocked_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -31,17 +33,25 @@ class Sampling:
         if self.allowed_vocab_size is not None and not (isinstance(self.allowed_vocab_size, int)
                                                         and self.allowed_vocab_size > 0):
             raise ValueError(f"allowed_vocab_size must be a positive integer or None, got {self.allowed_vocab_size!r}")
+        if not (isinstance(self.blocked_ids, tuple) and all(isinstance(i, int) and i >= 0 for i in self.blocked_ids)):
+            raise ValueError(f"blocked_ids must be a tuple of ids >= 0, got {self.blocked_ids!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def mask_padded_vocab(logits_BV, allowed_vocab_size: int | None):
-    """The logits with every id from allowed_vocab_size on set to -inf (None, or no such id: unchanged)."""
-    if allowed_vocab_size is None or allowed_vocab_size >= logits_BV.shape[-1]:
+def mask_undecodable(logits_BV, allowed_vocab_size: int | None, blocked_ids: tuple[int, ...] = ()):
+    """The logits with every id from allowed_vocab_size on, and each of blocked_ids, set to -inf (nothing to
+    mask: unchanged)."""
+    vocab = logits_BV.shape[-1]
+    limit = vocab if allowed_vocab_size is None else min(allowed_vocab_size, vocab)
+    blocked = [i for i in blocked_ids if i < limit]
+    if limit == vocab and not blocked:
         return logits_BV
-    return jnp.where(jnp.arange(logits_BV.shape[-1]) < allowed_vocab_size, logits_BV, -jnp.inf)
+    ids_V = jnp.arange(vocab)
+    allowed_V = (ids_V < limit) & ~jnp.isin(ids_V, jnp.asarray(blocked, jnp.int32))
+    return jnp.where(allowed_V, logits_BV, -jnp.inf)
 
 
 def filter_logits(logits_BV, top_k: int | None = None, top_p: float | None = None):
@@ -62,7 +72,8 @@ def filter_logits(logits_BV, top_k: int | None = None, top_p: float | None = Non
 
 def next_tokens(logits_BV, key, sampling: Sampling):
     """The next token of each row, int32 [B]."""
-    logits_BV = mask_padded_vocab(logits_BV, sampling.allowed_vocab_size)  # before temperature, top-k and top-p
+    # before temperature, top-k and top-p
+    logits_BV = mask_undecodable(logits_BV, sampling.allowed_vocab_size, sampling.blocked_ids)
     if sampling.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     scaled_BV = logits_BV.astype(jnp.float32) / jnp.float32(sampling.temperature)

@@ -29,6 +29,11 @@ class Tokenizer(abc.ABC):
     def _decode(self, ids: np.ndarray) -> str:
         """Text for ids already checked to be 1-D integers in [0, vocab_size)."""
 
+    def undecodable_ids(self) -> tuple[int, ...]:
+        """Ids in [0, vocab_size) that name no token (gaps in the vocabulary): generation blocks them (Sampling's
+        blocked_ids). Most tokenizers have none."""
+        return ()
+
     def decode(self, ids) -> str:
         """Text for a 1-D sequence of ids; an id outside [0, vocab_size) raises ValueError."""
         array = np.asarray(ids)

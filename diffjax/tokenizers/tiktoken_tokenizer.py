@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import functools
 import hashlib
 import os
 import tempfile
@@ -52,6 +53,12 @@ class TiktokenTokenizer(Tokenizer):
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._enc.encode_ordinary(self._check_text(text)), dtype=np.int32)
+
+    @functools.cache
+    def undecodable_ids(self) -> tuple[int, ...]:
+        """The gaps below n_vocab (cl100k_base: 100256 and 100261-100275), read once: ~0.1 s for 100k ids."""
+        known = set(self._enc._mergeable_ranks.values()) | set(self._enc._special_tokens.values())
+        return tuple(i for i in range(self.vocab_size) if i not in known)
 
     def _decode(self, ids: np.ndarray) -> str:
         ids = ids[~np.isin(ids, self._special_ids)]

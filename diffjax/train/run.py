@@ -148,7 +148,8 @@ class Run:
         # The prompt and the sample share the model's context (max_seq_len): a longer sample is cut there.
         num_tokens = min(train.sample_tokens, self.config.model.max_seq_len - len(prompt))
         ids = sample(model, prompt, num_tokens, key=key, temperature=train.sample_temperature,
-                     allowed_vocab_size=self.tokenizer.vocab_size)  # a padded vocabulary's extra ids do not decode
+                     # a padded vocabulary's extra ids, and the tokenizer's gaps, do not decode
+                     allowed_vocab_size=self.tokenizer.vocab_size, blocked_ids=self.tokenizer.undecodable_ids())
         return train.sample_prompt + self.tokenizer.decode(ids)
 
 
