@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     from diffjax.train import load_run_config, train
     from diffjax.train.guard import DivergedError
     from diffjax.train.loop import Interrupted
+    from diffjax.train.metrics import MetricsWriteError
     from diffjax.train.state_checkpoints import SaveError
 
     try:
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     except DivergedError as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
-    except SaveError as error:
+    except (SaveError, MetricsWriteError) as error:  # a full disk, most often
         print(f"error: {error}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as error:
