@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from diffjax.log_lines import print_package_logs
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffjax.eval",
@@ -69,6 +71,7 @@ def _unknown(manager, names: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    print_package_logs()
     try:
         from diffjax.eval import require_lm_eval
 
