@@ -71,8 +71,8 @@ def _unknown(manager, names: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    print_package_logs()
     try:
+        print_package_logs()
         from diffjax.eval import require_lm_eval
 
         lm_eval = require_lm_eval()
