@@ -95,8 +95,9 @@ def prepare_output_dir(directory, *, overwrite: bool, owned: Iterable[str]) -> F
 def refuse_overlap(source, destination, *, source_name: str = "SRC", destination_name: str = "DST") -> None:
     """A conversion never writes into what it reads: `destination` may not be `source`, lie inside it or hold it,
     with symlinks resolved (--overwrite would replace the files being read, or mix both formats in one directory).
-    URLs (gs://) are left to their store."""
-    if "://" in str(source) or "://" in str(destination):
+    A source that is no local path (a Hub name, a gs:// URL) is not checked: its files are not in a local directory
+    a DST could name."""
+    if "://" in str(source) or "://" in str(destination) or not FsPath(source).exists():
         return
     src, dst = FsPath(source).resolve(), FsPath(destination).resolve()
     if src == dst:
