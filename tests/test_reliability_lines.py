@@ -103,6 +103,15 @@ def test_only_the_closed_loop_callbacks_of_a_failed_save_are_dropped(tmp_path, c
     assert seen == [other_report]
 
 
+@pytest.mark.slow
+def test_a_conversion_onto_a_full_disk_is_one_line(tiny_dirs, small_disk):
+    """The converter's Orbax save fails the same way (before: ~180 lines, Orbax's logged tracebacks too)."""
+    result = _run("-m", "diffjax.convert", "hf-to-diffjax", tiny_dirs / "hf", small_disk(60) / "out")
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("  [")]  # the progress lines
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: ") and "No space left on device" in lines[0], lines[0]
+
+
 # --- 6. a full disk under the metrics ---------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -140,7 +149,7 @@ def test_tensorboards_writer_thread_hands_its_full_disk_to_the_training_thread(t
     class Full:
         closed = False
 
-        def write(self, data):
+        def write(self, data=None):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         flush = write

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
 
+from diffjax.log_lines import drop_late_write_callbacks
 from diffjax.params_checkpoint import check_same_params, load_model_params, refuse_per_layer
 from diffjax.run_dir import COMMIT_FILE, DATA_ITEM, STATE_ITEM, RunDir
 from diffjax import integrity, storage
@@ -62,23 +62,6 @@ class _OrbaxErrorsWeReport(logging.Filter):
         return not (record.exc_info and record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
-class _DropLateWriteCallbacks:
-    """sys.unraisablehook, passing on all but one kind: when a save fails (a full disk), Orbax's event loop closes
-    while tensorstore's other writes are in flight, and each of their completion callbacks then fails in
-    `call_soon_threadsafe` with "Event loop is closed", printed as a traceback (36 of them on the first save of a
-    tiny model). The failure itself reaches the caller as one SaveError. Installed for the process's life: those
-    callbacks may come after the Checkpointer has closed."""
-
-    def __init__(self, previous):
-        self.previous = previous
-
-    def __call__(self, unraisable) -> None:
-        outermost = unraisable.exc_traceback
-        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
-                and outermost is not None and outermost.tb_frame.f_code.co_name == "call_soon_threadsafe"):
-            self.previous(unraisable)
-
-
 class Checkpointer:
     def __init__(self, run: RunDir | str | Path, config: CheckpointConfig):
         self.run = (run if isinstance(run, RunDir) else RunDir(run)).absolute()  # (tools and tests pass a path)
@@ -86,8 +69,7 @@ class Checkpointer:
         self._async, self._saving = config.async_save, None
         self._quiet = _OrbaxErrorsWeReport()
         logging.getLogger("absl").addFilter(self._quiet)
-        if not isinstance(sys.unraisablehook, _DropLateWriteCallbacks):
-            sys.unraisablehook = _DropLateWriteCallbacks(sys.unraisablehook)
+        drop_late_write_callbacks()  # what a failed save leaves behind besides its SaveError
         self._remove_unfinished_saves()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
