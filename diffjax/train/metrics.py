@@ -170,7 +170,10 @@ class _EventsFile:
         self._guarded(lambda: (self.file.flush(), os.fsync(self.file.fileno())))
 
     def close(self) -> None:  # (a buffered file closes its descriptor even when the flush before fails)
-        self._guarded(self.file.close)
+        try:
+            self.file.close()
+        except OSError as error:
+            self.error = self.error or error
 
 
 def _guard_events_file(writer) -> _EventsFile:
