@@ -45,9 +45,11 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
 
+    from diffjax.log_lines import print_package_logs
     from diffjax.train import load_run_config, train
     from diffjax.train.guard import DivergedError
     from diffjax.train.loop import Interrupted
+    from diffjax.train.metrics import MetricsWriteError
     from diffjax.train.state_checkpoints import SaveError
 
     try:
@@ -58,6 +60,7 @@ def main(argv=None) -> int:
     if args.help_keys:
         print(describe_keys(config))
         return 0
+    print_package_logs()  # (train.init_from's reader warns through logging)
     try:
         result = train(config)
     except Interrupted as stopped:
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
     except DivergedError as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
-    except SaveError as error:
+    except (SaveError, MetricsWriteError) as error:  # a full disk, most often
         print(f"error: {error}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as error:

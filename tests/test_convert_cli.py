@@ -83,7 +83,8 @@ def test_bad_input_exits_2_with_one_line(converted):
 def test_errors_in_process_exit_2(tmp_path, capsys):
     assert main(["hf-to-diffjax", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "config.json does not exist" in capsys.readouterr().err
-    assert main(["diffjax-to-hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    (tmp_path / "empty").mkdir()  # (not tmp_path itself: DST inside SRC is refused first)
+    assert main(["diffjax-to-hf", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
     assert "no checkpoint under" in capsys.readouterr().err
 
 

@@ -284,6 +284,9 @@ def test_merged_export_loads_in_transformers_and_equals_the_lora_model(lora_runs
     expected = np.asarray(nnx.merge(graphdef, expected_params)(tokens))
 
     assert main(["merge-lora", str(root / "straight"), str(tmp_path / "merged")]) == 0
+    base_files = sorted(p for p in (root / "base").rglob("*"))
+    assert main(["merge-lora", str(root / "straight"), str(root / "base"), "--overwrite"]) == 2  # into its base
+    assert sorted(p for p in (root / "base").rglob("*")) == base_files
     merged = np.asarray(load_model(tmp_path / "merged")(tokens))
     np.testing.assert_allclose(merged, expected, rtol=1e-5, atol=1e-5)
     # load_model (generate, the analyses) and train.init_from of the LoRA run itself: merged the same way

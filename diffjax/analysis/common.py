@@ -14,6 +14,7 @@ import yaml
 from diffjax import attention_kinds
 from diffjax.config_values import build_config
 from diffjax.data.config import DataConfig
+from diffjax.log_lines import print_package_logs
 from diffjax.run_dir import RunDir
 from diffjax.tokenizers import Tokenizer
 
@@ -148,6 +149,7 @@ def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callabl
         print(f"error: {len(args.label)} --label for {len(args.checkpoint)} --checkpoint", file=sys.stderr)
         return 2
     labels = args.label or [None] * len(args.checkpoint)
+    print_package_logs()
     try:
         checkpoints = [load_checkpoint(path, label) for path, label in zip(args.checkpoint, labels)]
         if prepare is not None:

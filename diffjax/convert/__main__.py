@@ -12,6 +12,8 @@ import resource
 import sys
 import time
 
+from diffjax.log_lines import print_package_logs
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work; never grab an accelerator
 
 
@@ -93,18 +95,22 @@ def _hub_arguments(parser: argparse.ArgumentParser, remote_code: str | None = No
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on formats it is not using
+    print_package_logs()
+    # Orbax's notes on formats it is not using, and its errors logged with their tracebacks (a full disk: ~100
+    # lines), which it raises too: the conversion's one line says them.
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     # Import jax, orbax and the checkpoint code before taking the memory baseline.
     import orbax.checkpoint  # noqa: F401
 
     import diffjax.params_checkpoint  # noqa: F401
     from diffjax.convert import hf_directories, verify  # noqa: F401
-    from diffjax.convert.common import ConversionError
+    from diffjax.convert.common import ConversionError, refuse_overlap
     from diffjax.run_dir import RunDir
 
     start, base_rss = time.time(), _peak_rss_mb()
     try:
+        if getattr(args, "dst", None) is not None:  # every subcommand that writes
+            refuse_overlap(args.src, args.dst)
         if args.command == "hf-to-diffjax":
             from diffjax.convert.hf_directories import hf_to_diffjax
             step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress,

@@ -3,6 +3,7 @@ assembling a model (or an nnx pure dict) from named arrays."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path as FsPath
@@ -89,3 +90,25 @@ def prepare_output_dir(directory, *, overwrite: bool, owned: Iterable[str]) -> F
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     directory.mkdir(parents=True, exist_ok=True)
     return directory
+
+
+def refuse_overlap(source, destination, *, source_name: str = "SRC", destination_name: str = "DST") -> None:
+    """A conversion never writes into what it reads: `destination` may not be `source`, lie inside it or hold it,
+    with symlinks resolved (--overwrite would replace the files being read, or mix both formats in one directory).
+    A source that is no local path (a Hub name, a gs:// URL) is not checked: its files are not in a local directory
+    a DST could name."""
+    if "://" in str(source) or "://" in str(destination) or not FsPath(source).exists():
+        return
+    src, dst = FsPath(source).resolve(), FsPath(destination).resolve()
+    if src == dst:
+        relation = f"is {source_name} {source}"
+    elif src in dst.parents:
+        relation = f"is inside {source_name} {source}"
+    elif dst in src.parents:
+        relation = f"holds {source_name} {source}"
+    else:
+        return
+    as_given = (FsPath(os.path.abspath(source)), FsPath(os.path.abspath(destination)))
+    links = "" if as_given == (src, dst) else f" (links resolved: {src} and {dst})"
+    raise ConversionError(f"{destination_name} {destination} {relation}{links}: a conversion does not write where it "
+                          f"reads; choose a {destination_name} outside {source_name}")

@@ -90,22 +90,24 @@ class HFWeights:
 def load_torch_bin(file: Path) -> dict:
     """A PyTorch state_dict file, tensors only (weights_only=True), memory-mapped where the format allows."""
     import pickle
+    import warnings
 
     import torch
 
     try:
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as error:  # files in the legacy (pre-zip) format cannot be memory-mapped
-            if "mmap" not in str(error):
-                raise
-            state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        with warnings.catch_warnings():  # torch's own advice on the refusal below: ours is one line
+            warnings.simplefilter("ignore")
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as error:  # files in the legacy (pre-zip) format cannot be memory-mapped
+                if "mmap" not in str(error):
+                    raise
+                state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
         raise ConversionError(
-            f"{file}: refused to load: the file holds Python objects other than tensors, which could run code "
-            f"(torch.load(weights_only=True) says: {first_line}). Get a safetensors version of the checkpoint, "
-            "or re-save it only if you trust its source"
+            f"{file}: refused to load: the file holds Python objects other than tensors, and unpickling them could "
+            "run code; convert a safetensors version of the checkpoint, or, only if you trust its source, load it "
+            "in torch and save its tensors alone"
         ) from None
     if not isinstance(state, dict):
         raise ConversionError(f"{file}: expected a state_dict (a dict of tensors), found {type(state).__name__}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diffjax.convert.common import refuse_overlap
 from diffjax.params_checkpoint import merged_lora_params, save_params
 from diffjax.run_dir import RunDir
 
@@ -25,7 +26,9 @@ def merge_lora_directory(src: str | Path, dst: str | Path, *, overwrite: bool = 
     if result is None:
         raise ValueError(f"{src} is not a LoRA run (its config.yaml has no lora section with rank > 0)")
     params, model_config, base_step = result
-    base_hf = RunDir.of_step(base_step).hf
+    base = RunDir.of_step(base_step)
+    refuse_overlap(base.path, dst, source_name="the LoRA run's base (train.init_from)")  # (SRC: checked by the CLI)
+    base_hf = base.hf
     with conversion_run_dir(dst, overwrite=overwrite) as run:
         data = keep_hf_files(base_hf, run) if base_hf.is_dir() else None
         return save_params(run.path, params, model_config, data=data)

@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from diffjax.log_lines import print_package_logs
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffjax.eval",
@@ -77,6 +79,7 @@ def main(argv=None) -> int:
 
     hub_datasets.offline_unless_reachable()  # before lm_eval loads datasets and huggingface_hub
     try:
+        print_package_logs()
         from diffjax.eval import require_lm_eval
 
         lm_eval = require_lm_eval()

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from diffjax.log_lines import print_package_logs
 from diffjax.run_dir import RunDir
 
 SEPARATOR = "\n" + "-" * 40
@@ -62,14 +63,29 @@ def _ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
 
 
+def _check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int, flag: str) -> None:
+    """Every prompt has a token, and the longest plus --max-new-tokens fits the model's context."""
+    for number, prompt in enumerate(prompts, 1):
+        if len(prompt) == 0:
+            raise ValueError(f"{flag} {number} is empty (no tokens): every prompt needs at least one")
+    number, longest = max(enumerate(map(len, prompts), 1), key=lambda item: item[1])
+    if longest + max_new_tokens > max_seq_len:
+        raise ValueError(f"{flag} {number} is {longest} tokens; with --max-new-tokens {max_new_tokens} that is "
+                         f"{longest + max_new_tokens}, more than the model's context (max_seq_len {max_seq_len}): "
+                         f"shorten the prompt or lower --max-new-tokens")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    print_package_logs()
     import jax
 
     from diffjax.generate.decode import generate
     from diffjax.params_checkpoint import load_model, resolve_checkpoint
 
     try:
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         step_dir = resolve_checkpoint(args.checkpoint, what="--checkpoint")
         tokenizer = None if args.prompt_ids else load_tokenizer(step_dir)
         model = load_model(step_dir, what="--checkpoint")
@@ -77,8 +93,8 @@ def main(argv=None) -> int:
             raise ValueError(f"the tokenizer ({tokenizer.name}, {tokenizer.vocab_size} ids) does not fit the model's "
                              f"vocabulary ({model.config.vocab_size})")
         prompts = [_ids(text) for text in args.prompt_ids] if tokenizer is None else [tokenizer.encode(t) for t in args.prompt]
-        if any(len(prompt) == 0 for prompt in prompts):
-            raise ValueError("a prompt is empty (no tokens): every prompt needs at least one")
+        flag = "--prompt-ids" if tokenizer is None else "--prompt"
+        _check_lengths(prompts, args.max_new_tokens, model.config.max_seq_len, flag)
         eos = None if tokenizer is None or args.ignore_eos else tokenizer.eos_id
         # One text prompt streams as it is generated; a batch (or ids) prints when done.
         printer = _StreamPrinter(tokenizer, eos, args.prompt[0]) if tokenizer is not None and len(prompts) == 1 else None

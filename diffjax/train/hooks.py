@@ -149,7 +149,7 @@ class MetricsLog(Hook):
                     self.progress.note(f"sample (temperature {run.config.train.sample_temperature}):\n{result.sample}")
         finally:
             self.progress.close()
-            self.writer.close()
+            self.writer.close(report=result is not None)  # (None: an error is stopping the run; it is the one said)
 
     def _write(self, step: int, kind: str, values: dict[str, float]):
         self.writer.write(step, kind, values)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -146,6 +147,49 @@ class _EventsUploader:
             shutil.rmtree(self.staging, ignore_errors=True)
 
 
+class MetricsWriteError(RuntimeError):
+    """metrics.jsonl or the TensorBoard events could not be written (a full disk, most often): the run stops like
+    a failed save (train.py: one line, exit status 1); the checkpoints are intact and a rerun resumes."""
+
+
+class _EventsFile:
+    """The file tensorboardX's writer thread writes events into, keeping the first OSError for MetricsWriter to
+    raise in the training thread. Raised in that thread, it printed a traceback and ended the thread, and the
+    run then hung once the thread's queue (10 events) was full."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def _guarded(self, operation) -> None:
+        if self.error is None:
+            try:
+                operation()
+            except OSError as error:
+                self.error = error
+
+    def write(self, data: bytes) -> None:
+        self._guarded(lambda: self.file.write(data))
+
+    def flush(self) -> None:  # (no fileno: tensorboardX's fsync would run unguarded)
+        self._guarded(lambda: (self.file.flush(), os.fsync(self.file.fileno())))
+
+    def close(self) -> None:  # (a buffered file closes its descriptor even when the flush before fails)
+        try:
+            self.file.close()
+        except OSError as error:
+            self.error = self.error or error
+
+
+def _guard_events_file(writer) -> _EventsFile:
+    """Puts an _EventsFile between a tensorboardX SummaryWriter (2.6) and its open event file."""
+    try:
+        records = writer._get_file_writer().event_writer._ev_writer._py_recordio_writer
+    except AttributeError:  # another tensorboardX: its thread's errors are its own again (a test says so)
+        return _EventsFile(None)
+    records._writer = _EventsFile(records._writer)
+    return records._writer
+
+
 class MetricsWriter:
     """Appends records to <run_dir>/metrics.jsonl and, optionally, TensorBoard event files.
 
@@ -175,6 +219,8 @@ class MetricsWriter:
             self._uploader = _EventsUploader(run.tensorboard) if storage.is_url(run.tensorboard) else None
             self._tensorboard = SummaryWriter(str(self._uploader.staging if self._uploader else run.tensorboard),
                                               purge_step=resume_step + 1 if resume_step or earlier else None)
+            self._events, self._events_dir = _guard_events_file(self._tensorboard), run.tensorboard
+        self.failed = False  # a write failed: its MetricsWriteError was raised once
 
     def _truncate_after(self, step: int):
         kept = [record for record in read_records(self.jsonl_path) if record.get("step", 0) <= step]
@@ -188,24 +234,44 @@ class MetricsWriter:
         if not self.enabled:
             return
         clean = {key: (float(v) if v is not None and math.isfinite(float(v)) else None) for key, v in values.items()}
-        self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
+        try:
+            self._jsonl.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
+        except OSError as error:
+            raise self._failure(f"of step {step} to {self.jsonl_path}", error) from None
         if self._tensorboard is not None:
             for key, value in clean.items():
                 if value is not None:
                     self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
             if self._uploader is not None:
                 self._uploader.upload(self._tensorboard)
+            if self._events.error is not None:  # met by tensorboardX's thread, at this step or an earlier one
+                raise self._failure(f"by step {step} to {self._events_dir}", self._events.error)
+
+    def _failure(self, what: str, error: OSError) -> MetricsWriteError:
+        self.failed = True
+        return MetricsWriteError(f"could not write the metrics {what} ({error.strerror or error}); the checkpoints "
+                                 "saved so far are intact: free some space and rerun to resume")
 
     def flush(self, force: bool = False):
         """metrics.jsonl on gs:// uploaded (throttled unless `force`); a local file is written line by line."""
         if self.enabled and isinstance(self._jsonl, _ObjectAppender):
             self._jsonl.flush(force)
 
-    def close(self):
+    def close(self, report: bool = True):
+        """Closes the files; a write that fails now raises MetricsWriteError when `report` (not while another
+        error stops the run) and unless one was raised already."""
         if not self.enabled:
             return
-        self._jsonl.close()
+        failure = None
+        try:
+            self._jsonl.close()
+        except OSError as error:
+            failure = (f"to {self.jsonl_path}", error)
         if self._tensorboard is not None:
             self._tensorboard.close()
-            if self._uploader is not None:
+            if self._events.error is not None:
+                failure = failure or (f"to {self._events_dir}", self._events.error)
+            elif self._uploader is not None:
                 self._uploader.upload(None, final=True)
+        if failure and report and not self.failed:
+            raise self._failure(*failure)

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
+from diffjax.log_lines import drop_late_write_callbacks
 from diffjax.params_checkpoint import check_same_params, load_model_params, refuse_per_layer
 from diffjax.run_dir import COMMIT_FILE, DATA_ITEM, STATE_ITEM, RunDir
 from diffjax import integrity, storage
@@ -68,6 +69,7 @@ class Checkpointer:
         self._async, self._saving = config.async_save, None
         self._quiet = _OrbaxErrorsWeReport()
         logging.getLogger("absl").addFilter(self._quiet)
+        drop_late_write_callbacks()  # what a failed save leaves behind besides its SaveError
         self._remove_unfinished_saves()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
