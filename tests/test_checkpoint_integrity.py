@@ -151,3 +151,22 @@ def test_a_missing_digest_is_damage_in_a_digested_run_and_asks_for_adoption_in_a
     assert adopt(run_dir) == [run_dir / "checkpoints" / "0", newer]
     assert find_damage(newer) is None and adopt(run_dir) == []
     jax.tree.map(np.testing.assert_array_equal, load_params(run_dir), clean_run[1])
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_the_digest_is_written_before_the_checkpoint_becomes_visible(tmp_path, monkeypatch, async_save):
+    """Sync saves too: a digest written after Orbax's rename would leave, for a kill between the two, a checkpoint
+    without its digest (set aside, or on a run's first save, a call for adoption)."""
+    from diffjax import integrity
+    from diffjax.train.config import CheckpointConfig
+    from diffjax.train.state_checkpoints import Checkpointer
+
+    written_into = []
+    real_write = integrity.write_digest
+    monkeypatch.setattr(integrity, "write_digest", lambda step_dir: (written_into.append(step_dir.name),
+                                                                     real_write(step_dir)))
+    checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig(async_save=async_save))
+    checkpointer.save(3, {"w": np.arange(4.0)}, {"epoch": 0})
+    checkpointer.close()
+    assert len(written_into) == 1 and written_into[0] != "3"  # the temporary directory, before the rename
+    assert find_damage(tmp_path / "run" / "checkpoints" / "3") is None

@@ -73,10 +73,12 @@ class Checkpointer:
         self._remove_unfinished_saves()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
-            enable_async_checkpointing=config.async_save,
+            # Always Orbax's async path, waited on at once when async_save is false: only it calls the digest
+            # callback before the rename, so even a kill between the two never leaves a checkpoint without its digest.
+            enable_async_checkpointing=True,
             cleanup_tmp_directories=False,  # done above: Orbax's runs in a thread its close() does not wait for
             create=True,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_digest) if config.async_save else None,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_digest),
         )
         handlers = {STATE_ITEM: ocp.StandardCheckpointHandler(), DATA_ITEM: ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -104,8 +106,8 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def _write_digest(self) -> None:
-        """The digest of the save just completed. Asynchronous saves call this from Orbax's post-finalization
-        callback, before the temporary directory is renamed into place: the digest arrives with the checkpoint."""
+        """The digest of the save just completed, from Orbax's post-finalization callback, before the temporary
+        directory is renamed into place: the digest arrives with the checkpoint."""
         if jax.process_index() == 0:
             temporary = sorted(self.directory.glob(f"{self._saving}{TEMPORARY_MARK}*"))
             integrity.write_digest(temporary[-1] if temporary else self.run.step_dir(self._saving))
@@ -196,7 +198,7 @@ class Checkpointer:
             force=True
         )
         if not self._async:
-            self._write_digest()
+            self.wait()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict | None]:
         """(state, this process's data-iterator state) of checkpoint `step`. `abstract_state` gives structure,
