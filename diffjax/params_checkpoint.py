@@ -26,7 +26,7 @@ import yaml
 
 from diffjax import integrity, lora, storage
 from diffjax.config import ModelConfig
-from diffjax.run_dir import DIGEST_FILE, STATE_ITEM, RunDir, state_dir
+from diffjax.run_dir import DIGEST_FILE, STATE_ITEM, TEMPORARY_MARK, RunDir, state_dir
 from diffjax.sharding import key_names
 
 STACKED = "blocks"  # the params key whose leaves carry the leading layers axis
@@ -34,6 +34,19 @@ CHUNK_BYTES = 8 * 2**20
 
 
 logger = logging.getLogger("diffjax.checkpoint")
+
+
+class CheckpointWriteError(OSError):
+    """Writing a params-only checkpoint failed (a full disk, no permission): nothing of it is left behind."""
+
+
+def _write_failure(error: Exception) -> str:
+    """The OS's reason from an Orbax / tensorstore error (whose first line also holds a whole tensorstore spec)."""
+    text = str(error)
+    for reason in ("No space left on device", "Disk quota exceeded", "Permission denied", "Read-only file system"):
+        if reason in text:
+            return reason
+    return (text.splitlines() or [type(error).__name__])[0][:200]
 
 
 class DamagedCheckpointError(ValueError):
@@ -233,10 +246,17 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     for name in params:  # "blocks", and a model of several segments' "blocks_from_<start>" (diffjax.kinds.Segment)
         if name == STACKED or name.startswith(f"{STACKED}_from_"):
             save_args[name] = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,)), params[name])
-    manager.save(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave({"params": params},
-                                                                                    save_args={"params": save_args})}),
-                 force=True)
-    manager.wait_until_finished()
+    try:
+        manager.save(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave({"params": params},
+                                                                                        save_args={"params": save_args})}),
+                     force=True)
+        manager.wait_until_finished()
+    except Exception as error:  # Orbax raises tensorstore's write errors as ValueError
+        manager.close()  # first: its threads may still be writing (tensorstore's can still re-create the directory)
+        for temporary in run.checkpoints.glob(f"{step}{TEMPORARY_MARK}*"):
+            storage.rmtree(temporary, ignore_errors=True)
+        raise CheckpointWriteError(f"writing the checkpoint {run.step_dir(step)} failed: {_write_failure(error)}; "
+                                   "nothing of it was kept") from None
     manager.close()
     integrity.write_digest(run.step_dir(step))  # its readers verify it (resolve_checkpoint)
     # A run config train.py reads (its other sections take their defaults); the data section's sequence

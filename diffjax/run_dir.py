@@ -45,6 +45,7 @@ CHECKPOINTS_DIR = "checkpoints"
 STATE_ITEM = "state"  # Orbax item names inside a step directory
 DATA_ITEM = "data"
 DIGEST_FILE = "digest.json"
+TEMPORARY_MARK = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress: <step>.orbax-checkpoint-tmp-<n>
 COMMIT_FILE = "commit_success.txt"  # on gs:// Orbax saves in place and writes this when a save is complete
 DAMAGED_DIR = "damaged-checkpoints"
 METRICS_FILE = "metrics.jsonl"

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     # Import jax, orbax and the checkpoint code before taking the memory baseline.
     import orbax.checkpoint  # noqa: F401
 
-    import diffjax.params_checkpoint  # noqa: F401
+    from diffjax.params_checkpoint import CheckpointWriteError
     from diffjax.convert import hf_directories, verify  # noqa: F401
     from diffjax.convert.common import ConversionError, refuse_overlap
     from diffjax.run_dir import RunDir
@@ -141,6 +141,9 @@ def main(argv=None) -> int:
                             revision=args.revision)
             print(result.report())
             return 0 if result.passed else 1
+    except CheckpointWriteError as error:  # the input was fine; the disk was not
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except (ConversionError, ValueError, FileNotFoundError, FileExistsError) as error:
         # ValueError also covers ModelConfig's validation of a run directory's config.yaml
         print(f"error: {error}", file=sys.stderr)

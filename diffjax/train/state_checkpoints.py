@@ -21,14 +21,11 @@ import orbax.checkpoint as ocp
 
 from diffjax.log_lines import drop_late_write_callbacks
 from diffjax.params_checkpoint import check_same_params, load_model_params, refuse_per_layer
-from diffjax.run_dir import COMMIT_FILE, DATA_ITEM, STATE_ITEM, RunDir
+from diffjax.run_dir import COMMIT_FILE, DATA_ITEM, STATE_ITEM, TEMPORARY_MARK, RunDir
 from diffjax import integrity, storage
 from diffjax.train.config import CheckpointConfig
 from diffjax.train.mesh import allgather_json
 from diffjax.train.start import RunDirState
-
-
-TEMPORARY_MARK = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress: <step>.orbax-checkpoint-tmp-<n>
 
 
 class UnreadableCheckpoint(RuntimeError):
