@@ -213,14 +213,14 @@ def test_export_is_bit_exact_and_verify_passes_on_the_restatement(tmp_path):
 # ------------------------------------------------------------------------------ shard by shard
 
 
-def _peak_growth(*args) -> int:
+def _peak_growth(*args) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-m", "diffjax.convert", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=REPO_ROOT, timeout=600)
     assert done.returncode == 0, done.stderr
     match = re.search(r"peak memory (\d+) MiB \((-?\d+) MiB above", done.stderr)
     assert match, done.stderr
-    return int(match.group(2)) * 2**20
+    return int(match.group(2)) * 2**20, done.stderr
 
 
 @pytest.mark.slow
@@ -246,7 +246,8 @@ def test_a_many_shard_checkpoint_converts_within_the_model_plus_two_shards(tmp_p
     model_bytes = sum(sizes)
     assert len(files) >= 10
     bound = model_bytes + 2 * max(sizes) + 96 * 2**20
-    growth = _peak_growth("hf-to-diffjax", directory, tmp_path / "run")
+    growth, log = _peak_growth("hf-to-diffjax", directory, tmp_path / "run")
+    assert log.count("multi-token-prediction") == 1, log
     print(f"\nMotif 3 hf-to-diffjax, {model_bytes / 2**20:.0f} MiB in {len(files)} shards (largest "
           f"{max(sizes) / 2**20:.1f} MiB): peak growth {growth / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB")
     measured("Motif 3 hf-to-diffjax peak growth, MiB", growth / 2**20, bound / 2**20)
