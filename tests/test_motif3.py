@@ -37,6 +37,7 @@ except ImportError:
     torch = None
 needs_torch = pytest.mark.skipif(torch is None, reason="the PyTorch re-statement needs torch and transformers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = REPO_ROOT / "configs" / "motif3"
 VARIANTS = ("all_on", "mhc_off", "window_off", "dense_only", "gate_off", "yarn_off")
 
 
@@ -58,9 +59,12 @@ def test_the_published_config_maps_to_gdla_mhc_and_moe():
 
 
 def test_the_published_size_counts_314b_total_and_13b_active(capsys):
-    """diffjax.model.sizes counts the model as built (no MTP block): 314.6B total, 13.0B active; the model card's
-    13.2B counts the MTP block too (tests/motif3_published.py's note)."""
-    config = config_from_hf(PUBLISHED)
+    """diffjax.model.sizes counts configs/motif3/published.yaml as built (no MTP block): 314.6B total, 13.0B active,
+    the checkpoint's tensors but the MTP block's; the model card's 13.2B counts that block too
+    (tests/motif3_published.py's note)."""
+    from diffjax.train.config import load_run_config
+
+    config = load_run_config(CONFIGS / "published.yaml").model
     total, active = parameter_counts(config)
     assert abs(total - PUBLISHED_TOTAL_PARAMS) < 0.01 * PUBLISHED_TOTAL_PARAMS
     assert abs(active - PUBLISHED_ACTIVE_PARAMS) < 0.02 * PUBLISHED_ACTIVE_PARAMS
@@ -258,3 +262,63 @@ def test_a_many_shard_checkpoint_converts_within_the_model_plus_two_shards(tmp_p
     exported = {k: v for f in back.glob("*.safetensors") for k, v in load_file(f).items()}
     assert sorted(exported) == sorted(original)
     assert all(np.array_equal(exported[k], original[k]) for k in original)
+
+
+# ------------------------------------------------------------------------------ configs/motif3/
+
+
+def _switches(path: Path) -> dict[str, list[str]]:
+    """The "feature off" overrides a config's comments document: {feature: [key=value, ...]}."""
+    lines = re.findall(r"^#   (\w[\w ]*?\w)\s{2,}(model\..*)$", path.read_text(), flags=re.M)
+    return {name: re.findall(r"(model\.\S+=(?:\"[^\"]*\"|\S+))", overrides) for name, overrides in lines}
+
+
+@pytest.mark.parametrize("name,hf", [("published", PUBLISHED), ("small", {"model_type": "Motif", **small_config()})])
+def test_the_configs_are_the_published_and_small_config_json(name, hf):
+    """configs/motif3/*.yaml are what the converter reads from the config.json (scan_layers and the attention route
+    aside), and each documented switch turns its feature off alone in a config that builds."""
+    from diffjax.train.config import load_run_config
+
+    path = CONFIGS / f"{name}.yaml"
+    model = load_run_config(path, [f"model.vocab_size={hf['vocab_size']}"]).model
+    assert model.replace(scan_layers=False, attention_impl="auto") == config_from_hf(hf)
+    switches = _switches(path)
+    assert set(switches) == {"mHC off", "window off", "dense only", "gate off", "YaRN off"}
+    off = {name: load_run_config(path, [f"model.vocab_size={hf['vocab_size']}", *overrides]).model
+           for name, overrides in switches.items()}
+    assert off["mHC off"].residual == "plain" and off["gate off"].attention_options.output_gate is False
+    assert off["window off"].attention_window is None and off["YaRN off"].rope_type == "default"
+    assert off["dense only"].mlp_options.dense_first_layers == model.num_layers
+    for config in off.values():  # the rest as it was
+        assert sum(getattr(config, f) != getattr(model, f) for f in ("residual", "mlp_options", "rope_type",
+                                                                    "attention_window", "attention_options")) == 1
+
+
+def _train_small(run_dir, steps: int) -> str:
+    command = [sys.executable, "train.py", "--config", str(CONFIGS / "small.yaml"), f"train.steps={steps}",
+               f"train.run_dir={run_dir}", "checkpoint.every=2", "train.eval_every=0"]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_small_config_trains_resumes_bitwise_and_samples(tmp_path):
+    from diffjax.checkpoint import load_model
+
+    def losses(out):
+        return dict(re.findall(r"^step\s+(\d+)/\d+ \| loss ([\d.]+) \|", out, flags=re.M))
+
+    straight = losses(_train_small(tmp_path / "straight", 4))
+    first = losses(_train_small(tmp_path / "resumed", 2))
+    second = _train_small(tmp_path / "resumed", 4)
+    assert "resumed from" in second and {**first, **losses(second)} == straight and len(straight) == 4
+    ours, theirs = load_model(tmp_path / "resumed"), load_model(tmp_path / "straight")
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(ours, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(theirs, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+    prompt = np.asarray([[100, 101, 102]])
+    generated = np.asarray(diffjax.generate(ours, prompt, 5))[0]
+    full = np.asarray(jnp.argmax(ours(jnp.asarray(np.concatenate([prompt[0], generated])[None]))[0], axis=-1))
+    assert generated.tolist() == full[2:7].tolist()
