@@ -191,6 +191,22 @@ def test_load_hf_equals_the_reference_in_logits_gradients_and_generation(tmp_pat
 
 @pytest.mark.slow
 @needs_torch
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_save_hf_writes_the_same_tensors_and_a_config_that_reads_back(tmp_path, variant):
+    from safetensors.numpy import load_file
+
+    _, directory = _saved(tmp_path, variant)
+    model = diffjax.load_hf(directory)
+    diffjax.save_hf(model, tmp_path / "back")
+    original, back = load_file(directory / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    assert all(np.array_equal(back[name], value) for name, value in original.items())
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config_from_hf(written).replace(rope_style="interleaved") == model.config
+
+
+@pytest.mark.slow
+@needs_torch
 def test_export_is_bit_exact_and_verify_passes_on_the_restatement(tmp_path):
     """hf-to-diffjax, diffjax-to-hf and verify --trust-remote-code through the CLI: the same tensor names, shapes and
     bits, config.json with the published field names, the re-statement's remote code agreeing with diffjax."""

@@ -15,8 +15,6 @@ What each field becomes (tests/motif3_reference.py states what the model compute
 
 from __future__ import annotations
 
-import math
-
 from diffjax.config import ModelConfig
 from diffjax.convert.common import ConversionError
 
@@ -24,6 +22,7 @@ PUBLISHED_MODEL_TYPE, ARCHITECTURE = "Motif", "MotifForCausalLM"
 MARKERS = ("q_lora_rank", "kv_lora_rank", "mhc_enabled", "num_experts", "diff_v2")  # keys Motif-2's config.json never sets
 DEFAULT_HIDDEN_CLAMP = 1000.0  # vLLM's getattr default when a config omits hidden_clamp
 DEFAULT_NORM_EPS = 1e-6  # MotifConfig's rms_norm_eps
+DEFAULT_ORIGINAL_SEQ_LEN = 32768  # MotifConfig's original_seq_len
 
 
 def is_motif3(hf: dict) -> bool:
@@ -67,23 +66,26 @@ def _yarn(hf: dict) -> dict | None:
 
 
 def _rope_fields(hf: dict) -> dict:
-    """RoPE fields: YaRN on the global layers, its mscale^2 on their softmax scale when the context is stretched."""
+    """RoPE fields: YaRN on the global layers, its mscale^2 on their softmax scale when the context is stretched
+    (MotifConfig's defaults where a field is absent: original_seq_len 32768, rope_factor 1, so no factor)."""
     yarn = _yarn(hf)
     theta = float((yarn or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
-    stretched = hf.get("max_position_embeddings", 0) > hf.get("original_seq_len", math.inf)
+    original = hf.get("original_seq_len", DEFAULT_ORIGINAL_SEQ_LEN)
+    top_factor = float(hf.get("rope_factor", 1.0))  # the softmax factor's (vLLM reads the top-level field)
+    scaled = hf.get("max_position_embeddings", 0) > original and top_factor != 1.0
     if yarn is None:
-        if stretched and hf.get("rope_factor", 1.0) != 1.0:
-            raise ConversionError("config.json: max_position_embeddings > original_seq_len with rope_factor "
-                                  f"{hf['rope_factor']} but no yarn rope_scaling: diffjax applies mscale with YaRN only")
+        if scaled:
+            raise ConversionError(f"config.json: rope_factor={top_factor} with max_position_embeddings > "
+                                  "original_seq_len but no yarn rope_scaling: diffjax applies that factor with YaRN only")
         return {"rope_theta": theta}
     factor = float(yarn["factor"])
-    if stretched and float(hf.get("rope_factor", factor)) != factor:
-        raise ConversionError(f"config.json: rope_factor ({hf['rope_factor']}) differs from rope_scaling's factor "
+    if scaled and top_factor != factor:
+        raise ConversionError(f"config.json: rope_factor ({top_factor}) differs from rope_scaling's factor "
                               f"({factor}); diffjax uses one factor for YaRN's frequencies and its mscale")
     return dict(rope_theta=theta, rope_type="yarn", rope_factor=factor,
-                rope_original_max_len=int(yarn.get("original_max_position_embeddings", hf.get("original_seq_len"))),
+                rope_original_max_len=int(yarn.get("original_max_position_embeddings", original)),
                 rope_beta_fast=float(yarn.get("beta_fast", 32.0)), rope_beta_slow=float(yarn.get("beta_slow", 1.0)),
-                rope_mscale=float(hf.get("mscale", 1.0)) if stretched else None)
+                rope_mscale=float(hf.get("mscale", 1.0)) if scaled else None)
 
 
 def _window_fields(hf: dict) -> dict:
@@ -165,6 +167,9 @@ def export_problems(config: ModelConfig) -> list[str]:
         problems.append(f"rope_type={config.rope_type!r}: Motif 3 has 'default' or 'yarn'")
     if config.rope_type == "yarn" and config.rope_mscale is None and config.max_seq_len > config.rope_original_max_len:
         problems.append("rope_mscale=None with max_seq_len > rope_original_max_len: Motif 3 then applies mscale")
+    if config.rope_mscale is not None and config.max_seq_len <= config.rope_original_max_len:
+        problems.append(f"rope_mscale={config.rope_mscale} with max_seq_len <= rope_original_max_len: Motif 3 applies "
+                        "mscale only to a stretched context")
     if config.attention_window is not None and config.global_layers:
         period = config.global_layers[1] if len(config.global_layers) > 1 else config.num_layers
         if list(config.global_layers) != list(range(0, config.num_layers, period)):
@@ -219,7 +224,7 @@ def export_fields(config: ModelConfig) -> dict:
         headwise_attn_output_gate=False, hidden_act="poly_norm", rms_norm_eps=float(config.norm_eps),
         initializer_range=float(config.init_std), max_position_embeddings=config.max_seq_len,
         tie_word_embeddings=bool(config.tie_embeddings), score_before_experts=False,
-        polynorm_output_scale_per_layer={}, mhc_enabled=mhc,
+        polynorm_output_scale_per_layer={}, num_nextn_predict_layers=0, mhc_enabled=mhc,  # no MTP block exported
         **(dict(mhc_expansion_rate=r.streams, mhc_sinkhorn_iters=r.sinkhorn_iters,
                 mhc_h_post_alpha_end=r.h_post_alpha, mhc_identity_init=r.identity_init) if mhc else {}),
         **_window_export(config), **_rope_export(config), **_mlp_export(config))
