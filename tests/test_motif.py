@@ -175,8 +175,8 @@ BASE = {"model_type": "motif", "vocab_size": 10, "hidden_size": 32, "intermediat
     ({"num_noise_heads": 2}, r"num_noise_heads needs head_dim"),
     ({"num_key_value_heads": 3}, r"num_key_value_heads must be even"),
     ({"use_bias": True}, r"use_bias=true is not supported"),
-    ({"model_type": "Motif", "mhc_enabled": True, "num_experts": 384}, r"mhc_enabled \(mHC residual streams\), "
-     r"num_experts \(routed experts\): a Motif 3 checkpoint, which is not supported"),
+    ({"model_type": "Motif", "mhc_enabled": True, "num_experts": 384},  # Motif 3's keys: read as Motif 3
+     r"q_lora_rank=None is not supported for Motif 3: GDLA needs a q latent"),
     ({"hidden_act": "relu"}, r"hidden_act 'relu' is not supported; supported: .*'poly_norm'"),
     ({"num_attention_heads": 10, "num_noise_heads": 2, "num_key_value_heads": 8, "head_dim": 4},
      r"num_noise_heads \(2\) must divide num_heads \(8\) and be a multiple of num_kv_heads \(4\)"),

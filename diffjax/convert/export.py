@@ -24,7 +24,7 @@ from flax import nnx
 
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig, lambda_init_for_depth
-from diffjax.convert import motif
+from diffjax.convert import motif, motif3, motif3_weights
 from diffjax.convert.common import ConversionError, flatten, path_name, prepare_output_dir
 from diffjax.convert.hf import hf_model_type, is_diffllama, stacked_path, weight_table
 from diffjax.convert.safetensors_io import write_safetensors
@@ -48,6 +48,10 @@ _DERIVED_FIELDS = {
 
 def check_exportable(config: ModelConfig) -> None:
     """Raise ConversionError naming each setting of `config` that its HF format (DiffLlama, Llama, Motif) cannot express."""
+    if motif3.is_motif3_config(config):  # Motif 3's own blocks: its exporter says what it cannot write
+        if problems := motif3.export_problems(config):
+            raise ConversionError("cannot export to Hugging Face (Motif 3): " + "; ".join(problems))
+        return
     problems = []
     model_type = hf_model_type(config)
     if model_type is None:
@@ -111,6 +115,8 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
     """config.json for `config`. base: an original HF config whose other fields (token ids,
     initializer_range, ...) and spelling of model_type are kept when it describes the same model_type."""
     check_exportable(config)
+    if motif3.is_motif3_config(config):
+        return _motif3_config(config, dtype or config.param_dtype, base)
     kind = attention_kinds.get(config.attention)
     model_type = hf_model_type(config)
     heads = kind.maps  # HF counts DiffLlama's sub-heads
@@ -147,6 +153,14 @@ def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | 
     else:
         values.update(mlp_bias=False, pretraining_tp=1)
     return dict(sorted(values.items()))
+
+
+def _motif3_config(config: ModelConfig, dtype: str, base: Mapping | None) -> dict:
+    """Motif 3's config.json: a Motif base config's other fields (token ids, ...) kept, the rest derived."""
+    values = motif3.export_fields(config)
+    same_type = str((base or {}).get("model_type", "")).lower() == motif.MODEL_TYPE
+    kept = {k: v for k, v in base.items() if k not in values and k not in _DERIVED_FIELDS} if same_type else {}
+    return dict(sorted({"use_cache": True, **kept, **values, "dtype": dtype, "torch_dtype": dtype}.items()))
 
 
 # ------------------------------------------------------------------------------------------
@@ -239,6 +253,9 @@ def hf_tensor_plan(config: ModelConfig, params: Mapping, dtype=None) -> list[tup
     if problems:
         raise ConversionError("params do not match the model config: " + "; ".join(problems))
     read_layer = getattr(params, "layer", None) or (lambda path, depth: params[path][depth])
+    if motif3.is_motif3_config(config):
+        out_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
+        return motif3_weights.export_plan(config, lambda path: params[path], read_layer, dtypes, out_dtype)
     plan = []
     for key, shape, path, _ in weight_table(config):
         leaf = stacked_path(path) if path[0] == "blocks" else path

@@ -20,7 +20,7 @@ from flax import nnx
 
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
-from diffjax.convert import hub, motif
+from diffjax.convert import hub, motif, motif3, motif3_weights
 from diffjax.convert.common import ConversionError, build_module, to_numpy
 from diffjax.convert.hf_files import HFWeights
 from diffjax.model.rope import interleaved_from_rotate_half
@@ -99,6 +99,10 @@ def config_from_hf(hf: dict, *, dtype=None, param_dtype=None) -> ModelConfig:
     missing = [key for key in _REQUIRED if key not in hf]
     if missing:
         raise ConversionError(f"config.json: missing required key(s) {missing}")
+    if model_type == motif.MODEL_TYPE and motif3.is_motif3(hf):
+        name = _dtype_name(dtype) if dtype is not None else _dtype_name(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+        config = motif3.config_from_hf(hf, name)
+        return config if param_dtype is None else config.replace(param_dtype=_dtype_name(param_dtype))
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConversionError(f"config.json: {flag}=true is not supported (diffjax layers have no biases)")
@@ -274,6 +278,8 @@ def params_from_hf(tensors, config: ModelConfig, dtype=None) -> dict:
 
     Missing, unexpected and mis-shaped keys raise ConversionError naming them. dtype: cast to it (None: keep).
     """
+    if motif3.is_motif3_config(config):
+        return motif3_weights.params_from_hf(tensors, config, _np_dtype(dtype))
     names = _canonical_names(tensors)
     renamed = {names[k]: v for k, v in tensors.items()}
     check_checkpoint({k: tuple(v.shape) for k, v in renamed.items()}, config)
@@ -322,6 +328,8 @@ def params_from_hf_dir(directory: str | os.PathLike, config: ModelConfig, dtype=
     the converted params plus one tensor (safetensors) or one memory-mapped file (.bin).
     progress: called with (file name, index, count) before each file.
     """
+    if motif3.is_motif3_config(config):
+        return motif3_weights.params_from_hf_dir(directory, config, _np_dtype(dtype), progress=progress)
     weights = HFWeights(directory)
     names = _canonical_names(weights.shapes())
     check_checkpoint({names[k]: s for k, s in weights.shapes().items()}, config)

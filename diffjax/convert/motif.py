@@ -29,16 +29,9 @@ LAMBDA_INIT_DEPTH_OFFSET = -1  # Motif's lambda_init counts layers from -1
 DEFAULT_NORM_EPS = 1e-6
 
 
-# Motif 3's config.json keys (its checkpoints say model_type "Motif" too): parts diffjax does not build.
-_MOTIF3_KEYS = {"mhc_enabled": "mHC residual streams", "num_experts": "routed experts", "q_lora_rank": "MLA-style "
-                "compressed attention", "kv_lora_rank": "MLA-style compressed attention", "diff_v2": "DIFF V2 maps"}
-
-
 def config_fields(hf: dict) -> dict:
-    """ModelConfig fields of a Motif config.json's attention and MLP (the rest is read as for Llama)."""
-    if motif3 := [f"{key} ({part})" for key, part in _MOTIF3_KEYS.items() if hf.get(key)]:
-        raise ConversionError(f"config.json: {', '.join(motif3)}: a Motif 3 checkpoint, which is not supported "
-                              "(diffjax reads Motif-2.6B's and Motif-2-12.7B's format)")
+    """ModelConfig fields of a Motif-2 config.json's attention and MLP (the rest is read as for Llama; Motif 3's
+    config.json goes to diffjax.convert.motif3 instead)."""
     for flag in ("use_bias", "qkv_bias"):
         if hf.get(flag):
             raise ConversionError(f"config.json: {flag}=true is not supported (diffjax layers have no biases)")

@@ -19,6 +19,7 @@ from flax import nnx
 from diffjax.convert import hub, motif
 from diffjax.convert.common import ConversionError, build_module, flatten
 from diffjax.convert.hf import load_hf, read_hf_config
+from diffjax.model import residual
 from diffjax.model.rope import layer_rope_tables
 from diffjax.model.transformer import TransformerLM
 
@@ -124,10 +125,12 @@ def _diffjax_run(model: TransformerLM, tokens: np.ndarray):
     rope = layer_rope_tables(config, positions_BT, dtype)
     x_BTD = model.embed(tokens_BT, dtype)
     stages = [np.asarray(x_BTD.astype(jnp.float32))]
+    form = residual.module_class(config)  # a layer's output is the residual stream (mHC: [B, T, E, D], as Motif 3's)
+    stream = form.expand(config, x_BTD)
     for depth in range(config.num_layers):
-        x_BTD = model.layer(depth)(x_BTD, rope)
-        stages.append(np.asarray(x_BTD.astype(jnp.float32)))
-    stages.append(np.asarray(model.final_norm(x_BTD).astype(jnp.float32)))
+        stream = model.layer(depth)(stream, rope)
+        stages.append(np.asarray(stream.astype(jnp.float32)))
+    stages.append(np.asarray(model.final_norm(form.collapse(config, stream)).astype(jnp.float32)))
     logits = np.asarray(model(tokens_BT), np.float32)
     return stages, logits
 
