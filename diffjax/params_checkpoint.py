@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -224,12 +224,95 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     `train.py train.run_dir=<run_dir>` continues training from it (a fresh optimizer), `train.init_from`
     fine-tunes from it and `load_model` loads it. Refuses a directory that already holds checkpoints.
     """
-    import orbax.checkpoint as ocp
+    run = _new_params_run(run_dir)
+    _write_state(run, step, jax.tree.map(np.asarray, params))  # jax arrays to host numpy (numpy arrays: no copy)
+    return _complete(run, step, model_config, data, optim)
 
+
+def save_params_streamed(run_dir: str | Path, leaves: Mapping[tuple, tuple[tuple, Any]], fill: Callable,
+                         model_config: ModelConfig, *, step: int = 0, data: dict | None = None) -> Path:
+    """save_params for params that arrive piece by piece (a conversion, shard by shard): peak memory is one piece.
+
+    `leaves`: {path tuple: (shape, dtype)}. The checkpoint is first written by Orbax from zero-stride placeholders
+    (so its files are save_params' exactly), then `fill(write)` calls write(path, layer index or None, array) for
+    every leaf (each layer of a stacked one), which goes straight into that leaf's zarr array. The digest and
+    config.yaml follow only when every piece was written: a killed or failed fill never looks complete (a failure
+    removes the step directory)."""
+    run = _new_params_run(run_dir)
+    placeholders = _nested({path: np.broadcast_to(np.zeros((), dtype), shape) for path, (shape, dtype) in leaves.items()})
+    _write_state(run, step, placeholders)
+    writer = _LeafWriter(state_dir(run.step_dir(step)), leaves)
+    try:
+        fill(writer.write)
+        writer.check_complete()
+    except BaseException:
+        storage.rmtree(run.step_dir(step), ignore_errors=True)
+        raise
+    return _complete(run, step, model_config, data, None)
+
+
+class _LeafWriter:
+    """Writes arrays into the zarr arrays Orbax wrote (one per leaf, named params.<path>), keeping track of what
+    was written so that a missing piece is an error, not a checkpoint of zeros."""
+
+    def __init__(self, directory: Path, leaves: Mapping[tuple, tuple[tuple, Any]]):
+        self.directory, self.leaves, self.arrays = directory, leaves, {}
+        self.missing = {path: set(range(shape[0])) if _is_stacked(path) else {None} for path, (shape, _) in leaves.items()}
+
+    def write(self, path: tuple, index: int | None, array) -> None:
+        import tensorstore as ts
+
+        name = ".".join(("params",) + path)
+        if path not in self.leaves:
+            raise KeyError(f"{name} is no parameter of this checkpoint")
+        shape, dtype = self.leaves[path]
+        if tuple(np.shape(array)) != (shape if index is None else shape[1:]):
+            raise ValueError(f"{name}{'' if index is None else f'[{index}]'} has shape {np.shape(array)}, expected "
+                             f"{shape if index is None else shape[1:]}")
+        try:
+            if path not in self.arrays:
+                spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(self.directory / name)}}
+                self.arrays[path] = ts.open(spec, open=True, write=True).result()
+            target = self.arrays[path] if index is None else self.arrays[path][index]
+            target.write(np.asarray(array, dtype)).result()
+        except ValueError as error:  # tensorstore's I/O errors
+            raise CheckpointWriteError(f"writing {name} into {self.directory} failed: {_write_failure(error)}; "
+                                       "nothing of the checkpoint was kept") from None
+        self.missing[path].discard(index)
+
+    def check_complete(self) -> None:
+        if missing := sorted(".".join(path) for path, left in self.missing.items() if left):
+            raise ValueError(f"no values were written for {', '.join(missing[:3])}" +
+                             (f" and {len(missing) - 3} more parameters" if len(missing) > 3 else ""))
+
+
+def _is_stacked(path: tuple) -> bool:
+    """Under "blocks", or a model of several segments' "blocks_from_<start>" (diffjax.kinds.Segment)."""
+    return path[0] == STACKED or path[0].startswith(f"{STACKED}_from_")
+
+
+def _nested(flat: Mapping[tuple, Any]) -> dict:  # (diffjax.convert.common.nested: a layer above this module)
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _new_params_run(run_dir: str | Path) -> RunDir:
     run = RunDir(storage.absolute(run_dir))
     if run.has_checkpoints():
         raise FileExistsError(f"{run.checkpoints} already holds checkpoints; choose an empty directory")
     run.path.mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def _write_state(run: RunDir, step: int, params: Any) -> None:
+    """Orbax writes {"params": params} (host numpy) as checkpoints/<step>/state; a failure leaves nothing."""
+    import orbax.checkpoint as ocp
+
     # Peak memory ~ the params alone (the converter streams models larger than half the machine's memory):
     # OCDBT would hold the whole encoded checkpoint until it commits, and the default numpy handler copies
     # every array (needed only for asynchronous saves; this one is synchronous).
@@ -239,12 +322,12 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1, type_handler_registry=registry)
     manager = ocp.CheckpointManager(run.checkpoints, item_handlers={STATE_ITEM: handler},
                                     options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
-    params = jax.tree.map(np.asarray, params)  # jax arrays to host numpy (numpy arrays: no copy)
     # Written in chunks of at most CHUNK_BYTES, stacked leaves split along the layers axis first: the encoding
-    # transient is one chunk, not a whole stack, and CheckpointParams.layer reads only one layer's chunks.
+    # transient is one chunk, not a whole stack, and CheckpointParams.layer (and _LeafWriter) touch only one
+    # layer's chunks.
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
-    for name in params:  # "blocks", and a model of several segments' "blocks_from_<start>" (diffjax.kinds.Segment)
-        if name == STACKED or name.startswith(f"{STACKED}_from_"):
+    for name in params:
+        if _is_stacked((name,)):
             save_args[name] = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,)), params[name])
     try:
         manager.save(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave({"params": params},
@@ -258,6 +341,9 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
         raise CheckpointWriteError(f"writing the checkpoint {run.step_dir(step)} failed: {_write_failure(error)}; "
                                    "nothing of it was kept") from None
     manager.close()
+
+
+def _complete(run: RunDir, step: int, model_config: ModelConfig, data: dict | None, optim: dict | None) -> Path:
     integrity.write_digest(run.step_dir(step))  # its readers verify it (resolve_checkpoint)
     # A run config train.py reads (its other sections take their defaults); the data section's sequence
     # length must fit the model; `data` adds to that section (a conversion names its tokenizer there), `optim` is

@@ -170,3 +170,47 @@ def test_the_digest_is_written_before_the_checkpoint_becomes_visible(tmp_path, m
     checkpointer.close()
     assert len(written_into) == 1 and written_into[0] != "3"  # the temporary directory, before the rename
     assert find_damage(tmp_path / "run" / "checkpoints" / "3") is None
+
+
+def test_a_streamed_checkpoint_is_save_params_file_for_file_and_an_incomplete_one_is_not_kept(tmp_path):
+    """save_params_streamed (the Motif 3 converter's writer) writes save_params' files byte for byte from pieces
+    (a stacked leaf layer by layer); a fill that leaves a leaf unwritten or fails keeps no step and no config.yaml."""
+    from diffjax.params_checkpoint import save_params_streamed
+    from diffjax.run_dir import DIGEST_FILE
+
+    rng = np.random.default_rng(0)
+    params = {"blocks": {"w": rng.standard_normal((3, 4, 5)).astype(np.float32)},
+              "embed": rng.standard_normal((7, 4)).astype(jax.numpy.bfloat16)}
+    leaves = {("blocks", "w"): ((3, 4, 5), np.dtype(np.float32)), ("embed",): ((7, 4), params["embed"].dtype)}
+
+    def fill(write):
+        for i in reversed(range(3)):
+            write(("blocks", "w"), i, params["blocks"]["w"][i])
+        write(("embed",), None, params["embed"])
+
+    whole = save_params(tmp_path / "whole", params, ModelConfig())
+    streamed = save_params_streamed(tmp_path / "streamed", leaves, fill, ModelConfig())
+    digests = [{k: v for k, v in json.loads((step / DIGEST_FILE).read_text()).items() if "_CHECKPOINT_METADATA" not in k}
+               for step in (whole, streamed)]
+    assert digests[0] == digests[1] and any("params.blocks.w" in name for name in digests[0])
+    restored = load_params(tmp_path / "streamed")
+    assert jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), restored, params))
+
+    def partial(write):
+        write(("embed",), None, params["embed"])
+        write(("blocks", "w"), 0, params["blocks"]["w"][0])
+
+    with pytest.raises(ValueError, match=r"no values were written for blocks\.w"):
+        save_params_streamed(tmp_path / "partial", leaves, partial, ModelConfig())
+
+    def failing(write):
+        write(("embed",), None, params["embed"])
+        raise OSError("the shard could not be read")
+
+    with pytest.raises(OSError, match="could not be read"):
+        save_params_streamed(tmp_path / "failed", leaves, failing, ModelConfig())
+    with pytest.raises(ValueError, match=r"params\.embed has shape \(4, 7\), expected \(7, 4\)"):
+        save_params_streamed(tmp_path / "misshaped", leaves, lambda write: write(("embed",), None, params["embed"].T),
+                             ModelConfig())
+    for run in ("partial", "failed", "misshaped"):
+        assert not (tmp_path / run / "checkpoints" / "0").exists() and not (tmp_path / run / "config.yaml").exists()

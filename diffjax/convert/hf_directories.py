@@ -10,7 +10,8 @@ A converted run directory (diffjax/run_dir.py) is written by `diffjax.params_che
                                         train.py and generate use the checkpoint's own tokenizer
 
 save_params writes without OCDBT and without Orbax's defensive copy of host arrays, so it adds a
-bounded amount of memory to the params (tests/test_convert_streaming.py measures it).
+bounded amount of memory to the params (tests/test_convert_streaming.py measures it). A Motif 3 checkpoint is
+written tensor by tensor as its shards are read (save_params_streamed): peak memory about one shard, not the model.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ import contextlib
 import shutil
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
+
 from diffjax.config import ModelConfig
-from diffjax.convert import hub
+from diffjax.convert import hub, motif3, motif3_weights
 from diffjax.convert.common import nested
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
 from diffjax.params_checkpoint import (CheckpointParams, merged_lora_params, resolve_checkpoint, save_params,
-                                      saved_model_config)
+                                      save_params_streamed, saved_model_config)
 from diffjax.run_dir import RunDir
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
@@ -66,11 +70,26 @@ def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False
     src = hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)
     config = config_from_hf(read_hf_config(src), dtype=dtype)
     with conversion_run_dir(dst, overwrite=overwrite) as run:
+        if motif3.is_motif3_config(config):
+            return _motif3_to_diffjax(src, run, config, progress)
         params = params_from_hf_dir(src, config, config.param_dtype, progress=progress)
         data = keep_hf_files(src, run)
         tree = nested(params)
         del params
         return save_params(run.path, tree, config, data=data)
+
+
+def _motif3_to_diffjax(src, run: RunDir, config: ModelConfig, progress) -> Path:
+    """Each converted tensor goes into its place in the checkpoint as its shard is read (the published
+    checkpoint is 629 GB): peak memory is about one shard, not the model."""
+    weights = motif3_weights.checked_weights(src, config)
+    dtype = np.dtype(jnp.dtype(config.param_dtype))
+    leaves = {path: (shape, dtype) for path, shape in motif3_weights.leaf_shapes(config, weights.shapes()).items()}
+
+    def fill(write):
+        motif3_weights.convert_files(weights, motif3_weights.Converter(config, dtype, write), progress=progress)
+
+    return save_params_streamed(run.path, leaves, fill, config, data=keep_hf_files(src, run))
 
 
 def read_run_config(src) -> tuple[Path, Path, ModelConfig]:

@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from diffjax.config import ModelConfig
@@ -218,25 +219,28 @@ def note_skipped(skipped: list[str]) -> None:
 
 
 class Converter:
-    """Checkpoint tensors, fed one at a time in any order -> {diffjax path: array} (contiguous copies: nothing keeps
-    a source buffer alive)."""
+    """Checkpoint tensors, fed one at a time in any order -> write(diffjax path, layer index or None, array), by
+    default into self.params ({diffjax path: array}, contiguous copies: nothing keeps a source buffer alive)."""
 
-    def __init__(self, config: ModelConfig, dtype: np.dtype | None):
+    def __init__(self, config: ModelConfig, dtype: np.dtype | None, write: Callable | None = None):
         self.rows = {row.key: row for row in plan(config)}
         self.sizes, self.dtype, self.params = stack_sizes(config), dtype, {}
+        self.write = write or self._keep
 
     def add(self, key: str, value) -> None:
         row = self.rows.get(key)
         if row is None:
             return  # skipped, or a tied model's lm_head
         for (path, index), array in zip(row.leaves, row.to_ours(to_numpy(value))):
-            dtype = self.dtype or array.dtype
-            if index is None:
-                self.params[path] = np.array(array, dtype=dtype, order="C", copy=True)
-                continue
-            if path not in self.params:  # the stacked [layers, ...] leaf, allocated at its first layer
-                self.params[path] = np.empty((self.sizes[path[0]],) + array.shape, dtype)
-            self.params[path][index] = array
+            self.write(path, index, array.astype(self.dtype or array.dtype, copy=False))
+
+    def _keep(self, path: tuple, index: int | None, array: np.ndarray) -> None:
+        if index is None:
+            self.params[path] = np.array(array, order="C", copy=True)
+            return
+        if path not in self.params:  # the stacked [layers, ...] leaf, allocated at its first layer
+            self.params[path] = np.empty((self.sizes[path[0]],) + array.shape, array.dtype)
+        self.params[path][index] = array
 
 
 def params_from_hf(tensors: dict, config: ModelConfig, dtype=None) -> dict:
@@ -249,18 +253,37 @@ def params_from_hf(tensors: dict, config: ModelConfig, dtype=None) -> dict:
 
 
 def params_from_hf_dir(directory: str | os.PathLike, config: ModelConfig, dtype=None, *, progress=None) -> dict:
-    """The params of a Motif 3 directory, one weight file and one tensor at a time (names and shapes are checked
-    from the headers first)."""
+    """The params of a Motif 3 directory, one weight file and one tensor at a time."""
+    converter = Converter(config, dtype)
+    convert_files(checked_weights(directory, config), converter, progress=progress)
+    return converter.params
+
+
+def checked_weights(directory: str | os.PathLike, config: ModelConfig) -> HFWeights:
+    """A Motif 3 directory's weight files, their tensors' names and shapes checked from the headers."""
     weights = HFWeights(directory)
     note_skipped(check_names(weights.shapes(), plan(config)))
-    converter = Converter(config, dtype)
+    return weights
+
+
+def convert_files(weights: HFWeights, converter: Converter, *, progress=None) -> None:
+    """Feed every tensor to `converter`, one weight file at a time; each is dropped once converted."""
     for index, file in enumerate(weights.files):
         if progress:
             progress(file.name, index, len(weights.files))
         for name, array in weights.tensors(file):
             converter.add(name, array)
             del array
-    return converter.params
+
+
+def leaf_shapes(config: ModelConfig, shapes: dict[str, tuple]) -> dict[tuple, tuple]:
+    """{diffjax path: shape} of what a checkpoint with these tensor shapes converts to (traced: nothing is read)."""
+    sizes, leaves = stack_sizes(config), {}
+    for row in plan(config):
+        traced = jax.eval_shape(row.to_ours, jax.ShapeDtypeStruct(shapes[row.key], np.float32))
+        for (path, index), leaf in zip(row.leaves, traced):
+            leaves[path] = tuple(leaf.shape) if index is None else (sizes[path[0]],) + tuple(leaf.shape)
+    return leaves
 
 
 def export_plan(config: ModelConfig, read, read_layer, dtypes: dict, dtype=None) -> list[tuple]:
