@@ -239,7 +239,7 @@ def save_params_streamed(run_dir: str | Path, leaves: Mapping[tuple, tuple[tuple
     config.yaml follow only when every piece was written: a killed or failed fill never looks complete (a failure
     removes the step directory)."""
     run = _new_params_run(run_dir)
-    placeholders = _nested({path: np.broadcast_to(np.zeros((), dtype), shape) for path, (shape, dtype) in leaves.items()})
+    placeholders = nested({path: np.broadcast_to(np.zeros((), dtype), shape) for path, (shape, dtype) in leaves.items()})
     _write_state(run, step, placeholders)
     writer = _LeafWriter(state_dir(run.step_dir(step)), leaves)
     try:
@@ -291,7 +291,8 @@ def _is_stacked(path: tuple) -> bool:
     return path[0] == STACKED or path[0].startswith(f"{STACKED}_from_")
 
 
-def _nested(flat: Mapping[tuple, Any]) -> dict:  # (diffjax.convert.common.nested: a layer above this module)
+def nested(flat: Mapping[tuple, Any]) -> dict:
+    """{("blocks", "attn", "q_kernel"): x} -> {"blocks": {"attn": {"q_kernel": x}}} (an nnx pure dict)."""
     tree: dict = {}
     for path, value in flat.items():
         node = tree

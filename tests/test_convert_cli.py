@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from diffjax.convert.__main__ import main  # noqa: E402
 from diffjax.checkpoint import save_params  # noqa: E402
-from diffjax.convert.common import nested  # noqa: E402
+from diffjax.params_checkpoint import nested  # noqa: E402
 from diffjax.convert.verify import load_diffjax_as  # noqa: E402
 from hf_models import make_hf_model, random_tokens  # noqa: E402
 

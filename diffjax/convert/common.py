@@ -53,19 +53,8 @@ def build_module(make_module, params: Mapping[Path, np.ndarray], dtype, *, consu
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
-def nested(flat: Mapping[Path, np.ndarray]) -> dict:
-    """{("blocks", "attn", "q_kernel"): x} -> {"blocks": {"attn": {"q_kernel": x}}} (an nnx pure dict)."""
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
-
-
 def flatten(tree: Mapping, prefix: Path = ()) -> dict[Path, object]:
-    """The inverse of `nested`; digit-string keys (as Orbax stores layer indices) become ints."""
+    """The inverse of `params_checkpoint.nested`; digit-string keys (as Orbax stores layer indices) become ints."""
     flat = {}
     for key, value in tree.items():
         key = int(key) if isinstance(key, str) and key.isdigit() else key

@@ -25,7 +25,7 @@ import numpy as np
 
 from diffjax.config import ModelConfig
 from diffjax.convert import hub, motif3, motif3_weights
-from diffjax.convert.common import nested
+from diffjax.params_checkpoint import nested
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
 from diffjax.params_checkpoint import (CheckpointParams, merged_lora_params, resolve_checkpoint, save_params,
