@@ -1,5 +1,5 @@
 """How the command lines keep stderr to one line per thing said: log records with one prefix, and no tracebacks
-from the writes a failed checkpoint save left in flight.
+from the writes a failed checkpoint save left in flight (their callbacks, and their unretrieved failures).
 
 The messages are lines for a person, most already starting "warning: "; printed through the root logger they were
 prefixed again ("WARNING:diffjax.checkpoint:warning: ..." once absl, the first time Orbax logs, has installed
@@ -8,7 +8,9 @@ Python's default handler; "WARNING: warning: ..." under the converter's format).
 from __future__ import annotations
 
 import logging
+import re
 import sys
+import traceback
 
 
 class _OnePrefix(logging.Handler):
@@ -39,10 +41,32 @@ class _DropLateWriteCallbacks:
             self.previous(unraisable)
 
 
+_UNRETRIEVED = re.compile(r"\w+ exception was never retrieved")  # asyncio's words, after the future's class
+
+
+class _DropOrphanedWriteFailures(logging.Filter):
+    """On asyncio's logger, drops one kind of record: when one of a save's writes fails, Orbax's `asyncio.gather`
+    raises that failure to the caller and leaves its sibling writes running. Those fail too (the same full disk)
+    and nobody awaits them, so asyncio logs each, when it is collected, as "Task exception was never retrieved"
+    (or "_GatheringFuture exception ...") with a traceback; which and how many depends on timing. Only futures that
+    failed inside Orbax are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and _UNRETRIEVED.match(record.msg)
+                and record.exc_info and record.exc_info[2] is not None):
+            return True
+        return not any("/orbax/checkpoint/" in frame.filename.replace("\\", "/")
+                       for frame in traceback.extract_tb(record.exc_info[2]))
+
+
 def drop_late_write_callbacks() -> None:
-    """Installs _DropLateWriteCallbacks for the process's life (the callbacks may come after the writer closed)."""
+    """Installs _DropLateWriteCallbacks and _DropOrphanedWriteFailures for the process's life (both kinds come after
+    the failed save returned)."""
     if not isinstance(sys.unraisablehook, _DropLateWriteCallbacks):
         sys.unraisablehook = _DropLateWriteCallbacks(sys.unraisablehook)
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropOrphanedWriteFailures) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_DropOrphanedWriteFailures())
 
 
 def print_package_logs() -> None:
