@@ -11,6 +11,9 @@ import logging
 import re
 import sys
 import traceback
+import warnings
+
+from diffjax.run_dir import TEMPORARY_MARK
 
 
 class _OnePrefix(logging.Handler):
@@ -48,25 +51,32 @@ class _DropOrphanedWriteFailures(logging.Filter):
     """On asyncio's logger, drops one kind of record: when one of a save's writes fails, Orbax's `asyncio.gather`
     raises that failure to the caller and leaves its sibling writes running. Those fail too (the same full disk)
     and nobody awaits them, so asyncio logs each, when it is collected, as "Task exception was never retrieved"
-    (or "_GatheringFuture exception ...") with a traceback; which and how many depends on timing. Only futures that
-    failed inside Orbax are dropped."""
+    (or "_GatheringFuture ...", "Future ...") with a traceback; which and how many depends on timing. Dropped only
+    when the failure was raised in Orbax or names a file of a save in progress (tensorstore's futures have no
+    Python frames)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not (isinstance(record.msg, str) and _UNRETRIEVED.match(record.msg)
-                and record.exc_info and record.exc_info[2] is not None):
+        if not (isinstance(record.msg, str) and _UNRETRIEVED.match(record.msg) and record.exc_info):
             return True
-        return not any("/orbax/checkpoint/" in frame.filename.replace("\\", "/")
-                       for frame in traceback.extract_tb(record.exc_info[2]))
+        _, error, trace = record.exc_info
+        in_orbax = any("/orbax/checkpoint/" in frame.filename.replace("\\", "/") for frame in traceback.extract_tb(trace))
+        return not (in_orbax or TEMPORARY_MARK in str(error))
 
 
 def drop_late_write_callbacks() -> None:
-    """Installs _DropLateWriteCallbacks and _DropOrphanedWriteFailures for the process's life (both kinds come after
-    the failed save returned)."""
+    """Installs _DropLateWriteCallbacks and _DropOrphanedWriteFailures for the process's life (both kinds may come
+    after the failed save returned, or before it did)."""
     if not isinstance(sys.unraisablehook, _DropLateWriteCallbacks):
         sys.unraisablehook = _DropLateWriteCallbacks(sys.unraisablehook)
     asyncio_logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _DropOrphanedWriteFailures) for f in asyncio_logger.filters):
         asyncio_logger.addFilter(_DropOrphanedWriteFailures())
+
+
+def after_a_failed_write() -> None:
+    """Called where a write failure is raised to be reported: the writes Orbax left un-started are collected at
+    exit with Python's "RuntimeWarning: coroutine '...' was never awaited" (and a tracemalloc hint), one each."""
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def print_package_logs() -> None:

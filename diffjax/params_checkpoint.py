@@ -26,6 +26,7 @@ import yaml
 
 from diffjax import integrity, lora, storage
 from diffjax.config import ModelConfig
+from diffjax.log_lines import after_a_failed_write
 from diffjax.run_dir import DIGEST_FILE, STATE_ITEM, TEMPORARY_MARK, RunDir, state_dir
 from diffjax.sharding import key_names
 
@@ -276,6 +277,7 @@ class _LeafWriter:
             target = self.arrays[path] if index is None else self.arrays[path][index]
             target.write(np.asarray(array, dtype)).result()
         except ValueError as error:  # tensorstore's I/O errors
+            after_a_failed_write()
             raise CheckpointWriteError(f"writing {name} into {self.directory} failed: {_write_failure(error)}; "
                                        "nothing of the checkpoint was kept") from None
         self.missing[path].discard(index)
@@ -339,6 +341,7 @@ def _write_state(run: RunDir, step: int, params: Any) -> None:
         manager.close()  # first: its threads may still be writing (tensorstore's can still re-create the directory)
         for temporary in run.checkpoints.glob(f"{step}{TEMPORARY_MARK}*"):
             storage.rmtree(temporary, ignore_errors=True)
+        after_a_failed_write()
         raise CheckpointWriteError(f"writing the checkpoint {run.step_dir(step)} failed: {_write_failure(error)}; "
                                    "nothing of it was kept") from None
     manager.close()

@@ -105,8 +105,9 @@ def test_only_the_closed_loop_callbacks_of_a_failed_save_are_dropped(tmp_path, c
 
 def test_only_the_unretrieved_failures_of_orbax_writes_are_dropped(tmp_path, caplog):
     """The sibling writes Orbax's gather leaves behind: a real Orbax write coroutine that fails in a task nobody
-    awaits is not logged once the checkpointer is set up; a task of anyone else's that fails the same way still is.
-    (Before the filter, the slow full-disk tests above printed 9 to 29 lines on some runs, 1 on others.)"""
+    awaits, or a future that failed on a file of a save in progress (tensorstore's, no Python frames), is not logged
+    once the checkpointer is set up; anyone else's failure is. (Before, the slow full-disk tests printed 7 to 29
+    lines on some runs, 1 on others.)"""
     import asyncio
     import gc
 
@@ -114,28 +115,56 @@ def test_only_the_unretrieved_failures_of_orbax_writes_are_dropped(tmp_path, cap
     import tensorstore as ts
     from orbax.checkpoint._src.serialization import type_handlers
 
+    from diffjax.run_dir import TEMPORARY_MARK
     from diffjax.train.config import CheckpointConfig
     from diffjax.train.state_checkpoints import Checkpointer
 
-    async def not_orbax():
-        raise ValueError("a failure outside Orbax")
+    async def fails(message):
+        raise ValueError(message)
 
-    def orphan(coroutine_factory):
+    def failed_future(message):
+        future = asyncio.get_running_loop().create_future()
+        future.set_exception(ValueError(message))
+
+    def orphan(start):
         async def leave_behind():
-            task = asyncio.ensure_future(coroutine_factory())
+            task = start()
             await asyncio.sleep(0.05)  # it fails meanwhile, and is never awaited
             del task
         asyncio.run(leave_behind())
         gc.collect()
 
-    orbax_write = lambda: type_handlers.NumpyHandler()._open_and_write(  # noqa: E731
-        np.zeros(3), {"driver": "no_such_driver"}, ts.Context())
     Checkpointer(tmp_path / "run", CheckpointConfig()).close()
     with caplog.at_level("ERROR", logger="asyncio"):
-        orphan(orbax_write)
-        orphan(not_orbax)
-    unretrieved = [r for r in caplog.records if r.getMessage().startswith("Task exception was never retrieved")]
-    assert [str(r.exc_info[1]) for r in unretrieved] == ["a failure outside Orbax"]
+        orphan(lambda: asyncio.ensure_future(type_handlers.NumpyHandler()._open_and_write(
+            np.zeros(3), {"driver": "no_such_driver"}, ts.Context())))
+        orphan(lambda: failed_future(f"Failed writing: /run/checkpoints/2{TEMPORARY_MARK}/d/1: No space left"))
+        orphan(lambda: asyncio.ensure_future(fails("a failure outside Orbax")))
+        orphan(lambda: failed_future("Failed writing: /elsewhere/d/1: No space left"))
+    unretrieved = [r for r in caplog.records if "exception was never retrieved" in r.getMessage()]
+    assert [str(r.exc_info[1]) for r in unretrieved] == ["a failure outside Orbax",
+                                                         "Failed writing: /elsewhere/d/1: No space left"]
+
+
+def test_after_a_failed_write_its_unstarted_coroutines_are_not_warned_about():
+    import gc
+    import warnings
+
+    from diffjax.log_lines import after_a_failed_write
+
+    async def write():
+        pass
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        write()  # never awaited
+        gc.collect()
+        after_a_failed_write()
+        write()
+        gc.collect()
+    assert [str(w.message) for w in seen] == [
+        "coroutine 'test_after_a_failed_write_its_unstarted_coroutines_are_not_warned_about.<locals>.write' was never "
+        "awaited"]
 
 
 @pytest.mark.slow

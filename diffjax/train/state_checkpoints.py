@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
-from diffjax.log_lines import drop_late_write_callbacks
+from diffjax.log_lines import after_a_failed_write, drop_late_write_callbacks
 from diffjax.params_checkpoint import check_same_params, load_model_params, refuse_per_layer
 from diffjax.run_dir import COMMIT_FILE, DATA_ITEM, STATE_ITEM, TEMPORARY_MARK, RunDir
 from diffjax import integrity, storage
@@ -242,6 +242,7 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as error:  # Orbax re-raises whatever its background thread met
             self._remove_temporaries(str(self._saving))
+            after_a_failed_write()
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise SaveError(f"saving the checkpoint of step {self._saving} in {self.directory} failed: {message}; "
                             f"{_newest_is_intact(self.manager.latest_step())}") from None
