@@ -13,8 +13,6 @@ import sys
 import traceback
 import warnings
 
-from diffjax.run_dir import TEMPORARY_MARK
-
 
 class _OnePrefix(logging.Handler):
     """A record as "<level>: <message>", the level not repeated when the message starts with it; written to the
@@ -52,25 +50,31 @@ class _DropOrphanedWriteFailures(logging.Filter):
     raises that failure to the caller and leaves its sibling writes running. Those fail too (the same full disk)
     and nobody awaits them, so asyncio logs each, when it is collected, as "Task exception was never retrieved"
     (or "_GatheringFuture ...", "Future ...") with a traceback; which and how many depends on timing. Dropped only
-    when the failure was raised in Orbax or names a file of a save in progress (tensorstore's futures have no
-    Python frames)."""
+    when the failure was raised in Orbax or names a file under one of `file_marks` (tensorstore's futures have no
+    Python frames; the checkpoint layer gives the mark of a save in progress)."""
+
+    def __init__(self):
+        super().__init__()
+        self.file_marks: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not (isinstance(record.msg, str) and _UNRETRIEVED.match(record.msg) and record.exc_info):
             return True
         _, error, trace = record.exc_info
         in_orbax = any("/orbax/checkpoint/" in frame.filename.replace("\\", "/") for frame in traceback.extract_tb(trace))
-        return not (in_orbax or TEMPORARY_MARK in str(error))
+        return not (in_orbax or any(mark in str(error) for mark in self.file_marks))
 
 
-def drop_late_write_callbacks() -> None:
-    """Installs _DropLateWriteCallbacks and _DropOrphanedWriteFailures for the process's life (both kinds may come
-    after the failed save returned, or before it did)."""
+def drop_late_write_callbacks(*file_marks: str) -> None:
+    """Installs _DropLateWriteCallbacks and _DropOrphanedWriteFailures (with `file_marks` added) for the process's
+    life (both kinds may come after the failed save returned, or before it did)."""
     if not isinstance(sys.unraisablehook, _DropLateWriteCallbacks):
         sys.unraisablehook = _DropLateWriteCallbacks(sys.unraisablehook)
     asyncio_logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, _DropOrphanedWriteFailures) for f in asyncio_logger.filters):
-        asyncio_logger.addFilter(_DropOrphanedWriteFailures())
+    orphans = next((f for f in asyncio_logger.filters if isinstance(f, _DropOrphanedWriteFailures)), None)
+    if orphans is None:
+        asyncio_logger.addFilter(orphans := _DropOrphanedWriteFailures())
+    orphans.file_marks.update(file_marks)
 
 
 def after_a_failed_write() -> None:

@@ -26,7 +26,7 @@ import yaml
 
 from diffjax import integrity, lora, storage
 from diffjax.config import ModelConfig
-from diffjax.log_lines import after_a_failed_write
+from diffjax.log_lines import after_a_failed_write, drop_late_write_callbacks
 from diffjax.run_dir import DIGEST_FILE, STATE_ITEM, TEMPORARY_MARK, RunDir, state_dir
 from diffjax.sharding import key_names
 
@@ -316,6 +316,7 @@ def _write_state(run: RunDir, step: int, params: Any) -> None:
     """Orbax writes {"params": params} (host numpy) as checkpoints/<step>/state; a failure leaves nothing."""
     import orbax.checkpoint as ocp
 
+    drop_late_write_callbacks(TEMPORARY_MARK)  # what a failed write leaves behind besides its CheckpointWriteError
     # Peak memory ~ the params alone (the converter streams models larger than half the machine's memory):
     # OCDBT would hold the whole encoded checkpoint until it commits, and the default numpy handler copies
     # every array (needed only for asynchronous saves; this one is synchronous).

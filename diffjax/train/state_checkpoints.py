@@ -66,7 +66,7 @@ class Checkpointer:
         self._async, self._saving = config.async_save, None
         self._quiet = _OrbaxErrorsWeReport()
         logging.getLogger("absl").addFilter(self._quiet)
-        drop_late_write_callbacks()  # what a failed save leaves behind besides its SaveError
+        drop_late_write_callbacks(TEMPORARY_MARK)  # what a failed save leaves behind besides its SaveError
         self._remove_unfinished_saves()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
