@@ -92,6 +92,7 @@ def test_each_cli_writes_its_json_and_its_figure_with_every_checkpoint(name, che
                                                                                2 * len(ax.get_xticks()))
 
 
+@pytest.mark.slow
 def test_without_matplotlib_one_line_and_the_json(checkpoints, tmp_path, capsys, monkeypatch):
     for module in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
         monkeypatch.setitem(sys.modules, module, None)  # import matplotlib... now raises ImportError
@@ -104,13 +105,15 @@ def test_without_matplotlib_one_line_and_the_json(checkpoints, tmp_path, capsys,
     assert not output.with_suffix(".png").exists()
 
 
-def test_output_must_name_a_json_file(checkpoints, tmp_path, capsys):
+def test_output_must_name_a_json_file_in_a_directory_that_can_be_made(tmp_path, capsys):
+    """Both refused before any checkpoint is read (none exists here)."""
+    checkpoint = ["--checkpoint", str(tmp_path / "run")]
     with pytest.raises(SystemExit) as exit_info:
-        outliers.main(checkpoints[:2] + ["--output", str(tmp_path / "figure.png")])
+        outliers.main(checkpoint + ["--output", str(tmp_path / "figure.png")])
     assert exit_info.value.code == 2 and "expected a path ending in .json" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
-    assert outliers.main(checkpoints[:2] + ["--output", str(tmp_path / "file" / "x.json")]) == 2
-    assert capsys.readouterr().err.startswith(f"error: --output {tmp_path / 'file' / 'x.json'}: ")
+    assert outliers.main(checkpoint + ["--output", str(tmp_path / "file" / "x.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --output {tmp_path / 'file' / 'x.json'}: cannot make its directory")
 
 
 def test_plot_results_draws_the_committed_benchmark_results(tmp_path, capsys):
