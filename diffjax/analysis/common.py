@@ -164,13 +164,13 @@ def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callabl
         return 2
     labels = args.label or [None] * len(args.checkpoint)
     print_package_logs()
-    try:
-        if args.output:  # before the analysis: where its results go must exist when it ends
+    if args.output:  # before the analysis: where its results go must exist when it ends
+        try:
             args.output.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        print(f"error: --output {args.output}: cannot make its directory {args.output.parent} ({error.strerror or error})",
-              file=sys.stderr)
-        return 2
+        except OSError as error:
+            print(f"error: --output {args.output}: cannot make its directory {args.output.parent} "
+                  f"({error.strerror or error})", file=sys.stderr)
+            return 2
     try:
         checkpoints = [load_checkpoint(path, label) for path, label in zip(args.checkpoint, labels)]
         if prepare is not None:

@@ -8,8 +8,7 @@ given the correct prefix, which is exactly when greedy decoding would write the 
 scores a sample. A sample's accuracy is the share of its R queries retrieved.
 
     python -m diffjax.analysis.needles --checkpoint runs/diff --checkpoint runs/transformer \\
-        --lengths 1024,2048 --needles 4 --queries 2 --samples 50
-    python -m diffjax.analysis.needles --checkpoint runs/diff --lengths 1024,2048 --output out/needles.json  # + needles.png
+        --lengths 1024,2048 --needles 4 --queries 2 --samples 50 --output out/needles.json   # and out/needles.png
     python -m diffjax.analysis.needles --write-training needles.jsonl --count 10000 --lengths 256,512
 """
 
@@ -256,8 +255,9 @@ def draw_accuracy_grids(entries: Sequence[dict], path: Path, *, columns: str, xl
     figure, axes = figures.panels(len(entries), title=title, width=1.2 + 0.9 * max(3, len(task[columns])))
     for ax, entry in zip(axes, entries):
         grid_RC = [[entry["accuracy"][str(column)][str(depth)] for column in task[columns]] for depth in task["depths"]]
-        figures.heatmap(figure, ax, grid_RC, rows=[f"{depth}%" for depth in task["depths"]], columns=[str(c) for c in task[columns]],
-                        title=entry["label"], xlabel=xlabel, ylabel="answer depth")
+        figures.heatmap(figure, ax, grid_RC, rows=[f"{depth}%" for depth in task["depths"]],
+                        columns=[str(column) for column in task[columns]], title=entry["label"], xlabel=xlabel,
+                        ylabel="answer depth")
     figures.save(figure, path)
 
 

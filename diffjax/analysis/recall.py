@@ -12,7 +12,8 @@ the queried pairs, answer spans = the values after the queries), scored teacher-
     documents = recall.training_documents(ByteTokenizer(), 20000, pair_counts=(4, 8, 16, 32))  # segments.to_json_line
     result = recall.evaluate(checkpoint, recall.RecallTask(pair_counts=(8, 16, 32)))
 
-    python -m diffjax.analysis.recall --checkpoint runs/diff --checkpoint runs/transformer --pairs 8,16,32
+    python -m diffjax.analysis.recall --checkpoint runs/diff --checkpoint runs/transformer --pairs 8,16,32 \\
+        --output out/recall.json   # and the figure, out/recall.png
     python -m diffjax.analysis.recall --write-training recall.jsonl --count 20000 --pairs 4,8,16,32
 """
 
