@@ -9,19 +9,21 @@ Each row of the map is normalized by its sum first (1 - lambda for DIFF, 1 for t
 models' scores are shares of the same total. Scores are averaged over heads, layers, answer positions and
 samples, per answer depth.
 
-    python -m diffjax.analysis.attention_scores --checkpoint runs/diff --checkpoint runs/transformer --length 1024
+    python -m diffjax.analysis.attention_scores --checkpoint runs/diff --checkpoint runs/transformer --length 1024 \\
+        --output out/attention_scores.json   # and the figure, out/attention_scores.png
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from diffjax.analysis import common
+from diffjax.analysis import common, figures
 from diffjax.analysis.needles import DEPTHS, NeedleExample, NeedleTask, batches, check_fits, longest_context
 from diffjax.analysis.probe import LayerView, make_probe
 
@@ -104,6 +106,26 @@ def format_results(labels: Sequence[str], results: Sequence[ScoreResult]) -> str
     return common.table(header, rows, title=title)
 
 
+def record(result: ScoreResult) -> dict:
+    """A model's JSON entry: the task, and answer / noise ["<depth>"] = the mean score of each layer."""
+    return {"task": dataclasses.asdict(result.task),
+            **{name: {str(depth): [float(v) for v in scores[depth]] for depth in result.task.depths}
+               for name, scores in (("answer", result.answer), ("noise", result.noise))}}
+
+
+def draw(entries: Sequence[dict], path: Path) -> None:
+    """The paper's Table 3 as bars: attention to the answer and attention noise by depth, a bar per model."""
+    task = entries[0]["task"]
+    figure, axes = figures.panels(2, title=f"Normalized attention, context {task['lengths'][0]} tokens, "
+                                           f"N={task['num_needles']}, R={task['num_queries']} (mean over layers and heads)")
+    depths = [f"{depth}%" for depth in task["depths"]]
+    for ax, name, better in zip(axes, ("answer", "noise"), ("higher", "lower")):
+        series = {entry["label"]: [float(np.mean(entry[name][str(d)])) for d in task["depths"]] for entry in entries}
+        figures.bars(ax, depths, series, title=f"Attention to the {name}{' span' if name == 'answer' else ''} "
+                     f"({better} is better)", ylabel="share of the row's attention", xlabel="answer depth")
+    figures.save(figure, path)
+
+
 def main(argv=None) -> int:
     parser = common.parser(__doc__, "diffjax.analysis.attention_scores")
     parser.add_argument("--length", type=common.positive_int, default=None,
@@ -125,7 +147,8 @@ def main(argv=None) -> int:
         for checkpoint in checkpoints:
             check_fits(tasks[0], checkpoint.tokenizer, checkpoint.model.config.max_seq_len)
 
-    return common.run_cli(args, lambda c: evaluate(c, tasks[0], batch_size=args.batch_size), format_results, prepare)
+    return common.run_cli(args, lambda c: evaluate(c, tasks[0], batch_size=args.batch_size), format_results, prepare,
+                          record=record, draw=draw)
 
 
 if __name__ == "__main__":

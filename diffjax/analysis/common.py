@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -12,6 +13,7 @@ import numpy as np
 import yaml
 
 from diffjax import attention_kinds
+from diffjax.analysis import figures
 from diffjax.config_values import build_config
 from diffjax.data.config import DataConfig
 from diffjax.log_lines import print_package_logs
@@ -111,7 +113,17 @@ def parser(description: str, module: str, *, checkpoint_required: bool = True) -
                         help="a run directory or checkpoint; repeat to compare models side by side")
     result.add_argument("--label", action="append", default=[], metavar="NAME",
                         help="a column name per --checkpoint (default: the directory's name)")
+    result.add_argument("--output", type=json_path, metavar="JSON",
+                        help="write the results here as JSON, and the figure beside it (the same name, .png)")
+    result.set_defaults(analysis=module.rsplit(".", 1)[-1])
     return result
+
+
+def json_path(text: str) -> Path:
+    """--output: a path ending in .json (the figure is written beside it with .png), for argparse."""
+    if not text.endswith(".json"):
+        raise argparse.ArgumentTypeError(f"expected a path ending in .json (the figure goes beside it as .png), got {text!r}")
+    return Path(text)
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -141,15 +153,24 @@ def positive_int_list(text: str) -> tuple[int, ...]:
 
 
 def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callable[[Sequence[str], Sequence], str],
-            prepare: Callable[[Sequence[Checkpoint]], None] | None = None) -> int:
+            prepare: Callable[[Sequence[Checkpoint]], None] | None = None, *, record: Callable[[object], dict],
+            draw: Callable[[Sequence[dict], Path], None]) -> int:
     """Load each --checkpoint, analyse it, print the table; bad input is one line on stderr and exit 2.
     prepare(checkpoints) runs before any analysis: defaults that depend on the models, and the checks that
-    refuse a task before anything is computed."""
+    refuse a task before anything is computed. With --output: record(result) is a model's JSON entry (beside its
+    label, checkpoint and description), and draw(entries, png_path) the figure of them all."""
     if args.label and len(args.label) != len(args.checkpoint):
         print(f"error: {len(args.label)} --label for {len(args.checkpoint)} --checkpoint", file=sys.stderr)
         return 2
     labels = args.label or [None] * len(args.checkpoint)
     print_package_logs()
+    if args.output:  # before the analysis: where its results go must exist when it ends
+        try:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            print(f"error: --output {args.output}: cannot make its directory {args.output.parent} "
+                  f"({error.strerror or error})", file=sys.stderr)
+            return 2
     try:
         checkpoints = [load_checkpoint(path, label) for path, label in zip(args.checkpoint, labels)]
         if prepare is not None:
@@ -161,7 +182,25 @@ def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callabl
     for checkpoint in checkpoints:
         print(f"{checkpoint.label}: {describe(checkpoint.model)}")
     print(format_table([c.label for c in checkpoints], results))
+    if args.output:
+        entries = [{"label": c.label, "checkpoint": str(path), "model": describe(c.model), **record(result)}
+                   for c, path, result in zip(checkpoints, args.checkpoint, results)]
+        write_output(args.output, args.analysis, entries, draw)
     return 0
+
+
+def write_output(path: Path, analysis: str, entries: Sequence[dict], draw: Callable[[Sequence[dict], Path], None]) -> None:
+    """The JSON {"analysis": name, "models": entries} at path, and draw's figure of the entries beside it (.png);
+    without matplotlib, the JSON and one line saying so."""
+    path.write_text(json.dumps({"analysis": analysis, "models": list(entries)}, indent=1) + "\n")
+    figure_path = path.with_suffix(".png")
+    try:
+        draw(entries, figure_path)
+    except figures.MatplotlibMissing as missing:
+        print(missing, file=sys.stderr)
+        print(f"wrote {path}")
+        return
+    print(f"wrote {path} and {figure_path}")
 
 
 # --- tables ---------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ given the correct prefix, which is exactly when greedy decoding would write the 
 scores a sample. A sample's accuracy is the share of its R queries retrieved.
 
     python -m diffjax.analysis.needles --checkpoint runs/diff --checkpoint runs/transformer \\
-        --lengths 1024,2048 --needles 4 --queries 2 --samples 50
+        --lengths 1024,2048 --needles 4 --queries 2 --samples 50 --output out/needles.json   # and out/needles.png
     python -m diffjax.analysis.needles --write-training needles.jsonl --count 10000 --lengths 256,512
 """
 
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from diffjax.analysis import common
+from diffjax.analysis import common, figures
 from diffjax.tokenizers import Tokenizer
 
 DEPTHS = (0, 25, 50, 75, 100)
@@ -242,6 +242,33 @@ def format_results(labels: Sequence[str], results: Sequence[NeedleResult]) -> st
     return common.table(header, rows, title=title)
 
 
+def record(result: NeedleResult) -> dict:
+    """A model's JSON entry: the task, and accuracy["<length>"]["<depth>"]."""
+    accuracy = {str(length): {str(depth): result.accuracy[length, depth] for depth in result.task.depths}
+                for length in result.task.lengths}
+    return {"task": dataclasses.asdict(result.task), "accuracy": accuracy}
+
+
+def draw_accuracy_grids(entries: Sequence[dict], path: Path, *, columns: str, xlabel: str, title: str) -> None:
+    """One heat map per model of entry["accuracy"][column][depth] (rows: depths; columns: task[columns])."""
+    task = entries[0]["task"]
+    figure, axes = figures.panels(len(entries), title=title, width=1.2 + 0.9 * max(3, len(task[columns])))
+    for ax, entry in zip(axes, entries):
+        grid_RC = [[entry["accuracy"][str(column)][str(depth)] for column in task[columns]] for depth in task["depths"]]
+        figures.heatmap(figure, ax, grid_RC, rows=[f"{depth}%" for depth in task["depths"]],
+                        columns=[str(column) for column in task[columns]], title=entry["label"], xlabel=xlabel,
+                        ylabel="answer depth")
+    figures.save(figure, path)
+
+
+def draw(entries: Sequence[dict], path: Path) -> None:
+    """The paper's Figure 5: accuracy over answer depth x context length, one heat map per model."""
+    task = entries[0]["task"]
+    draw_accuracy_grids(entries, path, columns="lengths", xlabel="context length (tokens)",
+                        title=f"Multi-needle retrieval accuracy (N={task['num_needles']} needles, R={task['num_queries']} "
+                              f"queries, {task['samples']} samples per cell)")
+
+
 def main(argv=None) -> int:
     parser = common.parser(__doc__, "diffjax.analysis.needles", checkpoint_required=False)  # not to write training data
     parser.add_argument("--lengths", type=common.positive_int_list, default=None,
@@ -283,7 +310,8 @@ def main(argv=None) -> int:
         for checkpoint in checkpoints:
             check_fits(tasks[0], checkpoint.tokenizer, checkpoint.model.config.max_seq_len)
 
-    return common.run_cli(args, lambda c: evaluate(c, tasks[0], batch_size=args.batch_size), format_results, prepare)
+    return common.run_cli(args, lambda c: evaluate(c, tasks[0], batch_size=args.batch_size), format_results, prepare,
+                          record=record, draw=draw)
 
 
 if __name__ == "__main__":

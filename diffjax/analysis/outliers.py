@@ -7,13 +7,15 @@ on a sample of held-out text from the checkpoint's data config (or of --text fil
 Top-k is the k-th largest |value|, exact. The median |value| is over all values when a batch has at most
 `median_sample` of them per layer, else over that many drawn uniformly (seeded) per layer and batch.
 
-    python -m diffjax.analysis.outliers --checkpoint runs/diff --checkpoint runs/transformer --tokens 65536
+    python -m diffjax.analysis.outliers --checkpoint runs/diff --checkpoint runs/transformer --tokens 65536 \\
+        --output out/outliers.json   # and the figure, out/outliers.png
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffjax import attention_kinds
-from diffjax.analysis import common
+from diffjax.analysis import common, figures
 from diffjax.analysis.probe import LayerView, make_probe
 
 TOP_K = (1, 2, 3, 10, 100)
@@ -89,6 +91,23 @@ def format_results(labels: Sequence[str], results: Sequence[OutlierResult]) -> s
     return common.table(header, rows, title=title)
 
 
+def record(result: OutlierResult) -> dict:
+    """A model's JSON entry: tokens sampled, and per kind the largest magnitudes (descending) and the median."""
+    return {"tokens": result.tokens, "top": {kind: [float(v) for v in result.top[kind]] for kind in KINDS},
+            "median": result.median}
+
+
+def draw(entries: Sequence[dict], path: Path) -> None:
+    """The paper's Table 5 as bars on a log scale: top-k and median magnitudes per activation kind, a bar per model."""
+    figure, axes = figures.panels(2, title="Largest activation magnitudes (top-k: the k-th largest |value|)", width=5.5)
+    categories = [f"top-{k}" for k in TOP_K] + ["median"]
+    for ax, kind in zip(axes, KINDS):
+        series = {entry["label"]: [entry["top"][kind][k - 1] if len(entry["top"][kind]) >= k else float("nan")
+                                   for k in TOP_K] + [entry["median"][kind]] for entry in entries}
+        figures.bars(ax, categories, series, title=kind, ylabel="|value|", log=True)
+    figures.save(figure, path)
+
+
 def main(argv=None) -> int:
     parser = common.parser(__doc__, "diffjax.analysis.outliers")
     parser.add_argument("--tokens", type=common.positive_int, default=32768, help="held-out tokens to sample (default 32768)")
@@ -105,7 +124,7 @@ def main(argv=None) -> int:
                                        paths=args.text)
         return statistics(checkpoint.model, batches, median_sample=args.median_sample)
 
-    return common.run_cli(args, analyse, format_results)
+    return common.run_cli(args, analyse, format_results, record=record, draw=draw)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ The paper's evaluation is zero-shot HellaSwag, which needs a download; these eva
   - next-token loss and top-1 accuracy on held-out text of the checkpoint's data config (or --text files), and
   - multi-needle retrieval accuracy (diffjax.analysis.needles), averaged over the answer depths.
 
-    python -m diffjax.analysis.quantization --checkpoint runs/diff --checkpoint runs/transformer --length 1024
+    python -m diffjax.analysis.quantization --checkpoint runs/diff --checkpoint runs/transformer --length 1024 \\
+        --output out/quantization.json   # and the figure, out/quantization.png
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from diffjax.analysis import common, needles
+from diffjax.analysis import common, figures, needles
 from diffjax.analysis.probe import QUANTIZATION_BITS, make_probe
 from diffjax.losses import packed_target_mask
 
@@ -72,6 +74,26 @@ def format_results(labels: Sequence[str], results: Sequence[QuantizationResult])
     return common.table(header, rows, title=title)
 
 
+def record(result: QuantizationResult) -> dict:
+    """A model's JSON entry: bits ("unquantized" first) and metrics["<metric>"]["<bits>"]."""
+    names = {width: "unquantized" if width is None else str(width) for width in result.bits}
+    metrics = {metric: {names[width]: result.metrics[width, metric] for width in result.bits}
+               for metric in METRICS if (result.bits[0], metric) in result.metrics}
+    return {"bits": list(names.values()), "metrics": metrics}
+
+
+def draw(entries: Sequence[dict], path: Path) -> None:
+    """The paper's Figure 8: each metric against the attention logits' bits, a line per model."""
+    bits, metrics = entries[0]["bits"], list(entries[0]["metrics"])
+    figure, axes = figures.panels(len(metrics), title="Attention logits quantized by dynamic absmax (per sequence and layer)")
+    for ax, metric in zip(axes, metrics):
+        series = {entry["label"]: [entry["metrics"][metric][width] for width in bits] for entry in entries}
+        figures.lines(ax, ["none" if width == "unquantized" else width for width in bits], series, categorical=True,
+                      title=f"{metric} ({'lower' if metric == 'text loss' else 'higher'} is better)", ylabel=metric,
+                      xlabel="bits of the attention logits (none: unquantized)")
+    figures.save(figure, path)
+
+
 def main(argv=None) -> int:
     parser = common.parser(__doc__, "diffjax.analysis.quantization")
     parser.add_argument("--bits", type=common.int_list, default=QUANTIZATION_BITS, help="bit widths (default 8,6,4)")
@@ -109,7 +131,7 @@ def main(argv=None) -> int:
                                    paths=args.text)
         return evaluate(checkpoint, text, tasks[0], bits=args.bits, batch_size=args.batch_size)
 
-    return common.run_cli(args, analyse, format_results, prepare)
+    return common.run_cli(args, analyse, format_results, prepare, record=record, draw=draw)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ the queried pairs, answer spans = the values after the queries), scored teacher-
     documents = recall.training_documents(ByteTokenizer(), 20000, pair_counts=(4, 8, 16, 32))  # segments.to_json_line
     result = recall.evaluate(checkpoint, recall.RecallTask(pair_counts=(8, 16, 32)))
 
-    python -m diffjax.analysis.recall --checkpoint runs/diff --checkpoint runs/transformer --pairs 8,16,32
+    python -m diffjax.analysis.recall --checkpoint runs/diff --checkpoint runs/transformer --pairs 8,16,32 \\
+        --output out/recall.json   # and the figure, out/recall.png
     python -m diffjax.analysis.recall --write-training recall.jsonl --count 20000 --pairs 4,8,16,32
 """
 
@@ -27,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from diffjax.analysis import common
-from diffjax.analysis.needles import DEPTHS, NeedleExample, accuracy_by_depth
+from diffjax.analysis.needles import DEPTHS, NeedleExample, accuracy_by_depth, draw_accuracy_grids
 from diffjax.data.segments import Segments, to_json_line
 from diffjax.tokenizers import Tokenizer
 
@@ -145,6 +146,21 @@ def format_results(labels: Sequence[str], results: Sequence[RecallResult]) -> st
     return common.table(header, rows, title=title)
 
 
+def record(result: RecallResult) -> dict:
+    """A model's JSON entry: the task, and accuracy["<pairs>"]["<depth>"]."""
+    accuracy = {str(pairs): {str(depth): result.accuracy[pairs, depth] for depth in result.task.depths}
+                for pairs in result.task.pair_counts}
+    return {"task": dataclasses.asdict(result.task), "accuracy": accuracy}
+
+
+def draw(entries: Sequence[dict], path: Path) -> None:
+    """Accuracy over answer depth x pairs in context, one heat map per model (as the needles' Figure 5)."""
+    task = entries[0]["task"]
+    draw_accuracy_grids(entries, path, columns="pair_counts", xlabel="key-value pairs in context",
+                        title=f"Associative recall accuracy ({task['num_queries']} queries, {task['samples']} samples "
+                              f"per cell, chance {10.0 ** -task['value_digits']:g})")
+
+
 def main(argv=None) -> int:
     parser = common.parser(__doc__, "diffjax.analysis.recall", checkpoint_required=False)  # not to write training data
     parser.add_argument("--pairs", type=common.positive_int_list, default=RecallTask.pair_counts,
@@ -165,7 +181,8 @@ def main(argv=None) -> int:
     if not args.checkpoint:
         parser.error("give --checkpoint DIR (one or more) or --write-training JSONL")
     task = RecallTask(args.pairs, args.queries, args.depths, args.samples, seed=args.seed)
-    return common.run_cli(args, lambda c: evaluate(c, task, batch_size=args.batch_size), format_results)
+    return common.run_cli(args, lambda c: evaluate(c, task, batch_size=args.batch_size), format_results,
+                          record=record, draw=draw)
 
 
 def _write_training(args) -> int:
