@@ -69,6 +69,8 @@ cap() {  # cap SECONDS [END]: the limit, or what is left before END (default DEA
 if [ -z "${DRY_RUN:-}" ]; then
   CAPTURE_MODEL=(model.dtype=bfloat16 model.remat=attention model.attention_impl="${IMPL:-auto}" model.max_seq_len=4096
                  data.seq_len=4096 train.batch_size=8 train.micro_batch_per_device=8)
+  # no CUDA graphs while tracing: each kernel then runs under its own HLO op's annotation (the table's attribution)
+  CAPTURE_XLA_FLAGS=${CAPTURE_XLA_FLAGS---xla_gpu_enable_command_buffer=}
 else
   CAPTURE_MODEL=(model.d_model=64 model.num_layers=2 model.num_heads=2 model.vocab_size=512 model.max_seq_len=64
                  model.remat=attention data.seq_len=64 train.batch_size=2 train.micro_batch_per_device=2)
@@ -78,7 +80,7 @@ capture_trace() {  # capture_trace MODEL SECONDS END: train steps 3-4 profiled, 
   local model=$1 run=/tmp/capture-$1 dump=/tmp/capture-$1-hlo log="$OUT/capture_$1.log" limit start pid
   limit=$(cap "$2" "$3") start=$SECONDS
   rm -rf "$run" "$dump"
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=train_step" \
+  XLA_FLAGS="${XLA_FLAGS:-} ${CAPTURE_XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=train_step" \
     $PY train.py --config "configs/paper/$model.yaml" train.run_dir="$run" "${CAPTURE_MODEL[@]}" data.source=builtin \
     data.tokenizer.kind=byte train.batch_tokens=null train.steps=4 'train.profile_steps=[3,4]' train.log_every=1 \
     train.eval_every=0 train.sample_tokens=0 train.progress=lines checkpoint.every=100000 > "$log" 2>&1 &
@@ -115,7 +117,7 @@ capture_ncu() {  # capture_ncu SECONDS [END]: Nsight Compute of the three kernel
       --section LaunchStats --section WarpStateStats ${metrics:+--metrics "$metrics"} $PY -c "$NCU_DRIVER" \
       > "$csv" 2> "$OUT/ncu.log"
   fi
-  $PY benchmarks/ncu_summary.py "$csv" --kernel diffjax_mgpu --out "$OUT/ncu_summary.json"
+  $PY benchmarks/ncu_summary.py "$csv" --kernel diffjax_mgpu --out "$OUT/ncu_summary.json" || tail -5 "$OUT/ncu.log"
 }
 
 capture() {  # (a) profile tables of the twins' train step, (b) ncu of the DIFF kernels, (c) the single-map peers

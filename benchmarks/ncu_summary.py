@@ -154,7 +154,11 @@ def main(argv=None) -> int:
         return 0
     if args.csv is None:
         parser.error("give the ncu CSV (or --pick-metrics QUERY)")
-    summary = summarize(read_rows(args.csv.read_text(errors="replace")), args.kernel)
+    try:
+        summary = summarize(read_rows(args.csv.read_text(errors="replace")), args.kernel)
+    except ValueError as e:
+        print(f"{e} ({args.csv})", file=sys.stderr)
+        return 1
     if not summary:
         print(f"ncu_summary: no kernel matching {args.kernel!r} in {args.csv}", file=sys.stderr)
         return 1

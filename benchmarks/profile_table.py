@@ -3,9 +3,9 @@
     python benchmarks/profile_table.py RUN_DIR/tensorboard [--hlo-dump DIR] [--module train_step] [--steps N]
         [--top 30] [--out profile.json]                       (writes profile.json and profile.md)
 
-Time: the device's kernels on a GPU (the /device:GPU planes' stream lines, each kernel attributed to its HLO op
-by the XLA annotation jax's profiler records with it), else the host's HLO op events (XLA:CPU's thunks, stat
-hlo_op). Ops of the one module matching --module; shares are of that module's summed op time (on a CPU ops run
+Time: the device's kernels on a GPU (the /device:GPU planes' "Stream #" lines; each kernel carries the hlo_op /
+hlo_module stats CUPTI's collector parses from XLA's annotation stack), else the host's HLO op events (XLA:CPU's
+thunks, same stats). Ops of the one module matching --module; shares are of that module's summed op time (on a CPU ops run
 on several threads at once: the sum exceeds the wall time). The trace is read with jax's own reader
 (jax.profiler.ProfileData, jaxlib), so no TensorBoard / XProf install is needed.
 
@@ -39,8 +39,6 @@ CONTROL = {"while", "conditional", "call"}
 REDUCTIONS = {"reduce", "reduce-window", "reduce-precision", "select-and-scatter", "scatter", "sort"}
 ATTENTION_TARGETS = re.compile(r"fmha|mosaic_gpu|triton|flash|attention", re.I)
 GEMM_TARGETS = re.compile(r"cublas|gemm|matmul", re.I)
-DERIVED_LINES = {"XLA Modules", "XLA Ops", "Steps", "Framework Ops", "Framework Name Scope", "Source code",
-                 "XLA TraceMe", "Launch Stats", "TensorFlow Ops"}
 
 
 # ------------------------------------------------------------------------------ HLO text
@@ -250,14 +248,14 @@ def trace_events(xplane: Path):
     if devices:
         for plane in devices:
             for line in plane.lines:
-                if line.name in DERIVED_LINES:
+                if not line.name.startswith("Stream #"):  # CUPTI overhead, graph metadata, derived lines
                     continue
                 for event in line.events:
                     stats = dict(event.stats)
                     module, op = stats.get("hlo_module"), stats.get("hlo_op")
-                    if op is None and stats.get("annotation"):
+                    if op is None and stats.get("annotation"):  # older jaxlibs: the raw annotation stack
                         module, op = _annotation_op(str(stats["annotation"]))
-                    yield module, op or event.name, event.duration_ns, None, event.name
+                    yield module, str(op or event.name), event.duration_ns, None, event.name
         return
     for plane in data.planes:
         for line in plane.lines:
