@@ -4,16 +4,20 @@
 #   run(command="bash benchmarks/gpu_session.sh tests capture sweep trainstep decode", timeout_s=600, carry=[".whl"])
 # DEADLINE (default 585): seconds for all phases together; each phase's timeout is cut to what is left, and one that
 # has under 20 s left is skipped, so the call ends inside its limit with every finished phase's files in $OUT.
-# Default phase limits fit that call: tests 170 (TESTS_S), capture 250 (CAPTURE_S), sweep 80 (SWEEP_S), trainstep
-# 60 (TRAINSTEP_S, micro-batch 8 only: TRAINSTEP_ARGS), decode what is left (DECODE_S). A call of its own gives a
-# phase more: e.g. TESTS_S=560 bash benchmarks/gpu_session.sh tests (all 18 gpu tests need ~300 s).
+# Default phase limits fit that call: tests 160 (TESTS_S), capture 230 (CAPTURE_S), sweep 70 (SWEEP_S), trainstep
+# 60 (TRAINSTEP_S; micro-batch 8 only, TRAINSTEP_ARGS), decode what is left (~60 s; DECODE_S). The tests a cut
+# leaves unrun, and a cut decode, take a second call: TESTS_S=560 bash benchmarks/gpu_session.sh tests (all 18 gpu
+# tests need ~300 s); a call of its own gives any phase more the same way.
 # DRY_RUN=1: the CPU-sized version, no GPU (CI: tests/test_capture.py): capture traces a tiny config and reduces it,
 # reduces the synthetic benchmarks/testdata/ncu_details_example.csv, and prints the mgpu peer's skip line; sweep runs
-# two tunings at T = 256 in Mosaic GPU interpret mode (jax 0.10 / 0.11); other phases are skipped.
+# its plumbing at T = 128 with xla standing in for the kernels (figures meaningless, table marked dry_run); other
+# phases are skipped.
 # tests  the compiled kernels' forward and gradients against XLA (pytest -m gpu)    -> gpu_tests.log
 # capture  (a) a profile of train steps 3-4 (train.profile_steps) of the 1.4B DIFF config and its twin, micro-batch
-#          8, seq 4096, bf16, remat attention, reduced on the device by benchmarks/profile_table.py to the top 30 ops
-#          (category, ms / step, share, TFLOP/s or GB/s from the step's optimized HLO)  -> profile_<model>.json/.md
+#          8, seq 4096, bf16, remat attention (builtin text, byte tokenizer, the 100,288 vocabulary), reduced on the
+#          device by benchmarks/profile_table.py to the top 30 ops (category, ms / step, share, TFLOP/s or GB/s from
+#          the step's optimized HLO)   -> profile_<model>.json/.md, and (gzipped, when under 20 MB) the trace and the
+#          HLO for analysis on the CPU: trace_<model>.xplane.pb.gz, hlo_<model>.txt.gz
 #          (b) Nsight Compute of the three DIFF kernels (fwd, bwd_dq, bwd_dkdv; one causal fwd+bwd at T = 8k),
 #          reduced by benchmarks/ncu_summary.py                           -> ncu_details.csv, ncu_summary.json/.md
 #          (c) benchmarks/attention.py at T = 8k: cudnn, pallas_gpu and jax's Mosaic GPU flash attention (mgpu,
@@ -29,7 +33,8 @@
 # decode benchmarks/generate.py: the paper's 1.4B DiffLlama, bf16, batch 1 and 8, prompt 64, 128 new tokens,
 #        diffjax vs transformers eager and compiled (static cache, CUDA graphs) on the same GPU -> generate_gpu.json
 # trainstep    benchmarks/train_step.py (imports the trainer: .whl/ too): the 1.4B DIFF and its twin at seq $SEQ
-#              (4096), remat $REMAT (attention): largest micro-batch, tokens/s, MFU, peak memory
+#              (4096), remat $REMAT (attention), micro-batch 8 (TRAINSTEP_ARGS="" searches the largest that fits):
+#              tokens/s, MFU, peak memory
 #                                                               -> train_step_gpu_<seq>_<remat>.json, trainstep_*.log
 # The phases run on the image's jax (0.11.2 in 2026-11) or, where .whl-jax/ holds the wheels of another
 # (NOTES.md, "Supported JAX versions"), on that one; gpu.txt records which. No code differs between them.
@@ -76,6 +81,12 @@ else
                  model.remat=attention data.seq_len=64 train.batch_size=2 train.micro_batch_per_device=2)
 fi
 
+keep_small() {  # keep_small FILE DEST.gz: FILE gzipped into $OUT when that is under 20 MB
+  [ -f "$1" ] || return 0
+  gzip -c "$1" > "$2"
+  if [ "$(stat -c %s "$2")" -gt 20000000 ]; then rm -f "$2"; echo "not kept (over 20 MB gzipped): $1"; fi
+}
+
 capture_trace() {  # capture_trace MODEL SECONDS END: train steps 3-4 profiled, reduced to $OUT/profile_MODEL.*
   local model=$1 run=/tmp/capture-$1 dump=/tmp/capture-$1-hlo log="$OUT/capture_$1.log" limit start pid
   limit=$(cap "$2" "$3") start=$SECONDS
@@ -94,6 +105,8 @@ capture_trace() {  # capture_trace MODEL SECONDS END: train steps 3-4 profiled, 
   grep -E "^(model|step|profile)" "$log" | tail -4
   $PY benchmarks/profile_table.py "$run/tensorboard" --hlo-dump "$dump" --steps 2 --out "$OUT/profile_$model.json" \
     --title "$model: train steps 3-4, ${CAPTURE_MODEL[*]}" 2>&1 | tail -42
+  keep_small "$(find "$run" -name "*.xplane.pb" | head -1)" "$OUT/trace_$model.xplane.pb.gz"
+  keep_small "$(ls -S "$dump"/*train_step*after_optimizations.txt 2>/dev/null | head -1)" "$OUT/hlo_$model.txt.gz"
   rm -rf "$run" "$dump"
 }
 
@@ -121,12 +134,12 @@ capture_ncu() {  # capture_ncu SECONDS [END]: Nsight Compute of the three kernel
 }
 
 capture() {  # (a) profile tables of the twins' train step, (b) ncu of the DIFF kernels, (c) the single-map peers
-  local end=$((SECONDS + $(cap "${CAPTURE_S:-250}")))
-  capture_trace diff-1.4b 80 "$end"
-  capture_trace transformer-1.4b 80 "$end"
-  capture_ncu 45 "$end"
+  local end=$((SECONDS + $(cap "${CAPTURE_S:-230}")))
+  capture_trace diff-1.4b 75 "$end"
+  capture_trace transformer-1.4b 75 "$end"
+  capture_ncu 40 "$end"
   if [ -z "${DRY_RUN:-}" ]; then
-    timeout "$(cap 120 "$end")" $PY benchmarks/attention.py --impls cudnn,pallas_gpu,mgpu --lengths 8192 --quick \
+    timeout "$(cap 120 "$end")" $PY benchmarks/attention.py --impls mgpu,cudnn,pallas_gpu --lengths 8192 --quick \
       --no-memory --out "$OUT/attention_capture.json" 2>&1 | tee "$OUT/capture_attention.log"
   else
     $PY benchmarks/attention.py --impls mgpu --lengths 256 --quick --no-memory --out "$OUT/attention_capture.json"
@@ -139,14 +152,14 @@ for phase in $phases; do
   echo "== $phase at ${SECONDS}s" | tee -a "$OUT/gpu.txt"
   case $phase in
     tests)
-      timeout "$(cap ${TESTS_S:-170})" $PY -m pytest -q -m gpu -p no:cacheprovider --durations=0 tests/test_ops_pallas_gpu.py tests/test_ops_gpu_paths.py tests/test_model_attention_impl.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+      timeout "$(cap ${TESTS_S:-160})" $PY -m pytest -q -m gpu -p no:cacheprovider --durations=0 tests/test_ops_pallas_gpu.py tests/test_ops_gpu_paths.py tests/test_model_attention_impl.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     capture)
       capture 2>&1 | tee "$OUT/capture.log" ;;
     bench)
       timeout "$(cap ${BENCH_S:-280})" $PY benchmarks/attention.py --impls cudnn,pallas_gpu --lengths 8192 --no-memory \
         --out "$OUT/attention_gpu.json" 2>&1 | tee "$OUT/bench.log" ;;
     sweep)
-      timeout "$(cap ${SWEEP_S:-80})" $PY benchmarks/pallas_gpu_sweep.py ${DRY_RUN:+--dry-run} --out "$OUT/pallas_gpu_sweep.json" \
+      timeout "$(cap ${SWEEP_S:-70})" $PY benchmarks/pallas_gpu_sweep.py ${DRY_RUN:+--dry-run} --out "$OUT/pallas_gpu_sweep.json" \
         --table "$OUT/pallas_gpu_tuning.json" 2>&1 | tee "$OUT/sweep.log" ;;
     ncu)
       capture_ncu 180 2>&1 | tee "$OUT/ncu.txt" ;;

@@ -1,7 +1,9 @@
 """A jax.profiler trace (*.xplane.pb, e.g. the trainer's train.profile_steps window) reduced to a per-op table.
 
     python benchmarks/profile_table.py RUN_DIR/tensorboard [--hlo-dump DIR] [--module train_step] [--steps N]
-        [--top 30] [--out profile.json]                       (writes profile.json and profile.md)
+        [--top 30] --out profile.json                          (writes profile.json and profile.md)
+    python benchmarks/profile_table.py trace_diff-1.4b.xplane.pb.gz --hlo hlo_diff-1.4b.txt.gz --steps 2 --out ...
+        (a GPU session's kept trace and HLO, reduced again on the CPU)
 
 Time: the device's kernels on a GPU (the /device:GPU planes' "Stream #" lines; each kernel carries the hlo_op /
 hlo_module stats CUPTI's collector parses from XLA's annotation stack), else the host's HLO op events (XLA:CPU's
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import math
 import re
@@ -75,8 +78,18 @@ def _parse_instruction(line: str, computation: str) -> Instr | None:
     if not op:
         return None
     close = _closing(rest, op.end() - 1)
-    operands = re.findall(r"%([\w.\-]+)", rest[op.end():close])
-    return Instr(m.group(1), op.group(1), shape, operands, rest[close + 1:], computation)
+    return Instr(m.group(1), op.group(1), shape, _operand_names(rest[op.end():close]), rest[close + 1:], computation)
+
+
+def _operand_names(text: str) -> list[str]:
+    """Names in an operand list, printed bare ("%a, %b") or with shapes ("f32[2,3]{1,0} %a, (f32[], s32[]) %b")."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text + ","):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].split()[-1].lstrip("%") if text[start:i].strip() else "")
+            start = i + 1
+    return [p for p in parts if p]
 
 
 def parse_hlo(text: str) -> tuple[dict[str, Instr], dict[str, list[Instr]], str | None]:
@@ -243,7 +256,7 @@ def trace_events(xplane: Path):
     host ops (no kernel name)."""
     from jax.profiler import ProfileData
 
-    data = ProfileData.from_file(str(xplane))
+    data = ProfileData.from_serialized_xspace(_read_bytes(xplane))
     devices = [p for p in data.planes if p.name.startswith("/device:GPU")]
     if devices:
         for plane in devices:
@@ -265,10 +278,14 @@ def trace_events(xplane: Path):
                     yield stats.get("hlo_module"), stats["hlo_op"], event.duration_ns, stats.get("run_id"), None
 
 
+def _read_bytes(path: Path) -> bytes:
+    return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+
+
 def find_xplane(path: Path) -> Path:
     if path.is_file():
         return path
-    found = sorted(path.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    found = sorted(path.rglob("*.xplane.pb*"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise SystemExit(f"profile_table: no *.xplane.pb under {path} (is train.profile_steps set?)")
     return found[-1]
@@ -360,14 +377,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", type=Path, help="an *.xplane.pb or a directory holding one (the newest is read)")
     parser.add_argument("--hlo-dump", type=Path, help="XLA's --xla_dump_to directory (FLOPs and bytes per op)")
+    parser.add_argument("--hlo", type=Path, help="or the module's optimized HLO text itself (.txt or .txt.gz)")
     parser.add_argument("--module", default="train_step", help="regex of the HLO module to tabulate")
     parser.add_argument("--steps", type=int, help="module executions in the trace (default: its run ids, else 1)")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--title", default="Per-op profile")
     parser.add_argument("--out", type=Path, required=True, help="JSON path; the markdown table beside it (.md)")
     args = parser.parse_args(argv)
-    hlo = find_hlo(args.hlo_dump, args.module) if args.hlo_dump else None
-    costs = hlo_costs(hlo.read_text()) if hlo else {}
+    hlo = args.hlo or (find_hlo(args.hlo_dump, args.module) if args.hlo_dump else None)
+    costs = hlo_costs(_read_bytes(hlo).decode()) if hlo else {}
     table = reduce_trace(trace_events(find_xplane(args.trace)), costs, args.module, args.steps, args.top)
     table["trace"], table["hlo"] = str(find_xplane(args.trace)), str(hlo) if hlo else None
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -120,6 +120,15 @@ def test_hlo_costs_of_xla_gpu_text():
     assert profile_table._is_control("while.2", costs["while.2"])
 
 
+@pytest.mark.parametrize("operands", ["%x, %w", "f32[64,96]{1,0} %x, f32[96,48]{1,0} %w"])
+def test_hlo_operands_printed_bare_or_with_shapes(operands):
+    text = ("HloModule m\n\nENTRY %main (x: f32[64,96], w: f32[96,48]) -> f32[64,48] {\n"
+            "  %x = f32[64,96]{1,0} parameter(0)\n  %w = f32[96,48]{1,0} parameter(1)\n"
+            f"  ROOT %dot.1 = f32[64,48]{{1,0}} dot({operands}), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}\n}}\n")
+    dot = profile_table.hlo_costs(text)["dot.1"]
+    assert (dot["flops"], dot["bytes"], dot["runs"]) == (2 * 64 * 48 * 96, 4 * (64 * 48 + 64 * 96 + 96 * 48), 1)
+
+
 def test_gpu_kernel_annotations_name_their_hlo_op():
     assert profile_table._annotation_op(
         "XlaModule:#hlo_module=jit_train_step,program_id=6#::Thunk:#hlo_op=fusion.12#") == ("jit_train_step", "fusion.12")
@@ -215,6 +224,10 @@ def test_gpu_session_capture_dry_run(tmp_path):
         assert_table_shape(table)
         assert table["hlo_costs"] and table["steps"] == 2
         assert any(r["category"] == "matmul" and r["tflops"] for r in table["rows"])
+        again = tmp_path / f"again_{model}.json"  # the kept trace and HLO reduce again to the same table
+        assert profile_table.main([str(tmp_path / f"trace_{model}.xplane.pb.gz"), "--hlo", str(tmp_path / f"hlo_{model}.txt.gz"),
+                                   "--steps", "2", "--out", str(again)]) == 0
+        assert json.loads(again.read_text())["rows"] == table["rows"]
     kernels = [r["kernel"] for r in json.loads((tmp_path / "ncu_summary.json").read_text())]
     assert sorted(kernels) == ["diffjax_mgpu_bwd_dkdv", "diffjax_mgpu_bwd_dq", "diffjax_mgpu_fwd"]
     assert "mgpu: skipped" in result.stdout
