@@ -103,6 +103,7 @@ capture_trace() {  # capture_trace MODEL SECONDS END: train steps 3-4 profiled, 
   done
   kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
   grep -E "^(model|step|profile)" "$log" | tail -4
+  grep -q "profile of steps" "$log" || tail -15 "$log"  # why not (an error, or the time limit)
   $PY benchmarks/profile_table.py "$run/tensorboard" --hlo-dump "$dump" --steps 2 --out "$OUT/profile_$model.json" \
     --title "$model: train steps 3-4, ${CAPTURE_MODEL[*]}" 2>&1 | tail -42
   keep_small "$(find "$run" -name "*.xplane.pb" | head -1)" "$OUT/trace_$model.xplane.pb.gz"

@@ -33,7 +33,8 @@ import sys
 from pathlib import Path
 
 HEADER_START = '"ID","Process ID"'
-TIME_UNITS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3, "s": 1e3}
+TIME_UNITS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,  # -> ms
+              "second": 1e3, "s": 1e3}
 FIELDS = {  # summary field: the details page's metric name
     "sm_throughput_pct": "Compute (SM) Throughput",
     "memory_throughput_pct": "Memory Throughput",
@@ -135,7 +136,8 @@ def markdown(summary: list[dict]) -> str:
     for r in summary:
         stalls = ", ".join(f"{s['reason']} {s['cycles_per_issue']:.2f}" for s in r["top_stalls"])
         lines.append(f"| `{r['kernel'][:60]}` | {r['launches']} | {fmt(r['duration_ms'], '.3f')} | "
-                     f"{fmt(r['sm_throughput_pct'])} | {fmt(r['memory_throughput_pct'])} | {fmt(r['tensor_pipe_pct'])} | "
+                     f"{fmt(r['sm_throughput_pct'])} | {fmt(r['memory_throughput_pct'])} | "
+                     f"{fmt(r['tensor_pipe_pct'])} | "
                      f"{fmt(r['registers_per_thread'], '.0f')} | {fmt(r['theoretical_occupancy_pct'])} / "
                      f"{fmt(r['achieved_occupancy_pct'])} | {fmt(r['warp_cycles_per_issued'], '.2f')} | {stalls} |")
     return "\n".join(lines) + "\n"

@@ -167,7 +167,7 @@ def parse_args(argv=None):
     if args.dry_run:
         args.T, args.H = 128, 2
     args.out = args.out or str(Path(__file__).resolve().parent / "results" /
-                               f"pallas_gpu_sweep_T{args.T}_d{args.d}_dv{args.dv}{'_single' if args.single else ''}.json")
+                               f"pallas_gpu_sweep_T{args.T}_d{args.d}_dv{args.dv}{'_single' * args.single}.json")
     return args
 
 

@@ -7,8 +7,9 @@
 
 Time: the device's kernels on a GPU (the /device:GPU planes' "Stream #" lines; each kernel carries the hlo_op /
 hlo_module stats CUPTI's collector parses from XLA's annotation stack), else the host's HLO op events (XLA:CPU's
-thunks, same stats). Ops of the one module matching --module; shares are of that module's summed op time (on a CPU ops run
-on several threads at once: the sum exceeds the wall time). The trace is read with jax's own reader
+thunks, same stats). Ops of the one module matching --module; shares are of that module's summed op time (on a CPU
+ops run on several threads at once: the sum exceeds the wall time). While loops are left out (their bodies' ops are
+timed themselves). The trace is read with jax's own reader
 (jax.profiler.ProfileData, jaxlib), so no TensorBoard / XProf install is needed.
 
 FLOPs and bytes: from the module's optimized HLO (XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text
@@ -224,8 +225,10 @@ def hlo_costs(text: str) -> dict[str, dict]:
                 continue
             source = re.search(r'op_name="([^"]*)"', instr.attrs)
             out[instr.name] = {
-                "opcode": instr.opcode, "category": category(instr, instrs, comps), "flops": _flops(instr, instrs, comps),
-                "bytes": shape_bytes(instr.shape) + sum(shape_bytes(instrs[o].shape) for o in instr.operands if o in instrs),
+                "opcode": instr.opcode, "category": category(instr, instrs, comps),
+                "flops": _flops(instr, instrs, comps),
+                "bytes": shape_bytes(instr.shape) + sum(shape_bytes(instrs[o].shape) for o in instr.operands
+                                                        if o in instrs),
                 "runs": times, "source": _short_source(source.group(1)) if source else "",
             }
     return out
@@ -341,7 +344,8 @@ def _is_control(op: str, cost: dict | None) -> bool:
 
 def _category_by_name(op: str) -> str:
     """Without the HLO: a guess from XLA's fusion naming (its fusions are named after their ops)."""
-    rules = (("attention kernel", r"fmha|flash|mgpu|attention"), ("collective", r"all-reduce|all-gather|reduce-scatter"),
+    rules = (("attention kernel", r"fmha|flash|mgpu|attention"),
+             ("collective", r"all-reduce|all-gather|reduce-scatter"),
              ("matmul", r"dot|gemm|cublas|matmul|conv"), ("reduction", r"reduce"),
              ("copy or transpose", r"copy|transpose|memcpy|slice|concatenate|pad"), ("elementwise", r"fusion"))
     return next((c for c, pattern in rules if re.search(pattern, op, re.I)), "other")
