@@ -16,8 +16,9 @@
 # capture  (a) a profile of train steps 3-4 (train.profile_steps) of the 1.4B DIFF config and its twin, micro-batch
 #          8, seq 4096, bf16, remat attention (builtin text, byte tokenizer, the 100,288 vocabulary), reduced on the
 #          device by benchmarks/profile_table.py to the top 30 ops (category, ms / step, share, TFLOP/s or GB/s from
-#          the step's optimized HLO)   -> profile_<model>.json/.md, and (gzipped, when under 20 MB) the trace and the
-#          HLO for analysis on the CPU: trace_<model>.xplane.pb.gz, hlo_<model>.txt.gz
+#          the step's optimized HLO)   -> profile_<model>.json/.md, profile_diff_vs_twin.md (categories side by
+#          side), and (gzipped, when under 20 MB) the trace and the HLO for analysis on the CPU:
+#          trace_<model>.xplane.pb.gz, hlo_<model>.txt.gz
 #          (b) Nsight Compute of the three DIFF kernels (fwd, bwd_dq, bwd_dkdv; one causal fwd+bwd at T = 8k),
 #          reduced by benchmarks/ncu_summary.py                           -> ncu_details.csv, ncu_summary.json/.md
 #          (c) benchmarks/attention.py at T = 8k: cudnn, pallas_gpu and jax's Mosaic GPU flash attention (mgpu,
@@ -63,10 +64,11 @@ if [ -z "${DRY_RUN:-}" ]; then
 fi
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 
-DEADLINE=${DEADLINE:-585}
-cap() {  # cap SECONDS [END]: the limit, or what is left before END (default DEADLINE) if less
-  local left=$(( ${2:-$DEADLINE} - SECONDS ))
-  echo $(( $1 < left ? $1 : left ))
+DEADLINE=${DEADLINE:-${DRY_RUN:+3000}}  # a dry run on a loaded CPU takes its time: 4x each limit
+DEADLINE=${DEADLINE:-585} SLOWER=${DRY_RUN:+4}
+cap() {  # cap SECONDS [END]: the limit (x4 in a dry run), or what is left before END (default DEADLINE) if less
+  local left=$(( ${2:-$DEADLINE} - SECONDS )) limit=$(( $1 * ${SLOWER:-1} ))
+  echo $(( limit < left ? limit : left ))
 }
 
 # capture's train runs: the 1.4B twins as benchmarks/train_step.py measures them (micro-batch 8, seq 4096, remat
@@ -138,6 +140,8 @@ capture() {  # (a) profile tables of the twins' train step, (b) ncu of the DIFF 
   local end=$((SECONDS + $(cap "${CAPTURE_S:-230}")))
   capture_trace diff-1.4b 75 "$end"
   capture_trace transformer-1.4b 75 "$end"
+  $PY benchmarks/profile_table.py --compare "$OUT/profile_diff-1.4b.json" "$OUT/profile_transformer-1.4b.json" \
+    --out "$OUT/profile_diff_vs_twin.md"
   capture_ncu 40 "$end"
   if [ -z "${DRY_RUN:-}" ]; then
     timeout "$(cap 120 "$end")" $PY benchmarks/attention.py --impls mgpu,cudnn,pallas_gpu --lengths 8192 --quick \

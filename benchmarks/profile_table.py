@@ -4,6 +4,8 @@
         [--top 30] --out profile.json                          (writes profile.json and profile.md)
     python benchmarks/profile_table.py trace_diff-1.4b.xplane.pb.gz --hlo hlo_diff-1.4b.txt.gz --steps 2 --out ...
         (a GPU session's kept trace and HLO, reduced again on the CPU)
+    python benchmarks/profile_table.py --compare profile_diff-1.4b.json profile_transformer-1.4b.json --out cmp.md
+        (categories side by side: where DIFF's step time differs from its twin's)
 
 Time: the device's kernels on a GPU (the /device:GPU planes' "Stream #" lines; each kernel carries the hlo_op /
 hlo_module stats CUPTI's collector parses from XLA's annotation stack), else the host's HLO op events (XLA:CPU's
@@ -377,9 +379,26 @@ def markdown(table: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare_markdown(tables: dict[str, dict]) -> str:
+    """Two or more tables' categories side by side (ms / step), each against the first: where the time differs."""
+    names = list(tables)
+    categories = sorted({c for t in tables.values() for c in t["by_category"]},
+                        key=lambda c: -tables[names[0]]["by_category"].get(c, {}).get("ms_per_step", 0))
+    ms = lambda name, c: tables[name]["by_category"].get(c, {}).get("ms_per_step", 0.0)  # noqa: E731
+    lines = ["| category | " + " | ".join(f"{n} ms / step" for n in names) + " | "
+             + " | ".join(f"{n} - {names[0]}" for n in names[1:]) + " |", "|---" * (2 * len(names)) + "|"]
+    for c in [*categories, "total"]:
+        row = [tables[n]["ms_per_step"] if c == "total" else ms(n, c) for n in names]
+        lines.append(f"| {c} | " + " | ".join(f"{v:.2f}" for v in row) + " | "
+                     + " | ".join(f"{v - row[0]:+.2f}" for v in row[1:]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trace", type=Path, help="an *.xplane.pb or a directory holding one (the newest is read)")
+    parser.add_argument("trace", type=Path, nargs="?", help="an *.xplane.pb(.gz) or a directory holding one (the newest)")
+    parser.add_argument("--compare", type=Path, nargs="+", metavar="TABLE",
+                        help="instead: these tables' (JSON) categories side by side, written to --out (markdown)")
     parser.add_argument("--hlo-dump", type=Path, help="XLA's --xla_dump_to directory (FLOPs and bytes per op)")
     parser.add_argument("--hlo", type=Path, help="or the module's optimized HLO text itself (.txt or .txt.gz)")
     parser.add_argument("--module", default="train_step", help="regex of the HLO module to tabulate")
@@ -388,6 +407,13 @@ def main(argv=None) -> int:
     parser.add_argument("--title", default="Per-op profile")
     parser.add_argument("--out", type=Path, required=True, help="JSON path; the markdown table beside it (.md)")
     args = parser.parse_args(argv)
+    if args.compare:
+        text = compare_markdown({p.stem.removeprefix("profile_"): json.loads(p.read_text()) for p in args.compare})
+        args.out.write_text(text)
+        print(text)
+        return 0
+    if args.trace is None:
+        parser.error("give a trace (or --compare TABLE ...)")
     hlo = args.hlo or (find_hlo(args.hlo_dump, args.module) if args.hlo_dump else None)
     costs = hlo_costs(_read_bytes(hlo).decode()) if hlo else {}
     table = reduce_trace(trace_events(find_xplane(args.trace)), costs, args.module, args.steps, args.top)

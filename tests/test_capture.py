@@ -228,6 +228,9 @@ def test_gpu_session_capture_dry_run(tmp_path):
         assert profile_table.main([str(tmp_path / f"trace_{model}.xplane.pb.gz"), "--hlo", str(tmp_path / f"hlo_{model}.txt.gz"),
                                    "--steps", "2", "--out", str(again)]) == 0
         assert json.loads(again.read_text())["rows"] == table["rows"]
+    side_by_side = (tmp_path / "profile_diff_vs_twin.md").read_text()
+    assert "| category | diff-1.4b ms / step | transformer-1.4b ms / step | transformer-1.4b - diff-1.4b |" in side_by_side
+    assert "| matmul |" in side_by_side and "| total |" in side_by_side
     kernels = [r["kernel"] for r in json.loads((tmp_path / "ncu_summary.json").read_text())]
     assert sorted(kernels) == ["diffjax_mgpu_bwd_dkdv", "diffjax_mgpu_bwd_dq", "diffjax_mgpu_fwd"]
     assert "mgpu: skipped" in result.stdout
