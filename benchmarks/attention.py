@@ -4,7 +4,7 @@
     python benchmarks/attention.py --quick    # fewer lengths and repeats
 
 For every available impl (cpu: xla, pallas_tpu in interpret mode for small T; gpu: xla, cudnn,
-triton, pallas_gpu; tpu: xla, pallas_tpu, splash), d = 128, dv = 256, bfloat16, causal and not, forward and
+triton, pallas_gpu, mgpu; tpu: xla, pallas_tpu, splash), d = 128, dv = 256, bfloat16, causal and not, forward and
 forward+backward:
 
   diff      ops.diff_attention (H differential heads)
@@ -12,6 +12,9 @@ forward+backward:
             Transformer, same impl family (flash vs flash)
   two-call  two ops.dot_product_attention calls with dv = 2d (one per map) and o1 - lam o2: what
             diff costs without a fused kernel
+  mgpu: jax's own Mosaic GPU flash attention (jax.experimental.pallas.ops.gpu.attention_mgpu), baseline rows
+  only: the single-map peer of cuDNN and pallas_gpu's single-map mode (its backward takes no causal mask: an error
+  row); one "skipped" line where jax lacks the module or no GPU runs.
   (pallas_gpu's baseline rows run its single-map mode; its two-call rows run cudnn, since the
   single-map mode needs dv = d. Targets, against the cudnn rows of the same run: diff fwd TFLOP/s
   >= 1.1x the cuDNN baseline's, fwd+bwd >= 1.0x, and >= 1.3x faster than two-call cuDNN)
@@ -50,7 +53,7 @@ D, DV = 128, 256
 
 
 def impls_for(platform: str) -> list[str]:
-    return {"cpu": ["xla", "pallas_tpu"], "gpu": ["xla", "cudnn", "triton", "pallas_gpu"], "tpu": ["xla", "pallas_tpu", "splash"]}.get(platform, ["xla"])
+    return {"cpu": ["xla", "pallas_tpu"], "gpu": ["xla", "cudnn", "triton", "pallas_gpu", "mgpu"], "tpu": ["xla", "pallas_tpu", "splash"]}.get(platform, ["xla"])
 
 
 def flops_diff(B, H, T, S, causal, d=D, dv=DV):
@@ -108,6 +111,47 @@ def make_fns(impl, causal, B, T, H):
         out[name, "fwd"] = (jax.jit(fn), args)
         out[name, "fwd+bwd"] = (fwd_bwd(fn, 3 if name == "baseline" else 4), args)
     return out
+
+
+def mgpu_module():
+    """(jax's Mosaic GPU flash attention module, None) or (None, the one line why impl "mgpu" cannot run here)."""
+    if jax.default_backend() != "gpu":
+        return None, f"mgpu: skipped: jax's Mosaic GPU attention needs a GPU (running on {jax.default_backend()})"
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+    except ImportError as e:
+        return None, f"mgpu: skipped: jax {jax.__version__} has no pallas.ops.gpu.attention_mgpu ({e})"
+    return attention_mgpu, None
+
+
+def mgpu_fns(module, causal, B, T, H):
+    """The single-map peer: jax's attention_mgpu on the baseline's shapes (2H heads of D), forward and
+    forward+backward. Its backward takes no causal mask (jax 0.10-0.12): that row is an error row."""
+    config = module.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+                                 block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    args = tuple(jax.random.normal(key, (B, T, 2 * H, D), jnp.bfloat16) for key in ks)
+
+    def attend(q, k, v):
+        return module.attention(q, k, v, config)
+
+    return {"fwd": (jax.jit(attend), args), "fwd+bwd": (fwd_bwd(attend, 3), args)}
+
+
+def time_mgpu(module, rec: dict, warmup: int, repeats: int) -> dict:
+    """rec (T, causal, pass) with the single-map peer's time and TFLOP/s (the baseline columns)."""
+    T, causal, mode, B, H = rec["T"], rec["causal"], rec["pass"], rec["B"], rec["H"]
+    try:
+        fn, fargs = mgpu_fns(module, causal, B, T, H)[mode]
+        rec["baseline_s"] = time_fn(fn, fargs, warmup, repeats)
+    except Exception as e:  # noqa: BLE001 (causal backward: not implemented upstream)
+        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"{'mgpu':<11}{T:>6} {str(causal):>6} {mode:>8} | error {rec['error'][:80]}")
+        return rec
+    rec["baseline_tflops"] = (1.0 if mode == "fwd" else 3.5) * flops_baseline(B, H, T, T, causal) / rec["baseline_s"] / 1e12
+    print(f"{'mgpu':<11}{T:>6} {str(causal):>6} {mode:>8} | {'':>9} {'':>8} | {1e3 * rec['baseline_s']:>9.2f} "
+          f"{rec['baseline_tflops']:>8.3f} |   (jax's Mosaic GPU flash attention, single map)")
+    return rec
 
 
 def time_fn(fn, args, warmup, repeats):
@@ -182,6 +226,7 @@ def kernel_targets(records, T=8192):
         return {r["pass"]: r for r in records if r["impl"] == impl and r["T"] == T and r["causal"] and "diff_s" in r}
 
     fused, cudnn = rows("pallas_gpu"), rows("cudnn")
+    peer = {r["pass"]: r for r in records if r["impl"] == "mgpu" and r["T"] == T and r["causal"] and "baseline_s" in r}
     out = {"lines": []}
     for mode, need in (("fwd", 1.1), ("fwd+bwd", 1.0)):
         if mode in fused and mode in cudnn:
@@ -194,6 +239,7 @@ def kernel_targets(records, T=8192):
                 f"{mode:>8}: {r['diff_tflops']:.0f} vs cuDNN baseline {c['baseline_tflops']:.0f} TFLOP/s = {ratio:.2f}x "
                 f"(target >= {need}), {speedup:.2f}x faster than two-call cuDNN (target >= 1.3); single-map mode "
                 f"{r['baseline_tflops']:.0f} TFLOP/s"
+                + (f" (jax's Mosaic GPU attention {peer[mode]['baseline_tflops']:.0f})" if mode in peer else "")
             )
     return out if out["lines"] else None
 
@@ -278,6 +324,9 @@ def time_section(platform: str, impls: list[str], lengths: list[int], H: int, wa
     print("-" * len(header))
     records = []
     for impl in impls:
+        if impl == "mgpu":
+            records += mgpu_section(lengths, H, accel, warmup, repeats)
+            continue
         interpret = impl in ("pallas_tpu", "splash") and platform != "tpu"
         for T in lengths:
             if interpret and T > interpret_max_T:
@@ -294,6 +343,16 @@ def time_section(platform: str, impls: list[str], lengths: list[int], H: int, wa
                         "impl": impl, "T": T, "B": B, "H": H, "d": D, "dv": DV, "causal": causal, "pass": mode,
                         "interpret": interpret}, warmup, repeats))
     return records
+
+
+def mgpu_section(lengths, H, accel, warmup, repeats) -> list[dict]:
+    module, why_not = mgpu_module()
+    if module is None:
+        print(why_not)
+        return []
+    return [time_mgpu(module, {"impl": "mgpu", "T": T, "B": max(1, 16384 // T) if accel else 1, "H": H, "d": D, "dv": D,
+                               "causal": causal, "pass": mode, "interpret": False}, warmup, repeats)
+            for T in lengths for causal in (False, True) for mode in ("fwd", "fwd+bwd")]
 
 
 def main():

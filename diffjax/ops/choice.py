@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,9 @@ CUDNN_FASTER_ON_HOPPER: frozenset[tuple[str, int, int, bool]] = frozenset({
     ("dot_product_attention", 128, 128, True), ("dot_product_attention", 128, 128, False),
 })
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+# The best pallas_gpu Tuning per shape class, measured on a Hopper GPU by benchmarks/pallas_gpu_sweep.py --table
+# (copied here from a GPU session's output); absent: pallas_gpu.default_tuning's shared-memory rule alone.
+TUNING_TABLE = Path(__file__).with_name("pallas_gpu_tuning.json")
 TPU_MIN_T = 128  # below one Pallas TPU block, auto takes xla
 
 
@@ -252,3 +257,24 @@ def _auto(call: AttentionCall, device: Device) -> tuple[str, str]:
     if why_not["triton"] is None:
         return "triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"
     return "xla", "; ".join(f"{name} {why}" for name, why in why_not.items())
+
+
+def tuning_class(d: int, dv: int, single: bool, dtype) -> str:
+    """The shape class a swept pallas_gpu Tuning is kept under, e.g. "diff d128 dv256 bfloat16"."""
+    return f"{'single' if single else 'diff'} d{d} dv{dv} {jnp.dtype(dtype).name}"
+
+
+def swept_tuning(d: int, dv: int, single: bool, dtype, table: Path | None = None) -> dict | None:
+    """The Tuning fields benchmarks/pallas_gpu_sweep.py measured best for this shape class on a Hopper GPU (the
+    table `table`, default TUNING_TABLE), or None: no table, no entry, or a table from a dry run / another GPU."""
+    table = TUNING_TABLE if table is None else Path(table)
+    if not table.exists():
+        return None
+    try:
+        content = json.loads(table.read_text())
+        entry = content["best"].get(tuning_class(d, dv, single, dtype))
+        measured = not content.get("dry_run") and any(kind in content["device"] for kind in HOPPER_KINDS)
+        return dict(entry["tuning"]) if entry is not None and measured else None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{table}: not a pallas_gpu tuning table as benchmarks/pallas_gpu_sweep.py --table writes "
+                         f"(device, best: {{class: {{tuning: {{...}}}}}}): {type(e).__name__}: {e}") from None

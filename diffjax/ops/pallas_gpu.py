@@ -893,8 +893,16 @@ def unsupported(q, k, v, tuning=None) -> str | None:
     return None
 
 
-def default_tuning(d, dv, G, dtype, single: bool = False) -> Tuning:
-    """The largest block of each kernel (128 or 64) whose shared memory fits, with 2 stages."""
+def default_tuning(d, dv, G, dtype, single: bool = False, swept: bool = True) -> Tuning:
+    """The sweep's measured best for the shape class where its table has one that fits (swept; see
+    choice.swept_tuning), else the largest block of each kernel (128 or 64) whose shared memory fits, with 2 stages."""
+    from diffjax.ops.choice import swept_tuning  # same layer; choice imports this module lazily too
+
+    fields = swept_tuning(d, dv, single, dtype) if swept else None
+    if fields is not None and set(fields) <= set(Tuning._fields):
+        bs = Tuning(**fields)
+        if all(n + SMEM_MARGIN <= SMEM_BYTES for n in _smem_bytes(d, dv, G, bs, dtype, single).values()):
+            return bs
     chosen = {}
     for field, kernel in (("block_k", "forward"), ("block_k_dq", "dq"), ("block_q_bwd", "dkdv")):
         for size in (128, 64):

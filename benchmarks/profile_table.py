@@ -1,0 +1,430 @@
+"""A jax.profiler trace (*.xplane.pb, e.g. the trainer's train.profile_steps window) reduced to a per-op table.
+
+    python benchmarks/profile_table.py RUN_DIR/tensorboard [--hlo-dump DIR] [--module train_step] [--steps N]
+        [--top 30] --out profile.json                          (writes profile.json and profile.md)
+    python benchmarks/profile_table.py trace_diff-1.4b.xplane.pb.gz --hlo hlo_diff-1.4b.txt.gz --steps 2 --out ...
+        (a GPU session's kept trace and HLO, reduced again on the CPU)
+    python benchmarks/profile_table.py --compare profile_diff-1.4b.json profile_transformer-1.4b.json --out cmp.md
+        (categories side by side: where DIFF's step time differs from its twin's)
+
+Time: the device's kernels on a GPU (the /device:GPU planes' "Stream #" lines; each kernel carries the hlo_op /
+hlo_module stats CUPTI's collector parses from XLA's annotation stack), else the host's HLO op events (XLA:CPU's
+thunks, same stats). Ops of the one module matching --module; shares are of that module's summed op time (on a CPU
+ops run on several threads at once: the sum exceeds the wall time). While loops are left out (their bodies' ops are
+timed themselves). The trace is read with jax's own reader
+(jax.profiler.ProfileData, jaxlib), so no TensorBoard / XProf install is needed.
+
+FLOPs and bytes: from the module's optimized HLO (XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text
+--xla_dump_hlo_module_re=train_step"; `hlo_costs`): a dot's 2 x output x contraction (in a fusion: its dots;
+cuBLAS custom calls from their dot_dimension_numbers), bytes = operands + result at the op's boundary (an upper
+bound on what it moves: operands read twice or broadcast inside count once). Executions per step come from the
+while loops' known trip counts (scanned layers), steps from the trace's run ids or --steps. Custom kernels (cuDNN
+attention, Pallas Mosaic GPU) carry no FLOP count in the HLO: their TFLOP/s is left empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+CATEGORIES = ("matmul", "attention kernel", "elementwise", "copy or transpose", "reduction", "collective", "other")
+DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
+               "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
+               "c64": 8, "c128": 16, "token": 0}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast")
+MOVEMENT = {"parameter", "constant", "copy", "transpose", "bitcast", "reshape", "broadcast", "slice", "dynamic-slice",
+            "dynamic-update-slice", "concatenate", "pad", "tuple", "get-tuple-element", "convert", "reverse",
+            "copy-start", "copy-done", "iota"}
+CONTROL = {"while", "conditional", "call"}
+REDUCTIONS = {"reduce", "reduce-window", "reduce-precision", "select-and-scatter", "scatter", "sort"}
+ATTENTION_TARGETS = re.compile(r"fmha|mosaic_gpu|triton|flash|attention", re.I)
+GEMM_TARGETS = re.compile(r"cublas|gemm|matmul", re.I)
+
+
+# ------------------------------------------------------------------------------ HLO text
+
+class Instr:
+    __slots__ = ("name", "opcode", "shape", "operands", "attrs", "computation")
+
+    def __init__(self, name, opcode, shape, operands, attrs, computation):
+        self.name, self.opcode, self.shape, self.operands, self.attrs = name, opcode, shape, operands, attrs
+        self.computation = computation
+
+
+def _closing(text: str, start: int) -> int:
+    """Index of the parenthesis closing the one at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text) - 1
+
+
+def _parse_instruction(line: str, computation: str) -> Instr | None:
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):  # a tuple shape
+        end = _closing(rest, 0) + 1
+    else:
+        end = rest.find(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([a-z][\w\-]*)\(", rest)
+    if not op:
+        return None
+    close = _closing(rest, op.end() - 1)
+    return Instr(m.group(1), op.group(1), shape, _operand_names(rest[op.end():close]), rest[close + 1:], computation)
+
+
+def _operand_names(text: str) -> list[str]:
+    """Names in an operand list, printed bare ("%a, %b") or with shapes ("f32[2,3]{1,0} %a, (f32[], s32[]) %b")."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text + ","):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].split()[-1].lstrip("%") if text[start:i].strip() else "")
+            start = i + 1
+    return [p for p in parts if p]
+
+
+def parse_hlo(text: str) -> tuple[dict[str, Instr], dict[str, list[Instr]], str | None]:
+    """(instructions by name, instructions by computation, the entry computation's name)."""
+    instrs, comps, current, entry = {}, collections.defaultdict(list), None, None
+    for line in text.splitlines():
+        header = re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s+(?:\(.*\)\s*->\s*.*)?\{\s*$", line)
+        if header and not line.startswith(" "):
+            current = header.group(2)
+            entry = current if header.group(1) else entry
+            continue
+        if current and line.strip() and line.strip() != "}":
+            instr = _parse_instruction(line, current)
+            if instr:
+                instrs[instr.name] = instr
+                comps[current].append(instr)
+    return instrs, comps, entry
+
+
+def shape_bytes(shape: str) -> float:
+    return sum(DTYPE_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for dt, dims in re.findall(r"\b([a-z]+\d*(?:e\dm\d\w*)?)\[([\d,]*)\]", shape))
+
+
+def _dims(shape: str) -> list[int]:
+    m = re.search(r"\[([\d,]*)\]", shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _dot_flops(instr: Instr, instrs: dict[str, Instr]) -> float | None:
+    """2 x output elements x contracted size, the lhs contracting dims read from the attrs (an HLO dot) or the
+    backend config (cuBLAS custom calls)."""
+    m = (re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+         or re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instr.attrs))
+    if not m or not instr.operands or instr.operands[0] not in instrs:
+        return None
+    lhs = _dims(instrs[instr.operands[0]].shape)
+    contracted = math.prod(lhs[int(d.strip('" '))] for d in m.group(1).split(",") if d.strip('" '))
+    return 2.0 * math.prod(_dims(instr.shape)) * contracted  # tuple shapes (gemm + workspace): the first
+
+
+def _called(instr: Instr) -> list[str]:
+    return re.findall(r"(?:calls|body|to_apply|branch_computations)=\{?%?([\w.\-]+)", instr.attrs)
+
+
+def _target(instr: Instr) -> str:
+    m = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
+    return m.group(1) if m else ""
+
+
+def _inner_opcodes(instr: Instr, instrs, comps, seen=None) -> collections.Counter:
+    """Opcodes inside a fusion (recursively), custom-call targets as 'custom-call:TARGET'."""
+    seen = seen if seen is not None else set()
+    out = collections.Counter()
+    for comp in _called(instr):
+        if comp in seen:
+            continue
+        seen.add(comp)
+        for inner in comps.get(comp, []):
+            out[f"custom-call:{_target(inner)}" if inner.opcode == "custom-call" else inner.opcode] += 1
+            if inner.opcode == "fusion":
+                out += _inner_opcodes(inner, instrs, comps, seen)
+    return out
+
+
+def _flops(instr: Instr, instrs, comps) -> float | None:
+    if instr.opcode == "dot" or (instr.opcode == "custom-call" and GEMM_TARGETS.search(_target(instr))):
+        return _dot_flops(instr, instrs)
+    if instr.opcode != "fusion":
+        return None
+    total, found = 0.0, False
+    for comp in _called(instr):
+        for inner in comps.get(comp, []):
+            f = _flops(inner, instrs, comps)
+            if f is not None:
+                total, found = total + f, True
+    return total if found else None
+
+
+def category(instr: Instr, instrs, comps) -> str:
+    op = instr.opcode
+    base = op.removesuffix("-start").removesuffix("-done")
+    if base in COLLECTIVES:
+        return "collective"
+    ops = _inner_opcodes(instr, instrs, comps) if op == "fusion" else collections.Counter({
+        f"custom-call:{_target(instr)}" if op == "custom-call" else op: 1})
+    targets = [o.split(":", 1)[1] for o in ops if o.startswith("custom-call:")]
+    if any(ATTENTION_TARGETS.search(t) for t in targets):
+        return "attention kernel"
+    if ops.keys() & {"dot", "convolution"} or any(GEMM_TARGETS.search(t) for t in targets):
+        return "matmul"
+    if any(o.removesuffix("-start").removesuffix("-done") in COLLECTIVES for o in ops):
+        return "collective"
+    if ops.keys() & REDUCTIONS:
+        return "reduction"
+    if set(ops) <= MOVEMENT:
+        return "copy or transpose"
+    if targets or ops.keys() & {"while", "conditional", "call", "rng", "rng-bit-generator", "infeed", "outfeed",
+                                "send", "recv", "custom-call"}:
+        return "other"
+    return "elementwise"
+
+
+def executions_per_run(comps: dict[str, list[Instr]], entry: str | None) -> dict[str, float]:
+    """Computation -> times it runs per module execution: while bodies x their known trip counts (1 if unknown),
+    nested; computations reached only through fusions are not listed (their ops are not timed on their own)."""
+    runs = {entry: 1.0} if entry else {}
+    stack = [entry] if entry else []
+    while stack:
+        comp = stack.pop()
+        for instr in comps.get(comp, []):
+            if instr.opcode not in ("while", "conditional", "call", "async-start"):
+                continue
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+            times = runs[comp] * (float(trips.group(1)) if trips and instr.opcode == "while" else 1.0)
+            for callee in re.findall(r"(?:body|to_apply|calls|branch_computations)=\{?([^}]*)", instr.attrs):
+                for name in re.findall(r"%?([\w.\-]+)", callee.split(",")[0] if instr.opcode == "while" else callee):
+                    if name in comps and name not in runs:
+                        runs[name] = times
+                        stack.append(name)
+    return runs
+
+
+def hlo_costs(text: str) -> dict[str, dict]:
+    """op name -> {category, flops, bytes (per execution), runs (per module execution), source}."""
+    instrs, comps, entry = parse_hlo(text)
+    runs = executions_per_run(comps, entry)
+    out = {}
+    for comp, times in runs.items():
+        for instr in comps.get(comp, []):
+            if instr.opcode in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
+                continue
+            source = re.search(r'op_name="([^"]*)"', instr.attrs)
+            out[instr.name] = {
+                "opcode": instr.opcode, "category": category(instr, instrs, comps),
+                "flops": _flops(instr, instrs, comps),
+                "bytes": shape_bytes(instr.shape) + sum(shape_bytes(instrs[o].shape) for o in instr.operands
+                                                        if o in instrs),
+                "runs": times, "source": _short_source(source.group(1)) if source else "",
+            }
+    return out
+
+
+def _short_source(op_name: str) -> str:
+    """The jax-level provenance of an op, last two path parts (e.g. 'closed_call/transpose(jvp(btD,DhGd->bthGd))')."""
+    parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")]
+    return "/".join(parts[-2:])[:80]
+
+
+# ------------------------------------------------------------------------------ trace
+
+def _annotation_op(annotation: str) -> tuple[str | None, str | None]:
+    """(module, op) from XLA's GPU annotation stack, e.g. 'XlaModule:#hlo_module=jit_train_step,program_id=6#::
+    Thunk:#hlo_op=fusion.12#' or '...::fusion.12:#...#'."""
+    module = re.search(r"hlo_module=([\w.\-]+)", annotation)
+    op = re.findall(r"hlo_op=([\w.\-]+)", annotation)
+    if not op:
+        last = annotation.split("::")[-1]
+        title = last.split(":#", 1)[0]
+        op = [title] if title and not title.startswith("XlaModule") else []
+    return (module.group(1) if module else None), (op[-1] if op else None)
+
+
+def trace_events(xplane: Path):
+    """(module, op, duration ns, run id, kernel name) of each timed op: GPU kernels where the trace has a GPU, else
+    host ops (no kernel name)."""
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_serialized_xspace(_read_bytes(xplane))
+    devices = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    if devices:
+        for plane in devices:
+            for line in plane.lines:
+                if not line.name.startswith("Stream #"):  # CUPTI overhead, graph metadata, derived lines
+                    continue
+                for event in line.events:
+                    stats = dict(event.stats)
+                    module, op = stats.get("hlo_module"), stats.get("hlo_op")
+                    if op is None and stats.get("annotation"):  # older jaxlibs: the raw annotation stack
+                        module, op = _annotation_op(str(stats["annotation"]))
+                    yield module, str(op or event.name), event.duration_ns, None, event.name
+        return
+    for plane in data.planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" in stats:
+                    yield stats.get("hlo_module"), stats["hlo_op"], event.duration_ns, stats.get("run_id"), None
+
+
+def _read_bytes(path: Path) -> bytes:
+    return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+
+
+def find_xplane(path: Path) -> Path:
+    if path.is_file():
+        return path
+    found = sorted(path.rglob("*.xplane.pb*"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"profile_table: no *.xplane.pb under {path} (is train.profile_steps set?)")
+    return found[-1]
+
+
+def find_hlo(dump: Path, module: str) -> Path | None:
+    files = [p for p in dump.glob("*after_optimizations.txt") if re.search(module, p.name)]
+    return max(files, key=lambda p: p.stat().st_size) if files else None
+
+
+# ------------------------------------------------------------------------------ table
+
+def reduce_trace(events, costs: dict[str, dict], module: str, steps: int | None, top: int) -> dict:
+    """The table: ops of `module` by summed time, top `top` and one row for the rest."""
+    time_ns, count, runs, modules = collections.Counter(), collections.Counter(), set(), collections.Counter()
+    kernels = collections.defaultdict(collections.Counter)
+    for mod, op, dur, run, kernel in events:
+        modules[mod] += dur
+        if mod is not None and not re.search(module, mod) or _is_control(op, costs.get(op)):
+            continue
+        time_ns[op] += dur
+        count[op] += 1
+        runs.add(run)
+        if kernel and kernel != op:
+            kernels[op][kernel] += dur
+    if not time_ns:
+        raise SystemExit(f"profile_table: no op of a module matching {module!r} in the trace; modules: "
+                         f"{', '.join(str(m) for m, _ in modules.most_common(8))}")
+    steps = steps or max(1, len(runs - {None}))
+    total = sum(time_ns.values())
+    rows = [_row(op, t, count[op], costs.get(op), steps, total) for op, t in time_ns.most_common(top)]
+    for row in rows:  # the GPU kernel that took most of the op's time (a cuBLAS or Mosaic kernel's own name)
+        row["kernel"] = kernels[row["op"]].most_common(1)[0][0][:60] if kernels[row["op"]] else ""
+    rest = total - sum(t for _, t in time_ns.most_common(top))
+    if rest > 0:
+        rows.append({"op": f"(other {len(time_ns) - top} ops)", "category": "other", "ms_per_step": rest / steps / 1e6,
+                     "share": 100 * rest / total, "events": sum(count.values()) - sum(r["events"] for r in rows),
+                     "tflops": None, "gbps": None, "source": "", "kernel": ""})
+    by_category = collections.Counter()
+    for op, t in time_ns.items():
+        by_category[(costs.get(op) or {}).get("category") or _category_by_name(op)] += t
+    return {"module": module, "steps": steps, "ms_per_step": total / steps / 1e6, "ops": len(time_ns), "rows": rows,
+            "by_category": {c: {"ms_per_step": t / steps / 1e6, "share": 100 * t / total}
+                            for c, t in by_category.most_common()},
+            "hlo_costs": bool(costs)}
+
+
+def _is_control(op: str, cost: dict | None) -> bool:
+    """A while / conditional / call: its event spans its body's ops, which are timed themselves."""
+    opcode = cost["opcode"] if cost else re.sub(r"\.\d+$", "", op)
+    return opcode in CONTROL
+
+
+def _category_by_name(op: str) -> str:
+    """Without the HLO: a guess from XLA's fusion naming (its fusions are named after their ops)."""
+    rules = (("attention kernel", r"fmha|flash|mgpu|attention"),
+             ("collective", r"all-reduce|all-gather|reduce-scatter"),
+             ("matmul", r"dot|gemm|cublas|matmul|conv"), ("reduction", r"reduce"),
+             ("copy or transpose", r"copy|transpose|memcpy|slice|concatenate|pad"), ("elementwise", r"fusion"))
+    return next((c for c, pattern in rules if re.search(pattern, op, re.I)), "other")
+
+
+def _row(op, t_ns, events, cost, steps, total) -> dict:
+    cost = cost or {}
+    executions = cost.get("runs", 0) * steps
+    rate = executions / (t_ns * 1e-9) if executions else None  # executions per second of this op's time
+    flops, nbytes = cost.get("flops"), cost.get("bytes")
+    return {"op": op, "category": cost.get("category") or _category_by_name(op), "ms_per_step": t_ns / steps / 1e6,
+            "share": 100 * t_ns / total, "events": events,
+            "tflops": flops * rate / 1e12 if flops and rate else None,
+            "gbps": nbytes * rate / 1e9 if nbytes and rate else None, "source": cost.get("source", "")}
+
+
+def markdown(table: dict, title: str) -> str:
+    fmt = lambda x, spec: "" if x is None else format(x, spec)  # noqa: E731
+    lines = [f"## {title}", "",
+             f"Module `{table['module']}`: {table['ops']} ops, {table['ms_per_step']:.2f} ms of op time per step "
+             f"({table['steps']} steps traced){'' if table['hlo_costs'] else '; no HLO dump: no FLOPs / bytes'}.", "",
+             "| category | ms / step | share |", "|---|---|---|"]
+    lines += [f"| {c} | {v['ms_per_step']:.3f} | {v['share']:.1f}% |" for c, v in table["by_category"].items()]
+    lines += ["", "| # | op | category | ms / step | share | events | TFLOP/s | GB/s | source | kernel |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {i} | `{r['op']}` | {r['category']} | {r['ms_per_step']:.3f} | {r['share']:.1f}% | {r['events']} | "
+              f"{fmt(r['tflops'], '.1f')} | {fmt(r['gbps'], '.0f')} | {r['source'].replace('|', '/')} | {r['kernel']} |"
+              for i, r in enumerate(table["rows"], 1)]
+    return "\n".join(lines) + "\n"
+
+
+def compare_markdown(tables: dict[str, dict]) -> str:
+    """Two or more tables' categories side by side (ms / step), each against the first: where the time differs."""
+    names = list(tables)
+    categories = sorted({c for t in tables.values() for c in t["by_category"]},
+                        key=lambda c: -tables[names[0]]["by_category"].get(c, {}).get("ms_per_step", 0))
+    ms = lambda name, c: tables[name]["by_category"].get(c, {}).get("ms_per_step", 0.0)  # noqa: E731
+    lines = ["| category | " + " | ".join(f"{n} ms / step" for n in names) + " | "
+             + " | ".join(f"{n} - {names[0]}" for n in names[1:]) + " |", "|---" * (2 * len(names)) + "|"]
+    for c in [*categories, "total"]:
+        row = [tables[n]["ms_per_step"] if c == "total" else ms(n, c) for n in names]
+        lines.append(f"| {c} | " + " | ".join(f"{v:.2f}" for v in row) + " | "
+                     + " | ".join(f"{v - row[0]:+.2f}" for v in row[1:]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", type=Path, nargs="?", help="an *.xplane.pb(.gz) or a directory holding one (the newest)")
+    parser.add_argument("--compare", type=Path, nargs="+", metavar="TABLE",
+                        help="instead: these tables' (JSON) categories side by side, written to --out (markdown)")
+    parser.add_argument("--hlo-dump", type=Path, help="XLA's --xla_dump_to directory (FLOPs and bytes per op)")
+    parser.add_argument("--hlo", type=Path, help="or the module's optimized HLO text itself (.txt or .txt.gz)")
+    parser.add_argument("--module", default="train_step", help="regex of the HLO module to tabulate")
+    parser.add_argument("--steps", type=int, help="module executions in the trace (default: its run ids, else 1)")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--title", default="Per-op profile")
+    parser.add_argument("--out", type=Path, required=True, help="JSON path; the markdown table beside it (.md)")
+    args = parser.parse_args(argv)
+    if args.compare:
+        text = compare_markdown({p.stem.removeprefix("profile_"): json.loads(p.read_text()) for p in args.compare})
+        args.out.write_text(text)
+        print(text)
+        return 0
+    if args.trace is None:
+        parser.error("give a trace (or --compare TABLE ...)")
+    hlo = args.hlo or (find_hlo(args.hlo_dump, args.module) if args.hlo_dump else None)
+    costs = hlo_costs(_read_bytes(hlo).decode()) if hlo else {}
+    table = reduce_trace(trace_events(find_xplane(args.trace)), costs, args.module, args.steps, args.top)
+    table["trace"], table["hlo"] = str(find_xplane(args.trace)), str(hlo) if hlo else None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(table, indent=1))
+    text = markdown(table, args.title)
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
