@@ -123,13 +123,11 @@ class MoEOptions(kinds.Options):
         problems += [f"{name} must be true or false, got {getattr(self, name)!r}"
                      for name in ("route_norm", "expert_bias", "sigmoid_weight")
                      if not isinstance(getattr(self, name), bool)]
-        if self.load_balance_coeff is not None:
-            if isinstance(self.load_balance_coeff, bool) or not (isinstance(self.load_balance_coeff, (int, float))
-                                                                 and 0 < self.load_balance_coeff < float("inf")):
-                problems.append(f"load_balance_coeff must be None (off) or > 0, got {self.load_balance_coeff!r}")
-            elif self.expert_bias is not True:
-                problems.append(f"load_balance_coeff ({self.load_balance_coeff}) needs expert_bias: true (the "
-                                "selection bias it moves)")
+        coeff = self.load_balance_coeff
+        if coeff is not None and (isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 < coeff < 1e30):
+            problems.append(f"load_balance_coeff must be None (off) or > 0, got {coeff!r}")
+        elif coeff is not None and self.expert_bias is not True:
+            problems.append(f"load_balance_coeff ({coeff}) needs expert_bias: true (the selection bias it moves)")
         problems += kinds.positive_int_problems(self, "collapse_steps")  # (None: off)
         if not self.route_scale > 0:
             problems.append(f"route_scale must be > 0, got {self.route_scale!r}")

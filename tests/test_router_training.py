@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,17 @@ def test_bias_update_is_torchtitans_rule_layer_by_layer():
                                numpy_bias_update(bias, tokens, 0.5), atol=1e-6)
     no_coeff = dataclasses.replace(MODEL, mlp_options=dataclasses.replace(MODEL.mlp_options, load_balance_coeff=None))
     assert rebalance_expert_biases(params, jnp.asarray(tokens), no_coeff) is params
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(load_balance_coeff=-0.1), "mlp_options.load_balance_coeff must be None (off) or > 0, got -0.1"),
+    (dict(load_balance_coeff=0.01, expert_bias=False),
+     "mlp_options.load_balance_coeff (0.01) needs expert_bias: true (the selection bias it moves)"),
+    (dict(collapse_steps=0), "mlp_options.collapse_steps must be a positive integer, got 0"),
+])
+def test_router_training_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dataclasses.replace(MODEL, mlp_options={**MOE_OPTIONS, **options})
 
 
 def _batch(rows: int = 8, length: int = 16, seed: int = 0) -> dict[str, np.ndarray]:

@@ -4,8 +4,9 @@ non-finite check are one (MetricsLog); `train(config, hooks=[...])` adds the use
 The loop calls, on each hook in order:
   on_start(run)                 before the first step
   on_step(run, step, metrics)   after each step is dispatched. metrics: device arrays (loss, grad_norm, lr,
-                                ok, loss_tokens; lambda [L] for DIFF; router for MoE: metrics.py); reading one
-                                waits for the step, so read them rarely (MetricsLog reads a window of steps in one transfer)
+                                ok, loss_tokens; lambda [L] for DIFF; router for MoE: metrics.py); reading
+                                one waits for the step, so read them rarely (MetricsLog reads a window of steps
+                                in one transfer)
   on_eval(run, step, loss)      after each held-out evaluation, the final one included (mean loss per token)
   on_checkpoint(run, step)      before checkpoint `step` is saved: write out what the hook holds of steps
                                 <= step; raising stops the save

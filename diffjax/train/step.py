@@ -105,6 +105,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     def _train_step(state, batch, frozen):
         params = state["params"]
         scale = None if lambda_schedule is None else lambda_schedule(state["step"])
+
         def loss_and_aux(p, micro):
             loss_sum, count, router_stats = _forward(graphdef, _model_params(p, frozen, lora_config), micro,
                                                      loss_chunk, scale)
