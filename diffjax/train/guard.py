@@ -5,7 +5,9 @@ The jitted step computes `ok` (loss, gradient norm and update norm all finite) e
 trainers do. The host reads `ok` only where it syncs anyway: when it writes metrics, which it does
 before every checkpoint save. So no checkpoint of a state after a bad step is ever saved, and no
 step pays an extra device-to-host sync. The checkpoint just before a bad step is not kept either: the
-bad step's loss came from its params (NonfiniteGuard).
+bad step's loss came from its params (NonfiniteGuard). With MoE layers a non-finite step also fails when a router
+logit was not finite, and the message names the layer; RouterCollapseGuard stops a run whose MoE layer keeps routing
+every token to the same top_k experts, naming that layer.
 """
 
 from __future__ import annotations

@@ -39,10 +39,10 @@ class MoEMLP(MLPModule):
     """Parameters (Motif 3's names, which the HF converter maps by transposes and one split): router_kernel [D, E]
     (router.gate.weight^T), expert_bias [E] (expert_bias; only with options.expert_bias; it only chooses experts, so
     its gradient is zero and optim's default no_decay lists it: with options.load_balance_coeff the trainer moves it
-    after each step, router.balanced_expert_bias), expert_gate_kernel and
-    expert_up_kernel [E, D, I] (the two halves of experts.gate_up_proj [E, 2I, D], gate first, transposed), expert_down_kernel [E, I, D]
-    (experts.down_proj^T), expert_polynorm_weight [E, 3] and expert_polynorm_bias [E, 1] (experts.act_fn.*), and
-    shared_expert, a PolyNormMLP (shared_experts.*). The expert matrices' leading axis is the logical "expert"."""
+    after each step, router.balanced_expert_bias), expert_gate_kernel and expert_up_kernel [E, D, I] (the two halves
+    of experts.gate_up_proj [E, 2I, D], gate first, transposed), expert_down_kernel [E, I, D] (experts.down_proj^T),
+    expert_polynorm_weight [E, 3] and expert_polynorm_bias [E, 1] (experts.act_fn.*), and shared_expert, a
+    PolyNormMLP (shared_experts.*). The expert matrices' leading axis is the logical "expert"."""
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
         o = self.options = config.mlp_options
