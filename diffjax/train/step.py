@@ -95,7 +95,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     on_nonfinite="skip" a step that was not leaves params and optimizer state unchanged (guard.py).
     loss_chunk: tokens per chunk of the loss (train.loss_chunk; None: resolve_loss_chunk's auto).
     lambda_schedule: step -> the factor on lambda (optimizer.lambda_scale; logged as metrics["lambda_scale"]).
-    lora_config: LoRA on (state["params"] the trainable part): step(state, batch, frozen), frozen the rest of the base."""
+    lora_config: LoRA on (state["params"] the trainable part): step(state, batch, frozen), frozen the rest of the base.
+    MoE layers: metrics["router"] (metrics.router_metrics), and with mlp_options.load_balance_coeff each step moves
+    the expert selection biases after the optimizer update (rebalance_expert_biases; not under LoRA)."""
     loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
 
     def train_step(state, batch, frozen=None):
