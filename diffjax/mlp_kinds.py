@@ -92,6 +92,13 @@ class MoEOptions(kinds.Options):
     # interleave_moe_layer_step: after the dense first layers, layer i (0-based) is an MoE layer when (i + 1) % step
     # == 0, else dense (each run of like layers is a stack of its own: steps > 1 make many short stacks)
     moe_layer_step: int = 1
+    load_balance_coeff: float | None = None
+    """The selection bias's step per training step (Motif 3's and torchtitan's load_balance_coeff; needs expert_bias):
+    after each step every MoE layer's expert_bias moves by +-coeff toward balanced loads, centred
+    (diffjax.model.mlp.router.balanced_expert_bias); None: the bias stays as it is."""
+    collapse_steps: int | None = 10
+    """The trainer stops, naming the layer, when an MoE layer has sent every token of the global batch to the same
+    top_k experts (the others idle) this many steps in a row; None: never."""
 
     def defaults(self, config) -> dict:
         inner = self.expert_inner or config.mlp_dim
@@ -116,6 +123,12 @@ class MoEOptions(kinds.Options):
         problems += [f"{name} must be true or false, got {getattr(self, name)!r}"
                      for name in ("route_norm", "expert_bias", "sigmoid_weight")
                      if not isinstance(getattr(self, name), bool)]
+        coeff = self.load_balance_coeff
+        if coeff is not None and (isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 < coeff < 1e30):
+            problems.append(f"load_balance_coeff must be None (off) or > 0, got {coeff!r}")
+        elif coeff is not None and self.expert_bias is not True:
+            problems.append(f"load_balance_coeff ({coeff}) needs expert_bias: true (the selection bias it moves)")
+        problems += kinds.positive_int_problems(self, "collapse_steps")  # (None: off)
         if not self.route_scale > 0:
             problems.append(f"route_scale must be > 0, got {self.route_scale!r}")
         return problems + _clamp_problems(self, "bias_clamp", "hidden_clamp")

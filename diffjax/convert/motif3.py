@@ -110,7 +110,8 @@ def _mlp_fields(hf: dict) -> dict:
         expert_inner=hf.get("moe_intermediate_size") or hf["intermediate_size"],
         num_shared_experts=hf.get("num_shared_experts", 0), score_func=hf.get("score_func", "softmax"),
         route_norm=bool(hf.get("route_norm", False)), route_scale=float(hf.get("route_scale", 1.0)),
-        expert_bias=hf.get("load_balance_coeff") is not None, output_scale=scale, sigmoid_weight=sigmoid,
+        expert_bias=hf.get("load_balance_coeff") is not None,
+        load_balance_coeff=hf.get("load_balance_coeff"), output_scale=scale, sigmoid_weight=sigmoid,
         bias_clamp=hf.get("polynorm_bias_clamp"), hidden_clamp=hidden_clamp,
         dense_first_layers=hf.get("n_dense_first_layers", 0), moe_layer_step=step))
 
@@ -197,6 +198,14 @@ def _rope_export(config: ModelConfig) -> dict:
                 mscale=float(config.rope_mscale or 1.0), original_seq_len=config.rope_original_max_len)
 
 
+def _load_balance_coeff(o) -> float | None:
+    """Motif 3's load_balance_coeff: the bias's update speed; a bias without one (never updated here) says 1e-4,
+    as the published config does (vLLM makes the bias exactly when the key is set)."""
+    if o.load_balance_coeff is not None:
+        return o.load_balance_coeff
+    return 1e-4 if o.expert_bias else None
+
+
 def _mlp_export(config: ModelConfig) -> dict:
     o = config.mlp_options
     common = dict(polynorm_output_scale=o.output_scale, polynorm_sigmoid_weight=o.sigmoid_weight)
@@ -204,7 +213,7 @@ def _mlp_export(config: ModelConfig) -> dict:
         return dict(common, num_experts=0, interleave_moe_layer_step=0, hidden_clamp=None)
     return dict(common, num_experts=o.num_experts, experts_top_k=o.top_k, moe_intermediate_size=o.expert_inner,
                 num_shared_experts=o.num_shared_experts, score_func=o.score_func, route_norm=o.route_norm,
-                route_scale=o.route_scale, load_balance_coeff=1e-4 if o.expert_bias else None,
+                route_scale=o.route_scale, load_balance_coeff=_load_balance_coeff(o),
                 polynorm_bias_clamp=o.bias_clamp, hidden_clamp=o.hidden_clamp,
                 n_dense_first_layers=o.dense_first_layers, interleave_moe_layer_step=o.moe_layer_step)
 

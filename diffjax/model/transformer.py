@@ -11,6 +11,7 @@ from diffjax import attention_kinds
 from diffjax.config import ModelConfig
 from diffjax.kinds import Segment, layer_segments
 from diffjax.model import mlp, residual
+from diffjax.model.mlp import router
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache
 from diffjax.model.layers import Embedding, RMSNorm, normal_param, prepend_axis
@@ -108,9 +109,11 @@ class TransformerLM(nnx.Module):
         return self.logits(out[0]), out[1]
 
     def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None, *,
-                      lambda_scale=None, layer_params=None):
+                      lambda_scale=None, layer_params=None, router_stats: bool = False):
         """The final (normalized) hidden states [B, T, D] in the compute dtype: what the LM head projects
-        (the trainer's chunked loss and generation's prefill start here); with a KVCache, (hidden, cache).
+        (the trainer's chunked loss and generation's prefill start here); with a KVCache, (hidden, cache); with
+        router_stats (no cache: training), (hidden, each MoE layer's mlp.router.routing_stats stacked [L_moe, ...] in
+        layer order; {} without MoE layers).
         lambda_scale: a scalar in [0, 1] multiplying every layer's lambda (optim.lambda_warmup_steps: 0 silences the
         second map, as an upcycled model starts); None: the model as it is (the same as 1).
         layer_params: the blocks' params one pytree per layer (`unstacked_blocks()`), read instead of the stack:
@@ -132,9 +135,11 @@ class TransformerLM(nnx.Module):
         residual_form = residual.module_class(self.config)
         stream = residual_form.expand(self.config, constrain(self.embed(tokens_BT, dtype), BTD))
         rope_cos_sin = layer_rope_tables(self.config, positions_BT, dtype)
-        stream, cache = self._run_blocks(stream, rope_cos_sin, segment_ids_BT, cache, lambda_scale, layer_params)
+        stream, cache_or_stats = self._run_blocks(stream, rope_cos_sin, segment_ids_BT, cache, lambda_scale, layer_params)
         hidden_BTD = self.final_norm(residual_form.collapse(self.config, stream))
-        return hidden_BTD if cache is None else (hidden_BTD, cache)
+        if cache is not None or router_stats:
+            return hidden_BTD, cache_or_stats
+        return hidden_BTD
 
     def logits(self, hidden_BTD):
         """float32 logits [B, T, vocab] of final hidden states."""
@@ -198,7 +203,8 @@ class TransformerLM(nnx.Module):
                     layer_params=None):
         """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop (over
         `layer_params` if given, else over the stack's slices). A cache's buffers go through the layers with the
-        params: stacked [L, ...] through a scan, one per layer through the loop; returns (stream, cache)."""
+        params: stacked [L, ...] through a scan, one per layer through the loop; returns (stream, cache), without a
+        cache (stream, the MoE layers' router statistics)."""
         constants = self.depth_constants(stream.dtype)
         if lambda_scale is not None:
             constants["lambda_scale"] = jnp.broadcast_to(jnp.asarray(lambda_scale, jnp.float32), (self.config.num_layers,))
@@ -211,23 +217,27 @@ class TransformerLM(nnx.Module):
                 None if kv is None else tuple(None if x is None else x[layers] for x in kv),
                 None if layer_params is None else layer_params[layers])
             kvs.append(segment_kv)
-        if cache is None:
-            return stream, None
+        if cache is None:  # each MoE layer's router statistics, [L_moe, ...] in layer order
+            stats = [segment_stats for segment_stats in kvs if segment_stats]
+            return stream, jax.tree.map(lambda *parts: jnp.concatenate(parts), *stats) if stats else {}
         if len(segments) > 1:  # one [L, ...] array (scanned) or one tuple of L buffers (loop) per k and v
             join = (lambda parts: sum(parts, ())) if isinstance(kvs[0][0], tuple) else jnp.concatenate
             kvs = [tuple(join([segment_kv[i] for segment_kv in kvs]) for i in range(2))]
         return stream, KVCache(*kvs[0], cache.lengths_B + stream.shape[1], cache.max_len)
 
     def _run_stack(self, segment, stream, rope_cos_sin, segment_ids_BT, cache, constants, kv, layer_params):
-        """One segment's layers (_run_blocks): (stream, its k and v buffers, or None without a cache)."""
+        """One segment's layers (_run_blocks): (stream, its k and v buffers; without a cache its layers' router
+        statistics, [layers, ...] arrays or {})."""
         remat = self.config.remat
         scan = self.config.scan_layers and layer_params is None
         graphdef, params = nnx.split(self.stack(segment))
 
         def apply_block(stream, layer_params, layer_constants, layer_kv):
             block = nnx.merge(graphdef, layer_params)
-            if cache is None:
-                return block(stream, rope_cos_sin, segment_ids_BT, layer_constants), None
+            if cache is None:  # the layer's output: its MoE router's statistics ({} for other MLPs)
+                with router.collecting() as stats:
+                    stream = block(stream, rope_cos_sin, segment_ids_BT, layer_constants)
+                return stream, stats[0] if stats else {}
             stream, layer_cache = block.call_with_cache(stream, rope_cos_sin, segment_ids_BT, layer_constants,
                                                        cache.layer(*layer_kv))
             return stream, (layer_cache.k, layer_cache.v)
@@ -242,7 +252,9 @@ class TransformerLM(nnx.Module):
             layer_kv = None if kv is None else tuple(None if x is None else x[i] for x in kv)
             stream, layer_kv = apply_block(stream, layer, jax.tree.map(lambda x: x[i], constants), layer_kv)
             layers_kv.append(layer_kv)
-        return stream, None if cache is None else tuple(zip(*layers_kv))  # (k per layer, v per layer): no restacking
+        if cache is None:  # the router statistics, stacked like a scan's
+            return stream, jax.tree.map(lambda *layers: jnp.stack(layers), *layers_kv)
+        return stream, tuple(zip(*layers_kv))  # (k per layer, v per layer): no restacking
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))

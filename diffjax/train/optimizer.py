@@ -34,7 +34,7 @@ DECAYS = ("linear", "cosine", "constant")
 # Parameter paths that get no weight decay by default: RMSNorm scales, the per-head subln scale
 # and differential attention's lambda vectors (decaying lambda_q/k would pull lambda to lambda_init), the mHC
 # residual's gate biases and scales (decay would pull its stream mix toward uniform), and an MoE's expert_bias (a
-# selection bias that is never trained: no gradient, and no decay either).
+# selection bias: no gradient and no decay; mlp_options.load_balance_coeff moves it after each step, step.py).
 DEFAULT_NO_DECAY = (r"norm", r"subln", r"lambda_", r"residual\.(pre|post|res)_(bias|alpha)", r"expert_bias")
 
 

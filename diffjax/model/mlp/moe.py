@@ -17,6 +17,7 @@ from flax import nnx
 from diffjax.config import ModelConfig
 from diffjax.mlp_kinds import PolyNormOptions
 from diffjax.model.layers import normal_param
+from diffjax.model.mlp import router
 from diffjax.model.mlp.base import MLPModule
 from diffjax.model.mlp.polynorm import PolyNormMLP, clamp, coefficients, poly_norm
 from diffjax.sharding import constrain
@@ -36,11 +37,12 @@ def route(logits_NE, expert_bias_E, top_k: int, score_func: str, route_norm: boo
 
 class MoEMLP(MLPModule):
     """Parameters (Motif 3's names, which the HF converter maps by transposes and one split): router_kernel [D, E]
-    (router.gate.weight^T), expert_bias [E] (expert_bias; only with options.expert_bias, never trained: it only
-    chooses experts, so its gradient is zero, and optim's default no_decay lists it), expert_gate_kernel and
-    expert_up_kernel [E, D, I] (the two halves of experts.gate_up_proj [E, 2I, D], gate first, transposed), expert_down_kernel [E, I, D]
-    (experts.down_proj^T), expert_polynorm_weight [E, 3] and expert_polynorm_bias [E, 1] (experts.act_fn.*), and
-    shared_expert, a PolyNormMLP (shared_experts.*). The expert matrices' leading axis is the logical "expert"."""
+    (router.gate.weight^T), expert_bias [E] (expert_bias; only with options.expert_bias; it only chooses experts, so
+    its gradient is zero and optim's default no_decay lists it: with options.load_balance_coeff the trainer moves it
+    after each step, router.balanced_expert_bias), expert_gate_kernel and expert_up_kernel [E, D, I] (the two halves
+    of experts.gate_up_proj [E, 2I, D], gate first, transposed), expert_down_kernel [E, I, D] (experts.down_proj^T),
+    expert_polynorm_weight [E, 3] and expert_polynorm_bias [E, 1] (experts.act_fn.*), and shared_expert, a
+    PolyNormMLP (shared_experts.*). The expert matrices' leading axis is the logical "expert"."""
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
         o = self.options = config.mlp_options
@@ -63,6 +65,7 @@ class MoEMLP(MLPModule):
         logits_NE = x_ND.astype(jnp.float32) @ self.router_kernel[...].astype(jnp.float32)
         bias_E = self.expert_bias[...].astype(jnp.float32) if o.expert_bias else None
         experts_NK, weights_NK = route(logits_NE, bias_E, o.top_k, o.score_func, o.route_norm, o.route_scale)
+        router.collect(lambda: router.routing_stats(logits_NE, experts_NK, o.num_experts, o.score_func))
         out_BTD = self.routed(x_ND, experts_NK, weights_NK).reshape(B, T, D)
         if o.num_shared_experts:
             out_BTD = out_BTD + self.shared_expert(x_BTD)
