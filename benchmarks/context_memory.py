@@ -1,6 +1,6 @@
 """Per-device memory of the train step against the context axis: does a long sequence fit once it is split?
 
-    python benchmarks/context_memory.py                        # configs/paper/diff-3b-64k.yaml, T = 65,536
+    python benchmarks/context_memory.py                        # paper/diff-3b-64k (diffjax/configs/), T = 65,536
     python benchmarks/context_memory.py --quick                # d_model 512, 4 layers: a minute on a laptop
     python benchmarks/context_memory.py --contexts 1,8 --seq-len 131072 --remat minimal
 
@@ -33,7 +33,7 @@ GiB = 1 << 30
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/paper/diff-3b-64k.yaml")
+    parser.add_argument("--config", default="paper/diff-3b-64k", help="a shipped config's name or a YAML file")
     parser.add_argument("--contexts", default="1,2,4,8")
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--max-seq-len", type=int, default=1 << 20, help="stop doubling here")

@@ -171,7 +171,7 @@ for phase in $phases; do
     train)
       for model in diff-1.4b transformer-1.4b; do
         rm -rf "/tmp/run-$model"
-        timeout "$(cap 280)" $PY train.py --config "configs/paper/$model.yaml" train.run_dir="/tmp/run-$model" \
+        timeout "$(cap 280)" $PY train.py --config "paper/$model" train.run_dir="/tmp/run-$model" \
           model.attention_impl="${IMPL:-auto}" model.dtype=bfloat16 model.remat=minimal model.scan_layers=true \
           model.vocab_size=100288 data.seq_len=4096 train.batch_size=1 train.steps=40 train.log_every=10 \
           train.eval_every=0 train.sample_tokens=0 train.tensorboard=false train.progress=lines \

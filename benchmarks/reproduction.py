@@ -2,8 +2,8 @@
 (2x the heads) on the same data, text mixed with multi-needle retrieval examples, with the real trainer, then
 prints the four analyses side by side.
 
-    python benchmarks/reproduction.py                                        # configs/reproduction/small.yaml
-    python benchmarks/reproduction.py --config configs/reproduction/medium.yaml
+    python benchmarks/reproduction.py                                        # benchmarks/configs/reproduction/small.yaml
+    python benchmarks/reproduction.py --config benchmarks/configs/reproduction/medium.yaml
     python benchmarks/reproduction.py --results benchmarks/results/reproduction_small.txt
 
 The config file has three sections: `run` (a train.py run config for the DIFF model; the twin is the same with
@@ -30,7 +30,7 @@ from diffjax.tokenizers import ByteTokenizer  # noqa: E402
 from diffjax.train import train  # noqa: E402
 from diffjax.train.config import RunConfig, build_config, merge  # noqa: E402
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "reproduction" / "small.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "reproduction" / "small.yaml"
 MIX_DEFAULTS = {"text_bytes": 1_500_000, "held_out_bytes": 200_000, "needle_examples": 5000,
                 "needle_lengths": [64, 128, 160], "max_needles": 3, "max_queries": 2, "digits": 4, "seed": 1}
 ANALYSIS_DEFAULTS = {"needle_lengths": [128, 192], "needles": 3, "queries": 1, "depths": list(needles.DEPTHS),

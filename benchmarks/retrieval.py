@@ -2,7 +2,7 @@
 counts, several seeds each, trained by train.py on associative recall (diffjax.analysis.recall: the loss on the
 answers alone) mixed with text, then compared with the paper's analyses, each claim given a verdict.
 
-    python benchmarks/retrieval.py                     # configs/reproduction/retrieval.yaml (~1 h on 2 CPU cores)
+    python benchmarks/retrieval.py                     # benchmarks/configs/reproduction/retrieval.yaml (~1 h on 2 CPU cores)
     python benchmarks/retrieval.py --results benchmarks/results/retrieval_cpu   # also writes .json and .md there
 
 Per model and seed: recall accuracy by pairs in context (more pairs = a longer context with more distractors) and
@@ -47,7 +47,7 @@ from diffjax.run_dir import RunDir  # noqa: E402
 from diffjax.tokenizers import ByteTokenizer  # noqa: E402
 from diffjax.train.config import RunConfig, build_config, merge  # noqa: E402
 
-DEFAULT_CONFIG = REPO / "configs" / "reproduction" / "retrieval.yaml"
+DEFAULT_CONFIG = REPO / "benchmarks" / "configs" / "reproduction" / "retrieval.yaml"
 SECTIONS = {"out_dir", "models", "reference", "seeds", "jobs", "run", "mix", "analysis"}
 MIX_KEYS = {"recall_examples", "pair_counts", "max_queries", "key_letters", "value_digits", "text_bytes",
             "held_out_bytes", "seed"}

@@ -8,7 +8,7 @@ retrieval in it (associative recall, the retrieval benchmark's task) three ways,
                              text for the same steps, trained on
 
 then analysed as benchmarks/retrieval.py analyses (recall accuracy, held-out text loss, attention to the answer and
-to the noise, the largest attention logit). Data, mix and analysis settings are configs/reproduction/retrieval.yaml's.
+to the noise, the largest attention logit). Data, mix and analysis settings are benchmarks/configs/reproduction/retrieval.yaml's.
 
     python benchmarks/upcycle.py                                     # ~40 min on 2 CPU cores (one seed)
     python benchmarks/upcycle.py --results benchmarks/results/upcycle_cpu   # also writes .json and .md there

@@ -1,10 +1,10 @@
 """Train the tiny Transformer, DIFF V1, DIFF V2 and Shared DIFF on the same data for the same steps at matched
 parameter counts, and print one table: parameters, final train and eval loss.
 
-    python benchmarks/variants.py                 # configs/tiny.yaml's model and data, 200 steps each (~6 min, 2 cores)
+    python benchmarks/variants.py                 # the tiny config's model and data, 200 steps each (~6 min, 2 cores)
     python benchmarks/variants.py --steps 400     # the default run's length
 
-Every model is configs/tiny.yaml's (d_model 128, 4 layers; DIFF with 4 differential heads of 16, the others
+Every model is diffjax/configs/tiny.yaml's (d_model 128, 4 layers; DIFF with 4 differential heads of 16, the others
 with 8 heads of 16) trained by train.py's `train()` with the same seed, data order and recipe. Parameter
 counts are matched to DIFF V1's by each other variant's MLP width (mlp_dim, the one size free to move): V2's
 doubled query projection costs MLP width, Shared DIFF's low-rank q / k gives it some. Train loss is the mean
@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from diffjax.config import ModelConfig  # noqa: E402
 from diffjax.train import load_run_config, train  # noqa: E402
 
-VARIANTS = {  # name: model overrides of configs/tiny.yaml
+VARIANTS = {  # name: model overrides of diffjax/configs/tiny.yaml
     "Transformer": {"attention": "standard", "num_heads": 8},
     "DIFF V1": {"attention": "diff", "num_heads": 4},
     "DIFF V2": {"attention": "diff_v2", "num_heads": 8},
@@ -49,7 +49,7 @@ def matched_mlp_dim(model: ModelConfig, target: int) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
+    parser.add_argument("--config", default="tiny", help="a shipped config's name or a YAML file")
     parser.add_argument("--run-root", default=str(REPO / "runs" / "variants"), help="run dirs, replaced each time")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/variants_<platform>.json)")
     args = parser.parse_args()

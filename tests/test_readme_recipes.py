@@ -2,7 +2,8 @@
 (`<!-- recipe: NAME -->` on a line above it, optionally `; needs: module, ...`) or says why it is not run here
 (`<!-- not run by tests/test_readme_recipes.py: REASON -->`: CI's own command, a cluster, a download). The recipes
 run in README's order, one after another as a user would type them, in a scratch directory holding copies of
-train.py and configs/ (with the repository on PYTHONPATH). Only sizes change, through SIZES below, and what the
+train.py and the package (diffjax/, on PYTHONPATH: its shipped configs are the ones the recipes train, shortened
+there). Only sizes change, through SIZES below, and what the
 README asks users to bring (a Hugging Face directory at path/to/DiffLlama, ...) is made by `user_files`. A recipe
 fails on a non-zero exit or a line saying it did nothing useful (FAILURE_MARKERS)."""
 
@@ -29,7 +30,7 @@ NOT_RUN = "not run by tests/test_readme_recipes.py:"
 # (recipe, or a file copied from the repository; as printed; as run here): sizes only, so CI runs the same commands
 # with fewer steps and tokens. Every printed text must occur where it is named (checked), so the table cannot rot.
 SIZES = [
-    ("configs/tiny.yaml", "steps: 400", "steps: 12"),  # the quickstart and every run on tiny.yaml
+    ("diffjax/configs/tiny.yaml", "steps: 400", "steps: 12"),  # the quickstart and every run on tiny.yaml
     ("quickstart", 'pip install -e ".[train]" && ', ""),  # the test's environment is installed already
     ("hooks", "train.steps=200", "train.steps=12"),
     ("lora", "train.steps=1000", "train.steps=6"),
@@ -41,7 +42,7 @@ SIZES = [
 ]
 # A recipe that prints one of these did not do what it says, whatever its exit status.
 FAILURE_MARKERS = re.compile(r"^FAIL\b|nothing to do", re.MULTILINE)
-COPIED = ("train.py", "configs")
+COPIED = ("train.py", "diffjax")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
@@ -148,8 +149,9 @@ def run_recipe(block: Block, cwd: Path, env: dict) -> subprocess.CompletedProces
 
 
 def recipe_env(cwd: Path) -> dict:
-    """The test session's environment (its compilation cache, no downloads), as a user's machine: one CPU device."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    """The test session's environment (its compilation cache, no downloads), as a user's machine: one CPU device;
+    the copy of the package in `cwd` imported first."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "WANDB_DIR": str(cwd), "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
@@ -159,8 +161,10 @@ def recipe_env(cwd: Path) -> dict:
 @pytest.mark.slow
 def test_readme_recipes_run_as_printed(tmp_path):
     for name in COPIED:
-        copy = shutil.copytree if (REPO_ROOT / name).is_dir() else shutil.copy
-        copy(REPO_ROOT / name, tmp_path / name)
+        if (REPO_ROOT / name).is_dir():
+            shutil.copytree(REPO_ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO_ROOT / name, tmp_path / name)
     for where, printed, ci in SIZES:
         if (tmp_path / where).is_file():
             (tmp_path / where).write_text((tmp_path / where).read_text().replace(printed, ci))

@@ -191,7 +191,7 @@ def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, case, message)
     argv = {
         "yaml file": ["--config", str(tmp_path / "bad.yaml")],
         "yaml override": ["data.paths=[a, b"],
-        "config after overrides": ["model.num_layerz=2", "--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "train.steps=3"],
+        "config after overrides": ["model.num_layerz=2", "--config", "tiny", "train.steps=3"],
         "mesh": ["parallel.tensor=8", "parallel.data=1", f"train.run_dir={tmp_path / 'run'}"],
         "jsonl line": [*small, "data.source=jsonl", f"data.paths=[{tmp_path / 'a.jsonl'}]"],
         "empty corpus": [*small, "data.source=text", f"data.paths=[{tmp_path / 'empty.txt'}]"],

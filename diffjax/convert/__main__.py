@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress,
                                      revision=args.revision, trust_remote_code=args.trust_remote_code)
             print(f"wrote {step_dir} (run directory {args.dst}: train on with "
-                  f"`python train.py --config {RunDir(args.dst).config_file} train.run_dir={args.dst}`)")
+                  f"`diffjax-train --config {RunDir(args.dst).config_file} train.run_dir={args.dst}`)")
         elif args.command == "diffjax-to-hf":
             from diffjax.convert.hf_directories import diffjax_to_hf
             out = diffjax_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_size=args.shard_size,
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                                          lambda_init=args.lambda_init, seed=args.seed,
                                          lambda_warmup_steps=args.lambda_warmup, overwrite=args.overwrite,
                                          revision=args.revision)
-            print(f"wrote {step_dir} (train on with `python train.py --config {RunDir(args.dst).config_file} "
+            print(f"wrote {step_dir} (train on with `diffjax-train --config {RunDir(args.dst).config_file} "
                   f"train.run_dir={args.dst}`)")
         elif args.command == "merge-lora":
             from diffjax.convert.lora_merge import merge_lora_directory

@@ -1,6 +1,6 @@
 """How each attention call of a model runs, and why, on a device you may not have.
 
-    python -m diffjax.ops --config configs/paper/diff-1.4b.yaml --device h100 [--context N] [--window W] [key=value ...]
+    python -m diffjax.ops --config paper/diff-1.4b --device h100 [--context N] [--window W] [key=value ...]
 
 prints, for the training step (packed rows: segment ids), a generation prefill and a decode step, the op's
 shapes and `diffjax.ops.choose`'s route for the config's `model.attention_impl` (default auto): the impl,
@@ -59,7 +59,7 @@ def attention_calls(config, seq_len: int, context: int = 1) -> list[tuple[str, A
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diffjax.ops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="a run config (train.py's YAML)")
+    parser.add_argument("--config", required=True, help="a run config: a shipped one's name (paper/diff-1.4b) or a YAML file")
     parser.add_argument("--device", choices=sorted(DEVICES), default=None, help="default: this machine's first device")
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="the train step's context axis size (default: the config's parallel.context, 1 for -1)")

@@ -1,8 +1,9 @@
 """The run configuration: model, data, optimizer, training and checkpoint sections.
 
-A run is described by one YAML file (configs/) plus dotted `key=value` overrides, e.g.
+A run is described by one YAML file (a path, or a config shipped in diffjax/configs/ by name) plus dotted
+`key=value` overrides, e.g.
 
-    python train.py --config configs/tiny.yaml model.num_layers=2 optim.lr=1e-3
+    diffjax-train --config tiny model.num_layers=2 optim.lr=1e-3
 
 Every section is a frozen dataclass; unknown keys and bad values are errors that name the key
 and list what is allowed.
@@ -21,6 +22,7 @@ from diffjax.config import ModelConfig
 from diffjax.config_values import build_config, plain
 from diffjax.data.config import DataConfig
 from diffjax.lora import LoraConfig
+from diffjax.train.config_files import config_file
 from diffjax.train.mesh import ParallelConfig
 from diffjax.train.optimizer import OptimizerConfig
 
@@ -268,11 +270,12 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """The run config from a YAML file (or the defaults) with dotted overrides applied on top.
+    """The run config from a YAML file or a shipped config's name (`tiny`, `paper/diff-1.4b`; or the defaults) with
+    dotted overrides applied on top.
 
     `model.vocab_size` left out (or "auto") becomes the tokenizer's vocabulary size.
     """
-    values = merge(read_yaml(path) if path is not None else {}, parse_overrides(list(overrides)))
+    values = merge(read_yaml(config_file(path)) if path is not None else {}, parse_overrides(list(overrides)))
     model = values.get("model") or {}
     if not isinstance(model, dict):
         raise ValueError(f"model must be a mapping of ModelConfig fields, got {model!r}")

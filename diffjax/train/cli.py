@@ -1,0 +1,85 @@
+"""Train a Differential Transformer (or its baseline twin) from a config and key=value overrides: `diffjax-train`
+(the console script) or `python train.py` in the repository.
+
+    diffjax-train                                     # tiny: a tiny DIFF model, stdlib source, CPU
+    diffjax-train --config tiny model.attention=standard model.num_heads=8
+    diffjax-train --config paper/diff-1.4b train.run_dir=runs/exp1   # a shipped config by name, or a YAML path
+    diffjax-train train.run_dir=runs/exp1 optim.lr=1e-3 train.steps=2000
+
+Rerunning a command on the same train.run_dir resumes from its newest checkpoint. SIGTERM or
+Ctrl-C saves a checkpoint of the current step before exiting. Keys: `diffjax-train --help-keys`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+
+from diffjax.train.config_files import DEFAULT
+
+
+def describe_keys(config) -> str:
+    """Every key with the value this run would use (its config file and overrides applied)."""
+    lines = []
+
+    def walk(section, prefix):
+        for field in dataclasses.fields(section):
+            if not field.init:
+                continue
+            key, value = f"{prefix}{field.name}", getattr(section, field.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, key + ".")
+            else:
+                lines.append(f"  {key} = {value!r}")
+
+    walk(config, "")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=DEFAULT, metavar="NAME_OR_PATH",
+                        help=f"a shipped config's name (paper/diff-1.4b, ...) or a YAML file (default: {DEFAULT})")
+    parser.add_argument("--help-keys", action="store_true",
+                        help="list every config key with the value this run would use, then exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
+    args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
+
+    from diffjax.log_lines import print_package_logs
+    from diffjax.train import load_run_config, train
+    from diffjax.train.guard import DivergedError
+    from diffjax.train.loop import Interrupted
+    from diffjax.train.metrics import MetricsWriteError
+    from diffjax.train.state_checkpoints import SaveError
+
+    try:
+        config = load_run_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    if args.help_keys:
+        print(describe_keys(config))
+        return 0
+    print_package_logs()  # (train.init_from's reader warns through logging)
+    try:
+        result = train(config)
+    except Interrupted as stopped:
+        print(f"{stopped.signal}: stopped (the checkpoints saved so far are intact)", file=sys.stderr)
+        return 128 + signal.Signals[stopped.signal].value
+    except DivergedError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 3
+    except (SaveError, MetricsWriteError) as error:  # a full disk, most often
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as error:
+        if not getattr(error, "during_setup", False):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if result.interrupted:
+        return 128 + signal.Signals[result.interrupted].value
+    return 0
+
