@@ -1,5 +1,5 @@
-"""Every dotted diffjax name that README.md, the documentation site's pages (docs/) and the notebooks mention (`diffjax.checkpoint.load_model`, ...)
-exists: a renamed or moved function cannot leave the docs pointing at nothing."""
+"""Every dotted diffjax name that README.md, the documentation site's pages (docs/) and the notebooks mention
+(`diffjax.checkpoint.load_model`, ...) exists: a renamed or moved function cannot leave the docs pointing at nothing."""
 
 from __future__ import annotations
 

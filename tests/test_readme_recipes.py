@@ -1,11 +1,11 @@
 """README.md's and the documentation site's recipes work as printed: every ```bash / ```python block in README and
-in the pages of mkdocs.yml's nav (docs/) is either a recipe
-(`<!-- recipe: NAME -->` on a line above it, optionally `; needs: module, ...`) or says why it is not run here
-(`<!-- not run by tests/test_readme_recipes.py: REASON -->`: CI's own command, a cluster, a download). The recipes
-run in order (README's, then the site's pages in nav order), one after another as a user would type them, in a scratch directory holding copies of
-train.py and configs/ (with the repository on PYTHONPATH). Only sizes change, through SIZES below, and what the
-README asks users to bring (a Hugging Face directory at path/to/DiffLlama, ...) is made by `user_files`. A recipe
-fails on a non-zero exit or a line saying it did nothing useful (FAILURE_MARKERS)."""
+in the pages of mkdocs.yml's nav (docs/) is either a recipe (`<!-- recipe: NAME -->` on a line above it, optionally
+`; needs: module, ...`) or says why it is not run here (`<!-- not run by tests/test_readme_recipes.py: REASON -->`:
+CI's own command, a cluster, a download). The recipes run in order (README's, then the site's pages in nav order),
+one after another as a user would type them, in a scratch directory holding copies of train.py and configs/ (with
+the repository on PYTHONPATH). Only sizes change, through SIZES below, and what the docs ask users to bring (a
+Hugging Face directory at path/to/DiffLlama, ...) is made by `user_files`. A recipe fails on a non-zero exit or a
+line saying it did nothing useful (FAILURE_MARKERS)."""
 
 from __future__ import annotations
 

@@ -56,8 +56,8 @@ class WandbConfig:
     tags: tuple[str, ...] = ()
     """The W&B run's tags."""
     mode: str | None = None
-    """W&B's mode: "online"; "offline" (files only, in <run_dir>/wandb/: upload later with `wandb sync`); "disabled" (off even
-    with a project); None: $WANDB_MODE, else online."""
+    """W&B's mode: "online"; "offline" (files only, in <run_dir>/wandb/: upload later with `wandb sync`); "disabled"
+    (off even with a project); None: $WANDB_MODE, else online."""
 
     def __post_init__(self):
         if isinstance(self.tags, (list, str)):

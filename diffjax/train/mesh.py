@@ -38,8 +38,8 @@ class ParallelConfig:
     tensor: int = 1
     """Mesh axis that splits heads, kv heads, the MLP width and the vocabulary (Megatron style)."""
     distributed: str = "auto"
-    """jax.distributed: "auto" starts it when coordinator_address is set or a cluster environment (JAX_COORDINATOR_ADDRESS,
-    SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never."""
+    """jax.distributed: "auto" starts it when coordinator_address is set or a cluster environment
+    (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never."""
     coordinator_address: str | None = None
     """host:port of process 0 (without a cluster environment to read it from)."""
     num_processes: int | None = None
