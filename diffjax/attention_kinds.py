@@ -96,7 +96,10 @@ def _diff_params(c) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class SharedDiffOptions(kinds.Options):
-    rank: int | None = None  # r of the low-rank q / k updates; None: d_model // 16 (the paper's 830M and 1.4B ranks)
+    """Shared DIFF's settings (model.attention_options with attention shared_diff)."""
+
+    rank: int | None = None
+    """Rank r of each map's low-rank q / k update; None: d_model // 16 (the paper's 830M and 1.4B ranks)."""
 
     legacy_keys = {"shared_diff_rank": "rank"}
 
@@ -128,9 +131,11 @@ def _standard_params(c) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GDAOptions(kinds.Options):
-    # Noise heads, each shared by num_heads / num_noise_heads signal heads (a multiple of num_kv_heads that divides
-    # num_heads); None: num_kv_heads, one per kv head. num_noise_heads = num_heads computes V1 exactly.
+    """Grouped Differential Attention's settings (model.attention_options with attention gda)."""
+
     num_noise_heads: int | None = None
+    """Noise heads, each shared by num_heads / num_noise_heads signal heads (divides num_heads, a multiple of
+    num_kv_heads); None: num_kv_heads. num_noise_heads = num_heads computes V1 exactly."""
 
     legacy_keys = {"num_noise_heads": "num_noise_heads"}
 
@@ -160,13 +165,20 @@ class GDLAOptions(kinds.Options):
     num_heads / num_noise_heads whose last head is the noise head. head_dim = qk_nope_head_dim + qk_rope_head_dim
     is the q / k width (Motif's head_dim); values are v_head_dim wide."""
 
-    q_lora_rank: int | None = None  # None: d_model // 4 (Motif 3: 1024 at 4096)
-    kv_lora_rank: int | None = None  # None: d_model // 8 (Motif 3: 512)
-    qk_nope_head_dim: int | None = None  # None: head_dim - qk_rope_head_dim
-    qk_rope_head_dim: int | None = None  # None: head_dim // 2 (MotifConfig's default)
-    v_head_dim: int | None = None  # None: head_dim
-    num_noise_heads: int | None = None  # None: num_kv_heads (one group per kv head; num_heads // 2 without GQA)
-    output_gate: bool = True  # the element-wise sigmoid gate from q's latent (elementwise_attn_output_gate)
+    q_lora_rank: int | None = None
+    """Rank of q's low-rank latent; None: d_model // 4 (Motif 3: 1024 at 4096)."""
+    kv_lora_rank: int | None = None
+    """Rank of the shared k / v latent; None: d_model // 8 (Motif 3: 512)."""
+    qk_nope_head_dim: int | None = None
+    """The q / k channels without RoPE; None: head_dim - qk_rope_head_dim."""
+    qk_rope_head_dim: int | None = None
+    """The q / k channels RoPE rotates; None: head_dim // 2 (MotifConfig's default)."""
+    v_head_dim: int | None = None
+    """Width of a value head; None: head_dim."""
+    num_noise_heads: int | None = None
+    """Groups of heads, each ending in its noise head; None: num_kv_heads (num_heads // 2 without GQA)."""
+    output_gate: bool = True
+    """The element-wise sigmoid gate on the output from q's latent (Motif 3's elementwise_attn_output_gate)."""
 
     def defaults(self, config) -> dict:
         nope = self.qk_nope_head_dim

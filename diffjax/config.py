@@ -46,70 +46,105 @@ def lambda_init_for_depth(depth: int, offset: int = 0) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The model (a run config's `model` section): sizes, the kinds of its block parts and their options, RoPE,
+    lambda, sliding windows, numerics, and how it runs (attention_impl, remat, scan_layers)."""
+
     vocab_size: int = 256
+    """Token ids the embedding and LM head cover; a run config may say "auto" (the tokenizer's vocabulary size)."""
     d_model: int = 128
+    """Width of the residual stream."""
     num_layers: int = 4
+    """Decoder blocks."""
     num_heads: int = 4
-    num_kv_heads: int | None = None  # None: num_heads (no GQA)
-    head_dim: int | None = None  # None: d_model / (value_width num_heads) (value_width: 2 for diff, shared_diff and gda, else 1)
-    mlp_dim: int | None = None  # None: 8/3 d_model rounded to a multiple of MLP_MULTIPLE
-    attention: str = "diff"  # one of attention_kinds.names() (module docstring)
-    attention_options: Any = None  # the attention kind's own settings: a mapping or its options class; None: defaults
-    mlp: str = "gated"  # one of mlp_kinds.names()
+    """Attention heads: differential heads for diff, shared_diff and gda (half the baseline's), output heads for
+    diff_v2, ordinary heads for standard."""
+    num_kv_heads: int | None = None
+    """Key / value heads (grouped-query attention when fewer than num_heads); None: num_heads."""
+    head_dim: int | None = None
+    """Width d of one query / key head; None: d_model / (value_width num_heads), value_width 2 for diff, shared_diff
+    and gda, else 1."""
+    mlp_dim: int | None = None
+    """Hidden width of the MLP; None: 8/3 d_model rounded to a multiple of 64."""
+    attention: str = "diff"
+    """The attention kind, a row of diffjax.attention_kinds (this module's docstring says what each computes)."""
+    attention_options: Any = None
+    """The attention kind's own settings (a mapping in YAML, its Options class in Python); None: its defaults."""
+    mlp: str = "gated"
+    """The MLP kind, a row of diffjax.mlp_kinds."""
     mlp_options: Any = None
-    residual: str = "plain"  # one of residual_kinds.names()
+    """The MLP kind's own settings (a mapping in YAML, its Options class in Python); None: its defaults."""
+    residual: str = "plain"
+    """The residual form, a row of diffjax.residual_kinds."""
     residual_options: Any = None
-    activation: str = "silu"  # the MLP's activation (SwiGLU with silu; "polynorm": Motif's PolyNorm)
-    norm_eps: float = 1e-5  # block RMSNorms (and the per-head subln unless subln_eps is given)
-    subln_eps: float | None = None  # the per-head subln of V1-style kinds; None: norm_eps (Motif: attn_rms_norm_eps)
-    # V1-style kinds: false drops the per-head RMSNorm and its scale (a Transformer upcycled to V1 starts so, computing
-    # what it computed: diffjax.convert.upcycle); the paper, unilm, DiffLlama and Motif all normalize.
+    """The residual form's own settings (a mapping in YAML, its Options class in Python); None: its defaults."""
+    activation: str = "silu"
+    """The gated MLP's activation (SwiGLU with silu; "polynorm": Motif's PolyNorm, 3 weights and a bias)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the block RMSNorms (and of the per-head subln unless subln_eps is given)."""
+    subln_eps: float | None = None
+    """Epsilon of the per-head subln of V1-style kinds; None: norm_eps (Motif: attn_rms_norm_eps)."""
     subln: bool = True
+    """V1-style kinds' per-head RMSNorm; false drops it and its scale (a Transformer upcycled to V1 starts so, computing
+    what it computed: diffjax.convert.upcycle); the paper, unilm, DiffLlama and Motif all normalize."""
     tie_embeddings: bool = False
+    """The LM head reuses the embedding matrix."""
     max_seq_len: int = 2048
-    # RoPE. "interleaved" is GPT-J / unilm (the canonical layout); "rotate_half" is NeoX / HF.
+    """Longest sequence the model is built for (RoPE tables, generation's KV cache)."""
     rope_theta: float = 10000.0
+    """RoPE base frequency."""
     rope_style: str = "interleaved"
-    rope_type: str = "default"  # "default", "llama3" or "yarn" (frequency schedule, diffjax.model.rope)
-    rope_factor: float = 8.0  # llama3 and yarn
-    rope_low_freq_factor: float = 1.0  # llama3 only
-    rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_len: int = 8192  # llama3 and yarn
-    rope_beta_fast: float = 32.0  # yarn only: pairs turning more often than this over the original context keep theirs
-    rope_beta_slow: float = 1.0  # yarn only: pairs turning less often than this are divided by rope_factor
-    # yarn only: the layers attending the whole context multiply their softmax scale by
-    # (0.1 rope_mscale ln(rope_factor) + 1)^2 (cos / sin are never scaled); None: unchanged. Motif 3 sets its mscale
-    # (1.0) when max_position_embeddings > original_seq_len.
+    """RoPE pair layout: "interleaved" (GPT-J, unilm: the canonical layout) or "rotate_half" (NeoX, Hugging Face)."""
+    rope_type: str = "default"
+    """RoPE frequency schedule: "default", "llama3" or "yarn" (diffjax.model.rope)."""
+    rope_factor: float = 8.0
+    """llama3 and yarn: the context extension factor."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 only: its low_freq_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 only: its high_freq_factor."""
+    rope_original_max_len: int = 8192
+    """llama3 and yarn: the context length the frequencies were trained for."""
+    rope_beta_fast: float = 32.0
+    """yarn only: pairs turning more often than this over the original context keep their frequency."""
+    rope_beta_slow: float = 1.0
+    """yarn only: pairs turning less often than this are divided by rope_factor."""
     rope_mscale: float | None = None
-    # The windowed layers' RoPE theta (plain frequencies, no YaRN, no softmax factor; Motif 3's swa_rope_theta,
-    # Gemma 3's local base); None: they rotate as the global layers do. Needs an attention_window.
+    """yarn only: the whole-context layers multiply their softmax scale by (0.1 rope_mscale ln(rope_factor) + 1)^2
+    (cos / sin are never scaled); None: unchanged. Motif 3 sets 1.0 when max_position_embeddings >
+    original_seq_len."""
     window_rope_theta: float | None = None
-    # Differential attention.
-    lambda_init: float | None = None  # None: 0.8 - 0.6 exp(-0.3 (depth + lambda_init_depth_offset)); a float: every layer's
-    # The paper, unilm and HF DiffLlama count depth from 0 (offset 0); Motif's code from -1 (offset -1: its first layer's
-    # lambda_init is -0.0099, its checkpoints were trained so).
+    """The windowed layers' RoPE theta (plain frequencies, no YaRN, no softmax factor; Motif 3's swa_rope_theta,
+    Gemma 3's local base); None: as the global layers. Needs an attention_window."""
+    lambda_init: float | None = None
+    """Differential attention's lambda_init; None: the paper's depth schedule 0.8 - 0.6 exp(-0.3 (depth +
+    lambda_init_depth_offset)); a float: every layer's."""
     lambda_init_depth_offset: int = 0
-    lambda_std: float = 0.1  # init std of lambda_q1, lambda_k1, lambda_q2, lambda_k2
-    # Sliding-window attention (every kind): each query sees its `attention_window` latest keys, itself included
-    # (None: the whole causal context). flash-attn / unilm flashdiff's window_size=(W - 1, 0); HF Mistral's
-    # sliding_window=W. global_layers: 0-based indices of layers that attend the whole context anyway (Gemma and
-    # Phi-4-mini-flash interleave them, e.g. [5, 11, 17] for one global layer in six).
+    """Where the depth schedule counts from: 0 as the paper, unilm and HF DiffLlama; -1 as Motif's code (its first
+    layer's lambda_init is -0.0099; its checkpoints were trained so)."""
+    lambda_std: float = 0.1
+    """Init standard deviation of lambda_q1, lambda_k1, lambda_q2, lambda_k2."""
     attention_window: int | None = None
+    """Sliding window, every kind: each query sees its W latest keys, itself included (flash-attn's window_size=(W - 1,
+    0), HF Mistral's sliding_window=W); None: the whole causal context."""
     global_layers: tuple[int, ...] = ()
-    # Numerics and init.
-    dtype: str = "float32"  # compute dtype of activations
+    """0-based layers that attend the whole context despite attention_window (Gemma and Phi-4-mini-flash interleave
+    them, e.g. [5, 11, 17])."""
+    dtype: str = "float32"
+    """Compute dtype of the activations."""
     param_dtype: str = "float32"
+    """Storage dtype of the parameters."""
     init_std: float = 0.02
-    attention_impl: str = "auto"  # passed to diffjax.ops.diff_attention / dot_product_attention
-    # Memory and compile time. remat: "none" keeps every activation for the backward pass; "minimal"
-    # keeps the projections' outputs and recomputes attention and elementwise ops; "attention" keeps
-    # q, k, v, the attention output and the residual stream after attention, and recomputes the norms
-    # and the MLP (about half of "minimal"'s memory); "full" keeps only each block's input. The blocks'
-    # params are stacked over depth either way; scan_layers scans one block's program over them (compile
-    # time independent of depth), false runs a Python loop over the layer slices (a program per layer:
-    # for debugging).
+    """Standard deviation of the normal init of the projections and embeddings."""
+    attention_impl: str = "auto"
+    """The attention kernel, passed to diffjax.ops.diff_attention / dot_product_attention ("auto": picked per call
+    from the device and shapes, diffjax.ops.choose)."""
     remat: str = "none"
+    """What a block keeps for the backward pass: "none" everything; "minimal" the projections' outputs; "attention"
+    q, k, v, the attention output and the residual stream after attention (about half of minimal's memory); "full"
+    only the block's input."""
     scan_layers: bool = False
+    """Scan one block's program over the depth-stacked params (compile time independent of depth); false: a Python
+    loop over the layer slices (for debugging)."""
     # Names of the fields above that were None and derived in __post_init__ (re-derived by replace()); a kind's
     # option as "attention_options.num_noise_heads".
     derived: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)

@@ -71,12 +71,14 @@ class LoraConfig:
     """The `lora` section of a run config. rank 0: off (full training)."""
 
     rank: int = 0
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    # Projections to adapt: among q, k, v, o, gate, up, down, or the groups "attention" (q, k, v, o) / "mlp".
+    """Rank r of the adapters A (in x r) and B (r x out); 0: no LoRA (full training)."""
+    alpha: float = 16.0
+    """The update W + alpha / r A B is scaled by alpha / rank."""
     targets: tuple[str, ...] = ("attention",)
-    # Regular expressions searched in a base parameter's dotted path (e.g. "lambda_", "norm"): those train too
-    # (with optimizer state); the rest of the base is frozen.
+    """Projections to adapt: among q, k, v, o, gate, up, down, or the groups "attention" (q, k, v, o) / "mlp"."""
     trainable: tuple[str, ...] = ()
+    """Regular expressions searched in a base parameter's dotted path (e.g. "lambda_", "norm"): those train too (with
+    optimizer state); the rest of the base is frozen."""
 
     def __post_init__(self):
         for name in ("targets", "trainable"):

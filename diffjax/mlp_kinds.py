@@ -49,9 +49,12 @@ class PolyNormOptions(kinds.Options):
     ModelConfig.mlp_dim. The PolyNorm coefficients pass through a sigmoid when sigmoid_weight (Motif 3's
     polynorm_sigmoid_weight); poly * up in float32; hidden_clamp None (the dense MLP as Motif 3 builds it): no clamp."""
 
-    output_scale: float = 1.0  # polynorm_output_scale
-    sigmoid_weight: bool = True  # polynorm_sigmoid_weight
-    hidden_clamp: float | None = None  # clamp gate and up to [-c, c]
+    output_scale: float = 1.0
+    """The MLP's output is multiplied by this (Motif 3's polynorm_output_scale)."""
+    sigmoid_weight: bool = True
+    """The PolyNorm coefficients pass through a sigmoid (Motif 3's polynorm_sigmoid_weight)."""
+    hidden_clamp: float | None = None
+    """Clamp gate and up to [-c, c]; None: no clamp."""
 
     def problems(self, config) -> list[str]:
         problems = _clamp_problems(self, "hidden_clamp")
@@ -76,22 +79,36 @@ class MoEOptions(kinds.Options):
     moe_layer_step of them: Motif 3's interleave_moe_layer_step, 1 as published)."""
 
     num_experts: int = 8
-    top_k: int = 2  # experts_top_k
-    expert_inner: int | None = None  # moe_intermediate_size; None: mlp_dim
+    """Routed experts per MoE layer."""
+    top_k: int = 2
+    """Routed experts each token goes to (Motif 3's experts_top_k)."""
+    expert_inner: int | None = None
+    """Hidden width of one routed expert (moe_intermediate_size); None: mlp_dim."""
     num_shared_experts: int = 0
-    shared_inner: int | None = None  # None: expert_inner * num_shared_experts
+    """Always-on experts, run as one PolyNorm MLP of width shared_inner."""
+    shared_inner: int | None = None
+    """Hidden width of the shared experts together; None: expert_inner * num_shared_experts."""
     score_func: str = "softmax"
+    """The router's scores: "sigmoid" or "softmax" (computed in float32)."""
     route_norm: bool = False
+    """Divide the chosen experts' weights by their sum."""
     route_scale: float = 1.0
-    expert_bias: bool = False  # a selection bias (load_balance_coeff set); a parameter that is never trained
-    output_scale: float = 1.0  # polynorm_output_scale, of the routed and shared experts and the dense layers
-    sigmoid_weight: bool = True  # polynorm_sigmoid_weight
-    bias_clamp: float | None = None  # polynorm_bias_clamp (routed experts only)
-    hidden_clamp: float | None = 1000.0  # None: no clamps (Motif 3's default when its config omits it: 1000)
-    dense_first_layers: int = 0  # n_dense_first_layers
-    # interleave_moe_layer_step: after the dense first layers, layer i (0-based) is an MoE layer when (i + 1) % step
-    # == 0, else dense (each run of like layers is a stack of its own: steps > 1 make many short stacks)
+    """The routed experts' weights are multiplied by this."""
+    expert_bias: bool = False
+    """A selection bias added to the scores to choose experts only (load_balance_coeff set); never trained."""
+    output_scale: float = 1.0
+    """polynorm_output_scale, of the routed and shared experts and the dense layers."""
+    sigmoid_weight: bool = True
+    """The PolyNorm coefficients pass through a sigmoid (polynorm_sigmoid_weight)."""
+    bias_clamp: float | None = None
+    """Clamp of the routed experts' PolyNorm bias (polynorm_bias_clamp); None: no clamp."""
+    hidden_clamp: float | None = 1000.0
+    """Clamp of gate, up and their product; None: no clamps (Motif 3's default when its config omits it: 1000)."""
+    dense_first_layers: int = 0
+    """The first layers use the dense "polynorm" MLP (Motif 3's n_dense_first_layers)."""
     moe_layer_step: int = 1
+    """After the dense first layers, layer i (0-based) is an MoE layer when (i + 1) % step == 0, else dense (Motif 3's
+    interleave_moe_layer_step; steps > 1 make many short stacks)."""
     load_balance_coeff: float | None = None
     """The selection bias's step per training step (Motif 3's and torchtitan's load_balance_coeff; needs expert_bias):
     after each step every MoE layer's expert_bias moves by +-coeff toward balanced loads, centred

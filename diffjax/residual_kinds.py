@@ -25,16 +25,23 @@ register(ResidualKind(name="plain", label="residual", module="diffjax.model.resi
 class MHCOptions(kinds.Options):
     """mHC's settings; Motif 3's config names in parentheses, the defaults are Motif 3's (vLLM's MotifMHCLayer)."""
 
-    streams: int = 4  # parallel residual streams E (mhc_expansion_rate)
-    sinkhorn_iters: int = 20  # rounds of row-then-column normalization of h_res (mhc_sinkhorn_iters)
-    h_post_alpha: float = 0.0  # h_post = (1 + h_post_alpha) sigmoid(...) (mhc_h_post_alpha_end; the paper: 1.0)
-    gate_clamp: float = 10.0  # h_pre's and h_post's pre-sigmoid arguments clamped to [-gate_clamp, gate_clamp]
-    sinkhorn_clamp: float = 20.0  # h_res's logits clamped to [-sinkhorn_clamp, sinkhorn_clamp] before exp
-    sinkhorn_eps: float = 1e-8  # floor of each row / column sum
-    norm_eps: float = 1e-6  # the RMSNorm of the flattened streams (not the model's norm_eps)
-    # init only (mhc_identity_init): h_res the identity, h_pre 1/streams, h_post 1/2 at init; else vLLM's default
-    # (small random gates, h_res near uniform)
+    streams: int = 4
+    """Parallel residual streams E (mhc_expansion_rate)."""
+    sinkhorn_iters: int = 20
+    """Rounds of row-then-column normalization of h_res (mhc_sinkhorn_iters)."""
+    h_post_alpha: float = 0.0
+    """h_post = (1 + h_post_alpha) sigmoid(...) (mhc_h_post_alpha_end; the paper: 1.0)."""
+    gate_clamp: float = 10.0
+    """h_pre's and h_post's pre-sigmoid arguments are clamped to [-gate_clamp, gate_clamp]."""
+    sinkhorn_clamp: float = 20.0
+    """h_res's logits are clamped to [-sinkhorn_clamp, sinkhorn_clamp] before exp."""
+    sinkhorn_eps: float = 1e-8
+    """Floor of each row / column sum."""
+    norm_eps: float = 1e-6
+    """Epsilon of the RMSNorm of the flattened streams (not the model's norm_eps)."""
     identity_init: bool = False
+    """Init only (mhc_identity_init): h_res the identity, h_pre 1/streams, h_post 1/2; false: vLLM's default (small
+    random gates, h_res near uniform)."""
 
     def problems(self, config) -> list[str]:
         problems = kinds.positive_int_problems(self, "streams", "sinkhorn_iters")

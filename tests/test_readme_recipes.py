@@ -1,14 +1,15 @@
-"""README.md's recipes work as printed: every ```bash / ```python block in README is either a recipe
-(`<!-- recipe: NAME -->` on a line above it, optionally `; needs: module, ...`) or says why it is not run here
-(`<!-- not run by tests/test_readme_recipes.py: REASON -->`: CI's own command, a cluster, a download). The recipes
-run in README's order, one after another as a user would type them, in a scratch directory holding copies of
-train.py and the package (diffjax/, on PYTHONPATH: its shipped configs are the ones the recipes train, shortened
-there). Only sizes change, through SIZES below, and what the
-README asks users to bring (a Hugging Face directory at path/to/DiffLlama, ...) is made by `user_files`. A recipe
-fails on a non-zero exit or a line saying it did nothing useful (FAILURE_MARKERS)."""
+"""README.md's and the documentation site's recipes work as printed: every ```bash / ```python block in README and
+in the pages of mkdocs.yml's nav (docs/) is either a recipe (`<!-- recipe: NAME -->` on a line above it, optionally
+`; needs: module, ...`) or says why it is not run here (`<!-- not run by tests/test_readme_recipes.py: REASON -->`:
+CI's own command, a cluster, a download). The recipes run in order (README's, then the site's pages in nav order),
+one after another as a user would type them, in a scratch directory holding copies of train.py and the package
+(diffjax/, on PYTHONPATH: its shipped configs are the ones the recipes train, shortened there). Only sizes change,
+through SIZES below, and what the docs ask users to bring (a Hugging Face directory at path/to/DiffLlama, ...) is
+made by `user_files`. A recipe fails on a non-zero exit or a line saying it did nothing useful (FAILURE_MARKERS)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -25,6 +26,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README = REPO_ROOT / "README.md"
+MKDOCS = REPO_ROOT / "mkdocs.yml"
 NOT_RUN = "not run by tests/test_readme_recipes.py:"
 
 # (recipe, or a file copied from the repository; as printed; as run here): sizes only, so CI runs the same commands
@@ -54,6 +56,32 @@ class Block:
     recipe: str | None  # None: not run
     needs: tuple[str, ...] = ()
     reason: str = ""  # why it is not run
+    page: str = "README.md"  # the file it is in, relative to the repository
+
+
+def documentation_pages() -> list[Path]:
+    """README, then the site's pages in the order of mkdocs.yml's nav."""
+    import yaml
+
+    def walk(entry):
+        if isinstance(entry, str):
+            yield entry
+        elif isinstance(entry, dict):
+            for value in entry.values():
+                yield from walk(value)
+        else:
+            for item in entry:
+                yield from walk(item)
+
+    site = yaml.safe_load(MKDOCS.read_text())
+    docs = REPO_ROOT / site.get("docs_dir", "docs")
+    return [README] + [docs / page for page in walk(site["nav"])]
+
+
+def documentation_blocks() -> list[Block]:
+    """Every page's blocks, in documentation_pages' order, each knowing its page."""
+    return [dataclasses.replace(block, page=str(page.relative_to(REPO_ROOT)))
+            for page in documentation_pages() for block in readme_blocks(page.read_text())]
 
 
 def readme_blocks(text: str) -> list[Block]:
@@ -80,9 +108,10 @@ def _block(line: int, language: str, code: str, comments: list[str]) -> Block:
 
 
 def test_every_block_is_a_recipe_or_says_why_not():
-    blocks = readme_blocks(README.read_text())
-    unmarked = [block.line for block in blocks if block.recipe is None and not block.reason]
-    assert not unmarked, (f"README.md code blocks at lines {unmarked} have neither <!-- recipe: NAME --> nor "
+    blocks = documentation_blocks()
+    assert any(block.page == "README.md" for block in blocks) and any(block.page != "README.md" for block in blocks)
+    unmarked = [f"{block.page}:{block.line}" for block in blocks if block.recipe is None and not block.reason]
+    assert not unmarked, (f"code blocks at {unmarked} have neither <!-- recipe: NAME --> nor "
                           f"<!-- {NOT_RUN} REASON --> above them")
     names = [block.recipe for block in blocks if block.recipe]
     assert len(names) == len(set(names)), f"recipe names repeat: {names}"
@@ -90,7 +119,7 @@ def test_every_block_is_a_recipe_or_says_why_not():
     for where, printed, _ in SIZES:
         assert where in recipes or (REPO_ROOT / where).is_file(), f"SIZES: {where} is neither a recipe nor a file"
         text = recipes[where] if where in recipes else (REPO_ROOT / where).read_text()
-        assert printed in text, f"SIZES: {printed!r} is not in {where} (README changed: update the table)"
+        assert printed in text, f"SIZES: {printed!r} is not in {where} (the docs changed: update the table)"
 
 
 def test_the_block_reader_sees_markers_and_unmarked_blocks():
@@ -171,7 +200,7 @@ def test_readme_recipes_run_as_printed(tmp_path):
     user_files(tmp_path)
     env = recipe_env(tmp_path)
     failures, skipped = [], []
-    for block in readme_blocks(README.read_text()):
+    for block in documentation_blocks():
         if block.recipe is None:
             continue
         missing = [name for name in block.needs if importlib.util.find_spec(name) is None]
@@ -184,6 +213,6 @@ def test_readme_recipes_run_as_printed(tmp_path):
         marker = FAILURE_MARKERS.search(result.stdout)
         if result.returncode != 0 or marker:
             why = f"exit {result.returncode}" if result.returncode else f"printed {marker.group(0)!r}"
-            failures.append(f"recipe {block.recipe} (README.md line {block.line}): {why}\n{result.stdout[-2500:]}")
+            failures.append(f"recipe {block.recipe} ({block.page} line {block.line}): {why}\n{result.stdout[-2500:]}")
     print("skipped:", skipped or "none")
     assert not failures, "\n\n".join(failures)

@@ -11,21 +11,34 @@ DATA_SOURCES = ("builtin", "text", "jsonl", "parquet")
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "builtin"  # "builtin" (the stdlib's .py files) | "text" | "jsonl" | "parquet"
-    paths: tuple[str, ...] = ()  # files or glob patterns (text, jsonl, parquet)
-    text_field: str = "text"  # jsonl / parquet: the field holding a document's text
-    seq_len: int = 128  # tokens per packed training sequence
-    eval_fraction: float = 0.02  # share of documents held out for the eval loss (chosen by a fixed hash)
-    eval_batches: int = 8  # eval loss = mean over this many packed batches of held-out documents
-    builtin_bytes: int = 4_000_000  # size budget of the builtin corpus
-    append_eos: bool = True  # end every document with the tokenizer's eos id (when it has one)
-    shuffle: bool = True  # shuffle documents (per epoch, from the run seed)
-    # Packed rows are shuffled within windows of about this many tokens: pieces of one long document come
-    # out of the packer in a run, and would otherwise fill whole batches. The first batch (and a resume)
-    # packs up to one window: smaller starts faster on a small corpus, larger mixes better.
+    """Training data (a run config's `data` section): the documents, their split, packing and tokenizer."""
+
+    source: str = "builtin"
+    """Where documents come from: "builtin" (the Python standard library's .py files), "text" (one file per document),
+    "jsonl" or "parquet"."""
+    paths: tuple[str, ...] = ()
+    """Files or glob patterns (text, jsonl, parquet; local or gs://)."""
+    text_field: str = "text"
+    """jsonl / parquet: the field holding a document's text."""
+    seq_len: int = 128
+    """Tokens per packed training sequence."""
+    eval_fraction: float = 0.02
+    """Share of documents held out for the eval loss (chosen by a fixed hash)."""
+    eval_batches: int = 8
+    """The eval loss is the mean over this many packed batches of held-out documents."""
+    builtin_bytes: int = 4_000_000
+    """Size budget of the builtin corpus."""
+    append_eos: bool = True
+    """End every document with the tokenizer's eos id (when it has one)."""
+    shuffle: bool = True
+    """Shuffle documents (per epoch, from the run seed)."""
     shuffle_window_tokens: int = 1 << 20
-    worker_count: int = 0  # grain worker processes (0: in the training process)
+    """Packed rows are shuffled within windows of about this many tokens (pieces of one long document would otherwise
+    fill whole batches); the first batch packs up to one window: smaller starts faster, larger mixes better."""
+    worker_count: int = 0
+    """Grain worker processes (0: in the training process)."""
     tokenizer: TokenizerConfig = TokenizerConfig()
+    """The tokenizer the documents are encoded with."""
 
     def __post_init__(self):
         if self.source not in DATA_SOURCES:

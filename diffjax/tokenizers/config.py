@@ -9,11 +9,15 @@ TOKENIZER_KINDS = ("byte", "sentencepiece", "tiktoken", "hf")
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
-    kind: str = "byte"  # "byte" | "sentencepiece" | "tiktoken" | "hf"
-    # sentencepiece: a .model file; tiktoken: a .tiktoken file (instead of `encoding`); hf: a tokenizer.json or
-    # the directory holding it (a Hugging Face checkpoint's)
+    """The tokenizer (a run config's `data.tokenizer` section)."""
+
+    kind: str = "byte"
+    """Which tokenizer: "byte" (256 byte ids + eos), "sentencepiece", "tiktoken" or "hf" (a tokenizer.json)."""
     path: str | None = None
-    encoding: str | None = None  # tiktoken: a named encoding (e.g. "cl100k_base") from the local cache
+    """sentencepiece: a .model file; tiktoken: a .tiktoken file (instead of encoding); hf: a tokenizer.json or the
+    directory holding it (a Hugging Face checkpoint's)."""
+    encoding: str | None = None
+    """tiktoken: a named encoding (e.g. "cl100k_base") from the local tiktoken cache."""
 
     def __post_init__(self):
         if self.kind not in TOKENIZER_KINDS:

@@ -13,29 +13,10 @@ Ctrl-C saves a checkpoint of the current step before exiting. Keys: `diffjax-tra
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import sys
 
 from diffjax.train.config_files import DEFAULT
-
-
-def describe_keys(config) -> str:
-    """Every key with the value this run would use (its config file and overrides applied)."""
-    lines = []
-
-    def walk(section, prefix):
-        for field in dataclasses.fields(section):
-            if not field.init:
-                continue
-            key, value = f"{prefix}{field.name}", getattr(section, field.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, key + ".")
-            else:
-                lines.append(f"  {key} = {value!r}")
-
-    walk(config, "")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -43,7 +24,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=DEFAULT, metavar="NAME_OR_PATH",
                         help=f"a shipped config's name (paper/diff-1.4b, ...) or a YAML file (default: {DEFAULT})")
     parser.add_argument("--help-keys", action="store_true",
-                        help="list every config key with the value this run would use, then exit")
+                        help="list every config key with the value this run would use, its type, default, "
+                             "allowed values and meaning, then exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
 
@@ -60,6 +42,8 @@ def main(argv=None) -> int:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     if args.help_keys:
+        from diffjax.train.keys import describe_keys
+
         print(describe_keys(config))
         return 0
     print_package_logs()  # (train.init_from's reader warns through logging)

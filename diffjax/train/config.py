@@ -48,13 +48,18 @@ class WandbConfig:
     W&B run's config; a resumed run continues the same W&B run (diffjax.train.wandb_log)."""
 
     project: str | None = None
-    entity: str | None = None  # a W&B user or team; None: your default entity
-    name: str | None = None  # the W&B run's display name; None: the run directory's name
+    """The W&B project to log to; None: no W&B logging."""
+    entity: str | None = None
+    """A W&B user or team; None: your default entity."""
+    name: str | None = None
+    """The W&B run's display name; None: the run directory's name."""
     group: str | None = None
+    """The W&B group the run belongs to."""
     tags: tuple[str, ...] = ()
-    # "online"; "offline" (files only, in <run_dir>/wandb/: upload later with `wandb sync`); "disabled" (off even with
-    # a project); None: $WANDB_MODE, else online.
+    """The W&B run's tags."""
     mode: str | None = None
+    """W&B's mode: "online"; "offline" (files only, in <run_dir>/wandb/: upload later with `wandb sync`); "disabled"
+    (off even with a project); None: $WANDB_MODE, else online."""
 
     def __post_init__(self):
         if isinstance(self.tags, (list, str)):
@@ -81,41 +86,54 @@ class WandbConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """The training loop (a run config's `train` section): steps, batch, run directory, logging, evals, the final
+    sample and what a non-finite step does."""
+
     steps: int = 400
-    # Global batch: give it in sequences (batch_size) or in tokens (batch_tokens, a multiple of
-    # data.seq_len), not both. It is split over the devices present, then into micro-batches of
-    # at most micro_batch_per_device sequences per device (gradient accumulation).
+    """Optimizer steps of the run."""
     batch_size: int | None = 16
+    """Global batch in sequences (or give batch_tokens, not both), split over the mesh's batch shards."""
     batch_tokens: int | None = None
-    micro_batch_per_device: int | None = None  # None: the whole per-device batch at once
-    seed: int = 0  # model init, data order and sampling
+    """Global batch in tokens, a multiple of data.seq_len (instead of batch_size)."""
+    micro_batch_per_device: int | None = None
+    """Sequences per device per micro-batch (gradient accumulation over the rest); None: the whole per-device batch
+    at once."""
+    seed: int = 0
+    """Seed of the model init, the data order and sampling."""
     run_dir: str = "runs/tiny"
-    # A run directory or checkpoint to take the params from when this run starts fresh (for
-    # continued training such as the 64K extension); optimizer state and step start anew.
+    """The run directory (local or gs://): config, checkpoints, metrics; rerunning on it resumes."""
     init_from: str | None = None
-    log_every: int = 10  # steps between progress lines (every step is recorded in metrics.jsonl / TensorBoard)
-    eval_every: int = 100  # steps between held-out evals; 0: only at the end
-    progress: str = "auto"  # "bar" (tqdm), "lines", or "auto" (a bar on a terminal, else lines)
+    """A run directory or checkpoint whose params a fresh run starts from (continued training, the 64K extension,
+    LoRA's base); optimizer state and step start anew."""
+    log_every: int = 10
+    """Steps between progress lines (every step is recorded in metrics.jsonl / TensorBoard)."""
+    eval_every: int = 100
+    """Steps between held-out evals; 0: only at the end."""
+    progress: str = "auto"
+    """Progress display: "bar" (tqdm), "lines", or "auto" (a bar on a terminal, else lines)."""
     tensorboard: bool = True
-    peak_tflops_per_device: float | None = None  # for MFU; None: looked up from the device kind
-    sample_tokens: int = 200  # tokens of text generated at the end (0: none)
+    """Write TensorBoard events into <run_dir>/tensorboard/."""
+    peak_tflops_per_device: float | None = None
+    """The device's peak TFLOP/s, for MFU; None: looked up from the device kind."""
+    sample_tokens: int = 200
+    """Tokens of text generated at the end of the run (0: none)."""
     sample_prompt: str = "def "
+    """The prompt of the final sample."""
     sample_temperature: float = 0.8
-    # A step whose loss or gradient is not finite: "stop" the run (nothing from that step on is saved)
-    # or "skip" it (params and optimizer state stay as they were; the step is logged as skipped).
+    """Temperature of the final sample (0: greedy)."""
     on_nonfinite: str = "stop"
-    # skip mode: this many consecutive skipped steps stop the run (DivergedError, exit 3): the state they
-    # keep cannot recover by itself.
+    """A step whose loss or gradient is not finite: "stop" the run (nothing from that step on is saved) or "skip" it
+    (params and optimizer state unchanged, logged as skipped)."""
     max_skipped_steps: int = 10
-    # Tokens per chunk of the loss: the LM head and cross-entropy run chunk by chunk, so a micro-batch's
-    # float32 [batch, seq_len, vocab] logits never exist at once (same loss). 0: no chunks; None: chunks
-    # of 4096 tokens when model.vocab_size >= 32768 (diffjax.train.step.resolve_loss_chunk).
+    """skip mode: this many consecutive skipped steps stop the run (exit 3)."""
     loss_chunk: int | None = None
-    # [first, last]: a jax.profiler trace of steps first..last (1-based, inclusive) into the run's tensorboard/
-    # directory (TensorBoard's or XProf's profile tab); None: no trace.
+    """Tokens per chunk of the LM head and cross-entropy (the float32 logits never exist at once; same loss); 0: no
+    chunks; None: 4096 when model.vocab_size >= 32768."""
     profile_steps: tuple[int, int] | None = None
-    # Weights & Biases (off unless train.wandb.project is set): see WandbConfig.
+    """[first, last]: a jax.profiler trace of these steps (1-based, inclusive) into <run_dir>/tensorboard/; None: no
+    trace."""
     wandb: WandbConfig = WandbConfig()
+    """Weights & Biases logging (off unless train.wandb.project is set)."""
 
     def __post_init__(self):
         if isinstance(self.wandb, dict):
@@ -155,9 +173,14 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 100  # steps between checkpoints (the last step and a SIGTERM / SIGINT always save)
-    keep: int = 3  # the newest `keep` checkpoints are kept
-    async_save: bool = True  # write in a background thread while training goes on
+    """Checkpoints of the train state (a run config's `checkpoint` section)."""
+
+    every: int = 100
+    """Steps between checkpoints (the last step and a SIGTERM / SIGINT always save)."""
+    keep: int = 3
+    """The newest this many checkpoints are kept."""
+    async_save: bool = True
+    """Write checkpoints in a background thread while training goes on."""
 
     def __post_init__(self):
         _check_int(self, "every", minimum=1, section="checkpoint")
@@ -166,14 +189,16 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
+    """A training run: one YAML file (configs/) plus dotted key=value overrides, one section per field."""
+
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     parallel: ParallelConfig = ParallelConfig()
-    # LoRA fine-tuning of the model train.init_from names (diffjax.lora); rank 0 (the default): off.
     lora: LoraConfig = LoraConfig()
+    """LoRA fine-tuning of the model train.init_from names (diffjax.lora); rank 0 (the default): off."""
 
     def __post_init__(self):
         if self.lora.enabled and not self.train.init_from:

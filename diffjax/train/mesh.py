@@ -29,16 +29,23 @@ class ParallelConfig:
     """The device mesh (axes data x fsdp x context x tensor; one of them may be -1: what the devices leave) and
     multi-process start-up. See diffjax/sharding.py for which tensors each axis splits."""
 
-    data: int = -1  # batch split, params replicated
-    fsdp: int = 1  # batch split, params / optimizer state split too (gathered per layer)
-    context: int = 1  # the sequence split (context parallelism); params / optimizer state split like fsdp
-    tensor: int = 1  # heads and MLP width split (Megatron style)
-    # jax.distributed: "auto" initializes when coordinator_address is set or a cluster environment
-    # (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never.
+    data: int = -1
+    """Mesh axis that splits the batch, params replicated (-1: the devices the other axes leave)."""
+    fsdp: int = 1
+    """Mesh axis that splits the batch and the params / optimizer state too (gathered per layer; ZeRO-3 style)."""
+    context: int = 1
+    """Mesh axis that splits the sequence (context parallelism); params / optimizer state split as over fsdp."""
+    tensor: int = 1
+    """Mesh axis that splits heads, kv heads, the MLP width and the vocabulary (Megatron style)."""
     distributed: str = "auto"
-    coordinator_address: str | None = None  # host:port of process 0
+    """jax.distributed: "auto" starts it when coordinator_address is set or a cluster environment
+    (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never."""
+    coordinator_address: str | None = None
+    """host:port of process 0 (without a cluster environment to read it from)."""
     num_processes: int | None = None
+    """Processes in the job (with coordinator_address); None: from the cluster environment."""
     process_id: int | None = None
+    """This process's index, 0 .. num_processes - 1 (with coordinator_address); None: from the cluster environment."""
 
     def __post_init__(self):
         sizes = {name: getattr(self, name) for name in MESH_AXES}

@@ -40,25 +40,36 @@ DEFAULT_NO_DECAY = (r"norm", r"subln", r"lambda_", r"residual\.(pre|post|res)_(b
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 3e-3  # peak learning rate, reached after warmup
+    """AdamW and its learning-rate schedule (a run config's `optim` section)."""
+
+    lr: float = 3e-3
+    """Peak learning rate, reached after warmup_steps."""
     warmup_steps: int = 20
-    decay: str = "cosine"  # "linear", "cosine" or "constant", from lr down to min_lr at decay_steps
-    min_lr: float = 3e-4  # the floor
-    decay_steps: int | None = None  # None: the run's train.steps
+    """Steps of linear warm-up from 0 to lr."""
+    decay: str = "cosine"
+    """The schedule after warm-up, from lr down to min_lr at decay_steps: "linear", "cosine" or "constant"."""
+    min_lr: float = 3e-4
+    """The schedule's floor (at most lr)."""
+    decay_steps: int | None = None
+    """Step at which the schedule reaches min_lr; None: the run's train.steps."""
     b1: float = 0.9
+    """AdamW's first-moment decay."""
     b2: float = 0.95
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
+    """AdamW's epsilon."""
     weight_decay: float = 0.1
-    # Regular expressions searched in a parameter's dotted path (e.g. "blocks.3.attn.lambda_q1");
-    # a match excludes the parameter from weight decay.
+    """Decoupled weight decay (AdamW), scaled by the learning rate."""
     no_decay: tuple[str, ...] = DEFAULT_NO_DECAY
-    clip_norm: float | None = 1.0  # global gradient norm; None: no clipping
-    # "pattern=factor": the update of a parameter whose dotted path matches `pattern` (a regular expression,
-    # searched; the first that matches wins) is multiplied by `factor`, e.g. "lambda_=10" (new parameters of an
-    # upcycled model learning faster).
+    """Regular expressions searched in a parameter's dotted path (e.g. "blocks.3.attn.lambda_q1"); a match excludes
+    the parameter from weight decay."""
+    clip_norm: float | None = 1.0
+    """Clip the global gradient norm to this; None: no clipping."""
     lr_multipliers: tuple[str, ...] = ()
-    # Steps over which lambda grows linearly from 0 to its value (module docstring); 0: no warm-up.
+    """Entries "pattern=factor": the update of a parameter whose dotted path matches the regular expression (the first
+    match wins) is multiplied by factor, weight decay included, e.g. "lambda_=10"."""
     lambda_warmup_steps: int = 0
+    """Steps over which lambda grows linearly from 0 to its value (an upcycled model's start); 0: no warm-up."""
 
     def __post_init__(self):
         object.__setattr__(self, "no_decay", tuple(self.no_decay))
