@@ -10,11 +10,11 @@ LOGICAL_AXIS_RULES maps those names onto the mesh axes:
           layout the train and eval steps put batches in) and, as fsdp does, every parameter's "embed" axis, so
           params and optimizer state shrink with it too (MaxText shards them the same way)
   tensor  splits heads, kv heads, the MLP width and the vocabulary (Megatron-style tensor parallel)
-  expert  splits the MoE's routed experts (their leading "expert" axis) and, as data does, the batch: every other
-          parameter is replicated over it, so no device idles outside the experts (MaxText's and DeepSeek's
-          expert parallelism). The MoE layer sends each token's rows to the devices owning its experts with an
-          all-to-all (diffjax.ops.expert_parallel); fsdp / context / tensor still split the experts' embed and MLP
-          axes at rest, gathered per layer as fsdp gathers every weight.
+  expert  splits the MoE's routed experts (their leading "expert" axis) and, as fsdp does, the batch and every
+          other parameter's "embed" axis (MaxText's rules): no device idles outside the experts, and attention,
+          embeddings and their optimizer state shrink with it too. The MoE layer sends each token's rows to the
+          devices owning its experts by all-to-all (diffjax.ops.expert_parallel); the experts' own embed and MLP
+          axes stay split by fsdp / context / tensor (an array uses a mesh axis once), gathered per layer.
 
 "layers" (the stacked depth axis of the decoder blocks' params) is never split: a scan over layers
 slices it, and a split depth axis would make every step gather it.
@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("layers", None),
-    ("embed", ("fsdp", "context")),
+    ("embed", ("fsdp", "context", "expert")),  # expert: not on the experts' own (it splits their first axis)
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

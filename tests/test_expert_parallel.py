@@ -33,10 +33,15 @@ MESHES = {
     "expert=8": ParallelConfig(data=1, expert=8),
     "expert=4,data=2": ParallelConfig(data=2, expert=4),
     "expert=2,fsdp=2,tensor=2": ParallelConfig(data=1, expert=2, fsdp=2, tensor=2),
+    "expert=2,context=2,data=2": ParallelConfig(data=2, expert=2, context=2),  # the rows split over context too
 }
-# The routed experts' [layers, E, D, I] gate kernel as the rules split it: expert -> expert, embed -> fsdp, mlp -> tensor.
-GATE_SPEC = {"expert=8": P(None, "expert"), "expert=4,data=2": P(None, "expert"),
-             "expert=2,fsdp=2,tensor=2": P(None, "expert", "fsdp", "tensor")}
+# As the rules split the routed experts' [layers, E, D, I] gate kernel (expert -> expert, embed -> fsdp and
+# context, mlp -> tensor) and the router's [layers, D, E] (embed -> fsdp, context and expert, as every parameter
+# outside the experts).
+SPECS = {"expert=8": (P(None, "expert"), P(None, "expert")),
+         "expert=4,data=2": (P(None, "expert"), P(None, "expert")),
+         "expert=2,fsdp=2,tensor=2": (P(None, "expert", "fsdp", "tensor"), P(None, ("fsdp", "expert"))),
+         "expert=2,context=2,data=2": (P(None, "expert", "context"), P(None, ("context", "expert")))}
 
 
 # Large, so that the params after the step are mostly the update: (before - after) / rate then carries the gradient
@@ -103,9 +108,9 @@ def test_an_expert_parallel_step_equals_one_device(mesh_name, single_device_step
             assert own < 1e-5, f"{name}'s gradient differs by {own} of its largest on {mesh_name}"
     measured(f"gradients max |{mesh_name} - one device| / max gradient", worst_overall, 1e-5)
     measured(f"MoE gradients max rel |{mesh_name} - one device|", worst_moe, 1e-5)
-    gate = _routed_experts(params)["expert_gate_kernel"]
-    expected = NamedSharding(mesh, GATE_SPEC[mesh_name])
-    assert gate.sharding.is_equivalent_to(expected, gate.ndim), (mesh_name, gate.sharding.spec)
+    moe = _routed_experts(params)
+    for array, spec in zip((moe["expert_gate_kernel"], moe["router_kernel"]), SPECS[mesh_name], strict=True):
+        assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), (mesh_name, array.sharding.spec)
 
 
 def test_a_bad_parallel_expert_is_one_clear_line():
