@@ -6,6 +6,11 @@ over the expert axis; the dispatch runs as all-to-alls; a bad parallel.expert is
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -20,6 +25,7 @@ from diffjax.config import ModelConfig
 from diffjax.train.mesh import ParallelConfig
 from diffjax.train.step import setup_sharded_state
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices: see tests/conftest.py")
 
 # Motif 3's MoE choices (sigmoid scores, route_norm, route_scale, a selection bias, a shared expert, a dense first
@@ -125,3 +131,28 @@ def test_a_bad_parallel_expert_is_one_clear_line():
         parallel.check_model_fits_mesh(MODEL.replace(mlp="gated", mlp_options=None), mesh)
     with pytest.raises(ValueError, match=r"^parallel.expert must be a positive integer or -1 \(fill\), got 0$"):
         ParallelConfig(expert=0)
+
+
+def _train_small(run_dir, *mesh: str):
+    """The real trainer CLI on configs/motif3/small.yaml (GDLA, mHC, 6 experts top 2 + a shared one), 2 steps."""
+    command = [sys.executable, "train.py", "--config", str(REPO_ROOT / "configs" / "motif3" / "small.yaml"),
+               "train.steps=2", f"train.run_dir={run_dir}", "train.eval_every=0", "train.sample_tokens=0", *mesh]
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+@pytest.mark.slow
+def test_the_small_motif3_trains_the_same_losses_with_experts_split_and_refuses_a_bad_split(tmp_path):
+    def losses(done):
+        assert done.returncode == 0, done.stdout + done.stderr
+        return re.findall(r"^step\s+\d+/\d+ \| loss ([\d.]+) \| grad norm ([\d.]+)", done.stdout, flags=re.M)
+
+    one = losses(_train_small(tmp_path / "one", "parallel.data=1"))
+    split = _train_small(tmp_path / "split", "parallel.expert=2", "parallel.data=2", "parallel.tensor=2")
+    assert "mesh: data=2 x fsdp=1 x context=1 x tensor=2 x expert=2 (8 devices)" in split.stdout, split.stdout
+    assert len(one) == 2 and losses(split) == one
+    bad = _train_small(tmp_path / "bad", "parallel.expert=4", "parallel.data=2")
+    assert bad.returncode != 0
+    assert (bad.stdout + bad.stderr).strip().splitlines()[-1] == (
+        "error: parallel.expert (4) must divide model.mlp_options.num_experts (6): expert parallelism places whole "
+        "experts; use parallel.expert in [1, 2, 3, 6]"), bad.stdout + bad.stderr
