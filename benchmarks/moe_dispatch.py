@@ -59,7 +59,8 @@ def _product(dims: str) -> int:
 
 def main(argv=None) -> None:
     args = _args(argv)
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    devices = f" --xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + devices
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import functools
 
@@ -74,7 +75,8 @@ def main(argv=None) -> None:
     from diffjax.sharding import logical_spec
     from diffjax.train.mesh import ParallelConfig, make_mesh
 
-    mesh = make_mesh(ParallelConfig(**{"data": 1, **{k: int(v) for k, v in (i.split("=") for i in args.mesh.split(","))}}))
+    sizes = {axis: int(size) for axis, size in (item.split("=") for item in args.mesh.split(","))}
+    mesh = make_mesh(ParallelConfig(**{"data": 1, **sizes}))
     N, D, E, K, I = args.tokens, args.d_model, args.experts, args.top_k, args.inner
     keys = jax.random.split(jax.random.key(0), 6)
     params = {"expert_gate_kernel": 0.1 * jax.random.normal(keys[0], (E, D, I)),

@@ -1,7 +1,8 @@
 """Expert parallelism (parallel.expert, diffjax.ops.expert_parallel) on 8 simulated CPU devices: a small Motif 3-style
-mixture of experts trains the same step (loss, gradient norm, updated params: the SGD update is the gradient) as on
-one device for expert=8, expert=4 x data=2 and expert=2 x fsdp=2 x tensor=2; the routed experts' weights are split
-over the expert axis; the dispatch runs as all-to-alls; a bad parallel.expert is one clear line."""
+mixture of experts trains the same step (loss, gradient norm, gradients) as on one device for expert=8, expert=4 x
+data=2, expert=2 x fsdp=2 x tensor=2 and expert=2 x context=2 x data=2; the experts and the router are split as the
+rules say; the dispatch runs as all-to-alls; the small Motif 3 config trains the same losses through the real CLI;
+a bad parallel.expert is one clear line."""
 
 from __future__ import annotations
 
@@ -49,15 +50,14 @@ SPECS = {"expert=8": (P(None, "expert"), P(None, "expert")),
          "expert=2,fsdp=2,tensor=2": (P(None, "expert", "fsdp", "tensor"), P(None, ("fsdp", "expert"))),
          "expert=2,context=2,data=2": (P(None, "expert", "context"), P(None, ("context", "expert")))}
 
-
 # Large, so that the params after the step are mostly the update: (before - after) / rate then carries the gradient
 # to float32's precision (with 0.5 the params' own rounding, ~1e-9, would be 1e-5 of a small gradient).
 LEARNING_RATE = 1e4
 
 
 def _one_step(parallel_config: ParallelConfig):
-    """(mesh, gradients, params after, metrics, compiled program's HLO) of one SGD step of the trainer's train step: with SGD the gradient is
-    (params before - params after) / learning rate."""
+    """(mesh, gradients, params after, metrics, the compiled program's HLO) of one SGD step of the trainer's train
+    step: the gradient is (params before - params after) / learning rate."""
     mesh = parallel.make_mesh(parallel_config)
     tx = optax.sgd(LEARNING_RATE)
     training, state = setup_sharded_state(MODEL, tx, 0, mesh)
@@ -82,7 +82,8 @@ def single_device_step():
 
 
 def _routed_experts(params):
-    (moe,) = [layer["mlp"] for name, layer in params.items() if name.startswith("blocks") and "router_kernel" in layer["mlp"]]
+    (moe,) = [layer["mlp"] for name, layer in params.items()
+              if name.startswith("blocks") and "router_kernel" in layer["mlp"]]
     return moe
 
 
@@ -126,8 +127,9 @@ def test_a_bad_parallel_expert_is_one_clear_line():
                                          r"expert parallelism places whole experts; use parallel.expert in "
                                          r"\[1, 2, 3, 4, 6, 12\]$"):
         parallel.check_model_fits_mesh(twelve, mesh)
-    with pytest.raises(ValueError, match=r"^parallel.expert \(8\) splits a mixture of experts, but model.mlp 'gated' "
-                                         r"has no experts; use parallel.expert=1 \(or parallel.data\) or model.mlp=moe$"):
+    with pytest.raises(ValueError, match=r"^parallel.expert \(8\) splits a mixture of experts, but model.mlp "
+                                         r"'gated' has no experts; use parallel.expert=1 \(or parallel.data\) or "
+                                         r"model.mlp=moe$"):
         parallel.check_model_fits_mesh(MODEL.replace(mlp="gated", mlp_options=None), mesh)
     with pytest.raises(ValueError, match=r"^parallel.expert must be a positive integer or -1 \(fill\), got 0$"):
         ParallelConfig(expert=0)
