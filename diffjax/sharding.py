@@ -10,6 +10,11 @@ LOGICAL_AXIS_RULES maps those names onto the mesh axes:
           layout the train and eval steps put batches in) and, as fsdp does, every parameter's "embed" axis, so
           params and optimizer state shrink with it too (MaxText shards them the same way)
   tensor  splits heads, kv heads, the MLP width and the vocabulary (Megatron-style tensor parallel)
+  expert  splits the MoE's routed experts (their leading "expert" axis) and, as fsdp does, the batch and every
+          other parameter's "embed" axis (MaxText's rules): no device idles outside the experts, and attention,
+          embeddings and their optimizer state shrink with it too. The MoE layer sends each token's rows to the
+          devices owning its experts by all-to-all (diffjax.ops.expert_parallel); the experts' own embed and MLP
+          axes stay split by fsdp / context / tensor (an array uses a mesh axis once), gathered per layer.
 
 "layers" (the stacked depth axis of the decoder blocks' params) is never split: a scan over layers
 slices it, and a split depth axis would make every step gather it.
@@ -35,16 +40,16 @@ from jax.sharding import PartitionSpec as P
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("layers", None),
-    ("embed", ("fsdp", "context")),
+    ("embed", ("fsdp", "context", "expert")),  # expert: not on the experts' own (it splits their first axis)
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
-    ("expert", None),  # routed experts [E, ...] (MoE): not split yet
+    ("expert", "expert"),  # routed experts [E, ...] (MoE)
     ("rank", None),  # Shared DIFF's low-rank factors: small, split by their heads axis only
     # activations
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("length", "context"),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -139,6 +144,11 @@ def shardings_like(tree: Any, params: Any, params_shardings: Any, mesh: Mesh) ->
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many ways the batch rows split: the product of the rules' "batch" mesh axes (data x fsdp x expert)."""
+    return math.prod(dict(mesh.shape).get(axis, 1) for axis in _RULES["batch"])
 
 
 def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:

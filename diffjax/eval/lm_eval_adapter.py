@@ -234,9 +234,9 @@ class DiffjaxLM(TemplateLM):
         self.mesh = parse_mesh(mesh)
         self.context = 1 if self.mesh is None else context_size(self.mesh)
         if self.mesh is not None:
-            rows = math.prod(dict(self.mesh.shape).get(axis, 1) for axis in ("data", "fsdp"))
+            rows = sharding.batch_shards(self.mesh)
             if int(batch_size) % rows:
-                raise ValueError(f"batch_size {batch_size} must be a multiple of the mesh's data x fsdp ({rows})")
+                raise ValueError(f"batch_size {batch_size} must be a multiple of the mesh's data x fsdp x expert ({rows})")
         if model is None:
             if pretrained is None:
                 raise ValueError("DiffjaxLM needs pretrained=PATH (a run directory, checkpoint or Hugging Face directory) "

@@ -8,7 +8,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
     global_batch: int  # sequences per optimizer step
-    batch_shards: int  # devices the batch splits over: parallel.data x parallel.fsdp
+    batch_shards: int  # devices the batch splits over: parallel.data x parallel.fsdp x parallel.expert
     accum_steps: int  # micro-batches per optimizer step
 
     @property
@@ -32,7 +32,7 @@ def plan_batch(global_batch: int, *, batch_shards: int, micro_batch_per_device: 
     if global_batch % batch_shards:
         raise ValueError(
             f"the global batch of {global_batch} sequences does not split evenly over {batch_shards} batch shards "
-            f"(parallel.data x parallel.fsdp); use a multiple of {batch_shards} (train.batch_size, or "
+            f"(parallel.data x parallel.fsdp x parallel.expert); use a multiple of {batch_shards} (train.batch_size, or "
             "train.batch_tokens / data.seq_len)"
         )
     per_shard = global_batch // batch_shards

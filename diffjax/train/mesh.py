@@ -20,14 +20,16 @@ from diffjax.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+# expert last (beside tensor): the MoE's all-to-all, like tensor's all-reduces, wants the fastest links (MaxText's
+# order); make_mesh reshapes the device grid in this order.
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 DISTRIBUTED_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """The device mesh (axes data x fsdp x context x tensor; one of them may be -1: what the devices leave) and
-    multi-process start-up. See diffjax/sharding.py for which tensors each axis splits."""
+    """The device mesh (axes data x fsdp x context x tensor x expert; one of them may be -1: what the devices leave)
+    and multi-process start-up. See diffjax/sharding.py for which tensors each axis splits."""
 
     data: int = -1
     """Mesh axis that splits the batch, params replicated (-1: the devices the other axes leave)."""
@@ -37,6 +39,10 @@ class ParallelConfig:
     """Mesh axis that splits the sequence (context parallelism); params / optimizer state split as over fsdp."""
     tensor: int = 1
     """Mesh axis that splits heads, kv heads, the MLP width and the vocabulary (Megatron style)."""
+    expert: int = 1
+    """Expert parallelism: the MoE's routed experts split over this many devices (model.mlp_options.num_experts must
+    be a multiple), tokens sent to their experts' devices by an all-to-all; the batch splits over it too (a data axis
+    for everything but the routed experts)."""
     distributed: str = "auto"
     """jax.distributed: "auto" starts it when coordinator_address is set or a cluster environment
     (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never."""
@@ -83,7 +89,7 @@ def mesh_shape(config: ParallelConfig, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The (data, fsdp, context, tensor) mesh. With one process the mesh may use fewer devices than exist
+    """The (data, fsdp, context, tensor, expert) mesh. With one process the mesh may use fewer devices than exist
     (the first ones); across processes it must use them all (every process takes part in each step)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(config, len(devices))
@@ -113,7 +119,9 @@ def _device_grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
 
 
 def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
-    """Tensor parallelism splits whole heads: parallel.tensor must divide the (kv) head counts."""
+    """Tensor parallelism splits whole heads: parallel.tensor must divide the (kv) head counts; expert parallelism
+    whole experts: parallel.expert must divide the MoE's num_experts (and needs an MoE)."""
+    _check_experts_fit(config, mesh.shape["expert"])
     tensor = mesh.shape["tensor"]
     for name in ("num_heads", "num_kv_heads"):
         heads = getattr(config, name)
@@ -123,6 +131,19 @@ def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
                 f"parallel.tensor ({tensor}) must divide model.{name} ({heads}): tensor parallelism splits whole "
                 f"heads; use parallel.tensor in {divisors}"
             )
+
+
+def _check_experts_fit(config: ModelConfig, expert: int) -> None:
+    if expert == 1:
+        return
+    experts = getattr(config.mlp_options, "num_experts", None)
+    if experts is None:
+        raise ValueError(f"parallel.expert ({expert}) splits a mixture of experts, but model.mlp {config.mlp!r} has "
+                         f"no experts; use parallel.expert=1 (or parallel.data) or model.mlp=moe")
+    if experts % expert:
+        divisors = [n for n in range(1, experts + 1) if experts % n == 0]
+        raise ValueError(f"parallel.expert ({expert}) must divide model.mlp_options.num_experts ({experts}): expert "
+                         f"parallelism places whole experts; use parallel.expert in {divisors}")
 
 
 def describe(mesh: Mesh) -> str:

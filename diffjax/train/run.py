@@ -30,6 +30,7 @@ from diffjax.generate import sample
 from diffjax.ops.context_parallel import context_order
 from diffjax.params_checkpoint import load_params
 from diffjax.run_dir import RunDir, RunDirInUseError, TrainerLock
+from diffjax.sharding import batch_shards
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
@@ -233,7 +234,7 @@ def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
     tokenizer = _tokenizer(config, directory)
     mesh = make_mesh(config.parallel)
     context_order(config.data.seq_len, mesh.shape["context"])  # the sequence must split over the context axis
-    batch_plan = plan_batch(config.global_batch_size, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"],
+    batch_plan = plan_batch(config.global_batch_size, batch_shards=batch_shards(mesh),
                             micro_batch_per_device=config.train.micro_batch_per_device)
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     if plan.lora_base:

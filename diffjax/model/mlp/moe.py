@@ -6,21 +6,26 @@ group of rows per expert: no capacity, no dropped tokens, the same program whate
 summed back per token. On GPU and TPU jax lowers ragged_dot to XLA's ragged-dot instruction, whose work follows the
 rows (N top_k x 3 D expert_inner multiply-adds; its speed there is not measured yet); on CPU jax's generic lowering
 computes a masked dense product per expert, num_experts / top_k times that work: exact, for small models only.
+With a mesh axis "expert" the experts are split over it and tokens reach them by all-to-all
+(diffjax.ops.expert_parallel).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from diffjax.config import ModelConfig
-from diffjax.mlp_kinds import PolyNormOptions
+from diffjax.mlp_kinds import MoEOptions, PolyNormOptions
 from diffjax.model.layers import normal_param
 from diffjax.model.mlp import router
 from diffjax.model.mlp.base import MLPModule
 from diffjax.model.mlp.polynorm import PolyNormMLP, clamp, coefficients, poly_norm
-from diffjax.sharding import constrain
+from diffjax.ops import expert_parallel
+from diffjax.sharding import active_mesh, constrain
 
 
 def route(logits_NE, expert_bias_E, top_k: int, score_func: str, route_norm: bool, route_scale: float):
@@ -72,28 +77,37 @@ class MoEMLP(MLPModule):
         return constrain(out_BTD, ("batch", "length", "act_embed"))
 
     def routed(self, x_ND, experts_NK, weights_NK):
-        """sum_k weights[n, k] expert_{experts[n, k]}(x[n]) [N, D]: the (token, expert) rows sorted by expert, each
-        expert's rows one group of ragged_dot."""
-        dtype, (N, K), E = x_ND.dtype, experts_NK.shape, self.options.num_experts
-        expert_R = experts_NK.reshape(N * K)  # R = N K rows, token-major
-        order_R = jnp.argsort(expert_R, stable=True)
-        token_R, expert_R = order_R // K, expert_R[order_R]
-        group_sizes_E = jnp.bincount(expert_R, length=E).astype(jnp.int32)
-        x_RD = x_ND[token_R]
-        gate_RI = jax.lax.ragged_dot(x_RD, self.expert_gate_kernel[...].astype(dtype), group_sizes_E)
-        up_RI = jax.lax.ragged_dot(x_RD, self.expert_up_kernel[...].astype(dtype), group_sizes_E)
-        hidden_RI = self.activation(gate_RI, up_RI, expert_R)
-        out_RD = jax.lax.ragged_dot(hidden_RI, self.expert_down_kernel[...].astype(dtype), group_sizes_E)
-        out_RD = out_RD * weights_NK.reshape(N * K)[order_R][:, None].astype(dtype)
-        return jnp.zeros_like(x_ND).at[token_R].add(out_RD)
+        """sum_k weights[n, k] expert_{experts[n, k]}(x[n]) [N, D]: diffjax.ops.expert_parallel's dispatch, over the
+        mesh's expert axis where the active mesh has one."""
+        params = {name: getattr(self, name)[...] for name in EXPERT_PARAMS}
+        run = functools.partial(run_experts, self.options)
+        mesh = active_mesh()
+        if expert_parallel.row_axes(mesh, x_ND.shape[0]) is not None:
+            return expert_parallel.routed_expert_parallel(run, x_ND, experts_NK, weights_NK, params, mesh)
+        return expert_parallel.routed_on_one_device(run, x_ND, experts_NK, weights_NK, params, self.options.num_experts)
 
-    def activation(self, gate_RI, up_RI, expert_R):
-        """GroupedPolyNorm as Motif 3's CUDA kernel computes it: gate and up clamped, each row's expert's coefficients
-        and clamped bias, poly * up in float32, the product clamped, then the output scale."""
-        o, dtype = self.options, gate_RI.dtype
-        weight_R3 = coefficients(self.expert_polynorm_weight[...], o.sigmoid_weight)[expert_R]
-        bias_R1 = clamp(self.expert_polynorm_bias[...].astype(jnp.float32), o.bias_clamp)[expert_R]
-        gate_RI, up_RI = clamp(gate_RI, o.hidden_clamp), clamp(up_RI, o.hidden_clamp)
-        poly_RI = poly_norm(gate_RI.astype(jnp.float32), weight_R3, bias_R1)
-        hidden_RI = (poly_RI * up_RI.astype(jnp.float32)).astype(dtype)
-        return clamp(hidden_RI, o.hidden_clamp) * o.output_scale
+
+EXPERT_PARAMS = ("expert_gate_kernel", "expert_up_kernel", "expert_down_kernel", "expert_polynorm_weight",
+                 "expert_polynorm_bias")  # the routed experts' arrays, leading axis "expert"
+
+
+def run_experts(o: MoEOptions, params: dict, x_RD, expert_R, group_sizes_E):
+    """The routed experts on rows sorted by expert [R, D], expert_R each row's expert; each expert's rows one group of
+    ragged_dot (rows past sum(group_sizes) come out zero)."""
+    dtype = x_RD.dtype
+    gate_RI = jax.lax.ragged_dot(x_RD, params["expert_gate_kernel"].astype(dtype), group_sizes_E)
+    up_RI = jax.lax.ragged_dot(x_RD, params["expert_up_kernel"].astype(dtype), group_sizes_E)
+    hidden_RI = activation(o, params, gate_RI, up_RI, expert_R)
+    return jax.lax.ragged_dot(hidden_RI, params["expert_down_kernel"].astype(dtype), group_sizes_E)
+
+
+def activation(o: MoEOptions, params: dict, gate_RI, up_RI, expert_R):
+    """GroupedPolyNorm as Motif 3's CUDA kernel computes it: gate and up clamped, each row's expert's coefficients
+    and clamped bias, poly * up in float32, the product clamped, then the output scale."""
+    dtype = gate_RI.dtype
+    weight_R3 = coefficients(params["expert_polynorm_weight"], o.sigmoid_weight)[expert_R]
+    bias_R1 = clamp(params["expert_polynorm_bias"].astype(jnp.float32), o.bias_clamp)[expert_R]
+    gate_RI, up_RI = clamp(gate_RI, o.hidden_clamp), clamp(up_RI, o.hidden_clamp)
+    poly_RI = poly_norm(gate_RI.astype(jnp.float32), weight_R3, bias_R1)
+    hidden_RI = (poly_RI * up_RI.astype(jnp.float32)).astype(dtype)
+    return clamp(hidden_RI, o.hidden_clamp) * o.output_scale
