@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -216,7 +218,7 @@ class TransformerLM(nnx.Module):
         if len(segments) > 1:  # one [L, ...] array (scanned) or one tuple of L buffers (loop) per k and v
             join = (lambda parts: sum(parts, ())) if isinstance(kvs[0][0], tuple) else jnp.concatenate
             kvs = [tuple(join([segment_kv[i] for segment_kv in kvs]) for i in range(2))]
-        return stream, KVCache(*kvs[0], cache.lengths_B + stream.shape[1], cache.max_len)
+        return stream, dataclasses.replace(cache, k=kvs[0][0], v=kvs[0][1], lengths_B=cache.lengths_B + stream.shape[1])
 
     def _run_stack(self, segment, stream, rope_cos_sin, segment_ids_BT, cache, constants, kv, layer_params):
         """One segment's layers (_run_blocks): (stream, its k and v buffers, or None without a cache)."""
@@ -224,23 +226,28 @@ class TransformerLM(nnx.Module):
         scan = self.config.scan_layers and layer_params is None
         graphdef, params = nnx.split(self.stack(segment))
 
-        def apply_block(stream, layer_params, layer_constants, layer_kv):
-            block = nnx.merge(graphdef, layer_params)
-            if cache is None:
-                return block(stream, rope_cos_sin, segment_ids_BT, layer_constants), None
-            stream, layer_cache = block.call_with_cache(stream, rope_cos_sin, segment_ids_BT, layer_constants,
-                                                       cache.layer(*layer_kv))
-            return stream, (layer_cache.k, layer_cache.v)
+        def block_call(window):  # window: the layer's static window, kept by its cache as a ring (loop only)
+            def apply_block(stream, layer_params, layer_constants, layer_kv):
+                block = nnx.merge(graphdef, layer_params)
+                if cache is None:
+                    return block(stream, rope_cos_sin, segment_ids_BT, layer_constants), None
+                stream, layer_cache = block.call_with_cache(stream, rope_cos_sin, segment_ids_BT, layer_constants,
+                                                           cache.layer(*layer_kv, window=window))
+                return stream, (layer_cache.k, layer_cache.v)
 
-        if remat != "none":
-            apply_block = jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+            if remat != "none":
+                return jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+            return apply_block
+
         if scan:
+            apply_block = block_call(None)
             return jax.lax.scan(lambda carried, layer: apply_block(carried, *layer), stream, (params, constants, kv))
         layers_kv = []
         for i in range(segment.num_layers):
             layer = jax.tree.map(lambda x: x[i], params) if layer_params is None else layer_params[i]
             layer_kv = None if kv is None else tuple(None if x is None else x[i] for x in kv)
-            stream, layer_kv = apply_block(stream, layer, jax.tree.map(lambda x: x[i], constants), layer_kv)
+            stream, layer_kv = block_call(self.config.window_at(segment.start + i))(
+                stream, layer, jax.tree.map(lambda x: x[i], constants), layer_kv)
             layers_kv.append(layer_kv)
         return stream, None if cache is None else tuple(zip(*layers_kv))  # (k per layer, v per layer): no restacking
 
