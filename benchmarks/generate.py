@@ -267,7 +267,7 @@ def make_model(size: str, directory: Path, device: str) -> Path:
     return directory
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", type=Path, help="a transformers model directory (default: make a random DiffLlama, --model)")
     parser.add_argument("--model", choices=sorted(MODELS), default="56m", help="the random DiffLlama's size (without --hf)")
@@ -285,7 +285,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--cache-sizes", help="comma-separated GDLA run configs: only print and write the KV cache's "
                         "bytes per token, latent beside expanded heads (benchmarks/results/cache_sizes.md)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     if args.cache_sizes:
         cache_sizes(args.cache_sizes.split(","), args.out or Path(__file__).resolve().parent / "results" / "cache_sizes.md")
         return

@@ -12,6 +12,19 @@ MLA-style low-rank projections feeding grouped differential heads:
   sigmoid(q_latent W_gate) element-wise when output_gate, then the out projection.
 Windowed layers and YaRN: AttentionModule (the layer's RoPE table, YaRN's softmax factor on global layers).
 
+Generation (call_with_cache) caches what a token contributes before the up-projection, as the reference's MLA does:
+the normed kv latent (rkv) and the rotated shared RoPE key (dr), rkv + dr values per token and layer instead of
+Hkv (d + dv) (Motif 3: 576 against 5,120; benchmarks/results/cache_sizes.md), through the generic KVCache as one kv
+head (the key buffer holds the RoPE key, the value buffer the latent; windowed layers keep rings). The prefill
+attends the prompt's expanded heads (a long T, where expanding once per token is cheapest) and stores the latents.
+A decode step uses the absorbed form (absorbed_attention): W_uk folded into the query (each head's query in latent
+space), W_uv applied to each head's output. Expanding the cache instead would read the latents and write and read
+Hkv (d + dv) values per slot every step (the expanded cache's traffic, the very bytes the latent saves) plus
+2 S rkv Hkv (dn + dv) FLOPs; the absorbed step reads rkv + dr per slot and computes 2 H S (2 rkv + dr) FLOPs for the
+scores and P V (H (d + dv) per slot expanded: 3.4x the attention FLOPs at Motif 3's sizes, for 8.9x fewer bytes),
+plus 2 H rkv (dn + dv) per token independent of S. A small-batch decode step is bound by memory traffic, so the
+absorbed form is the faster one; it is the same arithmetic in another order (fp32 logits within 1e-5).
+
 Kernels, diffjax's layout -> the checkpoint's names and shapes (transpose and reshape only):
   q_down_kernel  (D, rq)             wq_a.weight [rq, D]
   q_norm_scale   (rq,)               q_norm.weight
