@@ -106,7 +106,7 @@ def prompts_and_model():
 
 def full_logits(model, prompts, continuations_BN) -> np.ndarray:
     """Without a cache: each row's prompt + continuation (right-padded) through one full forward; the logits [B, N, V]
-    at the positions that predict each continuation token (causal: the forward over each growing prefix, in one call)."""
+    at the positions that predict each continuation token (causal: the forward over each growing prefix, one call)."""
     N = continuations_BN.shape[1]
     sequences_BS = np.zeros((len(prompts), max(map(len, prompts)) + N), np.int32)
     for b, prompt in enumerate(prompts):
@@ -179,8 +179,10 @@ def test_the_benchmark_reports_latent_and_expanded_bytes_per_token_at_the_publis
     rows = {row["layout"]: row for row in benchmark.cache_sizes([str(path)], tmp_path / "sizes.md")}
     c = load_run_config(path).model
     o, L, itemsize = c.attention_options, c.num_layers, jnp.dtype(c.dtype).itemsize
-    latent, expanded = (o.kv_lora_rank + o.qk_rope_head_dim) * itemsize, c.num_kv_heads * (c.head_dim + o.v_head_dim) * itemsize
-    assert (rows["latent"]["bytes_per_token_per_layer"], rows["expanded"]["bytes_per_token_per_layer"]) == (latent, expanded)
+    latent = (o.kv_lora_rank + o.qk_rope_head_dim) * itemsize
+    expanded = c.num_kv_heads * (c.head_dim + o.v_head_dim) * itemsize
+    per_layer = (rows["latent"]["bytes_per_token_per_layer"], rows["expanded"]["bytes_per_token_per_layer"])
+    assert per_layer == (latent, expanded) == (1152, 10240)
     assert (rows["latent"]["bytes_per_token"], rows["expanded"]["bytes_per_token"]) == (L * latent, L * expanded)
     context, window, global_layers = 262144, c.attention_window, len(c.global_layers)
     assert rows["latent"]["bytes_per_sequence"][str(context)] == latent * (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +227,7 @@ class TransformerLM(nnx.Module):
         scan = self.config.scan_layers and layer_params is None
         graphdef, params = nnx.split(self.stack(segment))
 
+        @functools.cache  # one (checkpointed) function per window
         def block_call(window):  # window: the layer's static window, kept by its cache as a ring (loop only)
             def apply_block(stream, layer_params, layer_constants, layer_kv):
                 block = nnx.merge(graphdef, layer_params)
@@ -246,8 +248,8 @@ class TransformerLM(nnx.Module):
         for i in range(segment.num_layers):
             layer = jax.tree.map(lambda x: x[i], params) if layer_params is None else layer_params[i]
             layer_kv = None if kv is None else tuple(None if x is None else x[i] for x in kv)
-            stream, layer_kv = block_call(self.config.window_at(segment.start + i))(
-                stream, layer, jax.tree.map(lambda x: x[i], constants), layer_kv)
+            window = None if cache is None else self.config.window_at(segment.start + i)
+            stream, layer_kv = block_call(window)(stream, layer, jax.tree.map(lambda x: x[i], constants), layer_kv)
             layers_kv.append(layer_kv)
         return stream, None if cache is None else tuple(zip(*layers_kv))  # (k per layer, v per layer): no restacking
 

@@ -82,9 +82,7 @@ class GroupedDiffLatentAttention(AttentionModule):
     def project(self, x_BTD, rope_cos_sin):
         """(q [B, T, H, d], k [B, S, Hkv, d], v [B, S, Hkv, dv]) with the qk_rope channels of q and k rotated."""
         latent_BTr, k_rope_BTr = self.kv_latent(x_BTD, rope_cos_sin)
-        k_BTKd, v_BTKv = self.expanded_kv(latent_BTr, k_rope_BTr)
-        return (self.queries(x_BTD, rope_cos_sin), constrain(k_BTKd, ("batch", "length", "act_kv_heads", None)),
-                constrain(v_BTKv, ("batch", "length", "act_kv_heads", None)))
+        return (self.queries(x_BTD, rope_cos_sin),) + self.expanded_kv(latent_BTr, k_rope_BTr)
 
     def queries(self, x_BTD, rope_cos_sin):
         """q [B, T, H, d]: per head qk_nope channels, then qk_rope rotated ones."""
@@ -108,7 +106,9 @@ class GroupedDiffLatentAttention(AttentionModule):
         kv_BTKc = jnp.einsum("btr,rkc->btkc", latent_BTr, self.kv_up_kernel[...].astype(latent_BTr.dtype))
         B, T, K, _ = kv_BTKc.shape
         k_rope_BTKr = jnp.broadcast_to(k_rope_BTr[:, :, None], (B, T, K, k_rope_BTr.shape[-1]))
-        return jnp.concatenate([kv_BTKc[..., :dn], k_rope_BTKr], axis=-1), kv_BTKc[..., dn:]
+        k_BTKd = jnp.concatenate([kv_BTKc[..., :dn], k_rope_BTKr], axis=-1)
+        return (constrain(k_BTKd, ("batch", "length", "act_kv_heads", None)),
+                constrain(kv_BTKc[..., dn:], ("batch", "length", "act_kv_heads", None)))
 
     def op_arguments(self, x_BTD, constants) -> tuple:
         """(lambda [B, T, S],) = sigmoid(x W_lambda) in float32, then the activation dtype."""
@@ -132,11 +132,9 @@ class GroupedDiffLatentAttention(AttentionModule):
         else:
             if cache is not None:  # prefill: store the latents, attend the prompt's expanded heads
                 cache = cache.update(k_rope_BTr[:, :, None], latent_BTr[:, :, None], {}, windowed)[0]
-            k_BTKd, v_BTKv = self.expanded_kv(latent_BTr, k_rope_BTr)
-            o_BTHv, _ = attend(ops.dot_product_attention, q_BTHd, constrain(k_BTKd, ("batch", "length", "act_kv_heads", None)),
-                               constrain(v_BTKv, ("batch", "length", "act_kv_heads", None)), segment_ids=segment_ids,
-                               impl=self.config.attention_impl, window=window, windowed=windowed,
-                               global_scale=self.global_scale(q_BTHd.shape[-1]))
+            o_BTHv, _ = attend(ops.dot_product_attention, q_BTHd, *self.expanded_kv(latent_BTr, k_rope_BTr),
+                               segment_ids=segment_ids, impl=self.config.attention_impl, window=window,
+                               windowed=windowed, global_scale=self.global_scale(q_BTHd.shape[-1]))
         signal_BTSv, noise_BTSv = self.signal_and_noise(o_BTHv)
         (lam_BTS,) = self.lambdas(x_BTD, constants)
         return self.gated_output(signal_BTSv - lam_BTS[..., None] * noise_BTSv, x_BTD), cache
