@@ -20,6 +20,14 @@ Figures per row, for diffjax and each peer (transformers `generate`: "eager" wit
   reaches, as a fraction of the copy bandwidth measured in the same run (a jitted in-place y = 2x over 256 MiB, bytes
   read + written per second: what the machine's memory sustains for a streaming kernel).
 Ratios are diffjax / peer tokens/s. Writes benchmarks/results/generate_<platform>.json.
+
+    python benchmarks/generate.py --cache-sizes configs/motif3/published.yaml,configs/motif3/small.yaml
+
+--cache-sizes runs nothing: for each run config (a GDLA model) it takes the KV cache's buffers' shapes (jax.eval_shape
+of a prefill: no memory used) and prints bytes of cache per token and per sequence at 4K, 32K and 256K tokens for
+the cache generation keeps (the kv latent and the RoPE key, windowed layers in rings), the latent without rings, and
+the expanded-head cache GDLA kept before (every kv head's keys and values, every slot), then writes the table to
+benchmarks/results/cache_sizes.md (--out).
 """
 
 from __future__ import annotations
@@ -93,6 +101,104 @@ def bytes_per_step(model, batch: int, cache_slots: float) -> float:
     return itemsize * weights + batch * cache_slots * cache_bytes_per_slot
 
 
+CONTEXTS = (4096, 32768, 262144)
+
+
+def layer_cache_bytes(config, context: int, layout: str) -> list[int]:
+    """Bytes of one sequence's cache per layer at `context` positions, from the real buffers' shapes (eval_shape).
+    layout "latent": what generation keeps (layers in a loop: windowed layers in rings); "latent_no_ring": the same
+    buffers through the scanned stack (every layer `context` slots); "expanded": the generic KVCache holding GDLA's
+    expanded heads (expanded_kv: k [Hkv, d] and v [Hkv, dv] per token), every layer `context` slots."""
+    from flax import nnx
+
+    from diffjax.model import TransformerLM
+    from diffjax.model.attention.gdla import GroupedDiffLatentAttention
+    from diffjax.model.kv_cache import KVCache
+
+    dtype = jnp.dtype(config.dtype)
+    if layout == "expanded":
+        o = config.attention_options
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: GroupedDiffLatentAttention(config, rngs=nnx.Rngs(0))))
+
+        def expanded_cache(state):
+            latent, k_rope = jnp.zeros((1, 1, o.kv_lora_rank), dtype), jnp.zeros((1, 1, o.qk_rope_head_dim), dtype)
+            k, v = nnx.merge(graphdef, state).expanded_kv(latent, k_rope)
+            return KVCache.empty(1, context).update(k, v, {})[0]
+
+        cache = jax.eval_shape(expanded_cache, state)
+        return [cache.k.size * cache.k.dtype.itemsize + cache.v.size * cache.v.dtype.itemsize] * config.num_layers
+    config = config.replace(scan_layers=layout == "latent_no_ring")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))))
+
+    def prefilled(state):
+        model = nnx.merge(graphdef, state)
+        layer_params = None if config.scan_layers else model.unstacked_blocks()
+        return model(jnp.zeros((1, 1), jnp.int32), cache=KVCache.empty(1, context), layer_params=layer_params)[1]
+
+    cache = jax.eval_shape(prefilled, state)
+    if config.scan_layers:  # stacked [L, ...] buffers
+        return [sum(x.size // x.shape[0] * x.dtype.itemsize for x in (cache.k, cache.v))] * config.num_layers
+    return [k.size * k.dtype.itemsize + v.size * v.dtype.itemsize for k, v in zip(cache.k, cache.v)]
+
+
+def cache_size_rows(name: str, config) -> list[dict]:
+    """One row per layout: bytes per token and layer (a global layer), per token over all layers (without rings),
+    and per sequence at CONTEXTS positions."""
+    rows, contexts = [], sorted({context for context in CONTEXTS if context <= config.max_seq_len} | {config.max_seq_len})
+    measured = {(layout, context): layer_cache_bytes(config, context, layout)
+                for layout in ("expanded", "latent_no_ring", "latent") for context in contexts}
+    for layout in ("expanded", "latent_no_ring", "latent"):
+        per_context = {context: measured[layout, context] for context in contexts}
+        largest = max(contexts)  # per token: the layers that keep every position (no rings)
+        per_token = [b / largest for b in measured["latent_no_ring" if layout == "latent" else layout, largest]]
+        rows.append({"config": name, "layout": layout, "dtype": config.dtype, "layers": config.num_layers,
+                     "max_seq_len": config.max_seq_len,
+                     "bytes_per_token_per_layer": per_token[0], "bytes_per_token": sum(per_token),
+                     "bytes_per_sequence": {str(c): sum(b) for c, b in per_context.items()}})
+    return rows
+
+
+LAYOUT_LABELS = {"expanded": "expanded heads (before)", "latent_no_ring": "latent, no rings",
+                 "latent": "latent + rings (generate)"}
+
+
+def cache_size_table(rows: list[dict]) -> str:
+    def size(n):
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+    lines = ["| config | cache | dtype | bytes / token / layer | bytes / token (all layers) | "
+             + " | ".join(f"per sequence at {c // 1024}K" for c in CONTEXTS) + " | at max_seq_len |",
+             "|---|---|---|---|---|" + "---|" * (len(CONTEXTS) + 1)]
+    for row in rows:
+        sequences = " | ".join(size(row["bytes_per_sequence"][str(c)]) if str(c) in row["bytes_per_sequence"] else "-"
+                               for c in CONTEXTS + (row["max_seq_len"],))
+        lines.append(f"| {row['config']} | {LAYOUT_LABELS[row['layout']]} | {row['dtype']} | "
+                     f"{row['bytes_per_token_per_layer']:,.0f} | {row['bytes_per_token']:,.0f} | {sequences} "
+                     f"({row['max_seq_len']:,}) |")
+    return "\n".join(lines)
+
+
+def cache_sizes(paths: list[str], out: Path) -> list[dict]:
+    """--cache-sizes: the table for each run config, printed and written to `out`."""
+    from diffjax.train.config import load_run_config
+
+    rows = []
+    for path in paths:
+        config = load_run_config(path).model
+        if config.attention != "gdla":
+            raise SystemExit(f"--cache-sizes: {path} has attention={config.attention!r}; the latent cache is GDLA's")
+        rows += cache_size_rows(Path(path).stem, config)
+    table = cache_size_table(rows)
+    print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# KV cache bytes (`python benchmarks/generate.py --cache-sizes {','.join(paths)}`)\n\n"
+                   "From the cache buffers' shapes (jax.eval_shape of a prefill), one sequence. \"bytes / token\": "
+                   "a layer that keeps every position; windowed layers keep rings of their window (generate).\n\n"
+                   f"{table}\n")
+    print(f"wrote {out}")
+    return rows
+
+
 def time_diffjax(model, prompts_BP: np.ndarray, new_tokens: int, repeats: int) -> dict:
     def run(n):
         return diffjax.generate(model, prompts_BP, n)
@@ -161,7 +267,7 @@ def make_model(size: str, directory: Path, device: str) -> Path:
     return directory
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", type=Path, help="a transformers model directory (default: make a random DiffLlama, --model)")
     parser.add_argument("--model", choices=sorted(MODELS), default="56m", help="the random DiffLlama's size (without --hf)")
@@ -177,7 +283,16 @@ def main() -> None:
     parser.add_argument("--torch-device", default=None, help="where transformers runs (default: cuda when JAX runs on "
                         "a GPU and torch sees one, else cpu)")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--cache-sizes", help="comma-separated GDLA run configs: only print and write the KV cache's "
+                        "bytes per token, latent beside expanded heads (benchmarks/results/cache_sizes.md)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
+    if args.cache_sizes:
+        cache_sizes(args.cache_sizes.split(","), args.out or Path(__file__).resolve().parent / "results" / "cache_sizes.md")
+        return
     peers = [] if args.peers == "none" else args.peers.split(",")
     device = jax.devices()[0]
     torch_device = args.torch_device or "cpu"

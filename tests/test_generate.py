@@ -68,7 +68,8 @@ def tiny_model(case: str) -> TransformerLM:
 def _prefill(graphdef, params, prompts_BP, lengths_B, *, max_len, unstacked):
     model = nnx.merge(graphdef, params)
     layer_params = model.unstacked_blocks() if unstacked else None
-    logits_BPV, cache = model(prompts_BP, cache=KVCache.empty(prompts_BP.shape[0], max_len), layer_params=layer_params)
+    logits_BPV, cache = model(prompts_BP, cache=KVCache.empty(prompts_BP.shape[0], max_len, lengths_B),
+                              layer_params=layer_params)
     return logits_BPV, dataclasses.replace(cache, lengths_B=lengths_B)
 
 
@@ -113,10 +114,12 @@ def test_cached_logits_equal_a_full_forward_at_every_step(case, unstacked, measu
     error = measured("cached vs full logits, max rel err", np.abs(np.stack(cached) - reference).max() / np.abs(reference).max(),
                      CACHED_LOGITS_TOL)
     assert error <= CACHED_LOGITS_TOL
-    # One buffer per layer (or a stack of them), one slot per position.
+    # One buffer per layer (or a stack of them), one slot per position; per layer in a loop, a windowed layer's a ring
+    # of its window's slots.
     assert (len(cache.k), isinstance(cache.k, tuple)) == (model.config.num_layers, unstacked)
     k0, v0 = cache.k[0], cache.v[0]
-    assert (k0.shape[0], k0.shape[K_SLOT_AXIS], v0.shape[V_SLOT_AXIS]) == (B, P + STEPS, P + STEPS)
+    slots = min(model.config.window_at(0) or P + STEPS, P + STEPS) if unstacked else P + STEPS
+    assert (k0.shape[0], k0.shape[K_SLOT_AXIS], v0.shape[V_SLOT_AXIS]) == (B, slots, slots)
     np.testing.assert_array_equal(cache.lengths_B, lengths_B + STEPS - 1)
 
 

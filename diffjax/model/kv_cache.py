@@ -15,6 +15,17 @@ here; it stores the keys with the slot axis last ([B, kv heads, ..., d, S]) and 
 last ([B, kv heads, ..., S, dv]), the orders in which the decode step's attention reads them without a copy.
 TransformerLM holds the layers' buffers stacked ([L, ...], scanned with the stacked params) or, when its layers
 run in a loop (generation always: TransformerLM.unstacked_blocks), as one buffer per layer.
+
+Windowed layers in a loop keep a ring (TransformerLM passes each layer's static window to `layer`): W slots for a
+window of W keys (when W < S), position p in slot p mod W. A decode step at position p writes slot p mod W, which
+then holds p and every other slot s the position p - ((p - s) mod W), all inside the window; a slot is attended
+once that position is >= 0 (written). The prefill stores each row's last W real tokens, position q in slot q mod W,
+so it needs the rows' real lengths when they differ (`empty(..., prompt_lengths_B)`): the pad positions of a
+shorter row would otherwise overwrite its real tokens' slots. A scanned stack keeps S slots on every layer (one
+shape for the stack) and masks the window instead.
+
+What a module stores is its own choice: GDLA (attention/gdla.py) stores its compressed kv latent as the "values"
+and its shared RoPE key as the "keys", one kv head each, and attends them itself.
 """
 
 from __future__ import annotations
@@ -28,23 +39,35 @@ import jax.numpy as jnp
 from diffjax.sharding import constrain
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "lengths_B"), meta_fields=("max_len",))
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "lengths_B", "prompt_lengths_B"),
+                   meta_fields=("max_len", "window"))
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """k, v: one layer's buffers ([B, K, ..., d, S] and [B, K, ..., S, dv]: the module's [B, S, K, ...] with the slot
     axis moved, K_SLOT_AXIS / V_SLOT_AXIS), a stack's [L, ...] (scanned layers) or a tuple of L layers' (layers in a
     loop); None before the prefill, which allocates them. lengths_B: tokens stored per row before this call, i.e.
-    the position of the row's next token. max_len: S, the slots per row."""
+    the position of the row's next token. max_len: S, the positions per row. prompt_lengths_B: the prefill's real
+    prompt lengths (None: every row's whole T), for the rings. window: one layer's static sliding window (`layer`;
+    None: no ring), a ring of `slots` when it is shorter than max_len."""
 
     k: jax.Array | None
     v: jax.Array | None
     lengths_B: jax.Array
     max_len: int
+    prompt_lengths_B: jax.Array | None = None
+    window: int | None = None
 
     @classmethod
-    def empty(cls, batch: int, max_len: int) -> "KVCache":
-        """The cache a prefill starts from: nothing stored, buffers allocated by the first call."""
-        return cls(None, None, jnp.zeros((batch,), jnp.int32), max_len)
+    def empty(cls, batch: int, max_len: int, prompt_lengths_B=None) -> "KVCache":
+        """The cache a prefill starts from: nothing stored, buffers allocated by the first call. prompt_lengths_B
+        [B]: the right-padded prompts' real lengths (needed by the windowed layers' rings when they differ)."""
+        lengths = None if prompt_lengths_B is None else jnp.asarray(prompt_lengths_B, jnp.int32)
+        return cls(None, None, jnp.zeros((batch,), jnp.int32), max_len, lengths)
+
+    @property
+    def slots(self) -> int:
+        """Slots per row of this layer's buffers: the window when it is a ring, else max_len."""
+        return self.max_len if self.window is None else min(self.window, self.max_len)
 
     def positions(self, num_new: int) -> jax.Array:
         """Positions [B, T] of the T tokens this call adds (for RoPE)."""
@@ -59,13 +82,16 @@ class KVCache:
         cache (the caller's `attend`). Decode (T must be 1): the token goes to slot lengths_B[b] of row b and
         attends slots 0..lengths_B[b] of the whole buffer (segment ids mark the slots), by the impl
         diffjax.ops.choose picks for a decode call (xla today); under a sliding window W (attend["window"], where
-        `windowed`, a bool or a traced one) only slots lengths_B[b] - W + 1 .. lengths_B[b].
+        `windowed`, a bool or a traced one) only slots lengths_B[b] - W + 1 .. lengths_B[b]. A ring (`window`) stores
+        the prompt's last W real tokens and writes slot lengths_B[b] mod W (module docstring).
         """
         B, T = k_new.shape[:2]
         if self.k is None:
             if T > self.max_len:
                 raise ValueError(f"the prompt ({T} tokens) does not fit the cache ({self.max_len} slots per row)")
             def allocated(x_BTK, slot_axis):
+                if self.slots < self.max_len:
+                    return _to_buffer(self._ring_of(x_BTK), slot_axis)
                 widths = [(0, 0)] * x_BTK.ndim
                 widths[slot_axis] = (0, self.max_len - T)
                 return jnp.pad(_to_buffer(x_BTK, slot_axis), widths)
@@ -78,13 +104,16 @@ class KVCache:
         # place); a select over the whole buffer would rewrite every slot each step.
         def written(buffer, x_B1K, slot_axis):
             write = jax.vmap(lambda buf, x, slot: jax.lax.dynamic_update_slice_in_dim(buf, x, slot, axis=slot_axis))
-            return write(buffer, _to_buffer(x_B1K, slot_axis), self.lengths_B)
+            return write(buffer, _to_buffer(x_B1K, slot_axis), self.lengths_B % self.slots)
 
         k, v = written(self.k, k_new, K_SLOT_AXIS), written(self.v, v_new, V_SLOT_AXIS)
-        slots_BS = jnp.arange(self.max_len, dtype=jnp.int32)[None, :]
-        visible_BS = slots_BS <= self.lengths_B[:, None]
-        if attend.get("window") is not None:  # the window is a mask over slots, like the stored ones
-            visible_BS = visible_BS & ((self.lengths_B[:, None] - slots_BS < attend["window"]) | jnp.logical_not(windowed))
+        slots_BS, position_B1 = jnp.arange(self.slots, dtype=jnp.int32)[None, :], self.lengths_B[:, None]
+        if self.slots < self.max_len:  # a ring: slot s holds position p - ((p - s) mod W), inside the window
+            visible_BS = (position_B1 - slots_BS) % self.slots <= position_B1
+        else:
+            visible_BS = slots_BS <= position_B1
+            if attend.get("window") is not None:  # the window is a mask over slots, like the stored ones
+                visible_BS = visible_BS & ((position_B1 - slots_BS < attend["window"]) | jnp.logical_not(windowed))
         kv_ids_BS = visible_BS.astype(jnp.int32)  # 1: a slot the token sees, 0: not
         q_ids_B1 = jnp.ones((B, 1), jnp.int32)
         # impl "auto": diffjax.ops.choose picks the decode path (xla: no fused decode kernel yet), whatever the
@@ -101,9 +130,21 @@ class KVCache:
 
         return dataclasses.replace(self, k=constrain(k, axes(k, K_SLOT_AXIS)), v=constrain(v, axes(v, V_SLOT_AXIS)))
 
-    def layer(self, k, v) -> "KVCache":
-        """This cache with one layer's buffers (a slice of the stack, or None before the prefill)."""
-        return dataclasses.replace(self, k=k, v=v)
+    def layer(self, k, v, window: int | None = None) -> "KVCache":
+        """This cache with one layer's buffers (a slice of the stack, or None before the prefill); window: the layer's
+        static sliding window, kept as a ring (None: S slots, any window masked)."""
+        return dataclasses.replace(self, k=k, v=v, window=window)
+
+    def _ring_of(self, x_BTK):
+        """The ring a prefill stores, [B, W, ...]: slot s holds the row's latest real position q = s mod W (its
+        prompt's last W tokens); slots with no such position (a prompt shorter than W) hold a token never attended."""
+        T = x_BTK.shape[1]
+        last_B1 = (jnp.full((x_BTK.shape[0],), T, jnp.int32) if self.prompt_lengths_B is None
+                   else self.prompt_lengths_B)[:, None] - 1
+        slots_1W = jnp.arange(self.slots, dtype=jnp.int32)[None, :]
+        position_BW = jnp.clip(last_B1 - (last_B1 - slots_1W) % self.slots, 0, T - 1)
+        index = position_BW.reshape(position_BW.shape + (1,) * (x_BTK.ndim - 2))
+        return jnp.take_along_axis(x_BTK, index, axis=1)
 
 
 # Where a buffer keeps its slot axis: the decode step's attention contracts each head's keys over their last axis

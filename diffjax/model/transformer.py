@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -223,7 +226,7 @@ class TransformerLM(nnx.Module):
         if len(segments) > 1:  # one [L, ...] array (scanned) or one tuple of L buffers (loop) per k and v
             join = (lambda parts: sum(parts, ())) if isinstance(kvs[0][0], tuple) else jnp.concatenate
             kvs = [tuple(join([segment_kv[i] for segment_kv in kvs]) for i in range(2))]
-        return stream, KVCache(*kvs[0], cache.lengths_B + stream.shape[1], cache.max_len)
+        return stream, dataclasses.replace(cache, k=kvs[0][0], v=kvs[0][1], lengths_B=cache.lengths_B + stream.shape[1])
 
     def _run_stack(self, segment, stream, rope_cos_sin, segment_ids_BT, cache, constants, kv, layer_params):
         """One segment's layers (_run_blocks): (stream, its k and v buffers; without a cache its layers' router
@@ -232,25 +235,31 @@ class TransformerLM(nnx.Module):
         scan = self.config.scan_layers and layer_params is None
         graphdef, params = nnx.split(self.stack(segment))
 
-        def apply_block(stream, layer_params, layer_constants, layer_kv):
-            block = nnx.merge(graphdef, layer_params)
-            if cache is None:  # the layer's output: its MoE router's statistics ({} for other MLPs)
-                with router.collecting() as stats:
-                    stream = block(stream, rope_cos_sin, segment_ids_BT, layer_constants)
-                return stream, stats[0] if stats else {}
-            stream, layer_cache = block.call_with_cache(stream, rope_cos_sin, segment_ids_BT, layer_constants,
-                                                       cache.layer(*layer_kv))
-            return stream, (layer_cache.k, layer_cache.v)
+        @functools.cache  # one (checkpointed) function per window
+        def block_call(window):  # window: the layer's static window, kept by its cache as a ring (loop only)
+            def apply_block(stream, layer_params, layer_constants, layer_kv):
+                block = nnx.merge(graphdef, layer_params)
+                if cache is None:  # the layer's output: its MoE router's statistics ({} for other MLPs)
+                    with router.collecting() as stats:
+                        stream = block(stream, rope_cos_sin, segment_ids_BT, layer_constants)
+                    return stream, stats[0] if stats else {}
+                stream, layer_cache = block.call_with_cache(stream, rope_cos_sin, segment_ids_BT, layer_constants,
+                                                           cache.layer(*layer_kv, window=window))
+                return stream, (layer_cache.k, layer_cache.v)
 
-        if remat != "none":
-            apply_block = jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+            if remat != "none":
+                return jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+            return apply_block
+
         if scan:
+            apply_block = block_call(None)
             return jax.lax.scan(lambda carried, layer: apply_block(carried, *layer), stream, (params, constants, kv))
         layers_kv = []
         for i in range(segment.num_layers):
             layer = jax.tree.map(lambda x: x[i], params) if layer_params is None else layer_params[i]
             layer_kv = None if kv is None else tuple(None if x is None else x[i] for x in kv)
-            stream, layer_kv = apply_block(stream, layer, jax.tree.map(lambda x: x[i], constants), layer_kv)
+            window = None if cache is None else self.config.window_at(segment.start + i)
+            stream, layer_kv = block_call(window)(stream, layer, jax.tree.map(lambda x: x[i], constants), layer_kv)
             layers_kv.append(layer_kv)
         if cache is None:  # the router statistics, stacked like a scan's
             return stream, jax.tree.map(lambda *layers: jnp.stack(layers), *layers_kv)

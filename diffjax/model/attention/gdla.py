@@ -12,6 +12,19 @@ MLA-style low-rank projections feeding grouped differential heads:
   sigmoid(q_latent W_gate) element-wise when output_gate, then the out projection.
 Windowed layers and YaRN: AttentionModule (the layer's RoPE table, YaRN's softmax factor on global layers).
 
+Generation (call_with_cache) caches what a token contributes before the up-projection, as the reference's MLA does:
+the normed kv latent (rkv) and the rotated shared RoPE key (dr), rkv + dr values per token and layer instead of
+Hkv (d + dv) (Motif 3: 576 against 5,120; benchmarks/results/cache_sizes.md), through the generic KVCache as one kv
+head (the key buffer holds the RoPE key, the value buffer the latent; windowed layers keep rings). The prefill
+attends the prompt's expanded heads (a long T, where expanding once per token is cheapest) and stores the latents.
+A decode step uses the absorbed form (absorbed_attention): W_uk folded into the query (each head's query in latent
+space), W_uv applied to each head's output. Expanding the cache instead would read the latents and write and read
+Hkv (d + dv) values per slot every step (the expanded cache's traffic, the very bytes the latent saves) plus
+2 S rkv Hkv (dn + dv) FLOPs; the absorbed step reads rkv + dr per slot and computes 2 H S (2 rkv + dr) FLOPs for the
+scores and P V (H (d + dv) per slot expanded: 3.4x the attention FLOPs at Motif 3's sizes, for 8.9x fewer bytes),
+plus 2 H rkv (dn + dv) per token independent of S. A small-batch decode step is bound by memory traffic, so the
+absorbed form is the faster one; it is the same arithmetic in another order (fp32 logits within 1e-5).
+
 Kernels, diffjax's layout -> the checkpoint's names and shapes (transpose and reshape only):
   q_down_kernel  (D, rq)             wq_a.weight [rq, D]
   q_norm_scale   (rq,)               q_norm.weight
@@ -68,21 +81,33 @@ class GroupedDiffLatentAttention(AttentionModule):
 
     def project(self, x_BTD, rope_cos_sin):
         """(q [B, T, H, d], k [B, S, Hkv, d], v [B, S, Hkv, dv]) with the qk_rope channels of q and k rotated."""
-        dtype, (cos, sin), o = x_BTD.dtype, rope_cos_sin, self.config.attention_options
-        B, T, _ = x_BTD.shape
-        dn, rkv, style = o.qk_nope_head_dim, o.kv_lora_rank, self.config.rope_style
+        latent_BTr, k_rope_BTr = self.kv_latent(x_BTD, rope_cos_sin)
+        return (self.queries(x_BTD, rope_cos_sin),) + self.expanded_kv(latent_BTr, k_rope_BTr)
+
+    def queries(self, x_BTD, rope_cos_sin):
+        """q [B, T, H, d]: per head qk_nope channels, then qk_rope rotated ones."""
+        dtype, (cos, sin), dn = x_BTD.dtype, rope_cos_sin, self.config.attention_options.qk_nope_head_dim
         q_BTHd = jnp.einsum("btr,rhd->bthd", self.q_latent(x_BTD), self.q_up_kernel[...].astype(dtype))
+        q_BTHd = jnp.concatenate([q_BTHd[..., :dn], apply_rope(q_BTHd[..., dn:], cos, sin, self.config.rope_style)], -1)
+        return constrain(q_BTHd, ("batch", "length", "act_heads", None))
+
+    def kv_latent(self, x_BTD, rope_cos_sin):
+        """What a token contributes to every head's keys and values: (the normed kv latent [B, T, rkv], the shared RoPE
+        key [B, T, dr], rotated). The KV cache stores these two (rkv + dr per token and layer)."""
+        dtype, (cos, sin), rkv = x_BTD.dtype, rope_cos_sin, self.config.attention_options.kv_lora_rank
         kv_BTc = jnp.einsum("btD,Dc->btc", x_BTD, self.kv_down_kernel[...].astype(dtype))
         latent_BTr = rms_normalize(kv_BTc[..., :rkv], self.config.norm_eps) * self.kv_norm_scale[...].astype(dtype)
-        kv_BTKc = jnp.einsum("btr,rkc->btkc", latent_BTr, self.kv_up_kernel[...].astype(dtype))
-        q_rope_BTHr = apply_rope(q_BTHd[..., dn:], cos, sin, style)
-        k_rope_BT1r = apply_rope(kv_BTc[:, :, None, rkv:], cos, sin, style)  # one key for every kv head
-        K = kv_BTKc.shape[2]
-        q_BTHd = jnp.concatenate([q_BTHd[..., :dn], q_rope_BTHr], axis=-1)
-        k_BTKd = jnp.concatenate([kv_BTKc[..., :dn], jnp.broadcast_to(k_rope_BT1r, (B, T, K, k_rope_BT1r.shape[-1]))],
-                                 axis=-1)
-        return (constrain(q_BTHd, ("batch", "length", "act_heads", None)),
-                constrain(k_BTKd, ("batch", "length", "act_kv_heads", None)),
+        return latent_BTr, apply_rope(kv_BTc[:, :, None, rkv:], cos, sin, self.config.rope_style)[:, :, 0]
+
+    def expanded_kv(self, latent_BTr, k_rope_BTr):
+        """(k [B, T, Hkv, d], v [B, T, Hkv, dv]): the latent through the kv up-projection, the RoPE key beside
+        every kv head's qk_nope channels."""
+        dn = self.config.attention_options.qk_nope_head_dim
+        kv_BTKc = jnp.einsum("btr,rkc->btkc", latent_BTr, self.kv_up_kernel[...].astype(latent_BTr.dtype))
+        B, T, K, _ = kv_BTKc.shape
+        k_rope_BTKr = jnp.broadcast_to(k_rope_BTr[:, :, None], (B, T, K, k_rope_BTr.shape[-1]))
+        k_BTKd = jnp.concatenate([kv_BTKc[..., :dn], k_rope_BTKr], axis=-1)
+        return (constrain(k_BTKd, ("batch", "length", "act_kv_heads", None)),
                 constrain(kv_BTKc[..., dn:], ("batch", "length", "act_kv_heads", None)))
 
     def op_arguments(self, x_BTD, constants) -> tuple:
@@ -92,14 +117,46 @@ class GroupedDiffLatentAttention(AttentionModule):
                           ("batch", "length", "act_heads")),)
 
     def call_with_cache(self, x_BTD, rope_cos_sin, segment_ids, constants, cache):
+        """As AttentionModule's, with a latent KV cache: the prefill attends expanded heads and stores each token's
+        kv latent and RoPE key; a decode step attends the stored latents in the absorbed form (absorbed_attention)."""
         constants = {} if constants is None else constants
-        q, k, v = self.project(x_BTD, self.layer_rope(rope_cos_sin, constants))
-        o_BTHv, cache = attend(ops.dot_product_attention, q, k, v, segment_ids=segment_ids,
-                               impl=self.config.attention_impl, cache=cache, window=self.config.attention_window,
-                               windowed=self.windowed(constants), global_scale=self.global_scale(q.shape[-1]))
+        rope = self.layer_rope(rope_cos_sin, constants)
+        q_BTHd, (latent_BTr, k_rope_BTr) = self.queries(x_BTD, rope), self.kv_latent(x_BTD, rope)
+        window, windowed = self.config.attention_window, self.windowed(constants)
+        if cache is not None and cache.k is not None:  # decode: one kv "head", RoPE key as keys, latent as values
+            cache, k_rope_BS1r, latent_BS1r, op_kwargs = cache.update(
+                k_rope_BTr[:, :, None], latent_BTr[:, :, None], {"window": window}, windowed)
+            visible_BS = op_kwargs["segment_ids"][1] > 0
+            o_BTHv = self.absorbed_attention(q_BTHd, latent_BS1r[:, :, 0], k_rope_BS1r[:, :, 0], visible_BS,
+                                             self.softmax_scale(q_BTHd.shape[-1], constants))
+        else:
+            if cache is not None:  # prefill: store the latents, attend the prompt's expanded heads
+                cache = cache.update(k_rope_BTr[:, :, None], latent_BTr[:, :, None], {}, windowed)[0]
+            o_BTHv, _ = attend(ops.dot_product_attention, q_BTHd, *self.expanded_kv(latent_BTr, k_rope_BTr),
+                               segment_ids=segment_ids, impl=self.config.attention_impl, window=window,
+                               windowed=windowed, global_scale=self.global_scale(q_BTHd.shape[-1]))
         signal_BTSv, noise_BTSv = self.signal_and_noise(o_BTHv)
         (lam_BTS,) = self.lambdas(x_BTD, constants)
         return self.gated_output(signal_BTSv - lam_BTS[..., None] * noise_BTSv, x_BTD), cache
+
+    def absorbed_attention(self, q_BTHd, latent_BSr, k_rope_BSr, visible_BS, scale):
+        """o [B, T, H, dv] of the queries over the cached latents without expanding them (DeepSeek-V2's absorbed MLA):
+        q_nope W_uk^T is each head's query in latent space, so q . k = (q_nope W_uk^T) . latent + q_rope . k_rope, and
+        the values' up-projection W_uv applies once to each head's output instead of to every slot. The same
+        arithmetic as the expanded heads in another order (not bitwise the same)."""
+        dtype, dn = q_BTHd.dtype, self.config.attention_options.qk_nope_head_dim
+        up_rKc = self.kv_up_kernel[...].astype(dtype)
+        B, T, H, _ = q_BTHd.shape
+        K = up_rKc.shape[1]
+        q_BTKgd = q_BTHd.reshape(B, T, K, H // K, -1)
+        q_latent_BTKgr = jnp.einsum("btkgn,rkn->btkgr", q_BTKgd[..., :dn], up_rKc[..., :dn],
+                                    preferred_element_type=jnp.float32).astype(dtype)
+        s_BKgTS = (jnp.einsum("btkgr,bsr->bkgts", q_latent_BTKgr, latent_BSr, preferred_element_type=jnp.float32)
+                   + jnp.einsum("btkgn,bsn->bkgts", q_BTKgd[..., dn:], k_rope_BSr, preferred_element_type=jnp.float32))
+        p_BKgTS = masked_softmax(s_BKgTS * scale, visible_BS[:, None, None, None, :]).astype(dtype)
+        o_BTKgr = jnp.einsum("bkgts,bsr->btkgr", p_BKgTS, latent_BSr, preferred_element_type=jnp.float32).astype(dtype)
+        o_BTKgv = jnp.einsum("btkgr,rkv->btkgv", o_BTKgr, up_rKc[..., dn:], preferred_element_type=jnp.float32)
+        return o_BTKgv.astype(dtype).reshape(B, T, H, -1)
 
     def signal_and_noise(self, per_head, axis=2):
         """(signal heads, each signal head's noise head) of an array with the H heads on `axis`: [.., S, ..] twice."""
