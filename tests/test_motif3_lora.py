@@ -122,7 +122,8 @@ def _fine_tune(base: Path, run_dir: Path, steps: int) -> dict[str, str]:
     out = _run("train.py", "--config", base / "config.yaml", f"train.init_from={base}", f"train.run_dir={run_dir}",
                "lora.rank=4", "lora.alpha=8", f"lora.targets=[{', '.join(ALL_TARGETS)}]", "lora.trainable=[lambda]",
                f"train.steps={steps}", "checkpoint.every=2", "train.eval_every=0", "train.sample_tokens=0",
-               "data.source=builtin", "data.seq_len=32", "train.batch_size=8", "optim.lr=1e-2", "optim.warmup_steps=0")
+               "data.source=builtin", "data.seq_len=32", "train.batch_size=8", "train.log_every=1", "optim.lr=1e-2",
+               "optim.warmup_steps=0", "optim.decay_steps=4")  # (the schedule's length fixed: steps 2 then 4 = 4)
     return dict(re.findall(r"^step\s+(\d+)/\d+ \| loss ([\d.]+) \|", out, flags=re.M))
 
 
