@@ -5,9 +5,9 @@ mapping `diffjax-to-hf RUN DST` of a LoRA run exports from (hf_directories.diffj
 A LoRA run directory's checkpoints hold only what trained (the adapters and the lora.trainable base params)
 and the checksums of the base it trained on; its config.yaml names the base (train.init_from) and the lora
 settings. diffjax.params_checkpoint.lora_run reads both and compares the models; a base that changed since is
-refused (the adapters would not fit it). merge-lora holds the whole base in host memory (merged_lora_params: it
-writes one Orbax checkpoint); the export reads the base one leaf, or one layer of a stack, at a time
-(LazyMergedParams over CheckpointParams), merging each as it is read.
+refused (the adapters would not fit it). Both commands read the base one leaf, or one layer of a stack, at a time
+(LazyMergedParams over CheckpointParams), merging each as it is read: peak memory is a layer's tensors, not the
+model (load_model and train.init_from of a LoRA run merge in memory: params_checkpoint.merged_lora_params).
 """
 
 from __future__ import annotations
@@ -20,25 +20,34 @@ import numpy as np
 
 from diffjax import lora
 from diffjax.convert.common import refuse_overlap
-from diffjax.params_checkpoint import CheckpointParams, lora_run, merged_lora_params, save_params
+from diffjax.params_checkpoint import STACKED, CheckpointParams, lora_run, save_params_streamed
 from diffjax.run_dir import RunDir
 
 
 def merge_lora_directory(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> Path:
     """Write the LoRA run `src`'s merged model as a params-only run directory `dst` (with the base's hf/ files, so
-    that diffjax-to-hf restores its tokenizer and token ids); returns the step directory."""
+    that diffjax-to-hf restores its tokenizer and token ids), one merged leaf (one layer of a stack) at a time
+    (save_params_streamed); returns the step directory."""
     from diffjax.convert.hf_directories import conversion_run_dir, keep_hf_files
 
-    result = merged_lora_params(src)
-    if result is None:
+    params = LazyMergedParams.of(src)
+    if params is None:
         raise ValueError(f"{src} is not a LoRA run (its config.yaml has no lora section with rank > 0)")
-    params, model_config, base_step = result
-    base = RunDir.of_step(base_step)
+    base = RunDir.of_step(params.root_step)
     refuse_overlap(base.path, dst, source_name="the LoRA run's base (train.init_from)")  # (SRC: checked by the CLI)
-    base_hf = base.hf
+    leaves = {path: (params.shapes[path], params.dtypes[path]) for path in params}
+
+    def fill(write):
+        for path, (shape, _) in leaves.items():
+            if path[0].startswith(STACKED):  # "blocks", "blocks_from_<start>": one layer at a time
+                for depth in range(shape[0]):
+                    write(path, depth, params.layer(path, depth))
+            else:
+                write(path, None, params[path])
+
     with conversion_run_dir(dst, overwrite=overwrite) as run:
-        data = keep_hf_files(base_hf, run) if base_hf.is_dir() else None
-        return save_params(run.path, params, model_config, data=data)
+        data = keep_hf_files(base.hf, run) if base.hf.is_dir() else None
+        return save_params_streamed(run.path, leaves, fill, params.model_config, data=data)
 
 
 class LazyMergedParams(Mapping):
