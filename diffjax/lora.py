@@ -331,13 +331,18 @@ def checksum(x: jax.Array) -> jax.Array:
     return jnp.sum(bits * weights + (bits ^ jnp.uint32(0x9E3779B9)), dtype=jnp.uint32)
 
 
-def host_checksum(x: np.ndarray) -> np.uint32:
-    """checksum computed by numpy, bit for bit the same (its uint32 products and sums wrap modulo 2**32 alike): a
-    leaf read from disk is fingerprinted without a device or a compilation per shape."""
+def host_checksum(x: np.ndarray, chunk: int = 2**20) -> np.uint32:
+    """checksum computed by numpy, bit for bit the same (its uint32 products and sums wrap modulo 2**32 alike), a
+    chunk of elements at a time: a leaf read from disk is fingerprinted without a device, a compilation per shape,
+    or temporaries the size of the leaf."""
     x = np.ascontiguousarray(x)
-    bits = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize]).reshape(-1).astype(np.uint32)
-    weights = np.arange(1, bits.size + 1, dtype=np.uint32) * np.uint32(2654435761)
-    return np.sum(bits * weights + (bits ^ np.uint32(0x9E3779B9)), dtype=np.uint32)
+    bits = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize]).reshape(-1)
+    total = 0
+    for start in range(0, bits.size, chunk):
+        part = bits[start:start + chunk].astype(np.uint32)
+        weights = np.arange(start + 1, start + 1 + part.size, dtype=np.uint32) * np.uint32(2654435761)
+        total += int(np.sum(part * weights + (part ^ np.uint32(0x9E3779B9)), dtype=np.uint32))
+    return np.uint32(total % 2**32)
 
 
 def checksums(params: dict) -> dict:

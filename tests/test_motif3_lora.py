@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -72,6 +73,15 @@ def test_adapters_cover_both_segments_gdla_the_shared_and_the_routed_experts():
         lora.kernel_specs(model_config, lora.LoraConfig(rank=3, targets=("q", "o")))
     assert lora.kernel_specs(model_config, lora.LoraConfig(rank=3, targets=("attention",))).keys() == {
         path for path in specs if path[1] == "attn"}
+
+
+def test_the_host_checksum_is_the_trainers_checksum():
+    """The export checks the base it reads leaf by leaf with numpy (lora.host_checksum, in chunks) against the
+    checksums the trainer saved (lora.checksum, on device): the same uint32 for any dtype and chunk boundary."""
+    draws = np.random.RandomState(0)
+    for x in (draws.standard_normal((3, 5, 7)).astype(np.float32), draws.standard_normal(100).astype(jnp.bfloat16),
+              np.float32(3.0).reshape(()), draws.standard_normal(1000).astype(np.float32)):
+        assert int(lora.host_checksum(x)) == int(lora.host_checksum(x, chunk=77)) == int(lora.checksum(jnp.asarray(x)))
 
 
 @pytest.mark.slow
@@ -162,7 +172,7 @@ def test_a_converted_motif3_fine_tunes_and_resumes_bitwise(fine_tuned):
 
 
 @pytest.mark.slow
-def test_the_merged_export_loads_in_the_restatement_with_the_lora_models_logits(fine_tuned):
+def test_the_merged_export_loads_in_the_restatement_with_the_lora_models_logits(fine_tuned, capsys):
     """diffjax-to-hf of the LoRA run: Motif's config.json and tensor names, the adapted tensors (only those, and the
     trained lambda projection) changed; the re-statement loading it computes the LoRA model's logits (fp32 rel 1e-5),
     with the adapters merged independently in numpy. HF -> diffjax -> HF of the base keeps every tensor's bits."""
@@ -209,3 +219,22 @@ def test_the_merged_export_loads_in_the_restatement_with_the_lora_models_logits(
     assert np.abs(theirs - expected).max() / np.abs(expected).max() < 1e-5
     base_model = load_model(root / "base")
     assert np.abs(np.asarray(base_model(tokens)) - expected).max() / np.abs(expected).max() > 1e-3  # not the base
+
+    # a base that changed since: the export refuses in one line, naming the leaf, and writes nothing
+    import shutil
+
+    from diffjax.convert.__main__ import main
+    from diffjax.params_checkpoint import save_params
+
+    changed = jax.tree.map(np.asarray, load_params(root / "base"))
+    changed["blocks_from_1"]["mlp"]["router_kernel"][0, 0, 0] += np.float32(1e-3)
+    save_params(root / "changed_base", changed, model_config)
+    shutil.copytree(root / "straight", root / "moved")
+    run_config = yaml.safe_load((root / "moved" / "config.yaml").read_text())
+    run_config["train"].update(init_from=str(root / "changed_base"), run_dir=str(root / "moved"))
+    (root / "moved" / "config.yaml").write_text(yaml.safe_dump(run_config))
+    capsys.readouterr()
+    assert main(["diffjax-to-hf", str(root / "moved"), str(root / "refused")]) == 2
+    assert re.search(r"the base model changed since the LoRA checkpoint .*now holds different "
+                     r"blocks_from_1\.mlp\.router_kernel; the adapters fit", capsys.readouterr().err)
+    assert not (root / "refused").exists()
