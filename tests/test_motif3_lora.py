@@ -159,6 +159,7 @@ def test_a_converted_motif3_fine_tunes_and_resumes_bitwise(fine_tuned):
     from diffjax.train.state_checkpoints import Checkpointer
 
     root, losses = fine_tuned
+    assert sorted(losses["second"]) == ["3", "4"]  # resumed at step 2 (a fresh start would log steps 1 to 4)
     assert {**losses["first"], **losses["second"]} == losses["straight"] and len(losses["straight"]) == 4
     assert float(losses["straight"]["4"]) < float(losses["straight"]["1"])  # it learns
     saved = Checkpointer(root / "straight", CheckpointConfig()).read(4)["state"]
