@@ -22,13 +22,21 @@ The merged forward materializes W' for the targeted kernels (one transient copy 
 gradient in the backward pass before it is contracted into A's and B's); the usual x @ A @ B side path
 would avoid that but needs the module edits above.
 
-Which dims of a kernel are its input comes from its logical axes: the "embed" axis when it comes first
-(q, k, v, gate, up), else every axis before a final "embed" (o: heads x head_dim; down: mlp). A takes the
-sharding of the first input axis (on the flattened input dim), B that of the first output axis; "rank" is
-never split (`adapter_shardings`).
+Which dims of a kernel are its input comes from its logical axes: the "embed" axis, or a latent's "rank" axis,
+when it comes first (q, k, v, gate, up; GDLA's q_down / q_up / kv_down / kv_up), else every axis before a final
+"embed" (o: heads x head_dim; down: mlp). A takes the sharding of the first input axis (on the flattened input
+dim), B that of the first output axis; "rank" is never split (`adapter_shardings`).
+
+A model whose layers are not all built alike (Motif 3: dense first layers, then MoE layers; diffjax.kinds.
+layer_segments) stacks each segment apart ("blocks", "blocks_from_<start>"): every stack gets its own adapters,
+on the targeted kernels it has (the dense MLP's gate / up / down in one, the MoE's shared expert's in the other).
+Routed experts (target "experts": W [L, E, in, out]) get one adapter pair per expert, A [L, E, in, r] and
+B [L, E, r, out]: E times a dense projection's adapter, and the merged W' is a transient copy of all of them
+(for a large E, adapt the shared expert and attention only). GDLA's output gate (attn.gate_kernel) is no target.
 
 A LoRA run directory names its settings and its base in config.yaml (`run_settings`); reading its weights merged
-is diffjax.params_checkpoint's (merged_lora_params), which imports this module: this one imports no checkpoint code
+is diffjax.params_checkpoint's (lora_run, merged_lora_params) and diffjax.convert.lora_merge's (LazyMergedParams:
+one base leaf at a time), which import this module: this one imports no checkpoint code
 nor the run directory's layout, nor anything of the trainer (the model and the sharding rules only where a function
 needs them).
 
@@ -45,25 +53,34 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import yaml
 
 from diffjax.config_values import build_config
 from diffjax.kinds import layer_segments
 
-# Projection name -> the kernel names it covers (Shared DIFF's dense query / key parts are q_base / k_base).
+# Projection name -> (the block's module holding it, the kernel names it covers). Shared DIFF's dense query / key
+# parts are q_base / k_base; GDLA's low-rank projections are q_down / q_up and kv_down / kv_up (its o is o_kernel);
+# an MoE layer's shared expert is a PolyNorm MLP (mlp.shared_expert's gate / up / down), its routed experts are
+# "experts" (per-expert adapters [L, E, ...]).
 TARGET_KERNELS = {
-    "q": ("q_kernel", "q_base"),
-    "k": ("k_kernel", "k_base"),
-    "v": ("v_kernel",),
-    "o": ("o_kernel",),
-    "gate": ("gate_kernel",),
-    "up": ("up_kernel",),
-    "down": ("down_kernel",),
+    "q": ("attn", ("q_kernel", "q_base")),
+    "k": ("attn", ("k_kernel", "k_base")),
+    "v": ("attn", ("v_kernel",)),
+    "o": ("attn", ("o_kernel",)),
+    "q_down": ("attn", ("q_down_kernel",)),
+    "q_up": ("attn", ("q_up_kernel",)),
+    "kv_down": ("attn", ("kv_down_kernel",)),
+    "kv_up": ("attn", ("kv_up_kernel",)),
+    "gate": ("mlp", ("gate_kernel",)),
+    "up": ("mlp", ("up_kernel",)),
+    "down": ("mlp", ("down_kernel",)),
+    "experts": ("mlp", ("expert_gate_kernel", "expert_up_kernel", "expert_down_kernel")),
 }
-TARGET_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
+# A group adapts those of its projections the model has (at least one); a projection named alone must exist.
+TARGET_GROUPS = {"attention": ("q", "k", "v", "o", "q_down", "q_up", "kv_down", "kv_up"), "mlp": ("gate", "up", "down")}
 ADAPTERS, BASE = "lora", "base"  # the trainable tree's keys: the adapters and the base params that train too
 A, B = "lora_a", "lora_b"
-STACKED = "blocks"  # the params key whose leaves carry the leading layers axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +92,8 @@ class LoraConfig:
     alpha: float = 16.0
     """The update W + alpha / r A B is scaled by alpha / rank."""
     targets: tuple[str, ...] = ("attention",)
-    """Projections to adapt: among q, k, v, o, gate, up, down, or the groups "attention" (q, k, v, o) / "mlp"."""
+    """Projections to adapt: q, k, v, o, q_down, q_up, kv_down, kv_up (GDLA), gate, up, down (an MLP's or an MoE's
+    shared expert's), experts (routed experts), or the groups "attention" / "mlp"."""
     trainable: tuple[str, ...] = ()
     """Regular expressions searched in a base parameter's dotted path (e.g. "lambda_", "norm"): those train too (with
     optimizer state); the rest of the base is frozen."""
@@ -110,9 +128,13 @@ class LoraConfig:
         return self.alpha / self.rank
 
     @property
+    def projections(self) -> tuple[str, ...]:
+        """The targeted projections, groups expanded."""
+        return tuple(dict.fromkeys(p for t in self.targets for p in TARGET_GROUPS.get(t, (t,))))
+
+    @property
     def kernel_names(self) -> tuple[str, ...]:
-        projections = [p for t in self.targets for p in TARGET_GROUPS.get(t, (t,))]
-        return tuple(dict.fromkeys(k for p in projections for k in TARGET_KERNELS[p]))
+        return tuple(dict.fromkeys(k for p in self.projections for k in TARGET_KERNELS[p][1]))
 
     def is_trainable(self, dotted_path: str) -> bool:
         return any(re.search(pattern, dotted_path) for pattern in self.trainable)
@@ -120,58 +142,72 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
-    """One adapted kernel: its params path, shape, and how many dims after the layers axis are its input."""
+    """One adapted kernel: its params path, shape, how many leading dims are batch (1: the layers axis; 2: layers
+    and the routed experts) and how many after those are its input."""
 
     path: tuple[str, ...]
     shape: tuple[int, ...]
     in_ndim: int
     logical_axes: tuple[str | None, ...]
+    batch_ndim: int = 1
 
     @property
     def in_size(self) -> int:
-        return math.prod(self.shape[1:1 + self.in_ndim])
+        return math.prod(self.shape[self.batch_ndim:self.batch_ndim + self.in_ndim])
 
     @property
     def out_size(self) -> int:
-        return math.prod(self.shape[1 + self.in_ndim:])
+        return math.prod(self.shape[self.batch_ndim + self.in_ndim:])
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return self.shape[:self.batch_ndim]
 
 
-def _input_ndim(path: tuple[str, ...], axes: tuple) -> int:
-    rest = tuple(axes[1:])
-    if rest and rest[0] == "embed":
+def _input_ndim(path: tuple[str, ...], rest: tuple) -> int:
+    """How many of a kernel's axes (after its batch axes) are its input: the first when it is "embed" or a
+    low-rank latent's "rank" (q, k, v, gate, up; GDLA's q_up, kv_up), else every axis before a final "embed"."""
+    if rest and rest[0] in ("embed", "rank"):
         return 1
     if len(rest) >= 2 and rest[-1] == "embed":
         return len(rest) - 1
-    raise ValueError(f"LoRA: cannot tell the input dims of {'.'.join(path)} from its logical axes {tuple(axes)}")
+    raise ValueError(f"LoRA: cannot tell the input dims of {'.'.join(path)} from its logical axes {tuple(rest)}")
+
+
+def _kernel_spec(path: tuple[str, ...], variable) -> KernelSpec:
+    axes = tuple(getattr(variable, "logical_axes", None) or (None,) * len(variable.shape))
+    if axes[0] != "layers":
+        raise ValueError(f"LoRA: {'.'.join(path)} is not stacked over layers (logical axes {axes})")
+    batch_ndim = 2 if axes[1:2] == ("expert",) else 1
+    return KernelSpec(path, tuple(variable.shape), _input_ndim(path, axes[batch_ndim:]), axes, batch_ndim)
 
 
 def kernel_specs(model_config, config: LoraConfig) -> dict[tuple[str, ...], KernelSpec]:
-    """The kernels `config` adapts in the model `model_config` builds, from its params' logical axes.
-    Raises ValueError naming a target that matches no kernel of this model."""
+    """The kernels `config` adapts in the model `model_config` builds, in every layer segment (a model whose layers
+    differ, e.g. Motif 3's dense first layers then MoE layers, stacks each segment apart: adapters per stack), from
+    their params' logical axes. Raises ValueError naming a target that matches no kernel of this model."""
     from flax import nnx
 
     from diffjax.model import TransformerLM
 
-    if len(layer_segments(model_config)) > 1:
-        raise ValueError("LoRA: models whose layers are not all built alike (mlp_options.dense_first_layers) are not "
-                         "supported yet")
+    stacks = {segment.name for segment in layer_segments(model_config)}
+    module_of = {kernel: module for module, kernels in TARGET_KERNELS.values() for kernel in kernels}
     abstract = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
     specs, found = {}, set()
-    wanted = config.kernel_names
     for path, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         path = tuple(map(str, path))
-        if path[0] != STACKED or path[-1] not in wanted:
-            continue
-        axes = tuple(getattr(variable, "logical_axes", None) or (None,) * len(variable.shape))
-        if axes[0] != "layers":
-            raise ValueError(f"LoRA: {'.'.join(path)} is not stacked over layers (logical axes {axes})")
-        specs[path] = KernelSpec(path, tuple(variable.shape), _input_ndim(path, axes), axes)
-        found.add(path[-1])
-    projections = [p for t in config.targets for p in TARGET_GROUPS.get(t, (t,))]
-    missing = [p for p in projections if not any(k in found for k in TARGET_KERNELS[p])]
+        if path[0] in stacks and module_of.get(path[-1]) == path[1]:  # (an attention's output gate is no MLP gate)
+            found.add(path[-1])
+            if path[-1] in config.kernel_names:
+                specs[path] = _kernel_spec(path, variable)
+    has = {p: any(k in found for k in TARGET_KERNELS[p][1]) for p in TARGET_KERNELS}
+    named = [t for t in config.targets if t in TARGET_KERNELS]
+    missing = [t for t in named if not has[t]]
+    missing += [t for t in config.targets if t in TARGET_GROUPS and not any(has[p] for p in TARGET_GROUPS[t])]
     if missing:
-        raise ValueError(f"lora.targets: model.attention {model_config.attention!r} has no {', '.join(missing)} "
-                         f"projection (its adaptable kernels: {sorted(found) or 'none'})")
+        raise ValueError(f"lora.targets: model.attention {model_config.attention!r} / model.mlp {model_config.mlp!r} "
+                         f"has no {', '.join(missing)} projection (its adaptable ones: "
+                         f"{', '.join(p for p in TARGET_KERNELS if has[p]) or 'none'})")
     return specs
 
 
@@ -196,19 +232,19 @@ def _flat(tree: dict, prefix: tuple[str, ...] = ()):
 
 
 def init_adapters(specs: dict[tuple[str, ...], KernelSpec], config: LoraConfig, key: jax.Array) -> dict:
-    """{path...: {"lora_a": [L, in, r], "lora_b": [L, r, out]}} (float32): A normal with std 1/sqrt(in), B zeros."""
+    """{path...: {"lora_a": [L, in, r], "lora_b": [L, r, out]}} (float32; routed experts' [L, E, in, r] and
+    [L, E, r, out]): A normal with std 1/sqrt(in), B zeros."""
     adapters = {}
     for i, (path, spec) in enumerate(sorted(specs.items())):
-        layers = spec.shape[0]
-        a = jax.random.normal(jax.random.fold_in(key, i), (layers, spec.in_size, config.rank), jnp.float32)
+        a = jax.random.normal(jax.random.fold_in(key, i), spec.batch_shape + (spec.in_size, config.rank), jnp.float32)
         _set(adapters, path, {A: a * spec.in_size ** -0.5,
-                              B: jnp.zeros((layers, config.rank, spec.out_size), jnp.float32)})
+                              B: jnp.zeros(spec.batch_shape + (config.rank, spec.out_size), jnp.float32)})
     return adapters
 
 
 def delta(a: jax.Array, b: jax.Array, shape, scale: float) -> jax.Array:
-    """(alpha / r) * A @ B in float32, shaped like the kernel [L, *in, *out]."""
-    return (scale * jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))).reshape(shape)
+    """(alpha / r) * A @ B in float32, shaped like the kernel [L, (E,) *in, *out]."""
+    return (scale * jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32))).reshape(shape)
 
 
 def merge(params: dict, adapters: dict, config: LoraConfig) -> dict:
@@ -270,34 +306,52 @@ def model_params(trainable: dict, frozen: dict, config: LoraConfig) -> dict:
 
 def adapter_shardings(specs: dict[tuple[str, ...], KernelSpec], config: LoraConfig, mesh) -> dict:
     """NamedShardings of init_adapters' tree: A [L, in, r] split like W's first input axis, B [L, r, out] like
-    its first output axis (where the mesh divides the flattened size), the layers and rank axes whole."""
+    its first output axis (where the mesh divides the flattened size), the layers and rank axes whole; routed
+    experts' adapters split on their expert axis as the kernel is."""
     from jax.sharding import NamedSharding
 
     from diffjax.sharding import logical_spec
 
     shardings = {}
     for path, spec in specs.items():
-        first_in, first_out = spec.logical_axes[1], spec.logical_axes[1 + spec.in_ndim]
-        a_shape = (spec.shape[0], spec.in_size, config.rank)
-        b_shape = (spec.shape[0], config.rank, spec.out_size)
+        batch_axes = spec.logical_axes[:spec.batch_ndim]
+        first_in, first_out = spec.logical_axes[spec.batch_ndim], spec.logical_axes[spec.batch_ndim + spec.in_ndim]
+        a_shape = spec.batch_shape + (spec.in_size, config.rank)
+        b_shape = spec.batch_shape + (config.rank, spec.out_size)
         _set(shardings, path, {
-            A: NamedSharding(mesh, logical_spec(("layers", first_in, "rank"), a_shape, mesh)),
-            B: NamedSharding(mesh, logical_spec(("layers", "rank", first_out), b_shape, mesh)),
+            A: NamedSharding(mesh, logical_spec(batch_axes + (first_in, "rank"), a_shape, mesh)),
+            B: NamedSharding(mesh, logical_spec(batch_axes + ("rank", first_out), b_shape, mesh)),
         })
     return shardings
+
+
+def checksum(x: jax.Array) -> jax.Array:
+    """One leaf's exact fingerprint (checksums): a uint32 scalar."""
+    bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
+    bits = bits.reshape(-1).astype(jnp.uint32)
+    weights = jnp.arange(1, bits.size + 1, dtype=jnp.uint32) * jnp.uint32(2654435761)
+    return jnp.sum(bits * weights + (bits ^ jnp.uint32(0x9E3779B9)), dtype=jnp.uint32)
+
+
+def host_checksum(x: np.ndarray, chunk: int = 2**20) -> np.uint32:
+    """checksum computed by numpy, bit for bit the same (its uint32 products and sums wrap modulo 2**32 alike), a
+    chunk of elements at a time: a leaf read from disk is fingerprinted without a device, a compilation per shape,
+    or temporaries the size of the leaf."""
+    x = np.ascontiguousarray(x)
+    bits = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize]).reshape(-1)
+    total = 0
+    for start in range(0, bits.size, chunk):
+        part = bits[start:start + chunk].astype(np.uint32)
+        weights = np.arange(start + 1, start + 1 + part.size, dtype=np.uint32) * np.uint32(2654435761)
+        total += int(np.sum(part * weights + (part ^ np.uint32(0x9E3779B9)), dtype=np.uint32))
+    return np.uint32(total % 2**32)
 
 
 def checksums(params: dict) -> dict:
     """{dotted path: uint32 scalar} per leaf: an exact fingerprint of the values (their bits, position-weighted,
     summed modulo 2**32: integer sums do not depend on the mesh or the order of the reduction). A resumed LoRA
     run compares the base it re-reads with the one it started from."""
-    def one(x):
-        bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
-        bits = bits.reshape(-1).astype(jnp.uint32)
-        weights = jnp.arange(1, bits.size + 1, dtype=jnp.uint32) * jnp.uint32(2654435761)
-        return jnp.sum(bits * weights + (bits ^ jnp.uint32(0x9E3779B9)), dtype=jnp.uint32)
-
-    return {".".join(path): one(value) for path, value in _flat(params)}
+    return {".".join(path): checksum(value) for path, value in _flat(params)}
 
 
 def changed_leaves(saved: dict, current: dict) -> list[str]:

@@ -14,6 +14,7 @@ settings and math from diffjax.lora); nothing here imports the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -408,14 +409,28 @@ def _read_state_items(step_dir: Path, keys: tuple[str, ...]) -> dict:
         target, restore_args=restore_args, partial_restore=True))
 
 
-def merged_lora_params(path: str | Path, *, what: str = "checkpoint") -> tuple[dict, ModelConfig, Path] | None:
-    """(the merged params as a nested dict of numpy arrays, the ModelConfig, the first non-LoRA base's step
-    directory) of a LoRA run directory / checkpoint (its newest intact one): the base (train.init_from, itself
-    possibly a LoRA run) with the trained base params put back and the adapters merged (diffjax.lora.model_params).
-    Refuses a base that changed since the checkpoint was saved. None when `path` is not a LoRA run. Holds the whole
-    base in memory."""
-    import dataclasses
+@dataclasses.dataclass(frozen=True)
+class LoraRun:
+    """A LoRA run's checkpoint, checked against its base (lora_run): the settings, the model, the base's newest
+    step directory, and the checkpoint's trained params and base checksums (host numpy: adapters, small)."""
 
+    config: lora.LoraConfig
+    model_config: ModelConfig
+    step_dir: Path
+    init_from: str
+    base_step: Path
+    base_what: str
+    saved: dict
+
+    def check_base(self, base_checksums: dict) -> None:
+        """Refuse a base whose checksums (lora.checksums) differ from those the checkpoint was saved with."""
+        lora.check_same_base(self.saved[LORA_CHECKSUMS], base_checksums, self.step_dir, self.init_from,
+                             "the adapters fit the base they were trained on only")
+
+
+def lora_run(path: str | Path, *, what: str = "checkpoint") -> LoraRun | None:
+    """The LoRA run directory / checkpoint at `path` (its newest intact one), its base resolved and its model
+    compared with the base's; None when `path` is not a LoRA run. Reads no base weights."""
     from diffjax.config import RUNTIME_FIELDS
 
     step_dir = resolve_checkpoint(path, what)
@@ -434,13 +449,24 @@ def merged_lora_params(path: str | Path, *, what: str = "checkpoint") -> tuple[d
         raise ValueError(f"the LoRA run {run.path} and its base {base_step} (train.init_from) are different models "
                          f"(model.{', model.'.join(differing)} differ)")
     saved = _read_state_items(step_dir, ("params", LORA_CHECKSUMS))
-    nested = merged_lora_params(base_step, what=base_what)
-    base = nested[0] if nested is not None else load_params(base_step, what=base_what)
-    lora.check_same_base(saved[LORA_CHECKSUMS], jax.device_get(jax.jit(lora.checksums)(base)), step_dir, init_from,
-                         "the adapters fit the base they were trained on only")
-    merged = lora.model_params(saved["params"], base, config)
-    root_step = nested[2] if nested is not None else base_step  # (whose hf/ files an export keeps)
-    return jax.tree.map(np.asarray, merged), model_config, root_step
+    return LoraRun(config, model_config, step_dir, init_from, base_step, base_what, saved)
+
+
+def merged_lora_params(path: str | Path, *, what: str = "checkpoint") -> tuple[dict, ModelConfig, Path] | None:
+    """(the merged params as a nested dict of numpy arrays, the ModelConfig, the first non-LoRA base's step
+    directory) of a LoRA run directory / checkpoint (its newest intact one): the base (train.init_from, itself
+    possibly a LoRA run) with the trained base params put back and the adapters merged (diffjax.lora.model_params).
+    Refuses a base that changed since the checkpoint was saved. None when `path` is not a LoRA run. Holds the whole
+    base in memory (diffjax.convert.lora_merge.LazyMergedParams reads it one leaf at a time)."""
+    run = lora_run(path, what=what)
+    if run is None:
+        return None
+    nested_run = merged_lora_params(run.base_step, what=run.base_what)
+    base = nested_run[0] if nested_run is not None else load_params(run.base_step, what=run.base_what)
+    run.check_base(jax.device_get(jax.jit(lora.checksums)(base)))
+    merged = lora.model_params(run.saved["params"], base, run.config)
+    root_step = nested_run[2] if nested_run is not None else run.base_step  # (whose hf/ files an export keeps)
+    return jax.tree.map(np.asarray, merged), run.model_config, root_step
 
 
 def load_model_params(path: str | Path, abstract_params: Any, *, what: str = "checkpoint") -> Any:

@@ -101,7 +101,8 @@ def test_gradients_reach_only_the_trainable_leaves():
 
 
 def test_config_errors_name_the_field_and_the_allowed_values():
-    with pytest.raises(ValueError, match=r"lora.targets .*q, k, v, o, gate, up, down, attention, mlp.*'qkv' unknown"):
+    with pytest.raises(ValueError, match=r"lora.targets .*q, k, v, o, q_down, q_up, kv_down, kv_up, gate, up, down, "
+                                         r"experts, attention, mlp.*'qkv' unknown"):
         lora.LoraConfig(rank=4, targets=("qkv",))
     with pytest.raises(ValueError, match="lora.rank must be an integer >= 0"):
         lora.LoraConfig(rank=-1)
@@ -110,7 +111,8 @@ def test_config_errors_name_the_field_and_the_allowed_values():
     with pytest.raises(ValueError, match="lora.trainable: '\\(' is not a regular expression"):
         lora.LoraConfig(rank=4, trainable=("(",))
     assert lora.LoraConfig(rank=4, targets=("attention", "q")).kernel_names == (
-        "q_kernel", "q_base", "k_kernel", "k_base", "v_kernel", "o_kernel")
+        "q_kernel", "q_base", "k_kernel", "k_base", "v_kernel", "o_kernel", "q_down_kernel", "q_up_kernel",
+        "kv_down_kernel", "kv_up_kernel")
 
 
 def test_a_run_directory_names_its_lora_settings_and_base_in_config_yaml(tmp_path):

@@ -28,7 +28,7 @@ from diffjax.convert import hub, motif3, motif3_weights
 from diffjax.params_checkpoint import nested
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
-from diffjax.params_checkpoint import (CheckpointParams, merged_lora_params, resolve_checkpoint, save_params,
+from diffjax.params_checkpoint import (CheckpointParams, resolve_checkpoint, save_params,
                                       save_params_streamed, saved_model_config)
 from diffjax.run_dir import RunDir
 
@@ -101,13 +101,14 @@ def read_run_config(src) -> tuple[Path, Path, ModelConfig]:
 def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", overwrite: bool = False,
                   progress=None) -> Path:
     """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory,
-    reading and writing one tensor at a time. A LoRA run's adapters are merged into its base first
-    (diffjax.convert.lora_merge; that holds the base in memory)."""
+    reading and writing one tensor at a time. A LoRA run's adapters are merged into its base as each base tensor is
+    read (diffjax.convert.lora_merge.LazyMergedParams)."""
+    from diffjax.convert.lora_merge import LazyMergedParams
+
     run_dir, step_dir, config = read_run_config(src)
-    merged = merged_lora_params(step_dir)
-    if merged is not None:  # a LoRA run: its adapters merged into the base (train.init_from), whose hf/ files it has
-        params, config, base_step = merged
-        run_dir = RunDir.of_step(base_step).path
+    params = LazyMergedParams.of(step_dir)
+    if params is not None:  # a LoRA run: its adapters merged into the base (train.init_from), whose hf/ files it has
+        config, run_dir = params.model_config, RunDir.of_step(params.root_step).path
     else:
         params = CheckpointParams(step_dir)
     side = RunDir(run_dir).hf
