@@ -1,0 +1,266 @@
+"""Memory per device for a large model on a mesh: the plan for Motif 3 at its published size (issue 47).
+
+    python benchmarks/memory_plan.py                        # the plan table -> benchmarks/results/memory_plan.md
+    python benchmarks/memory_plan.py --check                # and the formula against compiled programs (8 CPU devices)
+
+Per device, in bytes, from the abstract params (jax.eval_shape: nothing allocated) and diffjax's own sharding rules
+(diffjax.sharding.logical_spec: the spec a parameter really gets on that mesh, a dimension the axes do not divide
+staying whole):
+  params       each parameter's shard, in param_dtype
+  grads        full fine-tuning: one shard-sized gradient (param_dtype), live through the optimizer update
+  optimizer    AdamW's two moments: in param_dtype as diffjax configures optax (bf16 for Motif 3), and the fp32
+               alternative (mu and nu in fp32 plus an fp32 master copy: 12 bytes a parameter) for comparison
+  activations  an estimate, remat "full": each layer keeps its input (the residual streams: mHC keeps 4 of width
+               d_model) for the backward, plus one layer's working set while it is recomputed (its projections'
+               outputs, the MoE's dispatched rows and hidden units, the router's scores, and their gradients)
+  kv cache     generation: GDLA's latent cache (kv_lora_rank + the shared RoPE key per token per layer, 2 bytes
+               each), windowed layers a ring of attention_window slots, against expanded heads (k and v of every
+               kv head)
+LoRA: the base is frozen (no grads, no moments); the adapters' own memory is a few MB and left out.
+
+--check compiles the real train step of a reduced config of the same kinds on this machine's 8 CPU devices (tests'
+XLA_FLAGS) for several meshes and compares the compiled program's argument bytes (the train state and the batch) with
+this formula's params + moments for the same config and mesh: the formula is what a compiled program holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from pathlib import Path
+
+if "--check" in sys.argv:  # the compiled programs need 8 devices; on a CPU, simulated ones (before jax loads)
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from diffjax.sharding import _RULES, logical_spec  # noqa: E402
+
+GiB = 2**30
+RESULTS = Path(__file__).resolve().parent / "results" / "memory_plan.md"
+
+
+class ShapeOnlyMesh:
+    """What logical_spec reads of a mesh (its axis sizes): a plan for 512 devices needs none of them."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.shape = dict(sizes)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'expert=8,fsdp=16' -> {'expert': 8, 'fsdp': 16}."""
+    sizes = {}
+    for item in text.split(","):
+        name, _, size = item.partition("=")
+        sizes[name.strip()] = int(size)
+    return sizes
+
+
+def abstract_params(config):
+    """[(dotted path, logical axes, shape, dtype)] of the model's parameters, allocated nowhere."""
+    from flax import nnx
+
+    from diffjax.model import TransformerLM
+    model = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
+    rows = []
+    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        axes = param.get_metadata().get("logical_axes") or (None,) * len(param.shape)
+        rows.append((".".join(map(str, path)), tuple(axes), tuple(param.shape), np.dtype(param.dtype)))
+    return rows
+
+
+def shard_elements(axes, shape, sizes: dict[str, int]) -> int:
+    """Elements of one device's shard of a parameter under the rules on a mesh of `sizes`."""
+    spec = logical_spec(axes, shape, ShapeOnlyMesh(sizes))
+    count = 1
+    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        count *= dim // math.prod(sizes[name] for name in names)
+    return count
+
+
+def split_of(logical: str, sizes: dict[str, int]) -> int:
+    """How many ways the rules split an activation's logical axis on this mesh (batch, length)."""
+    axes = _RULES[logical]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return math.prod(sizes.get(axis, 1) for axis in axes)
+
+
+@dataclasses.dataclass
+class Plan:
+    name: str
+    hardware: str
+    hbm_gib: float
+    mesh: dict[str, int]
+    mode: str  # "lora", "full" or "generate"
+    batch: int  # global sequences per step (train) or per decode batch (generate)
+    seq_len: int
+
+
+def layer_working_set_bytes(config, tokens: int) -> float:
+    """One block's activations while remat "full" recomputes it, values and gradients (x2), per device: an
+    estimate from the widths (per token: the projections' outputs, the MoE's top_k dispatched rows and their hidden
+    units, the fp32 router scores)."""
+    a, m = config.attention_options, config.mlp_options
+    act = np.dtype(config.dtype).itemsize
+    per_token = (a.q_lora_rank + config.num_heads * config.head_dim + a.kv_lora_rank + a.qk_rope_head_dim
+                 + config.num_kv_heads * (a.qk_nope_head_dim + a.v_head_dim) + config.num_heads * a.v_head_dim) * act
+    per_token += m.top_k * (config.d_model + 4 * m.expert_inner) * act + 4 * m.shared_inner * act
+    per_token += m.num_experts * 4 * 2
+    return 2 * tokens * per_token
+
+
+def kv_cache_bytes(config, tokens: int, latent: bool) -> int:
+    """Generation's cache for `tokens` positions of one sequence: global layers hold every position, windowed layers
+    a ring of attention_window slots."""
+    a = config.attention_options
+    per_slot = (a.kv_lora_rank + a.qk_rope_head_dim) if latent else config.num_kv_heads * (config.head_dim + a.v_head_dim)
+    global_layers = len(config.global_layers) if config.attention_window else config.num_layers
+    window = min(tokens, config.attention_window or tokens)
+    slots = global_layers * tokens + (config.num_layers - global_layers) * window
+    return slots * per_slot * np.dtype(config.dtype).itemsize
+
+
+def plan_row(config, params, plan: Plan) -> dict:
+    sizes = plan.mesh
+    shard = sum(shard_elements(axes, shape, sizes) * dtype.itemsize for _, axes, shape, dtype in params)
+    shard_count = sum(shard_elements(axes, shape, sizes) for _, axes, shape, _ in params)
+    row = {"plan": plan.name, "hardware": plan.hardware, "devices": math.prod(sizes.values()),
+           "mesh": " ".join(f"{k}={v}" for k, v in sizes.items() if v > 1), "params": shard}
+    if plan.mode == "full":
+        row["grads"], row["optimizer"] = shard, 2 * shard
+        row["optimizer_fp32"] = 12 * shard_count  # two fp32 moments and an fp32 master copy
+    if plan.mode in ("full", "lora"):
+        local_seqs = plan.batch / split_of("batch", sizes)
+        tokens = local_seqs * plan.seq_len / split_of("length", sizes)
+        streams = getattr(config.residual_options, "streams", 1)
+        saved = config.num_layers * tokens * config.d_model * streams * np.dtype(config.dtype).itemsize
+        row["activations"] = saved + layer_working_set_bytes(config, tokens)
+    if plan.mode == "generate":
+        local_seqs = plan.batch / split_of("batch", sizes)
+        row["kv_cache"] = local_seqs * kv_cache_bytes(config, plan.seq_len, latent=True)
+        row["kv_cache_expanded"] = local_seqs * kv_cache_bytes(config, plan.seq_len, latent=False)
+    counted = ("params", "grads", "optimizer", "activations", "kv_cache")
+    row["total"] = sum(row.get(key, 0) for key in counted)
+    row["fits"] = row["total"] <= 0.9 * plan.hbm_gib * GiB
+    return row
+
+
+# The plans: the smallest meshes whose per-device total stays under 90% of the device's memory, in powers of two.
+# v5p: 95 GiB of HBM per chip; H100 SXM: 80 GB (74.5 GiB usable by jax by default is not assumed: 80 GB is).
+V5P, H100 = ("TPU v5p", 95.0), ("H100 80GB", 80e9 / GiB)
+PLANS = (
+    Plan("LoRA fine-tune, 4K", *V5P, {"expert": 16}, "lora", 16, 4096),
+    Plan("LoRA fine-tune, 4K", *H100, {"expert": 16}, "lora", 16, 4096),
+    Plan("LoRA fine-tune, 32K", *H100, {"expert": 16, "context": 2}, "lora", 16, 32768),
+    Plan("full fine-tune, 4K", *V5P, {"expert": 16, "fsdp": 4}, "full", 64, 4096),
+    Plan("full fine-tune, 4K", *H100, {"expert": 16, "fsdp": 4}, "full", 64, 4096),
+    Plan("full fine-tune, 4K, fp32 moments", *H100, {"expert": 16, "fsdp": 8}, "full", 128, 4096),
+    Plan("generate, 32K", *V5P, {"expert": 8}, "generate", 8, 32768),
+    Plan("generate, 32K", *H100, {"expert": 16}, "generate", 16, 32768),
+    Plan("generate, 256K", *H100, {"expert": 16}, "generate", 16, 262144),
+)
+COLUMNS = ("params", "grads", "optimizer", "activations", "kv_cache", "total")
+
+
+def table(rows: list[dict]) -> str:
+    head = "| plan | hardware | devices | mesh | " + " | ".join(f"{c} GiB" for c in COLUMNS) + " | fits (90%) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for row in rows:
+        cells = [f"{row[c] / GiB:.1f}" if c in row else "-" for c in COLUMNS]
+        lines.append(f"| {row['plan']} | {row['hardware']} | {row['devices']} | {row['mesh']} | " + " | ".join(cells)
+                     + f" | {'yes' if row['fits'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def extras(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        if "optimizer_fp32" in row:
+            total = row["total"] - row["optimizer"] + row["optimizer_fp32"]
+            lines.append(f"- {row['plan']} on {row['hardware']}: with fp32 moments and master weights the optimizer "
+                         f"takes {row['optimizer_fp32'] / GiB:.1f} GiB, total {total / GiB:.1f} GiB per device")
+        if "kv_cache_expanded" in row:
+            lines.append(f"- {row['plan']} on {row['hardware']}: an expanded-head cache would take "
+                         f"{row['kv_cache_expanded'] / GiB:.1f} GiB per device instead of {row['kv_cache'] / GiB:.1f}")
+    return "\n".join(lines)
+
+
+# --check: the formula's params + moments against what XLA compiles for the real train step, per device.
+CHECK_OVERRIDES = ["model.mlp_options.num_experts=8", "model.d_model=64", "model.num_heads=8", "model.num_kv_heads=2",
+                   "model.attention_options.num_noise_heads=2", "model.attention_impl=xla"]
+CHECK_MESHES = ({"expert": 8}, {"expert": 4, "data": 2}, {"expert": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 8},
+                {"expert": 2, "fsdp": 4})
+
+
+def compiled_state_bytes(run_config, sizes: dict[str, int]) -> tuple[int, int]:
+    """(compiled argument bytes per device of the train step, of which the batch) on this machine's devices."""
+    import jax
+
+    from diffjax.train.mesh import ParallelConfig, make_mesh
+    from diffjax.train.optimizer import make_optimizer
+    from diffjax.train.step import sharded_init
+
+    mesh = make_mesh(ParallelConfig(**{"data": 1, **sizes}), jax.devices()[:math.prod(sizes.values())])
+    tx, schedule = make_optimizer(run_config.optim, 10)
+    training, init = sharded_init(run_config.model, tx, mesh)
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                         training.state_shardings)
+    batch_shape = (1, run_config.train.batch_size, run_config.data.seq_len)
+    tokens = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=training.step_batch_sharding)
+    step = training.jit_train_step(tx, schedule, run_config.model)
+    memory = step.lower(state, {"tokens": tokens, "segment_ids": tokens, "positions": tokens}).compile().memory_analysis()
+    batch = 3 * math.prod(batch_shape) * 4 // split_of("batch", sizes)
+    return memory.argument_size_in_bytes, batch
+
+
+def check(config_name: str) -> str:
+    from diffjax.train.config import load_run_config
+
+    run_config = load_run_config(config_name, CHECK_OVERRIDES)
+    params = abstract_params(run_config.model)
+    lines = [f"`{config_name}` with {' '.join(CHECK_OVERRIDES)}, the real train step compiled on 8 CPU devices:", "",
+             "| mesh | formula: params + 2 moments (bytes/device) | compiled arguments minus the batch | ratio |",
+             "|---|---|---|---|"]
+    for sizes in CHECK_MESHES:
+        full = {**{"data": 1}, **sizes}
+        formula = 3 * sum(shard_elements(axes, shape, full) * dtype.itemsize for _, axes, shape, dtype in params)
+        compiled, batch = compiled_state_bytes(run_config, sizes)
+        mesh = " ".join(f"{k}={v}" for k, v in sizes.items())
+        lines.append(f"| {mesh} | {formula:,} | {compiled - batch:,} | {(compiled - batch) / formula:.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="motif3/published", help="a shipped config's name or a YAML file")
+    parser.add_argument("--check", action="store_true", help="also compare with compiled programs (8 CPU devices)")
+    parser.add_argument("--check-config", default="motif3/small")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    from diffjax.model.sizes import describe_parameter_counts
+    from diffjax.train.config import load_run_config
+
+    config = load_run_config(args.config).model
+    params = abstract_params(config)
+    rows = [plan_row(config, params, plan) for plan in PLANS]
+    text = [f"# Memory per device: `{args.config}` ({describe_parameter_counts(config)})", "",
+            "`python benchmarks/memory_plan.py` (the formula of its docstring; GiB = 2^30 bytes; activations at remat "
+            "\"full\"; optimizer moments in param_dtype as configured).", "", table(rows), "", extras(rows)]
+    if args.check:
+        text += ["", "## The formula against compiled programs", "", check(args.check_config)]
+    report = "\n".join(text) + "\n"
+    print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+
+
+if __name__ == "__main__":
+    main()
