@@ -243,14 +243,14 @@ def format_results(labels: Sequence[str], results: Sequence[NeedleResult]) -> st
 
 
 def record(result: NeedleResult) -> dict:
-    """A model's JSON entry: the task, and accuracy["<length>"]["<depth>"]."""
+    """A model's JSON entry: the task, and `accuracy["<length>"]["<depth>"]`."""
     accuracy = {str(length): {str(depth): result.accuracy[length, depth] for depth in result.task.depths}
                 for length in result.task.lengths}
     return {"task": dataclasses.asdict(result.task), "accuracy": accuracy}
 
 
 def draw_accuracy_grids(entries: Sequence[dict], path: Path, *, columns: str, xlabel: str, title: str) -> None:
-    """One heat map per model of entry["accuracy"][column][depth] (rows: depths; columns: task[columns])."""
+    """One heat map per model of `entry["accuracy"][column][depth]` (rows: depths; columns: `task[columns]`)."""
     task = entries[0]["task"]
     figure, axes = figures.panels(len(entries), title=title, width=1.2 + 0.9 * max(3, len(task[columns])))
     for ax, entry in zip(axes, entries):

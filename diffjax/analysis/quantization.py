@@ -75,7 +75,7 @@ def format_results(labels: Sequence[str], results: Sequence[QuantizationResult])
 
 
 def record(result: QuantizationResult) -> dict:
-    """A model's JSON entry: bits ("unquantized" first) and metrics["<metric>"]["<bits>"]."""
+    """A model's JSON entry: bits ("unquantized" first) and `metrics["<metric>"]["<bits>"]`."""
     names = {width: "unquantized" if width is None else str(width) for width in result.bits}
     metrics = {metric: {names[width]: result.metrics[width, metric] for width in result.bits}
                for metric in METRICS if (result.bits[0], metric) in result.metrics}

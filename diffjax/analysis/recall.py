@@ -147,7 +147,7 @@ def format_results(labels: Sequence[str], results: Sequence[RecallResult]) -> st
 
 
 def record(result: RecallResult) -> dict:
-    """A model's JSON entry: the task, and accuracy["<pairs>"]["<depth>"]."""
+    """A model's JSON entry: the task, and `accuracy["<pairs>"]["<depth>"]`."""
     accuracy = {str(pairs): {str(depth): result.accuracy[pairs, depth] for depth in result.task.depths}
                 for pairs in result.task.pair_counts}
     return {"task": dataclasses.asdict(result.task), "accuracy": accuracy}

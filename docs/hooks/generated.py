@@ -110,3 +110,16 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         return GENERATORS[name](argument)
 
     return MARKER.sub(generate, markdown)
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def on_files(files, config):
+    """The benchmarks' committed figures (benchmarks/results/*.png, drawn by benchmarks/plot_results.py) join the site
+    as results/NAME.png, so pages embed them without a copy under docs/ (and a missing one fails the strict build)."""
+    from mkdocs.structure.files import File
+
+    for png in sorted(RESULTS.glob("*.png")):
+        files.append(File.generated(config, f"results/{png.name}", abs_src_path=str(png)))
+    return files
