@@ -120,7 +120,7 @@ def _report(results: dict) -> None:
     for name, (seconds, found, temp) in results.items():
         used = ", ".join(f"{kind} {n} ({b / 2**20:.2f})" for kind, (n, b) in found.items() if n)
         print(f"{name:6} {1e3 * seconds:9.1f} {temp / 2**20:15.2f}  {used or 'none'}")
-    (ts, fs, ms), (ta, fa, ma) = results["gspmd"], results["a2a"]
+    (ts, _, ms), (ta, _, ma) = results["gspmd"], results["a2a"]
     total = {name: sum(b for _, b in found.values()) for name, (_, found, _) in results.items()}
     print(f"a2a / gspmd: time {ta / ts:.2f}, temp memory {ma / max(ms, 1):.2f}, "
           f"collective bytes {total['a2a'] / max(total['gspmd'], 1):.3f}")

@@ -5,7 +5,6 @@ its attribute docstring, and the documentation's configuration reference is gene
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +12,6 @@ from diffjax import attention_impls, attention_kinds, mlp_kinds, residual_kinds
 from diffjax.train.config import RunConfig, load_run_config
 from diffjax.train.keys import attribute_docstrings, config_keys, describe_keys, kinds_with_options, option_keys
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +47,7 @@ def test_every_key_has_a_description():
 @pytest.mark.parametrize("overrides", [[], ["model.attention=gda", "model.mlp=moe", "model.residual=mhc"]],
                          ids=["tiny", "kinds-with-options"])
 def test_help_keys_prints_value_type_default_allowed_values_and_meaning(overrides):
-    run = load_run_config(REPO_ROOT / "configs" / "tiny.yaml", ["train.steps=7", *overrides])
+    run = load_run_config("tiny", ["train.steps=7", *overrides])
     lines = describe_keys(run).split("\n")
     listed = dict(zip(lines[::2], lines[1::2]))
     assert len(listed) == len(lines) // 2 == len(config_keys(run))

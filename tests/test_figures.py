@@ -9,7 +9,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from flax import nnx
 

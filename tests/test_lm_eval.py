@@ -248,7 +248,7 @@ def test_a_context_axis_scores_as_one_device(checkpoints, measured):
     model = load_model(checkpoints[0]["diffllama"][1])
     one, split = (DiffjaxLM(model=model, tokenizer="byte", batch_size=4, max_length=60, mesh=mesh)
                   for mesh in (None, "data=2,context=3"))
-    assert dict(split.mesh.shape) == {"data": 2, "fsdp": 1, "context": 3, "tensor": 1}
+    assert dict(split.mesh.shape) == {"data": 2, "fsdp": 1, "context": 3, "tensor": 1, "expert": 1}
     pairs = [("", "hello"), ("the cat ", "sat"), ("x" * 90, " the end")]  # rows of 5, 10 and 60 tokens
     ours, theirs = (lm.loglikelihood([Instance("loglikelihood", {}, pair, 0) for pair in pairs], disable_tqdm=True)
                     for lm in (split, one))
@@ -293,7 +293,7 @@ def test_cli_on_the_hf_directory_under_a_mesh(checkpoints, diffjax_results, tmp_
      "error: --tasks: unknown task(s) nonexistent_task (not in --include-path {tasks}; `python -m lm_eval ls tasks` lists "
      "lm_eval's)\n"),
     (lambda tmp, tasks: ["--model-path", "{run}", "--tasks", "dj_choice", "--include-path", str(tasks), "--mesh", "pipe=2"],
-     "error: mesh 'pipe=2': expected axis=size items, each of the axes ('data', 'fsdp', 'context', 'tensor') at most "
+     "error: mesh 'pipe=2': expected axis=size items, each of the axes ('data', 'fsdp', 'context', 'tensor', 'expert') at most "
      "once (e.g. data=4,tensor=2); got 'pipe=2'\n"),
     (lambda tmp, tasks: ["--model-path", "{run}", "--tasks", "dj_choice", "--include-path", str(tasks), "--mesh", "data=0"],
      "error: mesh 'data=0': parallel.data must be a positive integer or -1 (fill), got 0\n"),

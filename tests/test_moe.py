@@ -374,13 +374,6 @@ def test_expert_bias_gets_no_gradient_and_no_weight_decay():
     assert any(re.search(pattern, "blocks_from_2.mlp.expert_bias") for pattern in DEFAULT_NO_DECAY)
 
 
-def test_lora_refuses_several_segments():
-    from diffjax.lora import LoraConfig, kernel_specs
-
-    with pytest.raises(ValueError, match="LoRA: models whose layers are not all built alike"):
-        kernel_specs(ModelConfig(**STACK), LoraConfig(rank=2))
-
-
 def test_hf_export_refuses_the_motif3_mlps(tmp_path):
     import diffjax
     from diffjax.convert.common import ConversionError

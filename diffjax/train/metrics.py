@@ -107,7 +107,7 @@ def moe_layers(config: ModelConfig) -> list[int]:
 
 
 def router_values(router: dict, layers: list[int]) -> dict[str, float]:
-    """metrics.jsonl's router/layer_d/... values of a step's metrics["router"] (host arrays)."""
+    """The metrics file's router/layer_d/... values of a step's metrics["router"] (host arrays)."""
     values = {}
     for row, layer in enumerate(layers):
         load_E = np.asarray(router["load"][row], np.float64)
