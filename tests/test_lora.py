@@ -36,7 +36,7 @@ def _logits(graphdef, params, tokens):
 
 
 def _numpy_merged(params, adapters, config: lora.LoraConfig):
-    """W + (alpha / r) A @ B written out in numpy, layer by layer."""
+    """W + (alpha / r) A @ B written out in numpy, one layer (and one routed expert) at a time."""
     merged = jax.tree.map(np.asarray, params)
     for path, pair in lora._adapter_pairs(adapters):
         node = merged
@@ -44,7 +44,8 @@ def _numpy_merged(params, adapters, config: lora.LoraConfig):
             node = node[key]
         w = node[path[-1]]
         a, b = np.asarray(pair["lora_a"], np.float64), np.asarray(pair["lora_b"], np.float64)
-        update = np.stack([a[layer] @ b[layer] for layer in range(w.shape[0])]).reshape(w.shape)
+        update = np.stack([a[i] @ b[i] if a.ndim == 3 else np.stack([a[i, e] @ b[i, e] for e in range(a.shape[1])])
+                           for i in range(w.shape[0])]).reshape(w.shape)
         node[path[-1]] = (w.astype(np.float64) + config.alpha / config.rank * update).astype(w.dtype)
     return merged
 

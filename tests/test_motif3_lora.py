@@ -22,6 +22,7 @@ from diffjax.config import ModelConfig
 from diffjax.config_values import build_config
 
 from motif3_published import small_config
+from test_lora import _numpy_merged
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALL_TARGETS = ("attention", "mlp", "experts")
@@ -31,21 +32,6 @@ ATTENTION = ["kv_down_kernel", "kv_up_kernel", "o_kernel", "q_down_kernel", "q_u
 def _small_model_config() -> ModelConfig:
     model = yaml.safe_load((REPO_ROOT / "diffjax" / "configs" / "motif3" / "small.yaml").read_text())["model"]
     return build_config(ModelConfig, {**model, "vocab_size": 97}, prefix="model")
-
-
-def _numpy_merged(params, adapters, config: lora.LoraConfig):
-    """W + (alpha / r) A @ B written out in numpy, one layer (and one routed expert) at a time."""
-    merged = jax.tree.map(np.asarray, params)
-    for path, pair in lora._adapter_pairs(adapters):
-        node = merged
-        for key in path[:-1]:
-            node = node[key]
-        w = node[path[-1]]
-        a, b = np.asarray(pair["lora_a"], np.float64), np.asarray(pair["lora_b"], np.float64)
-        update = np.stack([a[i] @ b[i] if a.ndim == 3 else np.stack([a[i, e] @ b[i, e] for e in range(a.shape[1])])
-                           for i in range(w.shape[0])]).reshape(w.shape)
-        node[path[-1]] = (w.astype(np.float64) + config.alpha / config.rank * update).astype(w.dtype)
-    return merged
 
 
 def test_adapters_cover_both_segments_gdla_the_shared_and_the_routed_experts():
