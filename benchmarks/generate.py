@@ -21,7 +21,7 @@ Figures per row, for diffjax and each peer (transformers `generate`: "eager" wit
   read + written per second: what the machine's memory sustains for a streaming kernel).
 Ratios are diffjax / peer tokens/s. Writes benchmarks/results/generate_<platform>.json.
 
-    python benchmarks/generate.py --cache-sizes configs/motif3/published.yaml,configs/motif3/small.yaml
+    python benchmarks/generate.py --cache-sizes motif3/published,motif3/small
 
 --cache-sizes runs nothing: for each run config (a GDLA model) it takes the KV cache's buffers' shapes (jax.eval_shape
 of a prefill: no memory used) and prints bytes of cache per token and per sequence at 4K, 32K and 256K tokens for
@@ -283,7 +283,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--torch-device", default=None, help="where transformers runs (default: cuda when JAX runs on "
                         "a GPU and torch sees one, else cpu)")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--cache-sizes", help="comma-separated GDLA run configs: only print and write the KV cache's "
+    parser.add_argument("--cache-sizes", help="comma-separated GDLA run configs (shipped names or files): only print and write the KV cache's "
                         "bytes per token, latent beside expanded heads (benchmarks/results/cache_sizes.md)")
     return parser.parse_args()
 

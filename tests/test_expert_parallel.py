@@ -136,8 +136,8 @@ def test_a_bad_parallel_expert_is_one_clear_line():
 
 
 def _train_small(run_dir, *mesh: str):
-    """The real trainer CLI on configs/motif3/small.yaml (GDLA, mHC, 6 experts top 2 + a shared one), 2 steps."""
-    command = [sys.executable, "train.py", "--config", str(REPO_ROOT / "configs" / "motif3" / "small.yaml"),
+    """The real trainer CLI on the shipped motif3/small (GDLA, mHC, 6 experts top 2 + a shared one), 2 steps."""
+    command = [sys.executable, "train.py", "--config", "motif3/small",
                "train.steps=2", f"train.run_dir={run_dir}", "train.eval_every=0", "train.sample_tokens=0", *mesh]
     return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})

@@ -167,7 +167,7 @@ def test_decode_on_a_mesh_equals_one_device():
 
 @pytest.mark.slow
 def test_the_benchmark_reports_latent_and_expanded_bytes_per_token_at_the_published_size(tmp_path, capsys):
-    """benchmarks/generate.py --cache-sizes on configs/motif3/published.yaml (shapes only): per token and layer the
+    """benchmarks/generate.py --cache-sizes on motif3/published (shapes only): per token and layer the
     latent cache holds (kv_lora_rank + qk_rope_head_dim) bf16 values, the expanded one Hkv (d + dv); with rings the
     windowed layers hold their window, so a 256K sequence holds the global layers' positions plus the windows."""
     from diffjax.train.config import load_run_config
@@ -175,7 +175,7 @@ def test_the_benchmark_reports_latent_and_expanded_bytes_per_token_at_the_publis
     spec = importlib.util.spec_from_file_location("generate_benchmark", REPO_ROOT / "benchmarks" / "generate.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
-    path = REPO_ROOT / "configs" / "motif3" / "published.yaml"
+    path = "motif3/published"
     rows = {row["layout"]: row for row in benchmark.cache_sizes([str(path)], tmp_path / "sizes.md")}
     c = load_run_config(path).model
     o, L, itemsize = c.attention_options, c.num_layers, jnp.dtype(c.dtype).itemsize
