@@ -94,7 +94,7 @@ capture_trace() {  # capture_trace MODEL SECONDS END: train steps 3-4 profiled, 
   limit=$(cap "$2" "$3") start=$SECONDS
   rm -rf "$run" "$dump"
   XLA_FLAGS="${XLA_FLAGS:-} ${CAPTURE_XLA_FLAGS:-} --xla_dump_to=$dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=train_step" \
-    $PY train.py --config "configs/paper/$model.yaml" train.run_dir="$run" "${CAPTURE_MODEL[@]}" data.source=builtin \
+    $PY train.py --config "paper/$model" train.run_dir="$run" "${CAPTURE_MODEL[@]}" data.source=builtin \
     data.tokenizer.kind=byte train.batch_tokens=null train.steps=4 'train.profile_steps=[3,4]' train.log_every=1 \
     train.eval_every=0 train.sample_tokens=0 train.progress=lines checkpoint.every=100000 > "$log" 2>&1 &
   pid=$!
