@@ -84,6 +84,11 @@ def shard_elements(axes, shape, sizes: dict[str, int]) -> int:
     return count
 
 
+def params_bytes(params, sizes: dict[str, int]) -> int:
+    """One device's share of the parameters, in bytes (each in its own dtype)."""
+    return sum(shard_elements(axes, shape, sizes) * dtype.itemsize for _, axes, shape, dtype in params)
+
+
 def split_of(logical: str, sizes: dict[str, int]) -> int:
     """How many ways the rules split an activation's logical axis on this mesh (batch, length)."""
     axes = _RULES[logical]
@@ -128,13 +133,12 @@ def kv_cache_bytes(config, tokens: int, latent: bool) -> int:
 
 def plan_row(config, params, plan: Plan) -> dict:
     sizes = plan.mesh
-    shard = sum(shard_elements(axes, shape, sizes) * dtype.itemsize for _, axes, shape, dtype in params)
-    shard_count = sum(shard_elements(axes, shape, sizes) for _, axes, shape, _ in params)
+    shard = params_bytes(params, sizes)
     row = {"plan": plan.name, "hardware": plan.hardware, "devices": math.prod(sizes.values()),
            "mesh": " ".join(f"{k}={v}" for k, v in sizes.items() if v > 1), "params": shard}
     if plan.mode == "full":
         row["grads"], row["optimizer"] = shard, 2 * shard
-        row["optimizer_fp32"] = 12 * shard_count  # two fp32 moments and an fp32 master copy
+        row["optimizer_fp32"] = 12 * shard // np.dtype(config.param_dtype).itemsize  # fp32 mu, nu and master copy
     if plan.mode in ("full", "lora"):
         local_seqs = plan.batch / split_of("batch", sizes)
         tokens = local_seqs * plan.seq_len / split_of("length", sizes)
@@ -229,8 +233,8 @@ def check(config_name: str) -> str:
              "| mesh | formula: params + 2 moments (bytes/device) | compiled arguments minus the batch | ratio |",
              "|---|---|---|---|"]
     for sizes in CHECK_MESHES:
-        full = {**{"data": 1}, **sizes}
-        formula = 3 * sum(shard_elements(axes, shape, full) * dtype.itemsize for _, axes, shape, dtype in params)
+        full = {"data": 1, **sizes}
+        formula = 3 * params_bytes(params, full)  # params, mu and nu
         compiled, batch = compiled_state_bytes(run_config, sizes)
         mesh = " ".join(f"{k}={v}" for k, v in sizes.items())
         lines.append(f"| {mesh} | {formula:,} | {compiled - batch:,} | {(compiled - batch) / formula:.4f} |")
