@@ -1,0 +1,238 @@
+"""Fused differential flash attention for Hopper GPUs in Pallas Mosaic GPU (impl="pallas_gpu").
+
+Forward, one CTA per (batch, head, 64-row query block), three warpgroups:
+  producer   TMA-loads the query tiles once, then each K/V step into a ring of `stages` SMEM slots.
+  consumer g computes map g (g = 0, 1) for the same query rows: S_g = q_g k_g^T on the tensor cores
+             (wgmma), its own online softmax in base 2, O_g += P_g V. Both maps read the same V slot,
+             so every K and V tile is loaded once for both maps; a slot is refilled once both consumers
+             have released it.
+  epilogue   consumer 1 hands its normalised O_2 (fp32) to consumer 0 through SMEM, d columns at a
+             time; consumer 0 writes o = O_1 - lam O_2 through the query tiles' SMEM and TMA.
+Why one map per warpgroup: with d = 128, dv = 256 one warpgroup cannot hold both maps' 64 x 256 fp32
+accumulators (256 registers a thread); split this way each consumer holds one (128 registers).
+
+Backward (custom VJP), with G the cotangent of o (the same algebra as diffjax.ops.pallas_tpu):
+    dP = G V^T (shared by both maps), D_m = rowsum(G * O_m), P_m = exp2(S_m - lse_m)
+    dS_1 = P_1 (dP - D_1),  dS_2 = -lam P_2 (dP - D_2),  dV = (P_1 - lam P_2)^T G
+    dQ_m = scale dS_m K_m,  dK_m = scale dS_m^T Q_m,  dlam = -D_2
+Two kernels, each with a producer and one consumer per map. dP's contraction over dv is split in two
+halves, one per consumer, and the halves are exchanged through SMEM (no duplicated matmul):
+  dk/dv   one CTA per (batch, kv head, 64-row kv block); streams (query head of the group, q block)
+          tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
+  dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
+
+Single-map mode (standard attention, `dot_product_attention_pallas_gpu`, dv == d; FA3's layout): the
+same kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
+different 64-row tiles of one 128-row block and share every streamed tile: forward and dq, two query
+tiles (own online softmax / full dP, own output rows, no O_2 hand-off, no exchange); dk/dv, two kv
+tiles streaming the same q / dO tiles. Both consumers run the CTA's step range; each masks with its
+own rows (`_q_tile`), so the diagonal step may be fully masked for one of them.
+
+Conventions: bottom-right aligned causal masking (query t sits at key S - T + t, or q_offset + t when the
+caller places the queries, as context parallelism does with each device's query chunks: then q_offset is a
+traced int32 read from a one-element gmem operand, and the step ranges and masks follow it); kv steps above the
+diagonal are never loaded; unmasked steps run without mask arithmetic. T and S are zero-padded to
+the block sizes outside the kernels (no copy when they divide); padded keys are masked in the
+forward and contribute nothing to the backward (their K and V rows are zero). A fully masked query
+row gives o = 0 and zero gradients, like the reference.
+
+Off GPU the same kernels run in Mosaic GPU interpret mode (`interpret=True`, for tests): the
+primitives that have no interpreter rule (wgmma, layout casts, layout-aware loads) go through
+`_Ops`, which uses plain jnp equivalents there; everything else (TMA copies, barriers, the
+warpgroup schedule, masking, softmax, exchange) is the same code on both paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.ops.pallas_gpu.common import (
+    SMEM_BYTES,
+    SMEM_MARGIN,
+    Tuning,
+    _cdiv,
+    _Static,
+)
+from diffjax.ops.pallas_gpu.dkdv import _dkdv
+from diffjax.ops.pallas_gpu.dq import _dq
+from diffjax.ops.pallas_gpu.forward import _forward
+from diffjax.ops.reference import split_segment_ids
+
+__all__ = ["Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu", "unsupported"]
+
+
+def _round_up(x: int, m: int) -> int:
+    return _cdiv(x, m) * m
+
+
+def _pad_axis(x, axis, size):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def unsupported(q, k, v, tuning=None) -> str | None:
+    """Why impl="pallas_gpu" cannot run these shapes (None when it can): differential attention for
+    q [B, T, H, 2, d], standard (single-map) attention for q [B, T, N, d]."""
+    single = q.ndim == 4
+    if single:
+        if k.ndim != 4 or v.ndim != 4:
+            return f"needs q [B, T, N, d], k [B, S, K, d] and v [B, S, K, dv], got {q.shape}, {k.shape} and {v.shape}"
+        G = 1
+    else:
+        if q.shape[3] != 2 or k.ndim != 5 or k.shape[3] not in (1, 2):
+            return f"needs q [B, T, H, 2, d] and k [B, S, Hkv, 1 or 2, d], got {q.shape} and {k.shape}"
+        G = k.shape[3]
+    d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"needs q, k, v in one of bfloat16 / float16, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if d != dk or d not in (64, 128):
+        return f"needs the q and k head dim d in (64, 128), got {d} and {dk}"
+    if single and dv != d:
+        return f"needs dv = d for standard attention, got dv = {dv} with d = {d} ({q.dtype})"
+    if dv not in (d, 2 * d):
+        return f"needs dv = d or 2d, got dv = {dv} with d = {d}"
+    if q.shape[2] % k.shape[2]:
+        return f"needs query heads ({q.shape[2]}) to be a multiple of kv heads ({k.shape[2]})"
+    bs = default_tuning(d, dv, G, q.dtype, single) if tuning is None else Tuning(*tuning)
+    if bs.block_q != 64 or any(b not in (64, 128) for b in bs[1:4]) or bs.stages < 2:
+        # 64: a wgmma row tile per consumer; the others are contraction sizes of 16-bit wgmmas with a
+        # 128-byte swizzle, which must be multiples of 64
+        return f"needs block_q = 64, block_k / block_k_dq / block_q_bwd in (64, 128) and stages >= 2, got {bs}"
+    need = _smem_bytes(d, dv, G, bs, q.dtype, single)
+    over = {kernel: n for kernel, n in need.items() if n + SMEM_MARGIN > SMEM_BYTES}
+    if over:
+        return f"needs {over} bytes of shared memory with {bs}, more than the {SMEM_BYTES - SMEM_MARGIN} a Hopper CTA has for tiles; use smaller blocks or fewer stages"
+    return None
+
+
+def default_tuning(d, dv, G, dtype, single: bool = False, swept: bool = True) -> Tuning:
+    """The sweep's measured best for the shape class where its table has one that fits (swept; see
+    choice.swept_tuning), else the largest block of each kernel (128 or 64) whose shared memory fits, with 2 stages."""
+    from diffjax.ops.choice import (
+        swept_tuning,  # same layer; choice imports this module lazily too
+    )
+
+    fields = swept_tuning(d, dv, single, dtype) if swept else None
+    if fields is not None and set(fields) <= set(Tuning._fields):
+        bs = Tuning(**fields)
+        if all(n + SMEM_MARGIN <= SMEM_BYTES for n in _smem_bytes(d, dv, G, bs, dtype, single).values()):
+            return bs
+    chosen = {}
+    for field, kernel in (("block_k", "forward"), ("block_k_dq", "dq"), ("block_q_bwd", "dkdv")):
+        for size in (128, 64):
+            bs = Tuning(**{**chosen, field: size})
+            if _smem_bytes(d, dv, G, bs, dtype, single)[kernel] + SMEM_MARGIN <= SMEM_BYTES:
+                break
+        chosen[field] = size
+    return Tuning(**chosen)
+
+
+def _smem_bytes(d, dv, G, bs: Tuning, dtype, single: bool = False):
+    """Shared memory each kernel allocates (tiles and exchange buffers; barriers are negligible)."""
+    e = jnp.dtype(dtype).itemsize
+    bq, bk, bkq, bqb, n = bs.block_q, bs.block_k, bs.block_k_dq, bs.block_q_bwd, bs.stages
+    if single:  # two query tiles (forward, dq) or kv tiles (dk/dv) of 64 rows, no exchange buffers
+        return {
+            "forward": 2 * bq * d * e + n * bk * (d + dv) * e + n * bk * 4 + 4 * bq * 4,
+            "dq": 2 * bq * (d + dv) * e + n * bkq * (d + dv) * e + n * bkq * 4 + 6 * bq * 4,
+            "dkdv": 2 * 64 * (d + dv) * e + n * bqb * (d + dv) * e + n * bqb * 12 + 2 * 64 * 4,
+        }
+    return {
+        "forward": 2 * bq * d * e + n * bk * (G * d + dv) * e + bq * d * 4 + n * bk * 4 + 3 * bq * 4,
+        "dq": (2 * d + dv) * bq * e + n * bkq * (G * d + dv) * e + bq * bkq * 4 + n * bkq * 4 + 6 * bq * 4,
+        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 64 * bqb * (4 + e) + n * bqb * 24 + 64 * 4,
+    }
+
+
+def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, tuning=None,
+                              interpret=None, q_offset=None):
+    """Fused differential attention on Hopper; same contract as diffjax.ops.diff_attention.
+    tuning: a Tuning (or a tuple of its fields); default `default_tuning` for the shape.
+    q_offset: the key position of query 0 under the causal mask (an int or a traced int32 scalar; default
+    S - T): queries at q_offset + t, keys at 0 .. S - 1."""
+    why_not = unsupported(q_BTH2d, k_BSKGd, v_BSKv, tuning)
+    if why_not:
+        raise ValueError(f"diff_attention: impl='pallas_gpu' {why_not}")
+    B, T, H = q_BTH2d.shape[:3]
+    # lam rounded to the value dtype like the reference, then fp32; broadcasting to [B, T, H] makes
+    # autodiff sum dlam for a scalar lambda.
+    lam_BTH = jnp.broadcast_to(jnp.asarray(lam).astype(v_BSKv.dtype).astype(jnp.float32), (B, T, H))
+    return _fused(q_BTH2d, k_BSKGd, v_BSKv, lam_BTH, False, causal, segment_ids, scale, tuning, interpret, q_offset)
+
+
+def dot_product_attention_pallas_gpu(q_BTNd, k_BSKd, v_BSKd, *, causal=True, segment_ids=None, scale=None, tuning=None,
+                                     interpret=None, q_offset=None):
+    """Fused standard attention on Hopper (the single-map mode of the same kernels: the two consumer
+    warpgroups take two 64-row query tiles, or in dk/dv two 64-row kv tiles, sharing every streamed
+    tile); same contract as diffjax.ops.dot_product_attention with dv == d, segment ids included.
+    q_offset: as for diff_attention_pallas_gpu."""
+    why_not = unsupported(q_BTNd, k_BSKd, v_BSKd, tuning)
+    if why_not:
+        raise ValueError(f"dot_product_attention: impl='pallas_gpu' {why_not}")
+    return _fused(q_BTNd[:, :, :, None], k_BSKd[:, :, :, None], v_BSKd, None, True, causal, segment_ids, scale, tuning,
+                  interpret, q_offset)
+
+
+def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale, tuning, interpret, q_offset):
+    """Pad to the block sizes, run the custom-VJP kernels, crop: q with a map axis M (2, or 1 single)."""
+    B, T, H, _, d = q_BTHMd.shape
+    _, S, K, G, _ = k_BSKGd.shape
+    bs = default_tuning(d, v_BSKv.shape[-1], G, q_BTHMd.dtype, single) if tuning is None else Tuning(*tuning)
+    cta_q, cta_kv = (2 * bs.block_q, 128) if single else (bs.block_q, 64)
+    Tp, Sp = _round_up(T, math.lcm(cta_q, bs.block_q_bwd)), _round_up(S, math.lcm(bs.block_k, bs.block_k_dq, cta_kv))
+    lam_BHT = None if lam_BTH is None else _pad_axis(lam_BTH.transpose(0, 2, 1), 2, Tp)
+    q_seg = kv_seg = None
+    if segment_ids is not None:
+        q_ids, kv_ids = split_segment_ids(segment_ids, B, T, S)
+        q_seg, kv_seg = _pad_axis(q_ids.astype(jnp.int32), 1, Tp), _pad_axis(kv_ids.astype(jnp.int32), 1, Sp)
+    st = _Static(
+        G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages, pingpong=bool(bs.pingpong),
+        causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
+        interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret), single=single,
+        traced_offset=bool(causal) and q_offset is not None,
+    )
+    offset = jnp.full((1,), q_offset, jnp.int32) if st.traced_offset else None
+    q = _pad_axis(q_BTHMd, 1, Tp)
+    k = _pad_axis(k_BSKGd, 1, Sp)
+    v = _pad_axis(v_BSKv, 1, Sp)
+    o_BTHv = _flash(st, q, k, v, lam_BHT, q_seg, kv_seg, offset)
+    return o_BTHv[:, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg, offset):
+    return _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=False)[0]
+
+
+def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg, offset):
+    o, lse, *o2 = _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=True)
+    return o, (q, k, v, lam, q_seg, kv_seg, offset, o, o2[0] if o2 else None, lse)
+
+
+def _flash_bwd(st, res, do):
+    q, k, v, lam, q_seg, kv_seg, offset, o, o2, lse = res
+    do = do.astype(q.dtype)
+    do32 = do.astype(jnp.float32)
+    if st.single:
+        D_BHMT = jnp.einsum("bthv,bthv->bht", do32, o.astype(jnp.float32))[:, :, None]
+    else:
+        lam_BTH1 = lam.transpose(0, 2, 1)[..., None]
+        o1 = o.astype(jnp.float32) + lam_BTH1 * o2  # the un-mixed first map, from the rounded output
+        D_BHMT = jnp.stack([jnp.einsum("bthv,bthv->bht", do32, o1), jnp.einsum("bthv,bthv->bht", do32, o2)], axis=2)
+    dq = _dq(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D_BHMT)
+    dk_BSKMd, dv = _dkdv(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D_BHMT)
+    # differential with keys shared by both maps (G = 1): dK is the sum of the maps' slices
+    dk = dk_BSKMd if st.M == st.G else dk_BSKMd.astype(jnp.float32).sum(axis=3, keepdims=True).astype(k.dtype)
+    dlam = None if st.single else -D_BHMT[:, :, 1]
+    return dq, dk, dv, dlam, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
