@@ -108,7 +108,7 @@ def test_model_train_loss_with_chunks_equals_full_logits_in_every_param_gradient
         model = nnx.merge(graphdef, params)
         if not chunk_tokens:
             return packed_loss_sum_and_count(model(tokens, positions, segment_ids), tokens, segment_ids)[0]
-        hidden = model.hidden_states(tokens, positions, segment_ids)
+        hidden = model.hidden_states(tokens, positions, segment_ids).hidden_BTD
         return chunked_packed_loss_sum_and_count(hidden, model.head(hidden.dtype), tokens, segment_ids, chunk_tokens)[0]
 
     grads = {chunk: jax.jit(jax.grad(loss), static_argnums=1)(params, chunk) for chunk in (0, CHUNK_TOKENS)}

@@ -4,13 +4,15 @@ logits quantized.
 The attention layers never materialise their score matrices (the fused kernels cannot), so this module runs
 each layer's attention through the layer's own `explicit_maps` (every attention kind has one:
 diffjax/model/attention/base.py) in place of its attention call, and the rest of the block as the block runs it
-(`DecoderBlock.forward`): the output equals `model(tokens)` (tested in
-float32), and the logits, maps and hidden states on the way are handed to an `observe` function that
-reduces them inside the same jitted program (so a [B, H, T, S] map never leaves the device).
+(the model's own forward, asked on its layer output channel to run the explicit maps in place of each layer's
+attention: diffjax.model.layer_outputs): the output equals `model(tokens)` (tested in float32), and the logits,
+maps and hidden states on the way are handed to an `observe` function that reduces them inside the same jitted
+program as each layer finishes (so a [B, H, T, S] map never leaves the device).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, NamedTuple
 
@@ -19,8 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import ops
-from diffjax.model import residual
-from diffjax.model.rope import layer_rope_tables
+from diffjax.model import layer_outputs, residual
 
 QUANTIZATION_BITS = (8, 6, 4)  # the paper's Figure 8 (16 bits: unquantized)
 
@@ -60,14 +61,6 @@ def _quantized_logits(s_MBHTS, counted_BTS, bits):
     return jnp.where(bits > 0, absmax_quantize(s_MBHTS, jnp.maximum(bits, 2), counted_BTS[None, :, None], scale_axis=1), s_MBHTS)
 
 
-def _layers(model):
-    """Each layer's block (depth None: the stack's graph with the layer's slice of its params), in depth order."""
-    for segment in model.segments():
-        graph, params = nnx.split(model.stack(segment))
-        for i in range(segment.num_layers):
-            yield nnx.merge(graph, jax.tree.map(lambda x: x[i], params))
-
-
 def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
     """A jitted `probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None, *, logit_bits=None) ->
     (logits_BTV, observed)` for `model` (a TransformerLM), where observed[i] = observe(LayerView of layer i,
@@ -77,35 +70,35 @@ def make_probe(model, observe: Callable[[LayerView, Any], Any] | None = None):
     graphdef, state = nnx.split(model)
     config = model.config
     observe = observe or (lambda view, aux: None)
+    collapse = functools.partial(residual.module_class(config).collapse, config)
 
     @jax.jit
     def run(state, tokens_BT, positions_BT, segment_ids_BT, aux, logit_bits):
         model = nnx.merge(graphdef, state)
         B, T = tokens_BT.shape
-        dtype = jnp.dtype(config.dtype)
         real_BT = jnp.ones((B, T), bool) if segment_ids_BT is None else segment_ids_BT != 0
-        cos_sin = layer_rope_tables(config, positions_BT, dtype)
-        constants = model.depth_constants(dtype)
-        residual_form = residual.module_class(config)
-        stream = residual_form.expand(config, model.embed(tokens_BT, dtype))
-        observed = []
-        for depth, block in enumerate(_layers(model)):
-            layer_constants = jax.tree.map(lambda x: x[depth], constants)
+
+        def visible(depth):  # (allowed_BTS, counted_BTS)
             mask = ops.attention_mask(T, T, causal=True, segment_ids=segment_ids_BT, window=config.window_at(depth))
             allowed_BTS = jnp.broadcast_to(mask, (B, T, T))
-            counted_BTS = allowed_BTS & real_BT[:, :, None]
+            return allowed_BTS, allowed_BTS & real_BT[:, :, None]
 
-            def explicit_attention(x_BTD):
-                explicit = block.attn.explicit_maps(x_BTD, cos_sin, allowed_BTS, layer_constants,
-                                                    lambda s: _quantized_logits(s, counted_BTS, logit_bits))
-                return explicit.out_BTD, explicit
+        def explicit_attention(depth, attention, x_BTD, cos_sin, segment_ids, constants):
+            allowed_BTS, counted_BTS = visible(depth)
+            explicit = attention.explicit_maps(x_BTD, cos_sin, allowed_BTS, constants,
+                                               lambda s: _quantized_logits(s, counted_BTS, logit_bits))
+            return explicit.out_BTD, explicit
 
-            stream, explicit = block.forward(stream, explicit_attention)
-            hidden_BTD = residual_form.collapse(config, stream)
-            view = LayerView(depth, explicit.logits_MBHTS, explicit.effective_BHTS, counted_BTS, hidden_BTD, real_BT)
-            observed.append(observe(view, aux))
-        logits = model.logits(model.final_norm(residual_form.collapse(config, stream)))
-        return logits, observed
+        def per_layer(depth, values):
+            explicit = values["attention"]
+            view = LayerView(depth, explicit.logits_MBHTS, explicit.effective_BHTS, visible(depth)[1],
+                             collapse(values["stream"]), real_BT)
+            return {"observed": observe(view, aux)}
+
+        request = layer_outputs.Request({"attention", "stream"}, attention=explicit_attention, per_layer=per_layer)
+        hidden_BTD, _, outputs = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, outputs=request)
+        observed = outputs["observed"].value  # stacked over the layers
+        return model.logits(hidden_BTD), [jax.tree.map(lambda x: x[i], observed) for i in range(config.num_layers)]
 
     def probe(tokens_BT, positions_BT=None, segment_ids_BT=None, aux=None, *, logit_bits=None):
         if logit_bits is not None:

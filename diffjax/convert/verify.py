@@ -19,8 +19,7 @@ from flax import nnx
 from diffjax.convert import hub, motif
 from diffjax.convert.common import ConversionError, build_module, flatten
 from diffjax.convert.hf import load_hf, read_hf_config
-from diffjax.model import residual
-from diffjax.model.rope import layer_rope_tables
+from diffjax.model import layer_outputs
 from diffjax.model.transformer import TransformerLM
 
 
@@ -117,22 +116,14 @@ def _torch_run(src: Path, dtype: str, tokens: np.ndarray, trust_remote_code: boo
 
 
 def _diffjax_run(model: TransformerLM, tokens: np.ndarray):
-    """The same stages as _torch_run, taken from the model's own modules in its own order."""
-    config = model.config
-    dtype = jnp.dtype(config.dtype)
+    """The same stages as _torch_run from one forward of the model: its embedding, each layer's output (the residual
+    stream, from the layer output channel: mHC's [B, T, E, D], as Motif 3's) and the final norm's."""
     tokens_BT = jnp.asarray(tokens)
-    positions_BT = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens_BT.shape)
-    rope = layer_rope_tables(config, positions_BT, dtype)
-    x_BTD = model.embed(tokens_BT, dtype)
-    stages = [np.asarray(x_BTD.astype(jnp.float32))]
-    form = residual.module_class(config)  # a layer's output is the residual stream (mHC: [B, T, E, D], as Motif 3's)
-    stream = form.expand(config, x_BTD)
-    for depth in range(config.num_layers):
-        stream = model.layer(depth)(stream, rope)
-        stages.append(np.asarray(stream.astype(jnp.float32)))
-    stages.append(np.asarray(model.final_norm(form.collapse(config, stream)).astype(jnp.float32)))
-    logits = np.asarray(model(tokens_BT), np.float32)
-    return stages, logits
+    embedded_BTD = model.embed(tokens_BT, jnp.dtype(model.config.dtype))
+    hidden_BTD, _, outputs = model.hidden_states(tokens_BT, outputs=layer_outputs.Request({"stream"}))
+    streams = outputs["stream"].value
+    stages = [embedded_BTD] + [streams[depth] for depth in range(model.config.num_layers)] + [hidden_BTD]
+    return [np.asarray(x.astype(jnp.float32)) for x in stages], np.asarray(model.logits(hidden_BTD), np.float32)
 
 
 def load_diffjax_as(path, dtype: str) -> TransformerLM:

@@ -73,8 +73,8 @@ def _choose(logits_BV, key, step, done_B, choice: Choice):
 def prefill(model, layer_params, prompts_BP, lengths_B, key, *, max_len, max_new_tokens, choice) -> DecodeState:
     """Runs the right-padded prompts, stores their keys and values, picks each row's first new token."""
     B = prompts_BP.shape[0]
-    x_BPD, cache = model.hidden_states(prompts_BP, cache=KVCache.empty(B, max_len, lengths_B),
-                                       layer_params=layer_params)
+    x_BPD, cache, _ = model.hidden_states(prompts_BP, cache=KVCache.empty(B, max_len, lengths_B),
+                                          layer_params=layer_params)
     last_BV = model.logits(jnp.take_along_axis(x_BPD, (lengths_B - 1)[:, None, None], axis=1))[:, 0]
     cache = dataclasses.replace(cache, lengths_B=lengths_B)  # the pad slots are overwritten as rows decode
     token_B, done_B = _choose(last_BV, key, 0, jnp.zeros((B,), bool), choice)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
 from diffjax.kinds import Segment, layer_segments
-from diffjax.model import mlp, residual
-from diffjax.model.mlp import router
+from diffjax.model import layer_outputs, mlp, residual
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache
 from diffjax.model.layers import Embedding, RMSNorm, normal_param, prepend_axis
@@ -59,18 +59,33 @@ class DecoderBlock(nnx.Module):
         """(output stream, this layer's updated KVCache) (generation); cache None: (output, None)."""
         if constants is None and self.global_attention is not None:
             constants = {**self.attn.layer_constants(stream.dtype), "global_attention": self.global_attention}
+        in_place = layer_outputs.attention_in_place()  # (the analyses' explicit maps)
+        if in_place is not None:
+            return self.forward(stream, lambda x_BTD: in_place(self.attn, x_BTD, rope_cos_sin, segment_ids, constants))
         return self.forward(stream, lambda x_BTD: self.attn.call_with_cache(x_BTD, rope_cos_sin, segment_ids, constants,
                                                                             cache))
 
     def forward(self, stream, attention):
-        """(output stream, aux) with `attention(normed x_BTD) -> (y_BTD, aux)` as the attention sublayer's call: the
-        layer's own (call_with_cache; aux: the cache) or the analyses' explicit maps (aux: what they computed)."""
+        """(output stream, aux) with `attention(normed x_BTD) -> (y_BTD, aux)` as the attention sublayer's call (aux:
+        the cache). Emits "attention_input" and "stream" on the layer output channel (layer_outputs)."""
         x_BTD, carry = self.attn_residual.read(stream)
-        attn_BTD, aux = attention(self.attn_norm(x_BTD))
+        x_BTD = self.attn_norm(x_BTD)
+        layer_outputs.emit("attention_input", lambda: x_BTD, "stack")
+        attn_BTD, aux = attention(x_BTD)
         stream = checkpoint_name(self.attn_residual.write(stream, attn_BTD, carry), "attention_residual")
         x_BTD, carry = self.mlp_residual.read(stream)
         stream = self.mlp_residual.write(stream, self.mlp(self.mlp_norm(x_BTD)), carry)
-        return constrain(stream, self.mlp_residual.stream_axes), aux
+        stream = constrain(stream, self.mlp_residual.stream_axes)
+        layer_outputs.emit("stream", lambda: stream, "stack")
+        return stream, aux
+
+
+class HiddenStates(NamedTuple):
+    """TransformerLM.hidden_states' result."""
+
+    hidden_BTD: jax.Array  # the final (normalized) hidden states in the compute dtype
+    cache: KVCache | None  # the updated KVCache (None without one)
+    outputs: dict[str, layer_outputs.Emitted]  # what the layers emitted that the call asked for ({}: nothing)
 
 
 class TransformerLM(nnx.Module):
@@ -105,18 +120,18 @@ class TransformerLM(nnx.Module):
                  lambda_scale=None, layer_params=None):
         """float32 logits [B, T, vocab]; with a KVCache (generation), (logits, updated cache). lambda_scale and
         layer_params: as hidden_states."""
-        out = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, cache, lambda_scale=lambda_scale,
-                                 layer_params=layer_params)
-        if cache is None:
-            return self.logits(out)
-        return self.logits(out[0]), out[1]
+        hidden_BTD, cache, _ = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, cache,
+                                                  lambda_scale=lambda_scale, layer_params=layer_params)
+        logits = self.logits(hidden_BTD)
+        return logits if cache is None else (logits, cache)
 
     def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None, *,
-                      lambda_scale=None, layer_params=None, router_stats: bool = False):
-        """The final (normalized) hidden states [B, T, D] in the compute dtype: what the LM head projects
-        (the trainer's chunked loss and generation's prefill start here); with a KVCache, (hidden, cache); with
-        router_stats (no cache: training), (hidden, each MoE layer's mlp.router.routing_stats stacked [L_moe, ...] in
-        layer order; {} without MoE layers).
+                      lambda_scale=None, layer_params=None,
+                      outputs: layer_outputs.Request = layer_outputs.NOTHING) -> HiddenStates:
+        """HiddenStates(the final (normalized) hidden states [B, T, D] in the compute dtype: what the LM head projects
+        (the trainer's chunked loss and generation's prefill start here); with a KVCache the updated cache, else None;
+        the layers' outputs that `outputs` asks for (diffjax.model.layer_outputs), stacked over the layers that emit
+        them).
         lambda_scale: a scalar in [0, 1] multiplying every layer's lambda (optim.lambda_warmup_steps: 0 silences the
         second map, as an upcycled model starts); None: the model as it is (the same as 1).
         layer_params: the blocks' params one pytree per layer (`unstacked_blocks()`), read instead of the stack:
@@ -124,6 +139,9 @@ class TransformerLM(nnx.Module):
         tokens_BT = jnp.asarray(tokens_BT)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, length], got {tokens_BT.shape}")
+        if cache is not None and outputs.attention is not None:
+            raise ValueError("an attention in place of the layers' own (layer_outputs.Request.attention) keeps no "
+                             "KVCache: pass no cache")
         T = tokens_BT.shape[1]
         if cache is not None:
             if positions_BT is not None:
@@ -138,11 +156,9 @@ class TransformerLM(nnx.Module):
         residual_form = residual.module_class(self.config)
         stream = residual_form.expand(self.config, constrain(self.embed(tokens_BT, dtype), BTD))
         rope_cos_sin = layer_rope_tables(self.config, positions_BT, dtype)
-        stream, cache_or_stats = self._run_blocks(stream, rope_cos_sin, segment_ids_BT, cache, lambda_scale, layer_params)
-        hidden_BTD = self.final_norm(residual_form.collapse(self.config, stream))
-        if cache is not None or router_stats:
-            return hidden_BTD, cache_or_stats
-        return hidden_BTD
+        stream, cache, emitted = self._run_blocks(stream, rope_cos_sin, segment_ids_BT, cache, lambda_scale, layer_params,
+                                                  outputs)
+        return HiddenStates(self.final_norm(residual_form.collapse(self.config, stream)), cache, emitted)
 
     def logits(self, hidden_BTD):
         """float32 logits [B, T, vocab] of final hidden states."""
@@ -202,68 +218,79 @@ class TransformerLM(nnx.Module):
             layers += [jax.tree.map(lambda x: x[i], params) for i in range(segment.num_layers)]
         return tuple(layers)
 
-    def _run_blocks(self, stream, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale=None,
-                    layer_params=None):
+    def _run_blocks(self, stream, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale, layer_params,
+                    request: layer_outputs.Request):
         """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop (over
         `layer_params` if given, else over the stack's slices). A cache's buffers go through the layers with the
-        params: stacked [L, ...] through a scan, one per layer through the loop; returns (stream, cache), without a
-        cache (stream, the MoE layers' router statistics)."""
+        params: stacked [L, ...] through a scan, one per layer through the loop. Returns (stream, the updated cache or
+        None, the layers' outputs that `request` asks for)."""
         constants = self.depth_constants(stream.dtype)
         if lambda_scale is not None:
             constants["lambda_scale"] = jnp.broadcast_to(jnp.asarray(lambda_scale, jnp.float32), (self.config.num_layers,))
         kv = None if cache is None else (cache.k, cache.v)
-        segments, kvs = self.segments(), []
+        segments, kvs, emitted = self.segments(), [], []
         for segment in segments:
             layers = slice(segment.start, segment.stop)
-            stream, segment_kv = self._run_stack(
+            stream, segment_kv, segment_outputs = self._run_stack(
                 segment, stream, rope_cos_sin, segment_ids_BT, cache, jax.tree.map(lambda x: x[layers], constants),
                 None if kv is None else tuple(None if x is None else x[layers] for x in kv),
-                None if layer_params is None else layer_params[layers])
+                None if layer_params is None else layer_params[layers], request)
             kvs.append(segment_kv)
-        if cache is None:  # each MoE layer's router statistics, [L_moe, ...] in layer order
-            stats = [segment_stats for segment_stats in kvs if segment_stats]
-            return stream, jax.tree.map(lambda *parts: jnp.concatenate(parts), *stats) if stats else {}
+            emitted.append(segment_outputs)
+        emitted = layer_outputs.joined(emitted)
+        if cache is None:
+            return stream, None, emitted
         if len(segments) > 1:  # one [L, ...] array (scanned) or one tuple of L buffers (loop) per k and v
             join = (lambda parts: sum(parts, ())) if isinstance(kvs[0][0], tuple) else jnp.concatenate
             kvs = [tuple(join([segment_kv[i] for segment_kv in kvs]) for i in range(2))]
-        return stream, dataclasses.replace(cache, k=kvs[0][0], v=kvs[0][1], lengths_B=cache.lengths_B + stream.shape[1])
+        cache = dataclasses.replace(cache, k=kvs[0][0], v=kvs[0][1], lengths_B=cache.lengths_B + stream.shape[1])
+        return stream, cache, emitted
 
-    def _run_stack(self, segment, stream, rope_cos_sin, segment_ids_BT, cache, constants, kv, layer_params):
-        """One segment's layers (_run_blocks): (stream, its k and v buffers; without a cache its layers' router
-        statistics, [layers, ...] arrays or {})."""
+    def _run_stack(self, segment, stream, rope_cos_sin, segment_ids_BT, cache, constants, kv, layer_params, request):
+        """One segment's layers (_run_blocks): (stream, its k and v buffers (None without a cache), its layers'
+        outputs)."""
         remat = self.config.remat
-        scan = self.config.scan_layers and layer_params is None
+        scan = self.config.scan_layers and layer_params is None and not request.layer_by_layer
         graphdef, params = nnx.split(self.stack(segment))
 
-        @functools.cache  # one (checkpointed) function per window
-        def block_call(window):  # window: the layer's static window, kept by its cache as a ring (loop only)
+        # One (checkpointed) function per window (the layer's static window, kept by its cache as a ring) and, for a
+        # request that runs the layers one by one, per depth (the loop's).
+        @functools.cache
+        def block_call(window, depth):
             def apply_block(stream, layer_params, layer_constants, layer_kv):
                 block = nnx.merge(graphdef, layer_params)
-                if cache is None:  # the layer's output: its MoE router's statistics ({} for other MLPs)
-                    with router.collecting() as stats:
-                        stream = block(stream, rope_cos_sin, segment_ids_BT, layer_constants)
-                    return stream, stats[0] if stats else {}
-                stream, layer_cache = block.call_with_cache(stream, rope_cos_sin, segment_ids_BT, layer_constants,
-                                                           cache.layer(*layer_kv, window=window))
-                return stream, (layer_cache.k, layer_cache.v)
+                with layer_outputs.Layer(request, depth) as emitted:
+                    if cache is None:
+                        stream, layer_kv = block(stream, rope_cos_sin, segment_ids_BT, layer_constants), None
+                    else:
+                        stream, layer_cache = block.call_with_cache(stream, rope_cos_sin, segment_ids_BT, layer_constants,
+                                                                   cache.layer(*layer_kv, window=window))
+                        layer_kv = (layer_cache.k, layer_cache.v)
+                return stream, (layer_kv, emitted.outputs())
 
             if remat != "none":
                 return jax.checkpoint(apply_block, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
             return apply_block
 
         if scan:
-            apply_block = block_call(None)
-            return jax.lax.scan(lambda carried, layer: apply_block(carried, *layer), stream, (params, constants, kv))
-        layers_kv = []
+            apply_block = block_call(None, None)
+            stream, (kv, emitted) = jax.lax.scan(lambda carried, layer: apply_block(carried, *layer), stream,
+                                                 (params, constants, kv))
+            return stream, kv, layer_outputs.over_layers(emitted, segment.start, segment.num_layers)
+        layers_kv, emitted = [], []
         for i in range(segment.num_layers):
             layer = jax.tree.map(lambda x: x[i], params) if layer_params is None else layer_params[i]
             layer_kv = None if kv is None else tuple(None if x is None else x[i] for x in kv)
-            window = None if cache is None else self.config.window_at(segment.start + i)
-            stream, layer_kv = block_call(window)(stream, layer, jax.tree.map(lambda x: x[i], constants), layer_kv)
+            depth = segment.start + i
+            window = None if cache is None else self.config.window_at(depth)
+            apply_block = block_call(window, depth if request.layer_by_layer else None)
+            stream, (layer_kv, layer_emitted) = apply_block(stream, layer, jax.tree.map(lambda x: x[i], constants),
+                                                            layer_kv)
             layers_kv.append(layer_kv)
-        if cache is None:  # the router statistics, stacked like a scan's
-            return stream, jax.tree.map(lambda *layers: jnp.stack(layers), *layers_kv)
-        return stream, tuple(zip(*layers_kv))  # (k per layer, v per layer): no restacking
+            emitted.append(layer_emitted)
+        # (k per layer, v per layer): no restacking; the outputs stacked like a scan's
+        kv = None if cache is None else tuple(zip(*layers_kv))
+        return stream, kv, layer_outputs.stacked(emitted, segment.start)
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))

@@ -25,7 +25,7 @@ from diffjax import lora, sharding
 from diffjax.config import ModelConfig
 from diffjax.kinds import layer_segments
 from diffjax.losses import chunked_loss_sum_and_count, loss_sum_and_count, next_token_targets
-from diffjax.model import TransformerLM
+from diffjax.model import TransformerLM, layer_outputs
 from diffjax.model.mlp import router
 from diffjax.ops.context_parallel import context_size, to_context_order
 from diffjax.train import guard
@@ -72,8 +72,9 @@ def _forward(graphdef, params, batch, loss_chunk: int, lambda_scale=None):
     tokens_BT, positions_BT, segment_ids_BT, targets_BT, weights_BT = (
         to_context_order(x, context)
         for x in (batch["tokens"], batch["positions"], batch["segment_ids"], targets_BT, weights_BT))
-    hidden_BTD, router_stats = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, lambda_scale=lambda_scale,
-                                                   router_stats=True)
+    hidden_BTD, _, outputs = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, lambda_scale=lambda_scale,
+                                                 outputs=layer_outputs.Request({router.OUTPUT}))
+    router_stats = outputs[router.OUTPUT].value if router.OUTPUT in outputs else {}
     if loss_chunk:
         loss_sum, count = chunked_loss_sum_and_count(hidden_BTD, model.head(hidden_BTD.dtype), targets_BT, weights_BT,
                                                      loss_chunk)

@@ -1,40 +1,17 @@
 """The training side of an MoE router: the statistics each MoE layer's forward hands to the trainer, and the
 auxiliary-loss-free selection-bias update (DeepSeek-V3's load balancing as torchtitan implements it).
 
-Statistics reach the trainer through a trace-time side channel, not module state: the decoder stack opens
-`collecting()` around each layer's call, the layer's MoEMLP appends `routing_stats(...)` to it, and the stack returns
-them as an output of the layer (a scan's per-layer outputs), so they leave the forward like any other array. A
-model without MoE layers collects nothing (its program is unchanged), and outside `collecting()` an MoEMLP computes
-no statistics at all. Every statistic is a sum over the call's tokens, so micro-batches and devices simply add.
+Statistics leave the forward on the layer output channel (diffjax.model.layer_outputs) as "router": a forward not
+asked for them computes none (its program is unchanged). Every statistic is a sum over the call's tokens, so
+micro-batches and devices simply add (reduction "sum").
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 
-_COLLECTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_stats", default=None)
-
-
-@contextlib.contextmanager
-def collecting():
-    """A list the MoE layers called inside the block append their routing_stats to (at trace time)."""
-    collected = []
-    token = _COLLECTED.set(collected)
-    try:
-        yield collected
-    finally:
-        _COLLECTED.reset(token)
-
-
-def collect(stats_fn) -> None:
-    """Appends stats_fn() to the innermost collecting() list, if any (stats_fn is not called otherwise)."""
-    collected = _COLLECTED.get()
-    if collected is not None:
-        collected.append(stats_fn())
+OUTPUT = "router"  # the name of routing_stats on the layer output channel
 
 
 def routing_stats(logits_NE, experts_NK, num_experts: int, score_func: str) -> dict:
@@ -70,3 +47,4 @@ def balanced_expert_bias(bias_LE, tokens_LE, coeff: float):
     delta_LE = coeff * jnp.sign(jnp.mean(tokens_LE, axis=-1, keepdims=True) - tokens_LE)
     delta_LE = delta_LE - jnp.mean(delta_LE, axis=-1, keepdims=True)
     return (bias_LE.astype(jnp.float32) + delta_LE).astype(bias_LE.dtype)
+
