@@ -47,6 +47,7 @@ class AttentionKind:
     map_heads: Callable = lambda config: config.num_heads  # (ModelConfig) -> heads of each map explicit_maps gives
     # The diffjax.ops function its module calls; None: diff_attention for 2 maps, dot_product_attention for 1.
     op: str | None = None
+    training: kinds.Training = kinds.NO_TRAINING  # its training side (diffjax.kinds.Training)
 
     @property
     def attention_op(self) -> str:
@@ -223,6 +224,17 @@ def _gdla_vectors(c) -> int:
     return c.attention_options.q_lora_rank + c.attention_options.kv_lora_rank  # the two latent RMSNorm scales
 
 
+def _projections(q: tuple[str, ...] = ("q_kernel",), k: tuple[str, ...] = ("k_kernel",)) -> tuple[kinds.LoraTarget, ...]:
+    """The LoRA targets of a kind with q, k, v and o projections."""
+    return tuple(kinds.LoraTarget(name, kernels) for name, kernels in
+                 (("q", q), ("k", k), ("v", ("v_kernel",)), ("o", ("o_kernel",))))
+
+
+# V1's lambda vectors and subln scale are spared weight decay (decay would pull lambda toward lambda_init); the
+# facet writes lambda per layer into the step's metrics.
+_V1_TRAINING = kinds.Training(no_decay=(r"subln", r"lambda_"), lora_targets=_projections(),
+                              facet="diffjax.model.attention.diff:LambdaMetrics")
+
 _V1_FLOPS = lambda c, context: 12 * c.num_heads * c.head_dim * context  # noqa: E731  2 maps of d; P V of 2d
 
 for _kind in (
@@ -230,22 +242,25 @@ for _kind in (
         name="diff", label="DIFF", module="diffjax.model.attention.diff:DiffAttention", maps=2, value_width=2,
         lambda_form="per_layer", attention_params=_diff_params, attention_flops=_V1_FLOPS, vector_params=_v1_vectors,
         hf_model_type="diffllama", hf_architecture="DiffLlamaForCausalLM", unilm_module="MultiheadFlashDiff1",
+        training=_V1_TRAINING,
     ),
     AttentionKind(
         name="standard", label="Transformer", module="diffjax.model.attention.standard:StandardAttention", maps=1,
         value_width=1, lambda_form="none", attention_params=_standard_params,
         attention_flops=lambda c, context: 4 * c.num_heads * c.head_dim * context,
-        hf_model_type="llama", hf_architecture="LlamaForCausalLM",
+        hf_model_type="llama", hf_architecture="LlamaForCausalLM", training=kinds.Training(lora_targets=_projections()),
     ),
     AttentionKind(
         name="diff_v2", label="DIFF V2", module="diffjax.model.attention.diff_v2:DiffAttentionV2", maps=2,
         value_width=1, lambda_form="per_token", attention_params=_diff_v2_params,
         attention_flops=lambda c, context: 8 * c.num_heads * c.head_dim * context, unilm_module="MultiheadFlashDiffV2",
+        training=kinds.Training(no_decay=(r"lambda_",), lora_targets=_projections()),  # (lambda_kernel)
     ),
     AttentionKind(
         name="shared_diff", label="Shared DIFF", module="diffjax.model.attention.shared_diff:SharedDiffAttention",
         maps=2, value_width=2, lambda_form="per_layer", attention_params=_shared_diff_params, attention_flops=_V1_FLOPS,
         vector_params=_v1_vectors, options=SharedDiffOptions,
+        training=dataclasses.replace(_V1_TRAINING, lora_targets=_projections(q=("q_base",), k=("k_base",))),
     ),
     AttentionKind(
         # The FLOPs count the GDA's own maps, H signal and N noise (6 d c each: q k^T of d, P V of 2d); diffjax
@@ -254,7 +269,7 @@ for _kind in (
         lambda_form="per_layer", attention_params=_gda_params,
         attention_flops=lambda c, context: 6 * (c.num_heads + c.attention_options.num_noise_heads) * c.head_dim * context,
         vector_params=_v1_vectors, hf_model_type="motif", hf_architecture="MotifForCausalLM",
-        options=GDAOptions,
+        options=GDAOptions, training=_V1_TRAINING,
     ),
     AttentionKind(
         # One softmax map per query head (ops.dot_product_attention over all H heads, q k^T of d, P V of dv); each
@@ -265,6 +280,8 @@ for _kind in (
         vector_params=_gdla_vectors, options=GDLAOptions, op="dot_product_attention",
         rotary_dim=lambda c: c.attention_options.qk_rope_head_dim,
         map_heads=lambda c: c.num_heads - c.attention_options.num_noise_heads,
+        training=kinds.Training(no_decay=(r"lambda_",), lora_targets=tuple(  # (lambda_kernel); the output gate is no target
+            kinds.LoraTarget(name, (f"{name}_kernel",)) for name in ("q_down", "q_up", "kv_down", "kv_up", "o"))),
     ),
 ):
     register(_kind)

@@ -394,6 +394,26 @@ def _layer_params(c: ModelConfig, active: bool) -> int:
             + residual_kinds.get(c.residual).params(c) + 2 * c.d_model)  # + the two pre-norms
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockRow:
+    """A row a model's layers are built from: its part ("attention", "mlp", "residual"), the row, and the layers."""
+
+    part: str
+    row: Any
+    layers: tuple[int, ...]
+
+
+def block_rows(config: ModelConfig) -> tuple[BlockRow, ...]:
+    """Every row the model's layers are built from, each once with the layers built with it (a segment's own rows
+    too: an MoE's dense first layers' MLP), by part, then in order of first use. The trainer reads their `training`."""
+    layers_of: dict[tuple[str, str], list[int]] = {}
+    segments = kinds.layer_segments(config)
+    for part in BLOCK_PARTS:
+        for segment in segments:
+            layers_of.setdefault((part, getattr(segment.config, part)), []).extend(range(segment.start, segment.stop))
+    return tuple(BlockRow(part, BLOCK_PARTS[part].get(name), tuple(layers)) for (part, name), layers in layers_of.items())
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

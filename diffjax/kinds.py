@@ -7,6 +7,11 @@ carry its own options: a frozen dataclass subclassing `Options` whose fields are
 nothing else's (GDA's noise heads, Shared DIFF's rank). ModelConfig holds them as `attention_options`,
 `mlp_options` and `residual_options` (mappings in YAML: `model.attention_options.num_noise_heads=2`); only the
 kind's module, its row and its own converter read them.
+
+A row also carries its training side (`Training`): the parameters weight decay spares, the projections LoRA may
+adapt, the mesh axes it gives a meaning to, and its facet (diffjax.model.facets.Facet: what its layers hand the
+train step, a step check, an update after the optimizer's, metrics and guards). The trainer reads the rows of a
+model's layers and names no kind.
 """
 
 from __future__ import annotations
@@ -44,6 +49,33 @@ class Options:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraTarget:
+    """A projection LoRA may adapt (a `lora.targets` entry): the kernels it covers in the part's module."""
+
+    name: str  # the lora.targets entry: "q", "gate", "experts", ...
+    kernels: tuple[str, ...]  # parameter names in the part's module ("q_kernel"; Shared DIFF's "q_base")
+    grouped: bool = True  # in its part's group ("attention", "mlp"); False: adapted only when named (routed experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """A row's training side. What is here is data (jax-free: config checks read it); what runs in the train step
+    and as metrics are written is the facet."""
+
+    # Regular expressions searched in a parameter's dotted path: the part's parameters weight decay spares when
+    # optim.no_decay is left to the model (DIFF's "lambda_": decay would pull lambda toward lambda_init)
+    no_decay: tuple[str, ...] = ()
+    lora_targets: tuple[LoraTarget, ...] = ()  # the projections lora.targets may name
+    mesh_axes: tuple[str, ...] = ()  # the mesh axes only kinds like this one give a meaning to (the MoE's "expert")
+    # "package.module:Class" of a diffjax.model.facets.Facet subclass (imported when a trainer is built), or the
+    # class itself; None: nothing runs in the step for this kind
+    facet: str | type | None = None
+
+
+NO_TRAINING = Training()
+
+
+@dataclasses.dataclass(frozen=True)
 class PartKind:
     """A row of the MLP kinds' or the residual forms' table (attention kinds have a richer row: AttentionKind)."""
 
@@ -58,6 +90,7 @@ class PartKind:
     # to); None: all of `params`
     active_params: Callable | None = None
     options: type[Options] | None = None  # the kind's own settings (ModelConfig.mlp_options / residual_options)
+    training: Training = NO_TRAINING  # its training side
 
 
 def positive_int_problems(options: Options, *names: str) -> list[str]:
@@ -136,13 +169,19 @@ def given_options(options: Options | None, derived: tuple[str, ...]) -> dict[str
 
 def module_class(row, base: type) -> type:
     """The class a row names: its `module` ("package.module:Class", imported now, or the class), a `base` subclass."""
-    if isinstance(row.module, type):
-        cls = row.module
+    return named_class(row.name, row.module, base)
+
+
+def named_class(kind: str, named: str | type, base: type) -> type:
+    """The class `named` ("package.module:Class", imported now, or the class itself), a `base` subclass; errors name
+    the kind."""
+    if isinstance(named, type):
+        cls = named
     else:
-        module_name, _, class_name = row.module.partition(":")
+        module_name, _, class_name = named.partition(":")
         cls = getattr(importlib.import_module(module_name), class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise TypeError(f"kind {row.name!r}: {row.module!r} is not a {base.__name__} subclass")
+        raise TypeError(f"kind {kind!r}: {named!r} is not a {base.__name__} subclass")
     return cls
 
 

@@ -56,29 +56,40 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from diffjax.config import BLOCK_PARTS
 from diffjax.config_values import build_config
 from diffjax.kinds import layer_segments
 
-# Projection name -> (the block's module holding it, the kernel names it covers). Shared DIFF's dense query / key
-# parts are q_base / k_base; GDLA's low-rank projections are q_down / q_up and kv_down / kv_up (its o is o_kernel);
-# an MoE layer's shared expert is a PolyNorm MLP (mlp.shared_expert's gate / up / down), its routed experts are
-# "experts" (per-expert adapters [L, E, ...]).
-TARGET_KERNELS = {
-    "q": ("attn", ("q_kernel", "q_base")),
-    "k": ("attn", ("k_kernel", "k_base")),
-    "v": ("attn", ("v_kernel",)),
-    "o": ("attn", ("o_kernel",)),
-    "q_down": ("attn", ("q_down_kernel",)),
-    "q_up": ("attn", ("q_up_kernel",)),
-    "kv_down": ("attn", ("kv_down_kernel",)),
-    "kv_up": ("attn", ("kv_up_kernel",)),
-    "gate": ("mlp", ("gate_kernel",)),
-    "up": ("mlp", ("up_kernel",)),
-    "down": ("mlp", ("down_kernel",)),
-    "experts": ("mlp", ("expert_gate_kernel", "expert_up_kernel", "expert_down_kernel")),
-}
-# A group adapts those of its projections the model has (at least one); a projection named alone must exist.
-TARGET_GROUPS = {"attention": ("q", "k", "v", "o", "q_down", "q_up", "kv_down", "kv_up"), "mlp": ("gate", "up", "down")}
+# Where a part's LoRA targets live in a decoder block (its modules' attribute names).
+PART_MODULES = {"attention": ("attn",), "mlp": ("mlp",), "residual": ("attn_residual", "mlp_residual")}
+
+
+def target_kernels() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Every projection lora.targets may name -> (the block modules holding it, the kernel names it covers): the
+    registered kinds' rows' training.lora_targets, in table order (Shared DIFF's dense query / key parts are q_base /
+    k_base; GDLA's low-rank projections q_down / q_up and kv_down / kv_up; an MoE layer's gate / up / down its shared
+    expert's, "experts" its routed experts, per-expert adapters [L, E, ...])."""
+    targets: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    for part, table in BLOCK_PARTS.items():
+        for target in (target for row in table.rows() for target in row.training.lora_targets):
+            modules, kernels = targets.get(target.name, (PART_MODULES[part], ()))
+            targets[target.name] = (modules, tuple(dict.fromkeys(kernels + target.kernels)))
+    return targets
+
+
+def target_groups() -> dict[str, tuple[str, ...]]:
+    """A part's name ("attention", "mlp") -> the projections its kinds put in its group. A group adapts those of its
+    projections the model has (at least one); a projection named alone must exist."""
+    groups = {part: tuple(dict.fromkeys(target.name for row in table.rows() for target in row.training.lora_targets
+                                        if target.grouped)) for part, table in BLOCK_PARTS.items()}
+    return {part: names for part, names in groups.items() if names}
+
+
+def target_names() -> tuple[str, ...]:
+    """What lora.targets may hold: every projection, then the groups."""
+    return tuple(target_kernels()) + tuple(target_groups())
+
+
 ADAPTERS, BASE = "lora", "base"  # the trainable tree's keys: the adapters and the base params that train too
 A, B = "lora_a", "lora_b"
 
@@ -108,7 +119,7 @@ class LoraConfig:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
                 math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"lora.alpha must be a number > 0, got {self.alpha!r}")
-        allowed = tuple(TARGET_KERNELS) + tuple(TARGET_GROUPS)
+        allowed = target_names()
         if not self.targets or any(t not in allowed for t in self.targets):
             bad = [t for t in self.targets if t not in allowed]
             raise ValueError(f"lora.targets must be a non-empty list of {', '.join(allowed)}; got {list(self.targets)!r}"
@@ -130,11 +141,13 @@ class LoraConfig:
     @property
     def projections(self) -> tuple[str, ...]:
         """The targeted projections, groups expanded."""
-        return tuple(dict.fromkeys(p for t in self.targets for p in TARGET_GROUPS.get(t, (t,))))
+        groups = target_groups()
+        return tuple(dict.fromkeys(p for t in self.targets for p in groups.get(t, (t,))))
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(k for p in self.projections for k in TARGET_KERNELS[p][1]))
+        targets = target_kernels()
+        return tuple(dict.fromkeys(k for p in self.projections for k in targets[p][1]))
 
     def is_trainable(self, dotted_path: str) -> bool:
         return any(re.search(pattern, dotted_path) for pattern in self.trainable)
@@ -191,23 +204,23 @@ def kernel_specs(model_config, config: LoraConfig) -> dict[tuple[str, ...], Kern
     from diffjax.model import TransformerLM
 
     stacks = {segment.name for segment in layer_segments(model_config)}
-    module_of = {kernel: module for module, kernels in TARGET_KERNELS.values() for kernel in kernels}
+    targets, groups = target_kernels(), target_groups()
+    modules_of = {kernel: modules for modules, kernels in targets.values() for kernel in kernels}
     abstract = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))
     specs, found = {}, set()
     for path, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         path = tuple(map(str, path))
-        if path[0] in stacks and module_of.get(path[-1]) == path[1]:  # (an attention's output gate is no MLP gate)
+        if path[0] in stacks and path[1] in modules_of.get(path[-1], ()):  # (an attention's output gate is no MLP gate)
             found.add(path[-1])
             if path[-1] in config.kernel_names:
                 specs[path] = _kernel_spec(path, variable)
-    has = {p: any(k in found for k in TARGET_KERNELS[p][1]) for p in TARGET_KERNELS}
-    named = [t for t in config.targets if t in TARGET_KERNELS]
-    missing = [t for t in named if not has[t]]
-    missing += [t for t in config.targets if t in TARGET_GROUPS and not any(has[p] for p in TARGET_GROUPS[t])]
+    has = {p: any(k in found for k in targets[p][1]) for p in targets}
+    missing = [t for t in config.targets if t in targets and not has[t]]
+    missing += [t for t in config.targets if t in groups and not any(has[p] for p in groups[t])]
     if missing:
         raise ValueError(f"lora.targets: model.attention {model_config.attention!r} / model.mlp {model_config.mlp!r} "
                          f"has no {', '.join(missing)} projection (its adaptable ones: "
-                         f"{', '.join(p for p in TARGET_KERNELS if has[p]) or 'none'})")
+                         f"{', '.join(p for p in targets if has[p]) or 'none'})")
     return specs
 
 

@@ -15,7 +15,7 @@ import dataclasses
 
 from diffjax import kinds
 
-MLPKind = kinds.PartKind  # a row: name, label, module, params, matmul_params, options
+MLPKind = kinds.PartKind  # a row: name, label, module, params, matmul_params, options, training
 
 TABLE: kinds.Table[MLPKind] = kinds.Table("mlp")
 register, unregister, get, names = TABLE.register, TABLE.unregister, TABLE.get, TABLE.names
@@ -25,10 +25,13 @@ def _polynorm_params(c) -> int:
     return 4 if c.activation == "polynorm" else 0  # PolyNorm's 3 weights and bias (vectors: in no matmul)
 
 
+_GATE_UP_DOWN = tuple(kinds.LoraTarget(name, (f"{name}_kernel",)) for name in ("gate", "up", "down"))
+
 register(MLPKind(
     # down(act(x gate) * (x up)): SwiGLU with activation "silu"; Llama's, DiffLlama's and Motif's MLP
     name="gated", label="gated MLP", module="diffjax.model.mlp.gated:GatedMLP",
     params=lambda c: 3 * c.d_model * c.mlp_dim + _polynorm_params(c), matmul_params=lambda c: 3 * c.d_model * c.mlp_dim,
+    training=kinds.Training(lora_targets=_GATE_UP_DOWN),
 ))
 
 
@@ -183,7 +186,7 @@ def _active_inner(o: MoEOptions) -> int:
 register(MLPKind(
     name="polynorm", label="PolyNorm MLP (Motif 3)", module="diffjax.model.mlp.polynorm:PolyNormMLP",
     params=lambda c: _polynorm_mlp_params(c, c.mlp_dim), matmul_params=lambda c: 3 * c.d_model * c.mlp_dim,
-    options=PolyNormOptions,
+    options=PolyNormOptions, training=kinds.Training(lora_targets=_GATE_UP_DOWN),
 ))
 register(MLPKind(
     # params: every expert; matmul_params and active_params: the router, the top_k routed experts and the shared one
@@ -192,4 +195,11 @@ register(MLPKind(
     matmul_params=lambda c: c.d_model * (c.mlp_options.num_experts + 3 * _active_inner(c.mlp_options)),
     active_params=lambda c: _moe_params(c, c.mlp_options.top_k),
     options=MoEOptions,
+    # gate / up / down: the shared expert's; "experts" (only when named): per-expert adapters of the routed experts.
+    # expert_bias only selects (no gradient): never decayed; the facet moves it after each step (load_balance_coeff),
+    # logs the routers' load and entropy, fails a step on non-finite router logits and stops a collapsed router.
+    training=kinds.Training(
+        no_decay=(r"expert_bias",), mesh_axes=("expert",), facet="diffjax.model.mlp.router:RouterTraining",
+        lora_targets=_GATE_UP_DOWN + (kinds.LoraTarget(
+            "experts", ("expert_gate_kernel", "expert_up_kernel", "expert_down_kernel"), grouped=False),)),
 ))

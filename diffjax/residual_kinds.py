@@ -13,7 +13,7 @@ import dataclasses
 
 from diffjax import kinds
 
-ResidualKind = kinds.PartKind  # a row: name, label, module, params and matmul_params (default 0), options
+ResidualKind = kinds.PartKind  # a row: name, label, module, params and matmul_params (default 0), options, training
 
 TABLE: kinds.Table[ResidualKind] = kinds.Table("residual")
 register, unregister, get, names = TABLE.register, TABLE.unregister, TABLE.get, TABLE.names
@@ -73,4 +73,6 @@ def _mhc_params(c) -> int:
 register(ResidualKind(
     name="mhc", label="mHC", module="diffjax.model.residual.mhc:MHCResidual", options=MHCOptions,
     params=_mhc_params, matmul_params=_mhc_matmul_params,
+    # its gates' biases and scales are spared weight decay (decay would pull the stream mix toward uniform)
+    training=kinds.Training(no_decay=(r"residual\.(pre|post|res)_(bias|alpha)",)),
 ))

@@ -127,9 +127,9 @@ def test_a_bad_parallel_expert_is_one_clear_line():
                                          r"expert parallelism places whole experts; use parallel.expert in "
                                          r"\[1, 2, 3, 4, 6, 12\]$"):
         parallel.check_model_fits_mesh(twelve, mesh)
-    with pytest.raises(ValueError, match=r"^parallel.expert \(8\) splits a mixture of experts, but model.mlp "
-                                         r"'gated' has no experts; use parallel.expert=1 \(or parallel.data\) or "
-                                         r"model.mlp=moe$"):
+    with pytest.raises(ValueError, match=r"^parallel.expert \(8\) has nothing to split in this model \(attention "
+                                         r"'diff', mlp 'gated', residual 'plain'\); use parallel.expert=1 \(or "
+                                         r"parallel.data\), or a kind it splits: model.mlp=moe$"):
         parallel.check_model_fits_mesh(MODEL.replace(mlp="gated", mlp_options=None), mesh)
     with pytest.raises(ValueError, match=r"^parallel.expert must be a positive integer or -1 \(fill\), got 0$"):
         ParallelConfig(expert=0)

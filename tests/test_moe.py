@@ -357,7 +357,7 @@ def test_expert_bias_gets_no_gradient_and_no_weight_decay():
     import re
 
     from diffjax.losses import next_token_loss
-    from diffjax.train.optimizer import DEFAULT_NO_DECAY
+    from diffjax.train.optimizer import default_no_decay
 
     model = stack_model()
     model.blocks_from_2.mlp.expert_bias[...] = jnp.full((2, 4), 0.3)
@@ -371,7 +371,7 @@ def test_expert_bias_gets_no_gradient_and_no_weight_decay():
     by_name = {".".join(map(str, path)): g[...] for path, g in grads}
     assert not np.any(by_name["blocks_from_2.mlp.expert_bias"])
     assert np.any(by_name["blocks_from_2.mlp.router_kernel"])
-    assert any(re.search(pattern, "blocks_from_2.mlp.expert_bias") for pattern in DEFAULT_NO_DECAY)
+    assert any(re.search(pattern, "blocks_from_2.mlp.expert_bias") for pattern in default_no_decay(model.config))
 
 
 def test_hf_export_refuses_the_motif3_mlps(tmp_path):

@@ -15,13 +15,15 @@ import optax
 import pytest
 
 from diffjax.config import ModelConfig
+from diffjax.model.facets import model_facets
 from diffjax.model.mlp.router import balanced_expert_bias
 from diffjax.train import Hook, train
 from diffjax.train.guard import DivergedError
 from diffjax.train.mesh import ParallelConfig, make_mesh
 from diffjax.train.state_checkpoints import Checkpointer
 from diffjax.train.config import CheckpointConfig
-from diffjax.train.step import rebalance_expert_biases, setup_sharded_state
+from diffjax.model.layer_outputs import Emitted
+from diffjax.train.step import setup_sharded_state
 
 E, K = 4, 2
 MOE_OPTIONS = dict(num_experts=E, top_k=K, expert_inner=16, expert_bias=True, load_balance_coeff=0.01,
@@ -42,20 +44,27 @@ def numpy_bias_update(bias, tokens, coeff):
     return out
 
 
+def _after_update(model, params, tokens):
+    """The MoE kind's update after the optimizer's (its facet's), given the step's router token counts."""
+    [facet] = [facet for facet in model_facets(model) if "router" in facet.outputs]
+    return facet.after_update(params, {"router": Emitted({"tokens": tokens}, "sum", facet.layers)})
+
+
 def test_bias_update_is_torchtitans_rule_layer_by_layer():
     """Known counts (three experts over the mean, one under: the step's mean is not 0, so the centring shows; one
-    layer exactly balanced) through rebalance_expert_biases, which must also match each stack row to its layer."""
+    layer exactly balanced) through the MoE's update after each step, which must also match each stack row to its
+    layer."""
     tokens = np.array([[40, 35, 30, 5], [20, 20, 20, 20]], np.int32)  # MoE layers 1 and 2
     bias = np.array([[0.1, -0.2, 0.0, 0.05], [0.3, 0.0, -0.1, 0.0]], np.float32)
     params = {"blocks": {"mlp": {"kernel": np.zeros(3)}}, "blocks_from_1": {"mlp": {"expert_bias": jnp.asarray(bias)}}}
-    updated = rebalance_expert_biases(params, jnp.asarray(tokens), MODEL)
+    updated = _after_update(MODEL, params, jnp.asarray(tokens))
     expected = numpy_bias_update(bias, tokens, 0.01)
     np.testing.assert_allclose(np.asarray(updated["blocks_from_1"]["mlp"]["expert_bias"]), expected, rtol=0, atol=1e-7)
     assert updated["blocks"] is params["blocks"]
     np.testing.assert_allclose(np.asarray(balanced_expert_bias(jnp.asarray(bias), jnp.asarray(tokens), 0.5)),
                                numpy_bias_update(bias, tokens, 0.5), atol=1e-6)
     no_coeff = dataclasses.replace(MODEL, mlp_options=dataclasses.replace(MODEL.mlp_options, load_balance_coeff=None))
-    assert rebalance_expert_biases(params, jnp.asarray(tokens), no_coeff) is params
+    assert _after_update(no_coeff, params, jnp.asarray(tokens)) is params
 
 
 @pytest.mark.parametrize("options, message", [

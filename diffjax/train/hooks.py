@@ -4,7 +4,8 @@ non-finite check are one (MetricsLog); `train(config, hooks=[...])` adds the use
 The loop calls, on each hook in order:
   on_start(run)                 before the first step
   on_step(run, step, metrics)   after each step is dispatched. metrics: device arrays (loss, grad_norm, lr,
-                                ok, loss_tokens; lambda [L] for DIFF; router for MoE: metrics.py); reading
+                                ok, loss_tokens; and the model's kinds' own, their facets': diffjax.model.facets,
+                                e.g. lambda [L], router); reading
                                 one waits for the step, so read them rarely (MetricsLog reads a window of steps
                                 in one transfer)
   on_eval(run, step, loss)      after each held-out evaluation, the final one included (mean loss per token)
@@ -25,9 +26,9 @@ import jax
 import numpy as np
 
 from diffjax import storage
-from diffjax.train.guard import NonfiniteGuard, RouterCollapseGuard
-from diffjax.train.metrics import (MetricsWriter, moe_layers, peak_flops_per_device, read_records, router_values,
-                                   training_flops_per_token)
+from diffjax.model.facets import model_facets
+from diffjax.train.guard import DivergedError, NonfiniteGuard
+from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, read_records, training_flops_per_token
 from diffjax.train.progress import Progress
 
 
@@ -115,11 +116,9 @@ class MetricsLog(Hook):
         run.log = self.progress.log  # hooks' and the loop's lines clear the bar first
         self.flops_per_token = training_flops_per_token(config.model, config.data.seq_len)
         self.peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)
-        self.moe_layers = moe_layers(config.model)
-        self.guard = NonfiniteGuard(config.train.on_nonfinite, config.train.max_skipped_steps, self.moe_layers)
-        o = config.model.mlp_options
-        self.router_guard = (RouterCollapseGuard(self.moe_layers, o.top_k, o.num_experts, o.collapse_steps)
-                             if self.moe_layers else None)
+        self.facets = model_facets(config.model)  # the kinds' own metrics and guards
+        self.guard = NonfiniteGuard(config.train.on_nonfinite, config.train.max_skipped_steps,
+                                    lambda values: "".join(facet.nonfinite_reasons(values) for facet in self.facets))
         self.pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
         self.losses: dict[int, float] = {}
         self.listeners: list[Callable[[int, str, dict[str, float]], None]] = []
@@ -173,18 +172,18 @@ class MetricsLog(Hook):
             self.tokens_per_second = rate
         host_metrics = jax.device_get([metrics for _, metrics in self.pending])  # one transfer for the window
         for (step, _), metrics in zip(self.pending, host_metrics):
-            values = {key: float(value) for key, value in metrics.items() if key not in ("lambda", "ok", "router")}
+            values = {key: float(value) for key, value in metrics.items()  # (the facets write the others)
+                      if key != "ok" and not isinstance(value, dict) and np.ndim(value) == 0}
             if not self.guard.check(step, metrics, lambda first_bad: run.checkpointer.fall_back_before(first_bad, run.log)):
                 values["skipped"] = 1.0
                 self.progress.note(f"step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}: skipped")
-            if "lambda" in metrics:
-                values.update({f"lambda/layer_{i}": float(x) for i, x in enumerate(np.asarray(metrics["lambda"]))})
             histograms = {}
-            if "router" in metrics:
-                self.router_guard.check(step, metrics["router"])
-                values.update(router_values(metrics["router"], self.moe_layers))
-                histograms = {f"router/layer_{layer}/load": load_E
-                              for layer, load_E in zip(self.moe_layers, metrics["router"]["load"])}
+            for facet in self.facets:
+                stop = facet.stop(step, metrics)
+                if stop:
+                    raise DivergedError(stop)
+                values.update(facet.values(metrics))
+                histograms.update(facet.histograms(metrics))
             if rate is not None:
                 values["tokens_per_second"] = rate
                 values["tflops_per_device"] = rate * self.flops_per_token / run.mesh.size / 1e12

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from diffjax import attention_impls, attention_kinds, config, mlp_kinds, residual_kinds
 from diffjax.data.config import DATA_SOURCES
-from diffjax.lora import TARGET_GROUPS, TARGET_KERNELS
+from diffjax.lora import target_names
 from diffjax.tokenizers.config import TOKENIZER_KINDS
 from diffjax.train import config as run_config
 from diffjax.train.mesh import DISTRIBUTED_MODES
@@ -41,7 +41,7 @@ ALLOWED: dict[str, Callable[[], tuple[str, ...]]] = {
     "train.on_nonfinite": lambda: run_config.NONFINITE_MODES,
     "train.wandb.mode": lambda: run_config.WANDB_MODES,
     "parallel.distributed": lambda: DISTRIBUTED_MODES,
-    "lora.targets": lambda: tuple(TARGET_KERNELS) + tuple(TARGET_GROUPS),
+    "lora.targets": target_names,
 }
 
 

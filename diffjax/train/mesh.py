@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from diffjax.config import ModelConfig
+from diffjax.config import BLOCK_PARTS, ModelConfig, block_rows
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,11 @@ def _device_grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
 
 
 def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
-    """Tensor parallelism splits whole heads: parallel.tensor must divide the (kv) head counts; expert parallelism
-    whole experts: parallel.expert must divide the MoE's num_experts (and needs an MoE)."""
-    _check_experts_fit(config, mesh.shape["expert"])
+    """Tensor parallelism splits whole heads: parallel.tensor must divide the (kv) head counts. A mesh axis that only
+    some kinds give a meaning to (their rows' training.mesh_axes: expert parallelism splits a mixture of experts)
+    needs such a kind in the model, and each kind's facet checks the mesh fits it (parallel.expert must divide the
+    experts)."""
+    _check_kind_axes(config, mesh)
     tensor = mesh.shape["tensor"]
     for name in ("num_heads", "num_kv_heads"):
         heads = getattr(config, name)
@@ -133,17 +135,23 @@ def check_model_fits_mesh(config: ModelConfig, mesh: Mesh) -> None:
             )
 
 
-def _check_experts_fit(config: ModelConfig, expert: int) -> None:
-    if expert == 1:
-        return
-    experts = getattr(config.mlp_options, "num_experts", None)
-    if experts is None:
-        raise ValueError(f"parallel.expert ({expert}) splits a mixture of experts, but model.mlp {config.mlp!r} has "
-                         f"no experts; use parallel.expert=1 (or parallel.data) or model.mlp=moe")
-    if experts % expert:
-        divisors = [n for n in range(1, experts + 1) if experts % n == 0]
-        raise ValueError(f"parallel.expert ({expert}) must divide model.mlp_options.num_experts ({experts}): expert "
-                         f"parallelism places whole experts; use parallel.expert in {divisors}")
+def _check_kind_axes(config: ModelConfig, mesh: Mesh) -> None:
+    from diffjax.model.facets import model_facets  # (the model's modules load only when a mesh is checked)
+
+    rows = block_rows(config)
+    used = {axis for block in rows for axis in block.row.training.mesh_axes}
+    for axis, size in mesh.shape.items():
+        if size > 1 and axis not in used:
+            offered = [f"{part}={row.name}" for part, table in BLOCK_PARTS.items() for row in table.rows()
+                       if axis in row.training.mesh_axes]
+            if offered:
+                parts = ", ".join(f"{block.part} {block.row.name!r}" for block in rows)
+                raise ValueError(f"parallel.{axis} ({size}) has nothing to split in this model ({parts}); use "
+                                 f"parallel.{axis}=1 (or parallel.data), or a kind it splits: "
+                                 + ", ".join(f"model.{kind}" for kind in offered))
+    problems = [line for facet in model_facets(config) for line in facet.mesh_problems(dict(mesh.shape))]
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def describe(mesh: Mesh) -> str:

@@ -1,5 +1,5 @@
-"""Training metrics: an analytic FLOP count, MFU, lambda per layer, MoE routers' load and entropy per layer, and
-JSONL / TensorBoard writers.
+"""Training metrics: an analytic FLOP count, MFU, and JSONL / TensorBoard writers (the model's kinds add their own
+through their facets: diffjax.model.facets).
 
 FLOP convention (per trained token, multiply-add = 2 FLOPs, training = 3 x forward):
   dense:     6 x (every matmul parameter: q, k, v, o, the MLP and the LM head; not the embedding
@@ -24,10 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from diffjax import attention_kinds, mlp_kinds, residual_kinds, storage
 from diffjax.kinds import layer_segments
@@ -75,48 +72,6 @@ def peak_flops_per_device(device_kind: str, override_tflops: float | None = None
         if name.lower() in device_kind.lower():
             return flops
     return None
-
-
-def layer_lambdas(graphdef, params) -> jax.Array | None:
-    """lambda per layer [L] (float32) of the model `graphdef` with `params` (a pure dict): the model's own
-    formula and roundings (TransformerLM.layer_lambdas); None for the baseline."""
-    return nnx.merge(graphdef, params).layer_lambdas()
-
-
-# ---- MoE routers. metrics["router"] (on device, per MoE layer): "load" [L_moe, E], each expert's share of the step's
-# routed (token, choice) pairs over the mean share (1: balanced; DeepSeek's MaxVio is load max - 1), "entropy" [L_moe],
-# the mean per-token entropy of the router's distribution in nats (log E: uniform; mlp.router.routing_stats), and
-# "nonfinite" [L_moe], the tokens with a non-finite router logit. metrics.jsonl keeps per layer d (the model's
-# layer index) router/layer_d/load_max, load_min, load_cv (std / mean over experts) and entropy; TensorBoard also
-# gets the whole load vector of each layer as a histogram.
-
-
-def router_metrics(router_stats: dict, top_k: int) -> dict:
-    """metrics["router"] (above) from a step's summed mlp.router.routing_stats."""
-    tokens_LE = router_stats["tokens"].astype(jnp.float32)
-    routed_L = jnp.sum(tokens_LE, axis=-1)  # tokens x top_k
-    return {"load": tokens_LE * tokens_LE.shape[-1] / routed_L[:, None],
-            "entropy": router_stats["entropy"] * top_k / routed_L,
-            "nonfinite": router_stats["nonfinite"]}
-
-
-def moe_layers(config: ModelConfig) -> list[int]:
-    """The model's MoE layers (their indices from 0), in the order of metrics["router"]'s rows."""
-    return [depth for segment in layer_segments(config) if segment.config.mlp == "moe"
-            for depth in range(segment.start, segment.stop)]
-
-
-def router_values(router: dict, layers: list[int]) -> dict[str, float]:
-    """The metrics file's router/layer_d/... values of a step's metrics["router"] (host arrays)."""
-    values = {}
-    for row, layer in enumerate(layers):
-        load_E = np.asarray(router["load"][row], np.float64)
-        values.update({f"router/layer_{layer}/load_max": load_E.max(), f"router/layer_{layer}/load_min": load_E.min(),
-                       f"router/layer_{layer}/load_cv": load_E.std() / load_E.mean(),
-                       f"router/layer_{layer}/entropy": float(router["entropy"][row])})
-    return values
-
-
 
 
 def read_records(path: Path) -> list[dict]:

@@ -28,14 +28,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from diffjax.config import BLOCK_PARTS, ModelConfig, block_rows
 from diffjax.sharding import key_names
 
 DECAYS = ("linear", "cosine", "constant")
-# Parameter paths that get no weight decay by default: RMSNorm scales, the per-head subln scale
-# and differential attention's lambda vectors (decaying lambda_q/k would pull lambda to lambda_init), the mHC
-# residual's gate biases and scales (decay would pull its stream mix toward uniform), and an MoE's expert_bias (a
-# selection bias: no gradient and no decay; mlp_options.load_balance_coeff moves it after each step, step.py).
-DEFAULT_NO_DECAY = (r"norm", r"subln", r"lambda_", r"residual\.(pre|post|res)_(bias|alpha)", r"expert_bias")
+# Parameter paths that get no weight decay when optim.no_decay is left to the model: RMSNorm scales, and what each of
+# the model's kinds spares (its row's training.no_decay: differential attention's lambda vectors and subln scale,
+# mHC's gate biases and scales, the MoE's expert_bias; default_no_decay).
+MODEL_NO_DECAY = (r"norm",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +60,10 @@ class OptimizerConfig:
     """AdamW's epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW), scaled by the learning rate."""
-    no_decay: tuple[str, ...] = DEFAULT_NO_DECAY
+    no_decay: tuple[str, ...] | None = None
     """Regular expressions searched in a parameter's dotted path (e.g. "blocks.3.attn.lambda_q1"); a match excludes
-    the parameter from weight decay."""
+    the parameter from weight decay. None: the model's, "norm" and what its kinds spare (differential attention's
+    subln and lambda_, mHC's gate biases and scales, the MoE's expert_bias)."""
     clip_norm: float | None = 1.0
     """Clip the global gradient norm to this; None: no clipping."""
     lr_multipliers: tuple[str, ...] = ()
@@ -72,7 +73,8 @@ class OptimizerConfig:
     """Steps over which lambda grows linearly from 0 to its value (an upcycled model's start); 0: no warm-up."""
 
     def __post_init__(self):
-        object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        if self.no_decay is not None:
+            object.__setattr__(self, "no_decay", tuple(self.no_decay))
         if not self.lr > 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr!r}")
         if not 0 <= self.min_lr <= self.lr:
@@ -92,7 +94,7 @@ class OptimizerConfig:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"optim.clip_norm must be > 0 or None, got {self.clip_norm!r}")
-        for pattern in self.no_decay:
+        for pattern in self.no_decay or ():
             _regex("optim.no_decay", pattern)
         object.__setattr__(self, "lr_multipliers", tuple(self.lr_multipliers))
         self.multipliers()  # checks each entry
@@ -149,24 +151,39 @@ def path_name(path) -> str:
     return ".".join(key_names(path))
 
 
-def weight_decay_mask(params, no_decay=DEFAULT_NO_DECAY):
-    """True for parameters that get weight decay: those whose path matches none of `no_decay`."""
+def default_no_decay(model_config: ModelConfig | None = None) -> tuple[str, ...]:
+    """optim.no_decay left to the model: MODEL_NO_DECAY and the no_decay of the rows `model_config`'s layers are
+    built from (None: of every registered row, for a caller that knows no model)."""
+    if model_config is None:
+        rows = [row for table in BLOCK_PARTS.values() for row in table.rows()]
+    else:
+        rows = [block.row for block in block_rows(model_config)]
+    return tuple(dict.fromkeys(MODEL_NO_DECAY + tuple(p for row in rows for p in row.training.no_decay)))
+
+
+def weight_decay_mask(params, no_decay=None):
+    """True for parameters that get weight decay: those whose path matches none of `no_decay` (None:
+    default_no_decay())."""
+    no_decay = default_no_decay() if no_decay is None else no_decay
     patterns = [re.compile(pattern) for pattern in no_decay]
     return jax.tree_util.tree_map_with_path(
         lambda path, _: not any(p.search(path_name(path)) for p in patterns), params
     )
 
 
-def make_optimizer(config: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(tx, schedule): clip by global norm, then AdamW on `schedule`; `schedule(step)` is the lr to log."""
+def make_optimizer(config: OptimizerConfig, total_steps: int, model_config: ModelConfig | None = None
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(tx, schedule): clip by global norm, then AdamW on `schedule`; `schedule(step)` is the lr to log. The weight
+    decay mask: config.no_decay, or left None the model's (default_no_decay(model_config))."""
     schedule = make_schedule(config, total_steps)
+    no_decay = default_no_decay(model_config) if config.no_decay is None else config.no_decay
     adamw = optax.adamw(
         learning_rate=schedule,
         b1=config.b1,
         b2=config.b2,
         eps=config.eps,
         weight_decay=config.weight_decay,
-        mask=lambda params: weight_decay_mask(params, config.no_decay),
+        mask=lambda params: weight_decay_mask(params, no_decay),
     )
     transforms = [] if config.clip_norm is None else [optax.clip_by_global_norm(config.clip_norm)]
     transforms.append(adamw)

@@ -236,7 +236,7 @@ def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
     context_order(config.data.seq_len, mesh.shape["context"])  # the sequence must split over the context axis
     batch_plan = plan_batch(config.global_batch_size, batch_shards=batch_shards(mesh),
                             micro_batch_per_device=config.train.micro_batch_per_device)
-    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    tx, schedule = make_optimizer(config.optim, config.train.steps, config.model)
     if plan.lora_base:
         training, state, frozen = _lora_state(config, plan.lora_base, tx, mesh, log)
     else:
@@ -440,8 +440,8 @@ def _check_same_lora(directory: RunDir, saved: dict, config: RunConfig, saved_pa
     defaults = dataclasses.asdict(lora.LoraConfig())
     saved_lora = {**defaults, **(saved.get("lora") or {})}
     current = dataclasses.asdict(config.lora)
-    plain = lambda value: list(value) if isinstance(value, (list, tuple)) else value  # noqa: E731
-    differing = [k for k in current if plain(saved_lora[k]) != plain(current[k])]
+    listed = lambda value: list(value) if isinstance(value, (list, tuple)) else value  # noqa: E731
+    differing = [k for k in current if listed(saved_lora[k]) != listed(current[k])]
     if differing:
         raise ValueError(
             f"run directory {directory.path} holds a run with different LoRA settings (lora.{', lora.'.join(differing)} "

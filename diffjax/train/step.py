@@ -23,14 +23,12 @@ from jax.sharding import PartitionSpec as P
 
 from diffjax import lora, sharding
 from diffjax.config import ModelConfig
-from diffjax.kinds import layer_segments
 from diffjax.losses import chunked_loss_sum_and_count, loss_sum_and_count, next_token_targets
 from diffjax.model import TransformerLM, layer_outputs
-from diffjax.model.mlp import router
+from diffjax.model.facets import model_facets, output_names
 from diffjax.ops.context_parallel import context_size, to_context_order
 from diffjax.train import guard
 from diffjax.train.mesh import check_model_fits_mesh
-from diffjax.train.metrics import layer_lambdas, router_metrics
 
 
 def init_state(model, tx: optax.GradientTransformation, key: jax.Array) -> dict:
@@ -62,25 +60,24 @@ def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int, lambda_scale=N
     return _forward(graphdef, params, batch, loss_chunk, lambda_scale)[:2]
 
 
-def _forward(graphdef, params, batch, loss_chunk: int, lambda_scale=None):
-    """(loss sum, target count, the MoE layers' router statistics: mlp.router.routing_stats [L_moe, ...], {} for
-    a model without MoE layers). Targets and weights are stated per position first, so that under a context axis
-    every [B, T] array can be put in the context layout (ops.context_parallel) together."""
+def _forward(graphdef, params, batch, loss_chunk: int, lambda_scale=None, outputs=layer_outputs.NOTHING):
+    """(loss sum, target count, the layers' outputs `outputs` asks for: diffjax.model.layer_outputs). Targets and
+    weights are stated per position first, so that under a context axis every [B, T] array can be put in the context
+    layout (ops.context_parallel) together."""
     model = nnx.merge(graphdef, params)
     targets_BT, weights_BT = next_token_targets(batch["tokens"], batch["segment_ids"], batch.get("loss_mask"))
     context = context_size()
     tokens_BT, positions_BT, segment_ids_BT, targets_BT, weights_BT = (
         to_context_order(x, context)
         for x in (batch["tokens"], batch["positions"], batch["segment_ids"], targets_BT, weights_BT))
-    hidden_BTD, _, outputs = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, lambda_scale=lambda_scale,
-                                                 outputs=layer_outputs.Request({router.OUTPUT}))
-    router_stats = outputs[router.OUTPUT].value if router.OUTPUT in outputs else {}
+    hidden_BTD, _, emitted = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, lambda_scale=lambda_scale,
+                                                 outputs=outputs)
     if loss_chunk:
         loss_sum, count = chunked_loss_sum_and_count(hidden_BTD, model.head(hidden_BTD.dtype), targets_BT, weights_BT,
                                                      loss_chunk)
     else:
         loss_sum, count = loss_sum_and_count(model.logits(hidden_BTD), targets_BT, weights_BT)
-    return loss_sum, count, router_stats
+    return loss_sum, count, emitted
 
 
 def _model_params(params, frozen, lora_config: lora.LoraConfig | None):
@@ -97,9 +94,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     loss_chunk: tokens per chunk of the loss (train.loss_chunk; None: resolve_loss_chunk's auto).
     lambda_schedule: step -> the factor on lambda (optimizer.lambda_scale; logged as metrics["lambda_scale"]).
     lora_config: LoRA on (state["params"] the trainable part): step(state, batch, frozen), frozen the rest of the base.
-    MoE layers: metrics["router"] (metrics.router_metrics), and with mlp_options.load_balance_coeff each step moves
-    the expert selection biases after the optimizer update (rebalance_expert_biases; not under LoRA)."""
+    The facets of the model's kinds (diffjax.model.facets) add to each step: the layer outputs they ask for are
+    collected over the micro-batches, then each facet's check, update after the optimizer's (not under LoRA) and
+    metrics run."""
     loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
+    facets = model_facets(model_config)
+    request = layer_outputs.Request(output_names(facets))
 
     def train_step(state, batch, frozen=None):
         with sharding.activation_sharding(mesh):
@@ -110,32 +110,33 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         scale = None if lambda_schedule is None else lambda_schedule(state["step"])
 
         def loss_and_aux(p, micro):
-            loss_sum, count, router_stats = _forward(graphdef, _model_params(p, frozen, lora_config), micro,
-                                                     loss_chunk, scale)
-            return loss_sum, (count, router_stats)
+            loss_sum, count, outputs = _forward(graphdef, _model_params(p, frozen, lora_config), micro, loss_chunk,
+                                                scale, request)
+            return loss_sum, (count, outputs)
 
         grad_fn = jax.value_and_grad(loss_and_aux, has_aux=True)
 
         def accumulate(carry, micro):
             grads_sum, loss_sum, count = carry
-            (micro_loss, (micro_count, router_stats)), grads = grad_fn(params, micro)
+            (micro_loss, (micro_count, outputs)), grads = grad_fn(params, micro)
             grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
-            return (grads_sum, loss_sum + micro_loss, count + micro_count), router_stats
+            return (grads_sum, loss_sum + micro_loss, count + micro_count), outputs
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (grads_sum, loss_sum, count), router_stats = jax.lax.scan(
-            accumulate, (zeros, jnp.float32(0), jnp.float32(0)), batch)
-        router_stats = jax.tree.map(lambda x: jnp.sum(x, axis=0), router_stats)  # the step's micro-batches together
+        (grads_sum, loss_sum, count), outputs = jax.lax.scan(accumulate, (zeros, jnp.float32(0), jnp.float32(0)), batch)
+        outputs = layer_outputs.combine(outputs)  # the step's micro-batches together
         denominator = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads_sum, params)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        if router_stats and lora_config is None:  # (with LoRA the bias is part of the frozen base)
-            new_params = rebalance_expert_biases(new_params, router_stats["tokens"], model_config)
+        if lora_config is None:  # (with LoRA the base is frozen)
+            for facet in facets:
+                new_params = facet.after_update(new_params, outputs)
         loss, grad_norm = loss_sum / denominator, optax.tree.norm(grads)
         ok = guard.step_ok(loss, grad_norm, optax.tree.norm(updates))
-        if router_stats:
-            ok = ok & guard.routers_finite(router_stats)
+        for facet in facets:
+            facet_ok = facet.step_ok(outputs)
+            ok = ok if facet_ok is None else ok & facet_ok
         if on_nonfinite == "skip":
             new_params, opt_state = guard.keep_old_if_bad(ok, (new_params, opt_state), (params, state["opt_state"]))
         metrics = {
@@ -145,11 +146,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             "lr": schedule(state["step"]),
             "loss_tokens": count,
         }
-        if router_stats:
-            metrics["router"] = router_metrics(router_stats, model_config.mlp_options.top_k)
-        lambdas = layer_lambdas(graphdef, _model_params(new_params, frozen, lora_config))
-        if lambdas is not None:
-            metrics["lambda"] = lambdas
+        for facet in facets:
+            metrics.update(facet.metrics(outputs, lambda: nnx.merge(graphdef, _model_params(new_params, frozen,
+                                                                                           lora_config))))
         if scale is not None:
             metrics["lambda_scale"] = scale
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
@@ -157,24 +156,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         return new_state, metrics
 
     return train_step
-
-
-def rebalance_expert_biases(params: dict, tokens_LE, model_config: ModelConfig) -> dict:
-    """params with every MoE layer's expert_bias moved by router.balanced_expert_bias (mlp_options.load_balance_coeff;
-    unchanged without one) from tokens_LE, the tokens each expert got in the step, one row per MoE layer in order
-    (their sum over the whole global batch: under jit the bincount of a sharded batch is a global sum)."""
-    coeff = model_config.mlp_options.load_balance_coeff if model_config.mlp == "moe" else None
-    if coeff is None:
-        return params
-    params, row = dict(params), 0
-    for segment in layer_segments(model_config):
-        if segment.config.mlp != "moe":
-            continue
-        block, tokens_le = params[segment.name], tokens_LE[row:row + segment.num_layers]
-        bias_le = router.balanced_expert_bias(block["mlp"]["expert_bias"], tokens_le, coeff)
-        params[segment.name] = {**block, "mlp": {**block["mlp"], "expert_bias": bias_le}}
-        row += segment.num_layers
-    return params
 
 
 def make_eval_step(graphdef, mesh: Mesh | None = None, loss_chunk: int = 0, lora_config: lora.LoraConfig | None = None):

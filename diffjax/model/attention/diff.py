@@ -13,6 +13,7 @@ from flax import nnx
 
 from diffjax.config import ModelConfig
 from diffjax.model.attention.base import AttentionModule
+from diffjax.model.facets import Facet
 from diffjax.model.layers import normal_param, ones_param, rms_normalize
 from diffjax.model.rope import apply_rope
 from diffjax.sharding import constrain
@@ -104,3 +105,15 @@ class DiffAttention(AttentionModule):
         # (0.8 -> 0.80078 at depth 0). Exact no-op in float32.
         o_BTHv = (o_BTHv.astype(jnp.float32) * constants["out_scale"]).astype(dtype)
         return self._out_projection(o_BTHv, dtype)
+
+
+class LambdaMetrics(Facet):
+    """V1's training side (its rows' facet, with Shared DIFF's and GDA's): lambda per layer in each step's metrics
+    ("lambda" [L], float32, from the step's new params: TransformerLM.layer_lambdas) and in metrics.jsonl
+    (lambda/layer_i)."""
+
+    def metrics(self, outputs, model):
+        return {"lambda": model().layer_lambdas()}
+
+    def values(self, metrics):
+        return {f"lambda/layer_{i}": float(x) for i, x in enumerate(np.asarray(metrics["lambda"]))}

@@ -3,13 +3,18 @@ auxiliary-loss-free selection-bias update (DeepSeek-V3's load balancing as torch
 
 Statistics leave the forward on the layer output channel (diffjax.model.layer_outputs) as "router": a forward not
 asked for them computes none (its program is unchanged). Every statistic is a sum over the call's tokens, so
-micro-batches and devices simply add (reduction "sum").
+micro-batches and devices simply add (reduction "sum"). RouterTraining is the MoE row's facet
+(diffjax.model.facets): what the trainer does with them.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from diffjax.kinds import layer_segments
+from diffjax.model.facets import Facet
 
 OUTPUT = "router"  # the name of routing_stats on the layer output channel
 
@@ -48,3 +53,112 @@ def balanced_expert_bias(bias_LE, tokens_LE, coeff: float):
     delta_LE = delta_LE - jnp.mean(delta_LE, axis=-1, keepdims=True)
     return (bias_LE.astype(jnp.float32) + delta_LE).astype(bias_LE.dtype)
 
+
+def rebalance_expert_biases(params: dict, tokens_LE, config, layers: tuple[int, ...], coeff: float) -> dict:
+    """params with the expert_bias of every MoE layer (`layers`, in order: tokens_LE's rows, the tokens each expert got
+    in the step, summed over the global batch) moved by balanced_expert_bias; each stack of those layers (a segment:
+    diffjax.kinds.layer_segments) updated whole."""
+    params, row = dict(params), 0
+    for segment in layer_segments(config):
+        if segment.start not in layers:
+            continue
+        block, tokens_le = params[segment.name], tokens_LE[row:row + segment.num_layers]
+        bias_le = balanced_expert_bias(block["mlp"]["expert_bias"], tokens_le, coeff)
+        params[segment.name] = {**block, "mlp": {**block["mlp"], "expert_bias": bias_le}}
+        row += segment.num_layers
+    return params
+
+
+# ---- metrics["router"] (on device, per MoE layer): "load" [L_moe, E], each expert's share of the step's routed
+# (token, choice) pairs over the mean share (1: balanced; DeepSeek's MaxVio is load max - 1), "entropy" [L_moe], the
+# mean per-token entropy of the router's distribution in nats (log E: uniform; routing_stats), and "nonfinite"
+# [L_moe], the tokens with a non-finite router logit. metrics.jsonl keeps per layer d (the model's layer index)
+# router/layer_d/load_max, load_min, load_cv (std / mean over experts) and entropy; TensorBoard also gets the whole
+# load vector of each layer as a histogram.
+
+
+def router_metrics(router_stats: dict, top_k: int) -> dict:
+    """metrics["router"] (above) from a step's summed routing_stats."""
+    tokens_LE = router_stats["tokens"].astype(jnp.float32)
+    routed_L = jnp.sum(tokens_LE, axis=-1)  # tokens x top_k
+    return {"load": tokens_LE * tokens_LE.shape[-1] / routed_L[:, None],
+            "entropy": router_stats["entropy"] * top_k / routed_L,
+            "nonfinite": router_stats["nonfinite"]}
+
+
+def router_values(router: dict, layers: tuple[int, ...]) -> dict[str, float]:
+    """The metrics file's router/layer_d/... values of a step's metrics["router"] (host arrays)."""
+    values = {}
+    for row, layer in enumerate(layers):
+        load_E = np.asarray(router["load"][row], np.float64)
+        values.update({f"router/layer_{layer}/load_max": load_E.max(), f"router/layer_{layer}/load_min": load_E.min(),
+                       f"router/layer_{layer}/load_cv": load_E.std() / load_E.mean(),
+                       f"router/layer_{layer}/entropy": float(router["entropy"][row])})
+    return values
+
+
+class RouterTraining(Facet):
+    """The MoE's training side: its layers' routing_stats collected each step; after the optimizer update the
+    selection biases move toward balance (options.load_balance_coeff; rebalance_expert_biases); metrics["router"]
+    and its values and histograms; a step with a non-finite router logit is not ok (the stop names the layer); a
+    router that collapsed for options.collapse_steps steps stops the run; parallel.expert must divide num_experts."""
+
+    outputs = (OUTPUT,)
+
+    def __init__(self, config, layers):
+        super().__init__(config, layers)
+        self.options = config.mlp_options
+        self.collapsed_since: dict[int, int] = {}  # layer -> the first step of its current collapsed stretch
+
+    def step_ok(self, outputs):
+        return jnp.all(outputs[OUTPUT].value["nonfinite"] == 0)
+
+    def after_update(self, params, outputs):
+        coeff = self.options.load_balance_coeff
+        if coeff is None:
+            return params
+        return rebalance_expert_biases(params, outputs[OUTPUT].value["tokens"], self.config, self.layers, coeff)
+
+    def metrics(self, outputs, model):
+        return {"router": router_metrics(outputs[OUTPUT].value, self.options.top_k)}
+
+    def values(self, metrics):
+        return router_values(metrics["router"], self.layers)
+
+    def histograms(self, metrics):
+        return {f"router/layer_{layer}/load": load_E for layer, load_E in zip(self.layers, metrics["router"]["load"])}
+
+    def nonfinite_reasons(self, metrics):
+        """'; the router logits of layer 3 were not finite for 12 tokens' (each such layer), or ''."""
+        return "".join(f"; the router logits of layer {layer} were not finite for {count} tokens"
+                       for layer, count in zip(self.layers, np.asarray(metrics["router"]["nonfinite"])) if count)
+
+    def stop(self, step, metrics):
+        """A collapsed router: one that sent every token of the global batch to the same top_k experts (all others
+        idle: the layer is a dense MLP of top_k experts) for options.collapse_steps steps in a row (None: never). The
+        state is not spoiled (no checkpoint is set aside); the message names the layer and what it saw."""
+        o, router = self.options, metrics["router"]
+        if o.collapse_steps is None or o.top_k >= o.num_experts:
+            return None
+        for row, layer in enumerate(self.layers):
+            used = np.flatnonzero(np.asarray(router["load"][row]) > 0)
+            if len(used) > o.top_k:
+                self.collapsed_since.pop(layer, None)
+                continue
+            since = self.collapsed_since.setdefault(layer, step)
+            if step - since + 1 >= o.collapse_steps:
+                steps = f"step {step}" if since == step else f"steps {since}-{step}"
+                return (f"the router of layer {layer} collapsed: in {steps} every token went to experts {used.tolist()} "
+                        f"(the other {o.num_experts - len(used)} got none; router entropy "
+                        f"{float(router['entropy'][row]):.3g} nats, uniform {np.log(o.num_experts):.3g}). Set or raise "
+                        "model.mlp_options.load_balance_coeff (with expert_bias: true), or lower optim.lr; "
+                        "model.mlp_options.collapse_steps=null turns this check off")
+        return None
+
+    def mesh_problems(self, mesh_shape):
+        expert, experts = mesh_shape.get("expert", 1), self.options.num_experts
+        if experts % expert:
+            divisors = [n for n in range(1, experts + 1) if experts % n == 0]
+            return [f"parallel.expert ({expert}) must divide model.mlp_options.num_experts ({experts}): expert "
+                    f"parallelism places whole experts; use parallel.expert in {divisors}"]
+        return []
