@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import jax
 import jax.numpy as jnp
