@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import ncu_summary  # noqa: E402
 import profile_table  # noqa: E402
 
+from diffjax.jax_compat import H100, lowering_target  # noqa: E402
 from diffjax.ops import choice  # noqa: E402
 from diffjax.ops.pallas_gpu import Tuning, default_tuning  # noqa: E402
 
@@ -134,6 +136,28 @@ def test_gpu_kernel_annotations_name_their_hlo_op():
         "XlaModule:#hlo_module=jit_train_step,program_id=6#::Thunk:#hlo_op=fusion.12#") == ("jit_train_step", "fusion.12")
     assert profile_table._annotation_op("XlaModule:#hlo_module=jit_f#::custom-call.3:#kernel#") == ("jit_f", "custom-call.3")
     assert profile_table._annotation_op("XlaModule:#hlo_module=jit_f#") == ("jit_f", None)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_the_mgpu_peer_lowers_for_an_h100_in_its_dtype(mode, monkeypatch):
+    """jax's attention_mgpu stages q, k, v in float16 shared memory: bfloat16 inputs do not lower (every mgpu row
+    of the 2026-11-27 capture failed so), the benchmark's MGPU_DTYPE does, forward and backward."""
+    import attention
+
+    attention_mgpu = pytest.importorskip("jax.experimental.pallas.ops.gpu.attention_mgpu")
+    # the forward reads the CUDA runtime's version (a ptxas bug in 12.8-12.9.0): a CPU's jaxlib has none
+    monkeypatch.setattr(attention_mgpu, "cuda_versions", SimpleNamespace(cuda_runtime_get_version=lambda: 12090))
+    fn, args = attention.mgpu_fns(attention_mgpu, False, 1, 256, 1)[mode]
+
+    def lower(dtype):
+        with lowering_target(H100) as cuda:
+            shapes = [jax.ShapeDtypeStruct(a.shape, dtype) for a in args]
+            return fn.trace(*shapes).lower(lowering_platforms=(cuda,)).as_text()
+
+    assert args[0].dtype == attention.MGPU_DTYPE
+    assert lower(attention.MGPU_DTYPE).count("mosaic_gpu") >= (1 if mode == "fwd" else 3)
+    with pytest.raises(Exception, match="(?i)dtype"):
+        lower(jnp.bfloat16)
 
 
 def test_ncu_summary_of_the_synthetic_details_csv():
