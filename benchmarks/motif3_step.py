@@ -77,7 +77,7 @@ def choose_slice(base: ModelConfig, seq_len: int, budget: float, log=print) -> t
                **{k: v for k, v in plan(config, seq_len, budget).items() if k in memory_plan.COLUMNS + ("fits",)}}
         rows.append(row)
         log(f"  plan, {row['moe_layers']} MoE layer(s): " + ", ".join(
-            f"{k} {row[k] / GiB:.1f}" for k in memory_plan.COLUMNS if k in row) + f" GiB; fits: {row['fits']}")
+            f"{k} {format_bytes(row[k])}" for k in memory_plan.COLUMNS if k in row) + f"; fits: {row['fits']}")
         if chosen is None and row["fits"]:
             chosen = config
     return chosen or slice_config(base, LAYERS), rows
@@ -159,8 +159,7 @@ def main(argv=None) -> None:
     config, plans = choose_slice(base_config(args.tiny), seq_lens[0], budget)
     total, active = parameter_counts(config)
     print(f"chosen: {config.mlp_options.dense_first_layers} dense + {LAYERS - config.mlp_options.dense_first_layers} "
-          f"MoE layers, global layers {list(config.global_layers)}: {total / 1e9:.2f}B params, {active / 1e9:.2f}B "
-          f"active", flush=True)
+          f"MoE layers, global layers {list(config.global_layers)}: {total:,} params, {active:,} active", flush=True)
     rows = []
     for seq_len in seq_lens:
         rows.append(measure(config, seq_len, budget, args))
