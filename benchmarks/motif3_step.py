@@ -12,6 +12,8 @@ The slice of `motif3/published` (each choice is printed and written to the JSON)
               memory plan (benchmarks/memory_plan.py's formula on this device's budget) keeps one on an 80 GB H100
               (dense_first_layers 3) and two on a 141 GB H200 (the published first 4 layers)
   dtypes      bf16 parameters and AdamW moments (published param_dtype), bf16 compute
+  attention   impl auto: XLA on a GPU (no fused kernel takes GDLA's d 192 / dv 128); the global layer's T x T scores
+              are its largest activation
   tokens      micro-batch 1 x seq 4096 per step, no accumulation (the trainer accumulates in fp32: 4 more bytes per
               parameter); if the compiled step does not fit, seq 2048
   remat       full (what the memory plan assumes); the recompute is not counted as useful FLOPs
@@ -19,8 +21,8 @@ The slice of `motif3/published` (each choice is printed and written to the JSON)
   init        random: the router spreads tokens over the experts as at the start of training (zeros would tie every
               score and send every token to the same 8)
 FLOPs: the trainer's convention (diffjax.train.metrics: 6 x the active matmul parameters + attention), MFU against the
-device's dense bf16 peak; anchor: DeepSeek-V3 trained at ~35% MFU on H800s / H100s (Megatron-Core reports similar),
-at scale with expert parallelism. The LM head is half the slice's active matmul parameters (0.9B of 1.8B; 7% of the
+device's dense bf16 peak; anchor: DeepSeek-V3 trained with Megatron-Core on H100s at ~35% MFU (at scale, with
+expert parallelism). The LM head is half the slice's active matmul parameters (0.9B of 1.8B; 7% of the
 whole model's 13B), and 4096 tokens give each expert ~85 rows: read the figure as this slice's, not Motif 3's.
 The JSON also says how XLA lowered the experts' ragged dots (grouped GEMMs, or the dense rewrite over all 384).
 """
@@ -48,7 +50,7 @@ from diffjax.train.metrics import matmul_params, peak_flops_per_device, training
 
 GiB = 2**30
 LAYERS, REMAT, LOSS_CHUNK = 4, "full", 1024
-ANCHOR_MFU = 0.35  # DeepSeek-V3 on Hopper (its report; Megatron-Core's MoE figures are alike)
+ANCHOR_MFU = 0.35  # DeepSeek-V3 with Megatron-Core on H100s (issue 53's anchor)
 
 
 def slice_config(base: ModelConfig, dense_first: int, layers: int = LAYERS) -> ModelConfig:
@@ -87,8 +89,8 @@ def ragged_dot_lowering(hlo_text: str, config: ModelConfig, tokens: int) -> dict
     """How XLA compiled the experts' ragged dots: grouped GEMMs (cuDNN / cuBLAS) or the dense rewrite, which
     broadcasts the routed rows to every expert ([experts, rows, ...] operands)."""
     o = config.mlp_options
-    return {"ragged_dot_instructions": hlo_text.count(" ragged-dot("), "cudnn_fusions": hlo_text.count("__cudnn$fusion"),
-            "cublas_grouped_gemms": hlo_text.count("groupedMatmul"),
+    return {"ragged_dot_instructions": hlo_text.count(" ragged-dot("),
+            "cudnn_fusions": hlo_text.count("__cudnn$fusion"), "cublas_grouped_gemms": hlo_text.count("groupedMatmul"),
             "dense_rewrite_shapes": hlo_text.count(f"[{o.num_experts},{tokens * o.top_k},")}
 
 
@@ -136,8 +138,8 @@ def base_config(tiny: bool) -> ModelConfig:
     if not tiny:
         return load_run_config("motif3/published").model
     small = load_run_config("motif3/small").model
-    return small.replace(num_layers=2 * LAYERS, global_layers=[0, LAYERS], mlp_options=dataclasses.replace(small.mlp_options, dense_first_layers=2),
-                         dtype="bfloat16", param_dtype="bfloat16", max_seq_len=128)
+    return small.replace(num_layers=2 * LAYERS, global_layers=[0, LAYERS], dtype="bfloat16", param_dtype="bfloat16",
+                         mlp_options=dataclasses.replace(small.mlp_options, dense_first_layers=2), max_seq_len=128)
 
 
 def main(argv=None) -> None:
@@ -165,7 +167,8 @@ def main(argv=None) -> None:
         rows.append(measure(config, seq_len, budget, args))
         write_json(args.out, {"budget_bytes": budget, "choices": {"layers": LAYERS, "remat": REMAT,
                               "dense_first_layers": config.mlp_options.dense_first_layers,
-                              "loss_chunk": args.loss_chunk, "micro_batch": 1, "dtypes": "bf16 params, moments, compute",
+                              "loss_chunk": args.loss_chunk, "micro_batch": 1,
+                              "dtypes": "bf16 params, moments, compute",
                               "init": "random", "anchor_mfu": ANCHOR_MFU},
                               "plans": plans, "rows": rows, "tiny": args.tiny})
         if rows[-1]["fits"]:

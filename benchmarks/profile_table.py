@@ -237,7 +237,8 @@ def hlo_costs(text: str) -> dict[str, dict]:
 def _cost(instr: Instr, instrs, comps, times: float) -> dict:
     source = re.search(r'op_name="([^"]*)"', instr.attrs)
     return {"opcode": instr.opcode, "category": category(instr, instrs, comps), "flops": _flops(instr, instrs, comps),
-            "bytes": shape_bytes(instr.shape) + sum(shape_bytes(instrs[o].shape) for o in instr.operands if o in instrs),
+            "bytes": shape_bytes(instr.shape) + sum(shape_bytes(instrs[o].shape) for o in instr.operands
+                                                    if o in instrs),
             "runs": times, "source": _short_source(source.group(1)) if source else ""}
 
 
@@ -394,7 +395,8 @@ def _is_control(op: str, cost: dict | None) -> bool:
 
 # A GPU kernel's name -> category, for ops the HLO does not describe: our Pallas kernels (diffjax_mgpu_*), cuDNN's
 # flash attention (cudnn_generated_..._sdpa_..._flash_fprop / bprop), cuBLAS's (nvjet_*, sm90_xmma_gemm_*) and
-# CUTLASS's GEMMs, NCCL, copies, then XLA's own fusions (named after their root: loop_add_fusion, input_reduce_fusion).
+# CUTLASS's GEMMs, NCCL, copies, then XLA's own fusions (named after their root: loop_add_fusion,
+# input_reduce_fusion).
 KERNEL_CATEGORIES = (("attention kernel", r"diffjax_mgpu|flash|fmha|sdpa|attention|mha_"), ("collective", r"nccl"),
                      ("matmul", r"nvjet|cutlass|cublas|gemm|xmma|matmul"),
                      ("copy or transpose", r"memcpy|memset|transpose|copy"), ("reduction", r"reduce|scatter"),
@@ -433,7 +435,8 @@ def _row(op, t_ns, events, cost, steps, total, category, kernel) -> dict:
     executions = cost.get("runs", 0) * steps
     rate = executions / (t_ns * 1e-9) if executions else None  # executions per second of this op's time
     flops, nbytes = cost.get("flops"), cost.get("bytes")
-    return {"op": op, "category": category, "role": attention_role(kernel or op) if category == "attention kernel" else "",
+    role = attention_role(kernel or op) if category == "attention kernel" else ""
+    return {"op": op, "category": category, "role": role,
             "ms_per_step": t_ns / steps / 1e6, "share": 100 * t_ns / total, "events": events,
             "tflops": flops * rate / 1e12 if flops and rate else None,
             "gbps": nbytes * rate / 1e9 if nbytes and rate else None, "source": cost.get("source", ""),

@@ -38,8 +38,8 @@ def compiled_step_hlo(size: str, micro_batch: int, seq_len: int, remat: str, imp
     config = config.replace(remat=remat, scan_layers=True, attention_impl=impl, dtype="bfloat16",
                             max_seq_len=max(config.max_seq_len, seq_len))
     compiled, figures = Bench(config, 32 if tiny else None).compile(micro_batch, seq_len)
-    print(f"compiled the {'tiny' if tiny else size} DIFF step (micro-batch {micro_batch}, seq {seq_len}, remat {remat}, "
-          f"impl {impl}) in {figures['compile_s']:.1f} s", flush=True)
+    print(f"compiled the {'tiny' if tiny else size} DIFF step (micro-batch {micro_batch}, seq {seq_len}, "
+          f"remat {remat}, impl {impl}) in {figures['compile_s']:.1f} s", flush=True)
     return compiled.as_text(), config.num_layers
 
 
