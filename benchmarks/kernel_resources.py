@@ -40,10 +40,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # nothing runs: the CUDA topology below needs no device
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffjax.ops.pallas_gpu import (  # noqa: E402
@@ -229,7 +227,7 @@ def ptxas_figures(log: str) -> dict:
 def run_ptxas(tools: dict, ptx: str, workdir: Path, name: str) -> tuple[dict, Path]:
     src, cubin = workdir / f"{name}.ptx", workdir / f"{name}.cubin"
     src.write_text(ptx)
-    done = subprocess.run([tools["ptxas"], "-v", f"-arch={ARCH}", str(src), "-o", str(cubin)], capture_output=True, text=True)
+    done = subprocess.run([tools["ptxas"], "-v", f"-arch={ARCH}", str(src), "-o", str(cubin)], check=False, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"kernel_resources.py: ptxas {tools['ptxas_version']} failed on {name}: {done.stderr.strip()[-400:]}")
     return ptxas_figures(done.stdout + done.stderr), cubin
@@ -391,6 +389,7 @@ def main() -> None:
     modes = args.modes.split(",")
     if set(modes) - {"diff", "single"}:
         parser.error(f"--modes takes diff and / or single, got {args.modes!r}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # nothing runs: the CUDA topology needs no device (read at backend init)
     tools = toolchain(args.cuda_dir)
     sharding = cuda_sharding()
     with tempfile.TemporaryDirectory() as tmp:
