@@ -76,15 +76,19 @@ MISSING_PLUGIN = ("kernel_resources.py needs JAX's CUDA plugin to compile for {a
 # ------------------------------------------------------------------------------------------------ toolchain
 
 
-def _tool(name: str, cuda_dir: str | None) -> str | None:
-    """`name` from --cuda-dir, else PATH, else the pip CUDA packages (nvidia-cuda-nvcc-cu12, nvidia-cuda-* 13)."""
-    dirs = [Path(cuda_dir) / "bin"] if cuda_dir else []
-    if not cuda_dir and shutil.which(name):
+def _tool(name: str, cuda_dir: str | None, only_there: bool = False) -> str | None:
+    """`name` from --cuda-dir's bin/ (only there when asked), else PATH, else the pip CUDA packages
+    (nvidia-cuda-nvcc-cu12's nvidia/cuda_nvcc, CUDA 13's nvidia/cu13)."""
+    if cuda_dir and ((Path(cuda_dir) / "bin" / name).is_file() or only_there):
+        return str(Path(cuda_dir) / "bin" / name) if (Path(cuda_dir) / "bin" / name).is_file() else None
+    if shutil.which(name):
         return shutil.which(name)
     for package in ("nvidia.cuda_nvcc", "nvidia.cu13"):
         spec = importlib.util.find_spec(package) if importlib.util.find_spec("nvidia") else None
-        dirs += [Path(p) / "bin" for p in (spec.submodule_search_locations or [])] if spec else []
-    return next((str(d / name) for d in dirs if (d / name).is_file()), None)
+        for path in (spec.submodule_search_locations or []) if spec else []:
+            if (Path(path) / "bin" / name).is_file():
+                return str(Path(path) / "bin" / name)
+    return None
 
 
 def toolchain(cuda_dir: str | None) -> dict:
@@ -93,7 +97,7 @@ def toolchain(cuda_dir: str | None) -> dict:
     if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)
                if importlib.util.find_spec("jax_plugins")):
         raise SystemExit(MISSING_PLUGIN.format(arch=ARCH, v=jax.__version__))
-    ptxas = _tool("ptxas", cuda_dir)
+    ptxas = _tool("ptxas", cuda_dir, only_there=True)
     if ptxas is None:
         raise SystemExit(f"kernel_resources.py needs ptxas for {ARCH}{f' in {cuda_dir}/bin' if cuda_dir else ''}: "
                          "pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ on PATH")
@@ -389,12 +393,16 @@ def main() -> None:
     modes = args.modes.split(",")
     if set(modes) - {"diff", "single"}:
         parser.error(f"--modes takes diff and / or single, got {args.modes!r}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # nothing runs: the CUDA topology needs no device (read at backend init)
+    if not jax.config.jax_platforms:  # nothing runs, so no CUDA runtime to check: the topology needs no device
+        jax.config.update("jax_platforms", "cpu")
     tools = toolchain(args.cuda_dir)
     sharding = cuda_sharding()
     with tempfile.TemporaryDirectory() as tmp:
         records = [r for mode in modes for r in kernel_records(mode, args, tools, sharding, Path(tmp))]
-    print(f"{ARCH}, ptxas {tools['ptxas_version']}, jax {jax.__version__}; shape {vars(args)}")
+    shape = {k: v for k, v in vars(args).items() if k not in ("out", "cuda_dir", "modes", "tuning")}
+    print(f"{ARCH}, ptxas {tools['ptxas_version']}, jax {jax.__version__}; {shape}")
+    for mode in modes:
+        print(f"{mode}: {Tuning(**next(r['tuning'] for r in records if r['mode'] == mode))}")
     print_table(records)
     if not tools["nvdisasm"]:
         print("(no nvdisasm: pip install nvidia-cuda-nvdisasm for the spills per setmaxnreg region and per loop pass)")
@@ -402,7 +410,7 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "device": f"cpu, ptxas {tools['ptxas_version']}", "target": f"NVIDIA H100 80GB HBM3 ({ARCH})", "jax": jax.__version__,
         "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
-        "shape": {k: v for k, v in vars(args).items() if k not in ("out", "cuda_dir", "modes")}, "kernels": records,
+        "shape": shape, "kernels": records,
     }, indent=1))
     print(f"wrote {args.out}")
 
