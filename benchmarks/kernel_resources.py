@@ -69,8 +69,6 @@ platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 8 patch: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
-MISSING_PLUGIN = ("kernel_resources.py needs JAX's CUDA plugin to compile for {arch} without a GPU: "
-                  "pip install 'jax-cuda12-plugin=={v}' 'jax-cuda12-pjrt=={v}' nvidia-cuda-nvcc-cu12 (a separate venv will do)")
 
 
 # ------------------------------------------------------------------------------------------------ toolchain
@@ -83,24 +81,30 @@ def _tool(name: str, cuda_dir: str | None, only_there: bool = False) -> str | No
         return str(Path(cuda_dir) / "bin" / name) if (Path(cuda_dir) / "bin" / name).is_file() else None
     if shutil.which(name):
         return shutil.which(name)
-    for package in ("nvidia.cuda_nvcc", "nvidia.cu13"):
-        spec = importlib.util.find_spec(package) if importlib.util.find_spec("nvidia") else None
-        for path in (spec.submodule_search_locations or []) if spec else []:
-            if (Path(path) / "bin" / name).is_file():
-                return str(Path(path) / "bin" / name)
+    packages = [importlib.util.find_spec(p) for p in ("nvidia.cuda_nvcc", "nvidia.cu13")] if importlib.util.find_spec("nvidia") else []
+    dirs = [Path(d) / "bin" for spec in packages if spec for d in spec.submodule_search_locations or []]
+    return next((str(d / name) for d in dirs if (d / name).is_file()), None)
+
+
+def toolchain_missing(cuda_dir: str | None = None) -> str | None:
+    """What to install (one line) when JAX's CUDA plugin or a ptxas is absent, else None."""
+    if not (importlib.util.find_spec("jax_plugins")
+            and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))):
+        return (f"kernel_resources.py needs JAX's CUDA plugin to compile for {ARCH} without a GPU: pip install "
+                f"'jax-cuda12-plugin=={jax.__version__}' 'jax-cuda12-pjrt=={jax.__version__}' nvidia-cuda-nvcc-cu12 "
+                "(a separate venv will do)")
+    if _tool("ptxas", cuda_dir, only_there=True) is None:
+        return (f"kernel_resources.py needs ptxas for {ARCH}{f' in {cuda_dir}/bin' if cuda_dir else ''}: "
+                "pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ on PATH")
     return None
 
 
 def toolchain(cuda_dir: str | None) -> dict:
-    """The ptxas (and nvdisasm, optional) to use; one-line SystemExit naming what to install when absent. The
-    ptxas directory goes first on PATH, where Mosaic's pipeline looks for its own."""
-    if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)
-               if importlib.util.find_spec("jax_plugins")):
-        raise SystemExit(MISSING_PLUGIN.format(arch=ARCH, v=jax.__version__))
+    """The ptxas (and nvdisasm, optional) to use. The ptxas directory goes first on PATH, where Mosaic's pipeline
+    looks for its own."""
+    if why := toolchain_missing(cuda_dir):
+        raise SystemExit(why)
     ptxas = _tool("ptxas", cuda_dir, only_there=True)
-    if ptxas is None:
-        raise SystemExit(f"kernel_resources.py needs ptxas for {ARCH}{f' in {cuda_dir}/bin' if cuda_dir else ''}: "
-                         "pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ on PATH")
     os.environ["PATH"] = f"{Path(ptxas).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     version = subprocess.run([ptxas, "--version"], capture_output=True, text=True, check=True).stdout
     return {"ptxas": ptxas, "ptxas_version": re.search(r"V(\d+\.\d+\.\d+)", version).group(1),

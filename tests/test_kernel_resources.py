@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,21 +102,14 @@ def test_tuning_fields(kr):
         kr.tuning_fields("blocks=64")
 
 
-def _toolchain_missing() -> str | None:
-    if not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13) if importlib.util.find_spec("jax_plugins")):
-        return "JAX's CUDA plugin is not installed (pip install jax-cuda12-plugin jax-cuda12-pjrt of this jax version)"
-    if not shutil.which("ptxas") and not importlib.util.find_spec("nvidia.cuda_nvcc"):
-        return "no ptxas (pip install nvidia-cuda-nvcc-cu12)"
-    return None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_toolchain_missing() is not None, reason=str(_toolchain_missing()))
-def test_script_on_a_small_shape(tmp_path):
+def test_script_on_a_small_shape(kr, tmp_path):
     """The three differential kernels compile for sm_90a; their setmaxnreg is what common._set_registers asks for,
     the launch's shared memory fits a Hopper CTA, and (with nvdisasm) the SASS's spill tags add up to ptxas's totals."""
     from diffjax.ops.pallas_gpu.common import SMEM_BYTES
 
+    if why := kr.toolchain_missing():
+        pytest.skip(why)
     out = tmp_path / "k.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, str(SCRIPT), "--B", "1", "--T", "256", "--H", "2", "--modes", "diff", "--out", str(out)],
