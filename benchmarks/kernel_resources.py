@@ -272,7 +272,8 @@ def parse_sass(text: str):
     return ins, blocks, succ
 
 
-def dominators(succ: list[set]) -> list[set]:
+def dominators(succ: list[set]) -> tuple[list[set], dict]:
+    """Each block's dominators (iterative data flow from block 0) and each block's predecessors."""
     preds = defaultdict(set)
     for b, ss in enumerate(succ):
         for s in ss:
