@@ -44,12 +44,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import sharding
 from diffjax.attention_impls import IMPLS, config_problems
 from diffjax.ops import compositions, context_parallel
 from diffjax.ops.choice import (CUDNN_FASTER_ON_HOPPER, DEVICES, AttentionCall, Device, Route, choose, current_device,
                                 simulated_device)
+from diffjax.ops.names import OUTPUT_NAME
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
 
 logger = logging.getLogger(__name__)
@@ -60,13 +62,15 @@ _LOGGED: set[tuple] = set()
 class _Kernel:
     """How an impl is called: diff_attention's and dot_product_attention's function in diffjax.ops.<module>
     (imported on first use: the Pallas modules load only where they run), the keywords it takes beside causal,
-    segment_ids and scale (from the op's window and block_sizes, and the running platform), and whether it runs
-    per device under shard_map (XLA cannot partition a Pallas call)."""
+    segment_ids and scale (from the op's window and block_sizes, and the running platform), whether it runs
+    per device under shard_map (XLA cannot partition a Pallas call), and whether it names its own output for remat
+    (names.OUTPUT_NAME, inside its custom VJP: pallas_gpu; the dispatch names the others')."""
 
     module: str
     functions: tuple[str, str]  # (diff_attention's, dot_product_attention's)
     keywords: Callable[..., dict]  # (window, block_sizes, platform) -> keywords
     per_device: bool
+    names_output: bool = False
 
     def function(self, op: str):
         return getattr(importlib.import_module(f"diffjax.ops.{self.module}"), self.functions[op != "diff_attention"])
@@ -81,7 +85,7 @@ _KERNELS = {
                           lambda window, block_sizes, **_: dict(block_sizes=block_sizes, window=window),
                           per_device=True),
     "pallas_gpu": _Kernel("pallas_gpu", ("diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu"),
-                          lambda block_sizes, **_: dict(tuning=block_sizes), per_device=True),
+                          lambda block_sizes, **_: dict(tuning=block_sizes), per_device=True, names_output=True),
     "splash": _Kernel("compositions", ("diff_attention_splash", "dot_product_attention_splash"),
                       lambda window, platform, **_: dict(window=window, interpret=platform != "tpu"), per_device=True),
     "triton": _Kernel("compositions", ("diff_attention_triton", "dot_product_attention_triton"),
@@ -170,8 +174,16 @@ def _blockwise(op, q, k, v, lam, *, over_context, causal, segment_ids, scale, wi
 
 
 def _attention(op, q, k, v, lam, *, causal, segment_ids, scale, impl, block_sizes, window):
-    """Both ops' dispatch: the call's route, then its impl's row of _KERNELS (lam None for dot_product_attention)."""
+    """Both ops' dispatch: the call's route, then its impl's row of _KERNELS (lam None for dot_product_attention);
+    the output named names.OUTPUT_NAME for remat (pallas_gpu names its own)."""
     route = _route(op, impl, q, k, v, causal, segment_ids, window)
+    out = _run(op, route, q, k, v, lam, causal=causal, segment_ids=segment_ids, scale=scale, block_sizes=block_sizes,
+               window=window)
+    return out if not route.blockwise and _KERNELS[route.impl].names_output else checkpoint_name(out, OUTPUT_NAME)
+
+
+def _run(op, route, q, k, v, lam, *, causal, segment_ids, scale, block_sizes, window):
+    """The op on `route`."""
     if route.blockwise:
         return _blockwise(op, q, k, v, lam, over_context=route.context, causal=causal, segment_ids=segment_ids,
                           scale=scale, window=window)
