@@ -33,8 +33,8 @@ from diffjax.sharding import constrain
 
 BTD = ("batch", "length", "act_embed")
 # checkpoint_name()s that remat="attention" keeps (transformer.REMAT_POLICIES): q, k, v as the attention op
-# takes them (after RoPE, named here), its output and the fused kernels' own residuals (named by diffjax.ops:
-# ops.names), so that pallas_gpu's backward runs no forward kernel.
+# takes them (after RoPE, named here), its output and the single-map kernel's residuals (named by diffjax.ops:
+# ops.names, which says why DIFF's are not kept), so that the twin's pallas_gpu backward runs no forward kernel.
 SAVED_BY_ATTENTION_POLICY = ("attention_qkv", OUTPUT_NAME, KERNEL_RESIDUALS_NAME)
 
 

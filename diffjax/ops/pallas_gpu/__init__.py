@@ -61,7 +61,7 @@ from diffjax.ops.pallas_gpu.common import (
 from diffjax.ops.pallas_gpu.dkdv import _dkdv
 from diffjax.ops.pallas_gpu.dq import _dq
 from diffjax.ops.pallas_gpu.forward import _forward
-from diffjax.ops.names import KERNEL_RESIDUALS_NAME, OUTPUT_NAME
+from diffjax.ops.names import DIFF_RESIDUALS_NAME, KERNEL_RESIDUALS_NAME, OUTPUT_NAME
 from diffjax.ops.reference import split_segment_ids
 
 __all__ = ["Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu", "unsupported"]
@@ -221,10 +221,10 @@ def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg, offset):
     # twice per layer. o has both kinds of user, so it goes behind a barrier (one copy into the stack); lse and
     # O_2 have only the stack, which the kernel then writes in place.
     o = jax.lax.optimization_barrier(o)
-    # Named here, on the values this backward reads, so that a remat policy keeping them (remat="attention") saves
-    # them instead of running the forward kernel again in the backward pass.
+    # Named here, on the values this backward reads, so that a remat policy keeping them (ops.names) saves them
+    # instead of running the forward kernel again in the backward pass.
     o = checkpoint_name(o, OUTPUT_NAME)
-    lse, *o2 = (checkpoint_name(x, KERNEL_RESIDUALS_NAME) for x in (lse, *o2))
+    lse, *o2 = (checkpoint_name(x, KERNEL_RESIDUALS_NAME if st.single else DIFF_RESIDUALS_NAME) for x in (lse, *o2))
     return o, (q, k, v, lam, q_seg, kv_seg, offset, o, o2[0] if o2 else None, lse)
 
 
