@@ -30,7 +30,7 @@ from diffjax.model import TransformerLM
 from diffjax.ops import compositions, pallas_gpu
 from diffjax.ops.reference import diff_attention_xla
 from diffjax.train.optimizer import OptimizerConfig, make_optimizer
-from diffjax.train.step import init_state, make_train_step
+from diffjax.train.step import init_state, make_eval_step, make_train_step
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL = re.compile(r"diffjax_mgpu(?:_single)?_(fwd|bwd_dq|bwd_dkdv)")
@@ -197,3 +197,17 @@ def test_the_model_tells_auto_what_its_remat_saves(monkeypatch, remat, trains_th
     with ops.simulated_device(ops.DEVICES["h100"]):  # traced only: which impl the dispatch calls
         jax.eval_shape(jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens))), params)
     assert called == [trains_through], called
+
+
+def test_a_batch_without_segment_ids_trains_as_one_document_per_row():
+    """benchmarks/train_step.py --rows unpacked: the step's loss (sum and target count) equals that of all-ones
+    segment ids; the attention then gets none, so cuDNN can take it on a GPU."""
+    config = ModelConfig(d_model=64, num_layers=1, num_heads=2, max_seq_len=16, attention_impl="xla")
+    model = TransformerLM(config, rngs=nnx.Rngs(0))
+    step = jax.jit(make_eval_step(nnx.graphdef(model)))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
+    batch = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens.shape)}
+    unpacked, packed = step(params, batch), step(params, {**batch, "segment_ids": jnp.ones_like(tokens)})
+    np.testing.assert_allclose(unpacked, packed, rtol=1e-6)
+    assert float(unpacked[1]) == 2 * 15  # every next-token target counts
