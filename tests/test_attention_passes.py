@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import importlib.util
 import re
 from pathlib import Path

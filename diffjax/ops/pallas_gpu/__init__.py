@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from diffjax.ops.names import DIFF_RESIDUALS_NAME, KERNEL_RESIDUALS_NAME, OUTPUT_NAME
 from diffjax.ops.pallas_gpu.common import (
     SMEM_BYTES,
     SMEM_MARGIN,
@@ -61,7 +62,6 @@ from diffjax.ops.pallas_gpu.common import (
 from diffjax.ops.pallas_gpu.dkdv import _dkdv
 from diffjax.ops.pallas_gpu.dq import _dq
 from diffjax.ops.pallas_gpu.forward import _forward
-from diffjax.ops.names import DIFF_RESIDUALS_NAME, KERNEL_RESIDUALS_NAME, OUTPUT_NAME
 from diffjax.ops.reference import split_segment_ids
 
 __all__ = ["Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu", "unsupported"]
@@ -218,8 +218,8 @@ def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg, offset):
     o, lse, *o2 = _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=True)
     # XLA's dynamic-slice fusion (jax 0.11) clones a custom call whose output is both used and written into a
     # slice (a scan's stack of saved residuals) so that the clone writes there in place: the forward kernel ran
-    # twice per layer. o has both kinds of user, so it goes behind a barrier (one copy into the stack); lse and
-    # O_2 have only the stack, which the kernel then writes in place.
+    # once more per layer. o has both kinds of user, so it goes behind a barrier (one copy into the stack); lse and
+    # O_2 have at most the stack, where the kernel then writes them in place.
     o = jax.lax.optimization_barrier(o)
     # Named here, on the values this backward reads, so that a remat policy keeping them (ops.names) saves them
     # instead of running the forward kernel again in the backward pass.
