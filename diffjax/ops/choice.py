@@ -34,7 +34,7 @@ KEPT_BY_NAME = (("pallas_gpu", "dot_product_attention"),)
 # T = S = 8192, B 2, H 8 differential heads (dot_product_attention: 16 heads of d, dv = d: attention.py's
 # baseline rows, pallas_gpu's single-map mode), bf16. The mean of the two H100 runs (jax 0.11.2) committed in
 # benchmarks/results/attention_gpu.json (2026-11-26) and benchmarks/results/capture_2026-11-27/attention_capture.json;
-# `python benchmarks/attention.py --route-table FILE...` prints it from result files, and tests/test_ops_gpu_paths.py
+# `python benchmarks/attention.py --route-table FILE...` prints it from result files, and tests/test_attention_passes.py
 # checks it against those two. A class not here runs pallas_gpu wherever it takes the call.
 HOPPER_MS: dict[tuple[str, int, int, bool], dict[str, dict[str, float]]] = {
     ("diff_attention", 128, 256, False): {"fwd": {"cudnn": 4.17, "pallas_gpu": 3.25},
