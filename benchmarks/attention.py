@@ -251,6 +251,28 @@ def kernel_targets(records, T=8192):
     return out if out["lines"] else None
 
 
+def route_table(paths) -> dict:
+    """diffjax.ops.choice.HOPPER_MS from result files of this benchmark on Hopper GPUs: per (op, d, dv, causal) and
+    pass, each impl's milliseconds at T = 8192, the mean over the files (diff rows: diff_attention; baseline rows:
+    dot_product_attention, dv = d), rounded to 0.01 ms. Rows with an error or run interpreted are left out."""
+    from diffjax.ops.choice import HOPPER_KINDS
+
+    times: dict = {}
+    for path in paths:
+        content = json.loads(Path(path).read_text())
+        if not any(kind in content["device"]["kind"] for kind in HOPPER_KINDS):
+            raise ValueError(f"{path}: measured on {content['device']['kind']}, not a Hopper GPU ({HOPPER_KINDS})")
+        for r in content["records"]:
+            if r.get("error") or r.get("interpret") or r["T"] != 8192:
+                continue
+            for op, dv, key in (("diff_attention", r["dv"], "diff_s"), ("dot_product_attention", r["d"], "baseline_s")):
+                if key in r:
+                    cell = times.setdefault((op, r["d"], dv, r["causal"]), {}).setdefault(r["pass"], {})
+                    cell.setdefault(r["impl"], []).append(r[key])
+    return {call: {pass_: {impl: round(1e3 * statistics.mean(ts), 2) for impl, ts in sorted(impls.items())}
+                   for pass_, impls in sorted(passes.items())} for call, passes in sorted(times.items())}
+
+
 def run_memory_section(platform, device):
     """Memory against T (compiles per impl and T; on a GPU also real out-of-memory probes)."""
     if platform == "gpu":
@@ -284,6 +306,8 @@ def parse_args():
     parser.add_argument("--impls", default=None, help="comma-separated subset of impls")
     parser.add_argument("--lengths", default=None, help="comma-separated T values")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory section (compiles and OOM probes)")
+    parser.add_argument("--route-table", nargs="+", metavar="JSON", default=None,
+                        help="print diffjax.ops.choice.HOPPER_MS from these result files (Hopper runs) and exit")
     return parser.parse_args()
 
 
@@ -364,6 +388,10 @@ def mgpu_section(lengths, H, accel, warmup, repeats) -> list[dict]:
 
 def main():
     args = parse_args()
+    if args.route_table:
+        for call, passes in route_table(args.route_table).items():
+            print(f"    {call}: {passes},")
+        return
     platform = jax.default_backend()
     device = jax.devices()[0]
     impls = args.impls.split(",") if args.impls else impls_for(platform)

@@ -2,8 +2,9 @@
 
     python -m diffjax.ops --config paper/diff-1.4b --device h100 [--context N] [--window W] [key=value ...]
 
-prints, for the training step (packed rows: segment ids), a generation prefill and a decode step, the op's
-shapes and `diffjax.ops.choose`'s route for the config's `model.attention_impl` (default auto): the impl,
+prints, for the training step (packed rows: segment ids; under the config's model.remat), a generation prefill and
+a decode step, the op's shapes and `diffjax.ops.choose`'s route for the config's `model.attention_impl` (default
+auto) in each pass, "fwd" (undifferentiated: generation, eval) and "fwd+bwd" (differentiated: training): the impl,
 whether it runs per query chunk over the context axis, whether the XLA path runs blockwise, and why. The shapes
 come from the attention module's own `project` (abstractly: nothing is computed); they are per micro-batch
 row (B = 1) and unsharded. --context N: the train step's context axis (default: the config's parallel.context;
@@ -28,6 +29,7 @@ def attention_calls(config, seq_len: int, context: int = 1) -> list[tuple[str, A
     from diffjax import attention_kinds
     from diffjax.model.attention import module_class
     from diffjax.model.rope import inv_frequencies, rope_tables
+    from diffjax.model.transformer import REMAT_SAVES
 
     op = attention_kinds.get(config.attention).attention_op
     dtype = jnp.dtype(config.dtype)
@@ -50,7 +52,8 @@ def attention_calls(config, seq_len: int, context: int = 1) -> list[tuple[str, A
         layers = "" if len(windows) == 1 else " (global layers)" if window is None else " (windowed layers)"
         calls += [
             (f"train step (packed rows){layers}",
-             AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, "one", window, context)),
+             AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, "one", window, context,
+                           REMAT_SAVES[config.remat])),
             (f"generation prefill{layers}", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, None, window)),
         ]
     return calls + [("generation decode step", AttentionCall(op, q1.shape, cache(k1), cache(v1), dtype.name, False, "pair"))]
@@ -81,12 +84,18 @@ def main(argv=None) -> int:
     print(f"{model.attention} attention, attention_impl={model.attention_impl!r}, on {device.kind} ({device.platform})")
     context = max(config.parallel.context, 1) if args.context is None else args.context
     for what, call in attention_calls(model, config.data.seq_len, context):
+        print(f"  {what}: {call.describe()}")
         try:
             route = choose(call, model.attention_impl, device)
-            path, reason = route.describe(), route.reason
         except ValueError as error:
-            path, reason = "refused", str(error)
-        print(f"  {what}: {call.describe()}\n    -> {path}: {reason}")
+            print(f"    -> refused: {error}")
+            continue
+        passes = route.by_pass()
+        if passes["fwd"] == passes["fwd+bwd"]:
+            print(f"    -> {route.describe()}: {route.reason}")
+            continue
+        for pass_, (impl, reason) in passes.items():
+            print(f"    -> {pass_}: {impl}: {reason}")
     return 0
 
 

@@ -49,7 +49,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from diffjax.ops.names import DIFF_RESIDUALS_NAME, KERNEL_RESIDUALS_NAME, OUTPUT_NAME
 from diffjax.ops.pallas_gpu.common import (
     SMEM_BYTES,
     SMEM_MARGIN,
@@ -214,25 +216,41 @@ def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg, offset):
 
 def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg, offset):
     o, lse, *o2 = _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=True)
+    # XLA's dynamic-slice fusion (jax 0.11) clones a custom call whose output is both used and written into a
+    # slice (a scan's stack of saved residuals) so that the clone writes there in place: the forward kernel ran
+    # once more per layer. o has both kinds of user, so it goes behind a barrier (one copy into the stack); lse and
+    # O_2 have at most the stack, where the kernel then writes them in place.
+    o = jax.lax.optimization_barrier(o)
+    # Named here, on the values this backward reads, so that a remat policy keeping them (ops.names) saves them
+    # instead of running the forward kernel again in the backward pass.
+    o = checkpoint_name(o, OUTPUT_NAME)
+    lse, *o2 = (checkpoint_name(x, KERNEL_RESIDUALS_NAME if st.single else DIFF_RESIDUALS_NAME) for x in (lse, *o2))
     return o, (q, k, v, lam, q_seg, kv_seg, offset, o, o2[0] if o2 else None, lse)
 
 
 def _flash_bwd(st, res, do):
     q, k, v, lam, q_seg, kv_seg, offset, o, o2, lse = res
     do = do.astype(q.dtype)
-    do32 = do.astype(jnp.float32)
-    if st.single:
-        D_BHMT = jnp.einsum("bthv,bthv->bht", do32, o.astype(jnp.float32))[:, :, None]
-    else:
-        lam_BTH1 = lam.transpose(0, 2, 1)[..., None]
-        o1 = o.astype(jnp.float32) + lam_BTH1 * o2  # the un-mixed first map, from the rounded output
-        D_BHMT = jnp.stack([jnp.einsum("bthv,bthv->bht", do32, o1), jnp.einsum("bthv,bthv->bht", do32, o2)], axis=2)
+    D_BHMT = _row_dots(do, o, o2, lam)
     dq = _dq(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D_BHMT)
     dk_BSKMd, dv = _dkdv(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D_BHMT)
     # differential with keys shared by both maps (G = 1): dK is the sum of the maps' slices
     dk = dk_BSKMd if st.M == st.G else dk_BSKMd.astype(jnp.float32).sum(axis=3, keepdims=True).astype(k.dtype)
     dlam = None if st.single else -D_BHMT[:, :, 1]
     return dq, dk, dv, dlam, None, None, None
+
+
+def _row_dots(do_BTHv, o_BTHv, o2_BTHv, lam_BHT):
+    """D_m = rowsum(dO * O_m) per map, [B, H, M, T] fp32 (dO as the kernels read it, in the value dtype). DIFF's first
+    map O_1 = o + lam O_2 (from the rounded output) is never formed: D_1 = rowsum(dO * o) + lam D_2, both sums one
+    reduction over dv of dO times the pair (o, O_2), which XLA runs as one pass over dO, o and O_2."""
+    o_BTHMv = o_BTHv.astype(jnp.float32)[:, :, :, None]
+    if o2_BTHv is not None:
+        o_BTHMv = jnp.concatenate([o_BTHMv, o2_BTHv[:, :, :, None]], axis=3)
+    D_BHMT = jnp.sum(do_BTHv.astype(jnp.float32)[:, :, :, None] * o_BTHMv, axis=-1).transpose(0, 2, 3, 1)
+    if o2_BTHv is None:
+        return D_BHMT
+    return jnp.stack([D_BHMT[:, :, 0] + lam_BHT * D_BHMT[:, :, 1], D_BHMT[:, :, 1]], axis=2)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
