@@ -51,13 +51,14 @@ import jax
 import jax.numpy as jnp
 
 from diffjax.ops.pallas_gpu.common import (
+    DKDV_VARIANTS,
     SMEM_BYTES,
     SMEM_MARGIN,
     Tuning,
     _cdiv,
     _Static,
 )
-from diffjax.ops.pallas_gpu.dkdv import _dkdv
+from diffjax.ops.pallas_gpu.dkdv import _dkdv, _exchange_bytes
 from diffjax.ops.pallas_gpu.dq import _dq
 from diffjax.ops.pallas_gpu.forward import _forward
 from diffjax.ops.reference import split_segment_ids
@@ -106,6 +107,8 @@ def unsupported(q, k, v, tuning=None) -> str | None:
         # 64: a wgmma row tile per consumer; the others are contraction sizes of 16-bit wgmmas with a
         # 128-byte swizzle, which must be multiples of 64
         return f"needs block_q = 64, block_k / block_k_dq / block_q_bwd in (64, 128) and stages >= 2, got {bs}"
+    if bs.dkdv not in DKDV_VARIANTS:
+        return f"needs dkdv in {DKDV_VARIANTS}, got {bs.dkdv!r}"
     need = _smem_bytes(d, dv, G, bs, q.dtype, single)
     over = {kernel: n for kernel, n in need.items() if n + SMEM_MARGIN > SMEM_BYTES}
     if over:
@@ -148,7 +151,7 @@ def _smem_bytes(d, dv, G, bs: Tuning, dtype, single: bool = False):
     return {
         "forward": 2 * bq * d * e + n * bk * (G * d + dv) * e + bq * d * 4 + n * bk * 4 + 3 * bq * 4,
         "dq": (2 * d + dv) * bq * e + n * bkq * (G * d + dv) * e + bq * bkq * 4 + n * bkq * 4 + 6 * bq * 4,
-        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 64 * bqb * (4 + e) + n * bqb * 24 + 64 * 4,
+        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 64 * bqb * _exchange_bytes(bs.dkdv, e) + n * bqb * 24 + 64 * 4,
     }
 
 
@@ -198,6 +201,7 @@ def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
         interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret), single=single,
         traced_offset=bool(causal) and q_offset is not None,
+        dkdv=bs.dkdv,
     )
     offset = jnp.full((1,), q_offset, jnp.int32) if st.traced_offset else None
     q = _pad_axis(q_BTHMd, 1, Tp)

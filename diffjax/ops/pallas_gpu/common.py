@@ -30,6 +30,14 @@ class Tuning(NamedTuple):
     block_q_bwd: int = 64  # dk/dv kernel: query rows per streamed step
     stages: int = 2  # ring slots for streamed tiles
     pingpong: bool = True  # forward: alternate the consumers' softmax and wgmmas (FA3)
+    dkdv: str = "lean"  # the differential dk/dv consumers' schedule, one of DKDV_VARIANTS (package docstring)
+
+
+# "exchange": the two consumers sum their dP halves and P shares through SMEM, both sums live at once (the first
+# kernel, kept as the sweep's baseline); "lean": the same algebra and SMEM, one exchange at a time and the dK wgmma
+# in flight during the P exchange; "dp_whole": each consumer computes the whole dP (no dP exchange); "dv_smem": the
+# whole dP, and the P shares go to SMEM, whence both consumers' dV wgmmas read them (no P exchange).
+DKDV_VARIANTS = ("lean", "exchange", "dp_whole", "dv_smem")
 
 
 # ------------------------------------------------------------------------------ interpret shims
@@ -196,6 +204,7 @@ class _Static(NamedTuple):
     interpret: bool
     single: bool = False  # standard attention: one map, the consumers on different rows
     traced_offset: bool = False  # q_offset comes as a gmem operand (else the static S - T)
+    dkdv: str = "lean"  # Tuning.dkdv
 
     @property
     def M(self):  # maps: lse / D / dq / dk carry a map axis of this size
