@@ -127,15 +127,15 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                     dpT = dpT + ops.load(x_dp, WGMMA)
                     x_dp[...] = dpT
             dsT = pT * (dpT - col(D_smem.at[slot, g]))
-            share = pT  # this map's share of P_1 - lam P_2
             if g == 1:
-                neg_lam = -col(lam_smem.at[slot])
-                dsT, share = dsT * neg_lam, pT * neg_lam
+                dsT = dsT * -col(lam_smem.at[slot])
+            dsT = dsT.astype(dtype)
+            share = pT if g == 0 else pT * -col(lam_smem.at[slot])  # this map's share of P_1 - lam P_2
             if swap:
                 p_shares = functools.partial(_p_share_swap, ops, g, share.astype(dtype), x_p, xbar, p_free, do_t, st.dkdv == "dv_smem")
             else:
                 p_shares = functools.partial(_p_share_exchange, ops, g, share, x_p, xbar, do_t)
-            carry = _dk_then_dv(ops, dk_acc, dv_acc, dsT.astype(dtype), q_t, p_shares)
+            carry = _dk_then_dv(ops, dk_acc, dv_acc, dsT, q_t, p_shares)
             plgpu.barrier_arrive(q_free.at[slot])
             if st.dkdv == "dv_smem":  # both dV wgmmas have read the shares
                 plgpu.barrier_arrive(p_free)
@@ -217,8 +217,9 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         None if st.single else plgpu.SMEM((stages, bqb), jnp.float32),
         plgpu.SMEM((stages, 1, bqb), jnp.int32) if st.has_seg else None,
         None if st.single or whole_dp else plgpu.SMEM((bk, bqb), jnp.float32, transforms=x_tf),
-        # P shares, rounded for the dV wgmma anyway: one buffer that consumer 1 sums into, or one per consumer (swap)
-        None if st.single else plgpu.SMEM((2, bk, bqb) if swap else (bk, bqb), dtype, transforms=_tiled(bqb, dtype)),
+        # P shares, rounded for the dV wgmma anyway: one buffer that consumer 1 sums into, or one per consumer (swap;
+        # dv_smem: the dV wgmmas' lhs, whose swizzle must match dO's)
+        None if st.single else plgpu.SMEM((2, bk, bqb) if swap else (bk, bqb), dtype, transforms=_tiled(min(bqb, dvt) if swap else bqb, dtype)),
     )
     kv_copies = 4 + 2 * st.has_seg if st.single else G + 2 + st.has_seg
     barriers = (
