@@ -71,7 +71,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
 
         @pl.when(wg == 2)
         def _producer():
-            _set_registers(st, producer=True)
+            _registers(st, producer=True)
             if st.single:
                 for g in range(2):
                     keys = pl.ds(kv_rows(g)[1], bk)
@@ -142,7 +142,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             return carry
 
         def consumer(g: int):
-            _set_registers(st, producer=False)
+            _registers(st, producer=False)
             plgpu.barrier_wait(kv_ready)
             if swap:
                 plgpu.barrier_arrive(p_free)  # the first shares overwrite nothing
@@ -232,6 +232,17 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
     out_type = [jax.ShapeDtypeStruct((B, Sp, K, st.M, d), dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     grid = (K, Sp // st.cta_kv, B)
     return _launch(st, kernel, out_type, (smem, barriers), grid, ("kv_heads", "kv_blocks", "batch"), _name(st, "bwd_dkdv"))(*_args(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D))
+
+
+def _registers(st: _Static, producer: bool):
+    """setmaxnreg for the dk/dv warpgroups. The lean family gives the consumers 240 registers and the producer 24
+    (FA3's split for two consumer warpgroups; 24 + 2 x 240 = 504 of the 512 a thread of each warpgroup may hold):
+    ptxas compiles the producer's TMA loop at 24 without spilling more than at 40, and each consumer's step keeps
+    its two fp32 accumulators (128 registers) beside 64 x bqb fp32 tiles. "exchange" and single keep 40 / 232."""
+    if st.single or st.dkdv == "exchange":
+        _set_registers(st, producer)
+    elif not st.interpret:
+        plgpu.set_max_registers(24 if producer else 240, action="decrease" if producer else "increase")
 
 
 def _exchange_bytes(dkdv: str, e: int) -> int:
