@@ -131,10 +131,13 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 dsT = dsT * -col(lam_smem.at[slot])
             dsT = dsT.astype(dtype)
             share = pT if g == 0 else pT * -col(lam_smem.at[slot])  # this map's share of P_1 - lam P_2
+            # refs that the dK / dV run_state closes over: static indices traced outside it (`_traced_indices`)
+            trace = (lambda ref: ref) if ops.interpret else _traced_indices
             if swap:
-                p_shares = functools.partial(_p_share_swap, ops, g, share.astype(dtype), x_p, xbar, p_free, do_t, st.dkdv == "dv_smem")
+                buffers = (trace(x_p.at[0]), trace(x_p.at[1]))
+                p_shares = functools.partial(_p_share_swap, ops, g, share.astype(dtype), buffers, xbar, p_free, trace(do_t), st.dkdv == "dv_smem")
             else:
-                p_shares = functools.partial(_p_share_exchange, ops, g, share, x_p, xbar, do_t)
+                p_shares = functools.partial(_p_share_exchange, ops, g, share, x_p, xbar, trace(do_t))
             carry = _dk_then_dv(ops, dk_acc, dv_acc, dsT, q_t, p_shares)
             plgpu.barrier_arrive(q_free.at[slot])
             if st.dkdv == "dv_smem":  # both dV wgmmas have read the shares
@@ -291,7 +294,6 @@ def _p_share_exchange(ops: _Ops, g: int, share, x_p, xbar, do_t):
     """lean: [(P_1 - lam P_2, dO_t)], the sum made by consumer 1 in the single buffer x_p where consumer 0 put
     P_1 before their first meeting; their second meeting (here, for consumer 1; before the dP read, for 0) hands
     it back. `share`: consumer 1's -lam P_2 (fp32); consumer 0's was written already."""
-    do_t = _traced_indices(do_t) if not ops.interpret else do_t
     if g == 0:
         return [(ops.load(x_p, WGMMA), do_t)]
     total = (share + ops.load(x_p, WGMMA).astype(jnp.float32)).astype(x_p.dtype)
@@ -300,19 +302,17 @@ def _p_share_exchange(ops: _Ops, g: int, share, x_p, xbar, do_t):
     return [(total, do_t)]
 
 
-def _p_share_swap(ops: _Ops, g: int, share, x_p, xbar, p_free, do_t, from_smem: bool):
-    """dp_whole / dv_smem: each consumer writes its 16-bit P share to its own buffer x_p[g] (once both are done
-    with the last ones: p_free), and they meet once. from_smem (dv_smem): [(x_p[0], dO_t), (x_p[1], dO_t)], two dV
-    wgmmas reading both shares from SMEM; else the other's share is loaded and added here, [(sum, dO_t)]."""
-    trace = (lambda ref: ref) if ops.interpret else _traced_indices
-    mine, other, do_t = trace(x_p.at[g]), trace(x_p.at[1 - g]), trace(do_t)
+def _p_share_swap(ops: _Ops, g: int, share, buffers, xbar, p_free, do_t, from_smem: bool):
+    """dp_whole / dv_smem: each consumer writes its 16-bit P share to its own buffer, buffers[g] (once both are
+    done with the last ones: p_free), and they meet once. from_smem (dv_smem): [(buffers[0], dO_t), (buffers[1],
+    dO_t)], two dV wgmmas reading both shares from SMEM; else the other's share is loaded and added, [(sum, dO_t)]."""
     plgpu.barrier_wait(p_free)
-    mine[...] = share
+    buffers[g][...] = share
     if from_smem:
         plgpu.commit_smem()  # visible to the wgmmas (async proxy) of both consumers
     _rendezvous(xbar)
     if from_smem:
-        return [(trace(x_p.at[0]), do_t), (trace(x_p.at[1]), do_t)]
-    theirs = ops.load(other, WGMMA)
+        return [(buffer, do_t) for buffer in buffers]
+    theirs = ops.load(buffers[1 - g], WGMMA)
     plgpu.barrier_arrive(p_free)  # read: consumer 1 - g may write its next share
     return [((share.astype(jnp.float32) + theirs.astype(jnp.float32)).astype(share.dtype), do_t)]
