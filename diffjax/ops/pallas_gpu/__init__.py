@@ -16,10 +16,28 @@ Backward (custom VJP), with G the cotangent of o (the same algebra as diffjax.op
     dS_1 = P_1 (dP - D_1),  dS_2 = -lam P_2 (dP - D_2),  dV = (P_1 - lam P_2)^T G
     dQ_m = scale dS_m K_m,  dK_m = scale dS_m^T Q_m,  dlam = -D_2
 Two kernels, each with a producer and one consumer per map. dP's contraction over dv is split in two
-halves, one per consumer, and the halves are exchanged through SMEM (no duplicated matmul):
+halves, one per consumer, and the halves are exchanged through SMEM (no duplicated matmul; dk/dv's dp_whole and
+dv_smem compute it whole):
   dk/dv   one CTA per (batch, kv head, 64-row kv block); streams (query head of the group, q block)
           tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
   dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
+
+dk/dv's differential consumers, Tuning.dkdv (benchmarks/pallas_gpu_sweep.py times each): a consumer holds two
+64 x 128 fp32 accumulators (dK_g, dV's half: 128 of its registers) beside the step's 64 x block_q_bwd fp32 tiles
+(32 registers each), and in this transposed layout a per-query vector (lse, D, lambda) takes 16, so the step's live
+set decides whether it spills: the first kernel ("exchange") peaked far above its 232 and spilled ~1 KB a thread
+every step (ptxas; Nsight: long-scoreboard stalls, 26% tensor pipe).
+  lean      (default) the same algebra, SMEM and two meetings a step, each value made where it is used: per-query
+            vectors loaded from SMEM at their use; consumer 0 writes its dP half and P_1, consumer 1 adds its dP
+            half, makes dS, issues the dK wgmma and, while it runs, adds its -lam P_2 to P_1 and meets 0 again;
+            then dV. Registers 24 (producer) / 240 / 240, FA3's split. ptxas, sm_90a, d 128 / dv 256: spill
+            traffic per step and thread 4 + 8 / 0 + 16 B (stores + loads, consumer 0 / 1; exchange: 96 + 204 /
+            288 + 380), with segment ids (every step masked) 8 + 144 / 8 + 64 (exchange 108 + 328 / 300 + 468).
+  dp_whole  each consumer computes the whole dP (both halves of dv: +25% FLOPs a step), so only the P shares meet:
+            each writes its 16-bit share to its own SMEM buffer, one meeting, each adds the other's (a p_free
+            barrier keeps a buffer until both have read it). SMEM 8 KB less than lean.
+  dv_smem   the whole dP, and each consumer's dV takes both shares straight from SMEM (two wgmmas: +50% FLOPs a
+            step, no P sum in registers; the most exact dV).
 
 Single-map mode (standard attention, `dot_product_attention_pallas_gpu`, dv == d; FA3's layout): the
 same kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two

@@ -95,11 +95,12 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
 
             _producer_loop(steps, stages, q_free, load)
 
-        def diff_step(g: int, kv_seg, i, carry, *, rep, masked: bool):
+        def diff_step(g: int, kv_seg, i, carry, *, rep, masked: bool | str):
             """One q step of differential consumer g in the lean family (st.dkdv), every value made where it is
             used so that the step's live set stays small next to the two fp32 accumulators: S^T and dP^T (this
             consumer's half, or whole), P^T, the dP sum (lean), dS^T; then the dK wgmma, and while it runs the
-            P shares meet (`_p_share_exchange` / `_p_share_swap`), then the dV wgmma(s); one wait for both."""
+            P shares meet (`_p_share_exchange` / `_p_share_swap`), then the dV wgmma(s); one wait for both.
+            masked: True (the whole mask), "segments" (below the causal diagonal: segment ids and padding), False."""
             dk_acc, dv_acc = carry
             step = rep * per_rep + i - first
             slot = lax.rem(step, jnp.int32(stages))
@@ -111,7 +112,8 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             sT = sT * st.scale2
             if masked:
                 q_seg = ops.load(qseg_smem.at[slot, 0], WGMMA.reduce(0)) if st.has_seg else None
-                mask = _score_mask(ops, bst, offset, (bk, bqb), i * bqb, k0, q_seg, kv_seg, transposed=True)
+                mst = bst if masked is True else bst._replace(causal=False)
+                mask = _score_mask(ops, mst, offset, (bk, bqb), i * bqb, k0, q_seg, kv_seg, transposed=True)
                 if mask is not None:
                     sT = jnp.where(mask, sT, -jnp.inf)
             pT = jnp.exp2(sT - col(lse_smem.at[slot, g]))
@@ -187,9 +189,15 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 return dk_acc, dv_acc
 
             step = functools.partial(diff_step, g, kv_seg) if lean else step_body
+            # lean family with segment ids: the causal mask only up to the diagonal's last step (fewer values live in
+            # the steps past it, and ptxas spills fewer), the segment ids everywhere (`_q_steps` masks all steps)
+            below = lean and st.has_seg
+            diagonal_end = _q_steps(st._replace(has_seg=False), offset, k0_g, bk, nq)[1] if below else full
 
             def rep_body(rep, carry):
-                carry = lax.fori_loop(first, full, functools.partial(step, rep=rep, masked=True), carry)
+                carry = lax.fori_loop(first, diagonal_end, functools.partial(step, rep=rep, masked=True), carry)
+                if below:
+                    carry = lax.fori_loop(diagonal_end, full, functools.partial(step, rep=rep, masked="segments"), carry)
                 return lax.fori_loop(full, nq, functools.partial(step, rep=rep, masked=False), carry)
 
             dk_acc, dv_acc = lax.fori_loop(0, R, rep_body, (ops.full((bk, d), 0.0), ops.full((bk, dvt), 0.0)))
