@@ -236,3 +236,5 @@ def test_gpu_session_capture_dry_run(tmp_path):
     assert "mgpu: skipped" in result.stdout
     tuning = json.loads((tmp_path / "pallas_gpu_tuning.json").read_text())
     assert tuning["dry_run"] is True and "diff d128 dv256 bfloat16" in tuning["best"]
+    rows = json.loads((tmp_path / "pallas_gpu_sweep.json").read_text())["rows"]  # dk/dv variants: the baseline first
+    assert [r["tuning"]["dkdv"] for r in rows if r["mode"] == "dkdv"] == ["exchange", Tuning().dkdv]
