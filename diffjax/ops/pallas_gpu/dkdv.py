@@ -48,8 +48,8 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
     ops = _Ops(st.interpret)
     bst = st._replace(bk=bk, bq=bqb)  # masks in this kernel: kv rows of 64, q columns of bqb
     lean = not st.single and st.dkdv != "exchange"  # the differential step of the lean family (diff_step)
-    whole_dp = lean and st.dkdv in ("dp_whole", "dv_smem")  # each consumer computes the whole dP
-    swap = whole_dp  # the P shares meet in SMEM, one buffer per consumer, guarded by p_free
+    # each consumer computes the whole dP; the P shares then meet in SMEM, a buffer per consumer guarded by p_free
+    whole_dp = lean and st.dkdv in ("dp_whole", "dv_smem")
 
     def kernel(*refs):
         it = iter(refs)
@@ -135,7 +135,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             share = pT if g == 0 else pT * -col(lam_smem.at[slot])  # this map's share of P_1 - lam P_2
             # refs that the dK / dV run_state closes over: static indices traced outside it (`_traced_indices`)
             trace = (lambda ref: ref) if ops.interpret else _traced_indices
-            if swap:
+            if whole_dp:
                 buffers = (trace(x_p.at[0]), trace(x_p.at[1]))
                 p_shares = functools.partial(_p_share_swap, ops, g, share.astype(dtype), buffers, xbar, p_free, trace(do_t), st.dkdv == "dv_smem")
             else:
@@ -149,7 +149,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         def consumer(g: int):
             _registers(st, producer=False)
             plgpu.barrier_wait(kv_ready)
-            if swap:
+            if whole_dp:
                 plgpu.barrier_arrive(p_free)  # the first shares overwrite nothing
             m, k0_g = kv_rows(g)
             _, full = _q_steps(st, offset, k0_g, bk, nq)
@@ -201,7 +201,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 return lax.fori_loop(full, nq, functools.partial(step, rep=rep, masked=False), carry)
 
             dk_acc, dv_acc = lax.fori_loop(0, R, rep_body, (ops.full((bk, d), 0.0), ops.full((bk, dvt), 0.0)))
-            if swap:
+            if whole_dp:
                 plgpu.barrier_wait(p_free)  # its last phase: every waiter observes every phase
             _rendezvous(xbar)  # both consumers are done with k and v: stage the results there
             k_smem.at[g][...] = (dk_acc * st.scale).astype(dtype)
@@ -228,9 +228,9 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         None if st.single else plgpu.SMEM((stages, bqb), jnp.float32),
         plgpu.SMEM((stages, 1, bqb), jnp.int32) if st.has_seg else None,
         None if st.single or whole_dp else plgpu.SMEM((bk, bqb), jnp.float32, transforms=x_tf),
-        # P shares, rounded for the dV wgmma anyway: one buffer that consumer 1 sums into, or one per consumer (swap;
+        # P shares, rounded for the dV wgmma anyway: one buffer that consumer 1 sums into, or one per consumer (whole dP;
         # dv_smem: the dV wgmmas' lhs, whose swizzle must match dO's)
-        None if st.single else plgpu.SMEM((2, bk, bqb) if swap else (bk, bqb), dtype, transforms=_tiled(min(bqb, dvt) if swap else bqb, dtype)),
+        None if st.single else plgpu.SMEM((2, bk, bqb) if whole_dp else (bk, bqb), dtype, transforms=_tiled(min(bqb, dvt) if whole_dp else bqb, dtype)),
     )
     kv_copies = 4 + 2 * st.has_seg if st.single else G + 2 + st.has_seg
     barriers = (
@@ -238,7 +238,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         plgpu.Barrier(num_arrivals=_query_copies(st, tiles), num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=2) if swap else None,  # p_free: both consumers are done with the last P shares
+        plgpu.Barrier(num_arrivals=2) if whole_dp else None,  # p_free: both consumers are done with the last P shares
     )
     out_type = [jax.ShapeDtypeStruct((B, Sp, K, st.M, d), dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     grid = (K, Sp // st.cta_kv, B)
