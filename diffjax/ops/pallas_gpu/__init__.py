@@ -25,19 +25,20 @@ dv_smem compute it whole):
 dk/dv's differential consumers, Tuning.dkdv (benchmarks/pallas_gpu_sweep.py times each): a consumer holds two
 64 x 128 fp32 accumulators (dK_g, dV's half: 128 of its registers) beside the step's 64 x block_q_bwd fp32 tiles
 (32 registers each), and in this transposed layout a per-query vector (lse, D, lambda) takes 16, so the step's live
-set decides whether it spills: the first kernel ("exchange") peaked far above its 232 and spilled ~1 KB a thread
-every step (ptxas; Nsight: long-scoreboard stalls, 26% tensor pipe).
-  lean      (default) the same algebra, SMEM and two meetings a step, each value made where it is used: per-query
-            vectors loaded from SMEM at their use; consumer 0 writes its dP half and P_1, consumer 1 adds its dP
-            half, makes dS, issues the dK wgmma and, while it runs, adds its -lam P_2 to P_1 and meets 0 again;
-            then dV. Registers 24 (producer) / 240 / 240, FA3's split. ptxas, sm_90a, d 128 / dv 256: spill
-            traffic per step and thread 4 + 8 / 0 + 16 B (stores + loads, consumer 0 / 1; exchange: 96 + 204 /
-            288 + 380), with segment ids (every step masked) 8 + 144 / 8 + 64 (exchange 108 + 328 / 300 + 468).
-  dp_whole  each consumer computes the whole dP (both halves of dv: +25% FLOPs a step), so only the P shares meet:
-            each writes its 16-bit share to its own SMEM buffer, one meeting, each adds the other's (a p_free
-            barrier keeps a buffer until both have read it). SMEM 8 KB less than lean.
-  dv_smem   the whole dP, and each consumer's dV takes both shares straight from SMEM (two wgmmas: +50% FLOPs a
-            step, no P sum in registers; the most exact dV).
+set decides whether it spills: the first kernel ("exchange", both sums live at once in consumer 1) peaks far above
+its 232 and spills every step. ptxas (sm_90a, d 128 / dv 256, causal; spill bytes a consumer thread stores + loads
+in its step loop, consumer 0 / 1; stack frame; with segment ids, where every step is masked, the stack frame):
+  exchange  96 + 204 / 288 + 380 B, 272 B (368 B); Nsight on the H100: long-scoreboard stalls, 26% tensor pipe.
+  lean      (default) 4 + 8 / 0 + 16 B, 24 B (64 B). The same algebra, SMEM and two meetings a step, each value
+            made where it is used: per-query vectors loaded from SMEM at their use; consumer 0 writes its dP half
+            and P_1, consumer 1 adds its dP half, makes dS, issues the dK wgmma and, while it runs, adds its
+            -lam P_2 to P_1 and meets 0 again; then dV. Registers 24 (producer) / 240 / 240, FA3's split; with
+            segment ids, the causal mask only up to the diagonal.
+  dp_whole  4 + 8 / 32 + 40 B, 48 B (32 B). Each consumer computes the whole dP (both halves of dv: +25% FLOPs a
+            step), so only the P shares meet: each writes its 16-bit share to its own SMEM buffer, one meeting, each
+            adds the other's (a p_free barrier keeps a buffer until both have read it). SMEM 8 KB less than lean.
+  dv_smem   4 + 8 / 52 + 124 B, 136 B (120 B). The whole dP, and each consumer's dV takes both shares straight from
+            SMEM (two wgmmas: +50% FLOPs a step, no P sum in registers; the most exact dV).
 
 Single-map mode (standard attention, `dot_product_attention_pallas_gpu`, dv == d; FA3's layout): the
 same kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
