@@ -290,10 +290,11 @@ def test_pallas_gpu_other_tunings_lower_for_cuda(change):
     _lower_for_cuda(64, 128, 2, "causal-seg-bf16", default_tuning(64, 128, 2, jnp.bfloat16)._replace(**change))
 
 
-@pytest.mark.parametrize("dkdv", OTHER_DKDV)
-def test_pallas_gpu_dkdv_variants_lower_for_cuda(dkdv):
-    """Each dk/dv schedule at the shape the sweep compares them on (d 128, dv 256: 64-row blocks, SMEM nearly full)."""
-    _lower_for_cuda(128, 256, 2, "causal-seg-bf16", default_tuning(128, 256, 2, jnp.bfloat16)._replace(dkdv=dkdv))
+@pytest.mark.parametrize("d, dv, G, dkdv", [*((128, 256, 2, name) for name in OTHER_DKDV), (64, 64, 1, "dv_smem")])
+def test_pallas_gpu_dkdv_variants_lower_for_cuda(d, dv, G, dkdv):
+    """Each dk/dv schedule at the shape the sweep compares them on (d 128, dv 256: 64-row blocks, SMEM nearly full),
+    and dv_smem where dO's half is 32 wide (its P share buffers, the dV wgmmas' lhs, take dO's 64-byte swizzle)."""
+    _lower_for_cuda(d, dv, G, "causal-seg-bf16", default_tuning(d, dv, G, jnp.bfloat16)._replace(dkdv=dkdv))
 
 
 def _lower_for_cuda(d, dv, G, variant, tuning):
