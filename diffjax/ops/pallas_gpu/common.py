@@ -33,10 +33,9 @@ class Tuning(NamedTuple):
     dkdv: str = "lean"  # the differential dk/dv consumers' schedule, one of DKDV_VARIANTS (package docstring)
 
 
-# "exchange": the two consumers sum their dP halves and P shares through SMEM, both sums live at once (the first
-# kernel, kept as the sweep's baseline); "lean": the same algebra and SMEM, one exchange at a time and the dK wgmma
-# in flight during the P exchange; "dp_whole": each consumer computes the whole dP (no dP exchange); "dv_smem": the
-# whole dP, and the P shares go to SMEM, whence both consumers' dV wgmmas read them (no P exchange).
+# Tuning.dkdv's values, the default first (the package docstring says what each does and what ptxas makes of it):
+# "exchange" is the first kernel, kept as the sweep's baseline; "lean" its algebra with a small live set; "dp_whole"
+# and "dv_smem" compute the whole dP in each consumer, so that only the P shares meet.
 DKDV_VARIANTS = ("lean", "exchange", "dp_whole", "dv_smem")
 
 
