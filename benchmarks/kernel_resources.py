@@ -374,13 +374,15 @@ def print_table(records: list[dict]) -> None:
 
 
 def tuning_fields(text: str) -> dict:
-    """'block_q_bwd=64,stages=3' -> {'block_q_bwd': 64, 'stages': 3} over the default Tuning's fields."""
+    """'block_q_bwd=64,dkdv=exchange' -> {'block_q_bwd': 64, 'dkdv': 'exchange'} over the default Tuning's fields
+    (each parsed as the type of the default Tuning's value)."""
     out = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in Tuning._fields or not value:
             raise argparse.ArgumentTypeError(f"--tuning takes FIELD=VALUE items of {', '.join(Tuning._fields)}; got {item!r}")
-        out[key] = value.lower() in ("1", "true") if key == "pingpong" else int(value)
+        default = getattr(Tuning(), key)
+        out[key] = value.lower() in ("1", "true") if isinstance(default, bool) else type(default)(value)
     return out
 
 

@@ -1,8 +1,9 @@
-"""Tuning sweep for impl="pallas_gpu" on a Hopper GPU, in one call: the backward's settings (block_k_dq,
-block_q_bwd, stages) timed on forward+backward, then the forward's (block_k, stages, pingpong) on the forward with
-the best backward, then the two winners together, against cuDNN standard attention (2H heads of d, the
-equal-parameter baseline) in the same run; the best forward+backward Tuning of the shape class goes into the table
-`auto` reads (diffjax.ops.choice.swept_tuning, pallas_gpu.default_tuning).
+"""Tuning sweep for impl="pallas_gpu" on a Hopper GPU, in one call: the differential dk/dv kernel's variants
+(Tuning.dkdv) timed alone (the backward without dq, from saved forward residuals) and on forward+backward, then the
+backward's settings (block_k_dq, block_q_bwd, stages) on forward+backward with the best variant, then the forward's
+(block_k, stages, pingpong) on the forward with the best backward, then the two winners together, against cuDNN
+standard attention (2H heads of d, the equal-parameter baseline) in the same run; the best forward+backward Tuning
+of the shape class goes into the table `auto` reads (diffjax.ops.choice.swept_tuning, pallas_gpu.default_tuning).
 
     python benchmarks/pallas_gpu_sweep.py [--T 8192] [--d 128] [--dv 256] [--single] [--out sweep.json]
         [--table pallas_gpu_tuning.json]      (merged: one entry per shape class; copy it to diffjax/ops/ to use it)
@@ -10,7 +11,9 @@ equal-parameter baseline) in the same run; the best forward+backward Tuning of t
 
     python benchmarks/pallas_gpu_sweep.py --list      # the candidates the options below give, nothing timed
 
-FLOP convention as benchmarks/attention.py (nominal; causal halves; fwd+bwd = 3.5 x fwd). A Tuning that does not
+FLOP convention as benchmarks/attention.py (nominal; causal halves; fwd+bwd = 3.5 x fwd); a dk/dv row counts the
+kernel's nominal B*H*(8d + 4dv)*T*S (S^T and dK per map, dP and dV) plus the D = rowsum(dO * O) it needs, and is
+compared with the baseline variant "exchange" timed in the same run. A Tuning that does not
 fit shared memory or fails to compile is an error row, not a crash; the JSON and the table are rewritten after
 every row, so a run cut off by its time limit keeps what it measured.
 
@@ -40,11 +43,14 @@ from attention import flops_baseline, flops_diff, fwd_bwd, time_fn  # noqa: E402
 from diffjax import ops  # noqa: E402
 from diffjax.ops.choice import tuning_class  # noqa: E402
 from diffjax.ops.pallas_gpu import Tuning, default_tuning, unsupported  # noqa: E402
+from diffjax.ops.pallas_gpu.common import DKDV_VARIANTS  # noqa: E402
 
 # The options each kernel's settings take; a new kernel variant behind a Tuning field adds its options here (the
 # session's sweep phase runs what these give; tests/test_capture.py fails while a Tuning field has none).
 FORWARD_OPTIONS = {"block_k": (128, 64), "stages": (2, 3), "pingpong": (True, False)}
 BACKWARD_OPTIONS = {"block_k_dq": (128, 64), "block_q_bwd": (128, 64), "stages": (2, 3)}
+DKDV_OPTIONS = {"dkdv": DKDV_VARIANTS}  # differential only: the single-map dk/dv kernel has one schedule
+DKDV_BASELINE = "exchange"
 FIXED_FIELDS = ("block_q",)  # one wgmma row tile per consumer: not a choice
 AGREE = 4 * 2.0**-8  # two Tunings compute the same sums in another order: 4 bf16 ulps of the largest value
 
@@ -57,7 +63,8 @@ def rel_diff(a, b) -> float:
 
 def unswept_fields() -> list[str]:
     """Tuning fields with no options here: a kernel variant the sweep would never try."""
-    return [f for f in Tuning._fields if f not in {**FORWARD_OPTIONS, **BACKWARD_OPTIONS} and f not in FIXED_FIELDS]
+    swept = {**FORWARD_OPTIONS, **BACKWARD_OPTIONS, **DKDV_OPTIONS}
+    return [f for f in Tuning._fields if f not in swept and f not in FIXED_FIELDS]
 
 
 def candidates(base: Tuning, options: dict) -> list[Tuning]:
@@ -88,6 +95,8 @@ class Sweep:
         causal = not args.non_causal
         single_flops = B * H * 4 * T * T * d / (2 if causal else 1)  # H standard heads of d
         self.flops = single_flops if args.single else flops_diff(B, H, T, T, causal, d, dv)
+        self.dkdv_flops = B * H * (8 * d + 4 * dv) * T * T / (2 if causal else 1)
+        self.ct = jax.random.normal(ks[3], (B, T, H, d if args.single else dv), bf)  # the output's cotangent
         self.reference = self._reference()
 
     @staticmethod
@@ -115,21 +124,31 @@ class Sweep:
         return (1, 1) if self.args.dry_run else (2, 10)
 
     def time(self, tuning: Tuning, mode: str) -> dict:
+        """One row: mode "fwd", "fwd+bwd", or "dkdv" (the backward from saved residuals, its dq output unused, so
+        that jit drops the dq kernel: the dk/dv kernel and D). A tuning timed in this mode already is not rerun."""
         row = {"tuning": tuning._asdict(), "mode": mode}
+        done = [r for r in self.rows if r["tuning"] == row["tuning"] and r["mode"] == mode]
+        if done:
+            return done[0]
         why_not = unsupported(self.q, self.k, self.v, tuning)
         if why_not and not self.args.dry_run:
             row["error"] = f"unsupported: {why_not}"
             return self._keep(row)
 
         try:
-            fn = self.function(self.kernel_impl, tuning, mode)
-            row["s"] = time_fn(fn, self.inputs(), *self.repeats)
-            outputs = jax.tree.leaves(fn(*self.inputs()))
+            fn, args = self.function(self.kernel_impl, tuning, mode)
+            row["s"] = time_fn(fn, args, *self.repeats)
+            outputs = jax.tree.leaves(fn(*args))
         except Exception as e:  # noqa: BLE001 (a config that does not fit is a result)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             return self._keep(row)
-        row["tflops"] = (1.0 if mode == "fwd" else 3.5) * self.flops / row["s"] / 1e12
-        row["tflops_vs_cudnn"] = row["tflops"] / self.reference[mode]["cudnn_tflops"]
+        if mode == "dkdv":
+            row["tflops"] = self.dkdv_flops / row["s"] / 1e12
+            baseline = [r for r in self.rows if r["mode"] == "dkdv" and r["tuning"]["dkdv"] == DKDV_BASELINE and "s" in r]
+            row["speedup_vs_exchange"] = baseline[0]["s"] / row["s"] if baseline else 1.0 if tuning.dkdv == DKDV_BASELINE else None
+        else:
+            row["tflops"] = (1.0 if mode == "fwd" else 3.5) * self.flops / row["s"] / 1e12
+            row["tflops_vs_cudnn"] = row["tflops"] / self.reference[mode]["cudnn_tflops"]
         default = self.default_outputs.setdefault(mode, outputs)  # the first timed Tuning of a mode: the default
         row["rel_diff_vs_default"] = max(rel_diff(a, b) for a, b in zip(outputs, default))
         row["agrees"] = row["rel_diff_vs_default"] <= AGREE
@@ -139,7 +158,8 @@ class Sweep:
         return (self.q, self.k, self.v) if self.args.single else (self.q, self.k, self.v, self.lam)
 
     def function(self, impl: str, tuning: Tuning | None, mode: str):
-        """jitted forward (its output) or forward+backward (the gradients of sum(o)) of the swept op."""
+        """(jitted function, its arguments) of the swept op: the forward (its output), forward+backward (the
+        gradients of sum(o)), or "dkdv" (dk and dv from the saved residuals and the cotangent `ct`)."""
         causal, single = not self.args.non_causal, self.args.single
 
         def attend(q, k, v, lam=None):
@@ -147,16 +167,19 @@ class Sweep:
                 return ops.dot_product_attention(q, k, v, causal=causal, impl=impl, block_sizes=tuning)
             return ops.diff_attention(q, k, v, lam, causal=causal, impl=impl, block_sizes=tuning)
 
-        return jax.jit(attend) if mode == "fwd" else fwd_bwd(attend, 3 if single else 4)
+        if mode == "dkdv":
+            _, backward = jax.vjp(attend, *self.inputs())
+            return jax.jit(lambda backward, ct: backward(ct)[1:3]), (backward, self.ct)
+        return (jax.jit(attend) if mode == "fwd" else fwd_bwd(attend, 3 if single else 4)), self.inputs()
 
     def check_reference(self, mode: str) -> dict | None:
         """The first timed Tuning's output (fwd) or gradients (fwd+bwd) against XLA's in float32, each within 2x
         the error XLA makes in the inputs' dtype plus AGREE (the gpu tests' rule)."""
         if mode not in self.default_outputs:
             return None
-        xla = self.function("xla", None, mode)
-        exact = jax.tree.leaves(xla(*(x.astype(jnp.float32) for x in self.inputs())))
-        low = jax.tree.leaves(xla(*self.inputs()))
+        xla, inputs = self.function("xla", None, mode)
+        exact = jax.tree.leaves(xla(*(x.astype(jnp.float32) for x in inputs)))
+        low = jax.tree.leaves(xla(*inputs))
         rows = []
         for got, e, r in zip(self.default_outputs[mode], exact, low):
             err, tol = rel_diff(got, e), 2 * rel_diff(r, e) + AGREE
@@ -170,8 +193,14 @@ class Sweep:
 
     def _keep(self, row: dict) -> dict:
         self.rows.append(row)
-        timing = f"{1e3 * row['s']:8.2f} ms {row['tflops']:6.0f} TFLOP/s {row['tflops_vs_cudnn']:5.2f}x cuDNN" \
-            if "s" in row else f"error {row['error'][:90]}"
+        if "s" not in row:
+            timing = f"error {row['error'][:90]}"
+        elif row["mode"] == "dkdv":
+            speedup = row["speedup_vs_exchange"]
+            timing = f"{1e3 * row['s']:8.2f} ms {row['tflops']:6.0f} TFLOP/s " + \
+                (f"{speedup:5.2f}x {DKDV_BASELINE}" if speedup else f"(no {DKDV_BASELINE} row)")
+        else:
+            timing = f"{1e3 * row['s']:8.2f} ms {row['tflops']:6.0f} TFLOP/s {row['tflops_vs_cudnn']:5.2f}x cuDNN"
         print(f"{str(Tuning(**row['tuning'])):<100} {row['mode']:>8} {timing}", flush=True)
         self.save()
         return row
@@ -189,7 +218,7 @@ class Sweep:
                 "causal": not a.non_causal, "reference": self.reference, "rows": self.rows,
                 "reference_check": self.reference_check, "agree": AGREE,
                 "flop_convention": "nominal: diff fwd = B*H*2*(2*T*S*d + 2*T*S*dv), cuDNN baseline fwd = "
-                                   "B*2H*4*T*S*d; causal halves; fwd+bwd = 3.5 x fwd"}
+                                   "B*2H*4*T*S*d; causal halves; fwd+bwd = 3.5 x fwd; dkdv = B*H*(8d + 4dv)*T*S"}
 
     def save(self):
         a = self.args
@@ -255,7 +284,13 @@ def main(argv=None):
     base = default_tuning(args.d, args.d if args.single else args.dv, 1 if args.single else 2, jnp.bfloat16,
                           args.single, swept=False)
     limit = 2 if args.dry_run else None
-    # the backward first (the gap to cuDNN is there; a run cut short keeps it), then the forward on the best backward
+    # the backward first (the gap to cuDNN is there; a run cut short keeps it): the dk/dv variants, the baseline
+    # first, alone and in fwd+bwd; then the backward's settings with the best; then the forward on the best backward
+    if not args.single:
+        for tuning in candidates(base._replace(dkdv=DKDV_BASELINE), DKDV_OPTIONS)[:limit]:
+            sweep.time(tuning, "dkdv")
+            sweep.time(tuning, "fwd+bwd")
+        base = Tuning(**(sweep.best("fwd+bwd") or {"tuning": base._asdict()})["tuning"])
     for tuning in candidates(base, BACKWARD_OPTIONS)[:limit]:
         sweep.time(tuning, "fwd+bwd")
     sweep.check_reference("fwd+bwd")

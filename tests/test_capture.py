@@ -432,6 +432,7 @@ def test_gpu_session_dry_run(tmp_path):
     sweep = json.loads((files / "pallas_gpu_sweep.json").read_text())
     assert sweep["dry_run"] and all(check["ok"] for check in sweep["reference_check"].values())
     assert all(r["agrees"] for r in sweep["rows"] if "s" in r)
+    assert [r["tuning"]["dkdv"] for r in sweep["rows"] if r["mode"] == "dkdv"] == ["exchange", Tuning().dkdv]  # baseline first
     tuning = json.loads((files / "pallas_gpu_tuning.json").read_text())
     assert tuning["dry_run"] is True and "diff d128 dv256 bfloat16" in tuning["best"]
     assert json.loads((files / "train_step_gpu_4096_attention.json").read_text())["ratios"]

@@ -27,6 +27,7 @@ import pytest
 from diffjax import ops
 from diffjax.jax_compat import H100, lowering_target
 from diffjax.ops.pallas_gpu import Tuning, default_tuning, diff_attention_pallas_gpu, dot_product_attention_pallas_gpu, unsupported
+from diffjax.ops.pallas_gpu.common import DKDV_VARIANTS
 from diffjax.ops.reference import diff_attention_xla, dot_product_attention_xla
 from test_ops_pallas_tpu import BF16_SLACK, _fully_masked_rows, _rel, _segments
 
@@ -117,7 +118,10 @@ def test_pallas_gpu_compiled_forward_and_grads(name, measured):
     _check_against_reference(GPU_CASES[name], measured, interpret=False)
 
 
-OTHER_TUNINGS = [dict(pingpong=False), dict(stages=3, block_k=64, block_k_dq=64, block_q_bwd=64), dict(block_k=64, block_k_dq=64, block_q_bwd=64)]
+# the differential dk/dv kernel's schedules other than the default (Tuning.dkdv)
+OTHER_DKDV = [name for name in DKDV_VARIANTS if name != Tuning().dkdv]
+OTHER_TUNINGS = [dict(pingpong=False), dict(stages=3, block_k=64, block_k_dq=64, block_q_bwd=64), dict(block_k=64, block_k_dq=64, block_q_bwd=64),
+                 *(dict(dkdv=name) for name in OTHER_DKDV)]
 
 
 @pytest.mark.gpu
@@ -153,6 +157,18 @@ def _cheapest_on_every_leg(cases, cheapest):
 @pytest.mark.slow
 def test_pallas_gpu_interpret_forward_and_grads(name, measured):
     _check_against_reference(INTERPRET_CASES[name], measured, interpret=True)
+
+
+# Three q steps of the dk/dv kernel through its 2-slot ring (the consumers' SMEM meetings across steps), each
+# masked (q / kv segment ids), lambda per token; the default schedule runs in every interpret test above.
+DKDV_CASE = (1, 192, 64, 1, 1, 2, 64, 128, False, True, "pair", "bfloat16")
+
+
+@pytest.mark.parametrize("dkdv", OTHER_DKDV)
+@pytest.mark.slow
+@pytest.mark.single_leg
+def test_pallas_gpu_interpret_dkdv_variants(dkdv, measured):
+    _check_against_reference(DKDV_CASE, measured, interpret=True, tuning=SMALL_STEPS._replace(dkdv=dkdv))
 
 
 @pytest.mark.parametrize("name", _cheapest_on_every_leg(SINGLE_INTERPRET_CASES, "full-T<S-f16"))
@@ -274,6 +290,13 @@ def test_pallas_gpu_other_tunings_lower_for_cuda(change):
     _lower_for_cuda(64, 128, 2, "causal-seg-bf16", default_tuning(64, 128, 2, jnp.bfloat16)._replace(**change))
 
 
+@pytest.mark.parametrize("d, dv, G, dkdv", [*((128, 256, 2, name) for name in OTHER_DKDV), (64, 64, 1, "dv_smem")])
+def test_pallas_gpu_dkdv_variants_lower_for_cuda(d, dv, G, dkdv):
+    """Each dk/dv schedule at the shape the sweep compares them on (d 128, dv 256: 64-row blocks, SMEM nearly full),
+    and dv_smem where dO's half is 32 wide (its P share buffers, the dV wgmmas' lhs, take dO's 64-byte swizzle)."""
+    _lower_for_cuda(d, dv, G, "causal-seg-bf16", default_tuning(d, dv, G, jnp.bfloat16)._replace(dkdv=dkdv))
+
+
 def _lower_for_cuda(d, dv, G, variant, tuning):
     causal = variant.startswith("causal")
     dtype = jnp.bfloat16 if variant.endswith("bf16") else jnp.float16
@@ -302,6 +325,7 @@ def test_pallas_gpu_rejects_what_it_cannot_run():
     assert "dv = d or 2d, got dv = 192" in unsupported(*arrays(dv=192))
     assert "bfloat16 / float16, got float32" in unsupported(*arrays(dtype=jnp.float32))
     assert "shared memory" in unsupported(*arrays(d=128, dv=256), tuning=(64, 128, 128, 128, 3))
+    assert f"needs dkdv in {DKDV_VARIANTS}, got 'fast'" in unsupported(*arrays(), tuning=Tuning(dkdv="fast"))
     with pytest.raises(ValueError, match=r"impl='pallas_gpu' needs the q and k head dim d in \(64, 128\), got 32"):
         ops.diff_attention(*arrays(d=32, dv=64), 0.5, impl="pallas_gpu")
     q, k, v = arrays()  # standard attention (4-D q, k): the single-map mode needs dv == d
@@ -322,16 +346,17 @@ def _run_state_operands(jaxpr):
                     yield from _run_state_operands(sub)
 
 
-@pytest.mark.parametrize("G", [1, 2])
-def test_pallas_gpu_run_state_takes_no_literal_operands(G):
+@pytest.mark.parametrize("G, dkdv", [(1, Tuning().dkdv), (2, Tuning().dkdv), *((2, name) for name in OTHER_DKDV)])
+def test_pallas_gpu_run_state_takes_no_literal_operands(G, dkdv):
     """jax 0.11's Mosaic GPU lowering rejects a literal run_state operand: a static ref index (the map
-    in `k_smem.at[slot, g]`) closed over by an accumulating wgmma must be a jaxpr variable."""
+    in `k_smem.at[slot, g]`, a consumer's P share buffer) closed over by an accumulating wgmma must be a jaxpr variable."""
     B, T, H, K, d, dv = 1, 128, 2, 1, 64, 128
     q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, T, H, 2, d), (B, T, K, G, d), (B, T, K, dv)))
     lam = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
+    tuning = default_tuning(d, dv, G, jnp.bfloat16)._replace(dkdv=dkdv)
 
     def loss(q, k, v, lam):
-        return jnp.sum(diff_attention_pallas_gpu(q, k, v, lam, causal=True, interpret=False).astype(jnp.float32))
+        return jnp.sum(diff_attention_pallas_gpu(q, k, v, lam, causal=True, tuning=tuning, interpret=False).astype(jnp.float32))
 
     operands = list(_run_state_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lam).jaxpr))
     assert operands, "no run_state found: the test no longer sees the accumulating wgmmas"

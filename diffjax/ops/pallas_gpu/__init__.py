@@ -16,10 +16,29 @@ Backward (custom VJP), with G the cotangent of o (the same algebra as diffjax.op
     dS_1 = P_1 (dP - D_1),  dS_2 = -lam P_2 (dP - D_2),  dV = (P_1 - lam P_2)^T G
     dQ_m = scale dS_m K_m,  dK_m = scale dS_m^T Q_m,  dlam = -D_2
 Two kernels, each with a producer and one consumer per map. dP's contraction over dv is split in two
-halves, one per consumer, and the halves are exchanged through SMEM (no duplicated matmul):
+halves, one per consumer, and the halves are exchanged through SMEM (no duplicated matmul; dk/dv's dp_whole and
+dv_smem compute it whole):
   dk/dv   one CTA per (batch, kv head, 64-row kv block); streams (query head of the group, q block)
           tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
   dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
+
+dk/dv's differential consumers, Tuning.dkdv (benchmarks/pallas_gpu_sweep.py times each): a consumer holds two
+64 x 128 fp32 accumulators (dK_g, dV's half: 128 of its registers) beside the step's 64 x block_q_bwd fp32 tiles
+(32 registers each), and in this transposed layout a per-query vector (lse, D, lambda) takes 16, so the step's live
+set decides whether it spills: the first kernel ("exchange", both sums live at once in consumer 1) peaks far above
+its 232 and spills every step. ptxas (sm_90a, d 128 / dv 256, causal; spill bytes a consumer thread stores + loads
+in its step loop, consumer 0 / 1; stack frame; with segment ids, where every step is masked, the stack frame):
+  exchange  96 + 204 / 288 + 380 B, 272 B (368 B); Nsight on the H100: long-scoreboard stalls, 26% tensor pipe.
+  lean      (default) 4 + 8 / 0 + 16 B, 24 B (64 B). The same algebra, SMEM and two meetings a step, each value
+            made where it is used: per-query vectors loaded from SMEM at their use; consumer 0 writes its dP half
+            and P_1, consumer 1 adds its dP half, makes dS, issues the dK wgmma and, while it runs, adds its
+            -lam P_2 to P_1 and meets 0 again; then dV. Registers 24 (producer) / 240 / 240, FA3's split; with
+            segment ids, the causal mask only up to the diagonal.
+  dp_whole  4 + 8 / 32 + 40 B, 48 B (32 B). Each consumer computes the whole dP (both halves of dv: +25% FLOPs a
+            step), so only the P shares meet: each writes its 16-bit share to its own SMEM buffer, one meeting, each
+            adds the other's (a p_free barrier keeps a buffer until both have read it). SMEM 8 KB less than lean.
+  dv_smem   4 + 8 / 52 + 124 B, 136 B (120 B). The whole dP, and each consumer's dV takes both shares straight from
+            SMEM (two wgmmas: +50% FLOPs a step, no P sum in registers; the most exact dV).
 
 Single-map mode (standard attention, `dot_product_attention_pallas_gpu`, dv == d; FA3's layout): the
 same kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
@@ -53,13 +72,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from diffjax.ops.names import DIFF_RESIDUALS_NAME, KERNEL_RESIDUALS_NAME, OUTPUT_NAME
 from diffjax.ops.pallas_gpu.common import (
+    DKDV_VARIANTS,
     SMEM_BYTES,
     SMEM_MARGIN,
     Tuning,
     _cdiv,
     _Static,
 )
-from diffjax.ops.pallas_gpu.dkdv import _dkdv
+from diffjax.ops.pallas_gpu.dkdv import _dkdv, _exchange_bytes
 from diffjax.ops.pallas_gpu.dq import _dq
 from diffjax.ops.pallas_gpu.forward import _forward
 from diffjax.ops.reference import split_segment_ids
@@ -108,6 +128,8 @@ def unsupported(q, k, v, tuning=None) -> str | None:
         # 64: a wgmma row tile per consumer; the others are contraction sizes of 16-bit wgmmas with a
         # 128-byte swizzle, which must be multiples of 64
         return f"needs block_q = 64, block_k / block_k_dq / block_q_bwd in (64, 128) and stages >= 2, got {bs}"
+    if bs.dkdv not in DKDV_VARIANTS:
+        return f"needs dkdv in {DKDV_VARIANTS}, got {bs.dkdv!r}"
     need = _smem_bytes(d, dv, G, bs, q.dtype, single)
     over = {kernel: n for kernel, n in need.items() if n + SMEM_MARGIN > SMEM_BYTES}
     if over:
@@ -150,7 +172,7 @@ def _smem_bytes(d, dv, G, bs: Tuning, dtype, single: bool = False):
     return {
         "forward": 2 * bq * d * e + n * bk * (G * d + dv) * e + bq * d * 4 + n * bk * 4 + 3 * bq * 4,
         "dq": (2 * d + dv) * bq * e + n * bkq * (G * d + dv) * e + bq * bkq * 4 + n * bkq * 4 + 6 * bq * 4,
-        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 64 * bqb * (4 + e) + n * bqb * 24 + 64 * 4,
+        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 64 * bqb * _exchange_bytes(bs.dkdv, e) + n * bqb * 24 + 64 * 4,
     }
 
 
@@ -200,6 +222,7 @@ def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
         interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret), single=single,
         traced_offset=bool(causal) and q_offset is not None,
+        dkdv=bs.dkdv,
     )
     offset = jnp.full((1,), q_offset, jnp.int32) if st.traced_offset else None
     q = _pad_axis(q_BTHMd, 1, Tp)

@@ -30,6 +30,13 @@ class Tuning(NamedTuple):
     block_q_bwd: int = 64  # dk/dv kernel: query rows per streamed step
     stages: int = 2  # ring slots for streamed tiles
     pingpong: bool = True  # forward: alternate the consumers' softmax and wgmmas (FA3)
+    dkdv: str = "lean"  # the differential dk/dv consumers' schedule, one of DKDV_VARIANTS (package docstring)
+
+
+# Tuning.dkdv's values, the default first (the package docstring says what each does and what ptxas makes of it):
+# "exchange" is the first kernel, kept as the sweep's baseline; "lean" its algebra with a small live set; "dp_whole"
+# and "dv_smem" compute the whole dP in each consumer, so that only the P shares meet.
+DKDV_VARIANTS = ("lean", "exchange", "dp_whole", "dv_smem")
 
 
 # ------------------------------------------------------------------------------ interpret shims
@@ -196,6 +203,7 @@ class _Static(NamedTuple):
     interpret: bool
     single: bool = False  # standard attention: one map, the consumers on different rows
     traced_offset: bool = False  # q_offset comes as a gmem operand (else the static S - T)
+    dkdv: str = "lean"  # Tuning.dkdv
 
     @property
     def M(self):  # maps: lse / D / dq / dk carry a map axis of this size
