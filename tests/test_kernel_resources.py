@@ -97,7 +97,7 @@ def test_sass_regions_split_spills_by_setmaxnreg_and_loop(kr):
 
 
 def test_tuning_fields(kr):
-    assert kr.tuning_fields("block_q_bwd=64,pingpong=false") == {"block_q_bwd": 64, "pingpong": False}
+    assert kr.tuning_fields("block_q_bwd=64,pingpong=false,dkdv=exchange") == {"block_q_bwd": 64, "pingpong": False, "dkdv": "exchange"}
     with pytest.raises(Exception, match="FIELD=VALUE items of block_q"):
         kr.tuning_fields("blocks=64")
 
