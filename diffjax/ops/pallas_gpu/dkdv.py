@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -25,6 +23,7 @@ from diffjax.ops.pallas_gpu.common import (
     _query_copies,
     _query_offset,
     _rendezvous,
+    _run_steps,
     _score_mask,
     _set_registers,
     _Static,
@@ -57,8 +56,8 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         k0 = j * st.cta_kv
         wg = lax.axis_index("wg")
         offset = _query_offset(st, offset_ref)
-        first, _ = _q_steps(st, offset, k0, st.cta_kv, nq)
-        per_rep = nq - first
+        ring = _q_steps(st, offset, k0, st.cta_kv, nq)  # per query head of the group
+        first, per_rep = ring.first, ring.end - ring.first
         steps = R * per_rep
 
         def kv_rows(g: int):  # (map, first kv row) of consumer g's K / V tiles
@@ -94,7 +93,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(kv_ready)
             m, k0_g = kv_rows(g)
-            _, full = _q_steps(st, offset, k0_g, bk, nq)
+            own = _q_steps(st, offset, k0_g, bk, nq)
             k_g = k_smem.at[g if st.single or G == 2 else 0]
             t = 0 if st.single else g  # this consumer's streamed query tile
             kv_seg = ops.load(kvseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
@@ -131,8 +130,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 return dk_acc, dv_acc
 
             def rep_body(rep, carry):
-                carry = lax.fori_loop(first, full, functools.partial(step_body, rep=rep, masked=True), carry)
-                return lax.fori_loop(full, nq, functools.partial(step_body, rep=rep, masked=False), carry)
+                return _run_steps(lambda i, carry, masked: step_body(i, carry, rep=rep, masked=masked), ring, own, carry)
 
             dk_acc, dv_acc = lax.fori_loop(0, R, rep_body, (ops.full((bk, d), 0.0), ops.full((bk, dvt), 0.0)))
             _rendezvous(xbar)  # both consumers are done with k and v: stage the results there
