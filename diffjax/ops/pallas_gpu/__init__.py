@@ -21,17 +21,24 @@ halves, one per consumer, and the halves are exchanged through SMEM (no duplicat
           tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
   dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
 
-Single-map mode (standard attention, `dot_product_attention_pallas_gpu`, dv == d; FA3's layout): the
-same kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
+Single-map mode (standard attention, `dot_product_attention_pallas_gpu`; FA3's layout): the same
+kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
 different 64-row tiles of one 128-row block and share every streamed tile: forward and dq, two query
 tiles (own online softmax / full dP, own output rows, no O_2 hand-off, no exchange); dk/dv, two kv
 tiles streaming the same q / dO tiles. Both consumers run the CTA's step range; each masks with its
-own rows (`_q_tile`), so the diagonal step may be fully masked for one of them.
+own rows (`_q_tile`), so a step at either end of the range may be fully masked for one of them.
+d and dv are each 64, 128 or 192 (SINGLE_HEAD_DIMS says why), Motif 3's GDLA's 192 / 128 among them:
+only the forward's output staging depends on the pair (the query tile when dv == d, else a V ring slot,
+free once both consumers are past their last step).
 
 Conventions: bottom-right aligned causal masking (query t sits at key S - T + t, or q_offset + t when the
 caller places the queries, as context parallelism does with each device's query chunks: then q_offset is a
-traced int32 read from a one-element gmem operand, and the step ranges and masks follow it); kv steps above the
-diagonal are never loaded; unmasked steps run without mask arithmetic. T and S are zero-padded to
+traced int32 read from a one-element gmem operand, and the step ranges and masks follow it); a static sliding
+window W (each query sees keys q_pos - W + 1 .. q_pos, HF Mistral's sliding_window=W) gives the step ranges a
+lower bound as well (`_kv_steps`; dk/dv's query range an upper bound, `_q_steps`): kv steps above the diagonal
+or wholly behind every row's window are never loaded, so a windowed call costs T x W; steps where none of a
+consumer's pairs is masked run without mask arithmetic, the rest (the diagonal, the window's lower edge,
+padded keys, any step with segment ids) mask. T and S are zero-padded to
 the block sizes outside the kernels (no copy when they divide); padded keys are masked in the
 forward and contribute nothing to the backward (their K and V rows are zero). A fully masked query
 row gives o = 0 and zero gradients, like the reference.
