@@ -180,7 +180,7 @@ CONTEXT_ROUTES = {
     ("v5p", "auto", "T=64"): ("pallas_tpu", True, False),  # below TPU_MIN_T: xla without the context axis
     ("h100", "auto", "unpacked"): ("pallas_gpu", True, False),  # in CUDNN_FASTER_ON_HOPPER: cudnn without it
     ("h100", "auto", "packed"): ("pallas_gpu", True, False),
-    ("h100", "auto", "window"): ("xla", True, True),  # pallas_gpu takes no window
+    ("h100", "auto", "window"): ("pallas_gpu", True, False),
     ("h100", "auto", "float32"): ("xla", True, True),  # nor float32
     ("a100", "auto", "unpacked"): ("xla", True, True),
     ("cpu", "auto", "unpacked"): ("xla", True, True),
@@ -268,7 +268,7 @@ def test_the_command_previews_the_context_and_blockwise_routes(capsys):
     chunked, blockwise = "per query chunk over the context axis", "xla blockwise per query chunk over the context axis"
     assert routes("h100") == {
         "train step (packed rows) (global layers)": f"pallas_gpu {chunked}",
-        "train step (packed rows) (windowed layers)": blockwise,  # pallas_gpu takes no window
+        "train step (packed rows) (windowed layers)": f"pallas_gpu {chunked}",
         "generation prefill (global layers)": "cudnn", "generation prefill (windowed layers)": "cudnn",
         "generation decode step": "xla"}
     assert routes("v5p") == {
