@@ -368,7 +368,12 @@ def test_pallas_gpu_other_tunings_lower_for_cuda(change):
     _lower_for_cuda(64, 128, 2, "causal-seg-bf16", default_tuning(64, 128, 2, jnp.bfloat16)._replace(**change))
 
 
-def _lower_for_cuda(d, dv, G, variant, tuning):
+def test_pallas_gpu_windowed_lowers_for_cuda():
+    """The differential mode with a sliding window (the masks and step ranges the single-map mode shares)."""
+    _lower_for_cuda(128, 256, 2, "causal-seg-bf16", None, window=100)
+
+
+def _lower_for_cuda(d, dv, G, variant, tuning, window=None):
     causal = variant.startswith("causal")
     dtype = jnp.bfloat16 if variant.endswith("bf16") else jnp.float16
     B, T, H, K = 1, 320, 4, 2
@@ -377,7 +382,8 @@ def _lower_for_cuda(d, dv, G, variant, tuning):
     seg = jnp.zeros((B, T), jnp.int32) if causal else None
 
     def loss(q, k, v, lam):
-        o = diff_attention_pallas_gpu(q, k, v, lam, causal=causal, segment_ids=seg, tuning=tuning, interpret=False)
+        o = diff_attention_pallas_gpu(q, k, v, lam, causal=causal, segment_ids=seg, tuning=tuning, interpret=False,
+                                      window=window)
         return jnp.sum(o.astype(jnp.float32))
 
     with lowering_target(H100) as cuda:
