@@ -211,10 +211,10 @@ def _expected_steps(visible, rows_ring, rows_own, block, transposed=False):
     return np.pad(expected, (0, 64 - n))
 
 
-# (T, S, window, q_offset): Motif 3's window, a window of one key, one block wide, T < S bottom-right, a query chunk
-# placed mid-sequence (context parallelism's q_offset), and no window (causal only).
-STEP_CASES = [(512, 512, 129, 0), (256, 256, 1, 0), (256, 256, 64, 0), (256, 640, 100, 384), (256, 1024, 200, 512),
-              (512, 512, None, 0)]
+# (T, S, window, q_offset): Motif 3's window, a window of one key, one block wide, T < S and T > S bottom-right, a
+# query chunk placed mid-sequence (context parallelism's q_offset), and no window (causal only).
+STEP_CASES = [(512, 512, 129, 0), (256, 256, 1, 0), (256, 256, 64, 0), (256, 640, 100, 384), (512, 256, 100, -256),
+              (256, 1024, 200, 512), (512, 512, None, 0)]
 
 
 @pytest.mark.parametrize("T, S, window, offset", STEP_CASES)
