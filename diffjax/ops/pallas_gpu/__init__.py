@@ -69,7 +69,17 @@ from diffjax.ops.pallas_gpu.dq import _dq
 from diffjax.ops.pallas_gpu.forward import _forward
 from diffjax.ops.reference import check_window, split_segment_ids
 
-__all__ = ["SINGLE_HEAD_DIMS", "Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu", "unsupported"]
+__all__ = ["SINGLE_HEAD_DIMS", "Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu",
+           "unsupported"]
+
+
+# The single-map mode's head dims, q / k and v in any pair (Motif 3's GDLA: d 192, dv 128). Multiples of 64: 16-bit
+# tiles are 128-byte swizzled, which every wgmma contracting over d or dv needs. At most 192: a dk/dv consumer holds
+# dK and dV of its 64 kv rows in fp32 registers, d / 2 + dv / 2 a thread, beside S^T and dP^T (64 x 64 at the 64-row
+# steps the shared memory leaves at d 192: 32 each); (192, 128) needs 224, (192, 192) 256, as many as (128, 128)
+# at its default 128-row steps. Past the 232 registers a consumer gets, ptxas spills (unmeasured); d 256 would need
+# 128 for dK alone.
+SINGLE_HEAD_DIMS = (64, 128, 192)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -119,15 +129,6 @@ def unsupported(q, k, v, tuning=None) -> str | None:
     if over:
         return f"needs {over} bytes of shared memory with {bs}, more than the {SMEM_BYTES - SMEM_MARGIN} a Hopper CTA has for tiles; use smaller blocks or fewer stages"
     return None
-
-
-# The single-map mode's head dims, q / k and v in any pair (Motif 3's GDLA: d 192, dv 128). Multiples of 64: 16-bit
-# tiles are 128-byte swizzled, which every wgmma contracting over d or dv needs. At most 192: a dk/dv consumer holds
-# dK and dV of its 64 kv rows in fp32 registers, d / 2 + dv / 2 a thread, beside S^T and dP^T (64 x 64 at the 64-row
-# steps the shared memory leaves at d 192: 32 each); (192, 128) needs 224, (192, 192) 256, as many as (128, 128)
-# at its default 128-row steps. Past the 232 registers a consumer gets, ptxas spills (unmeasured); d 256 would need
-# 128 for dK alone.
-SINGLE_HEAD_DIMS = (64, 128, 192)
 
 
 def default_tuning(d, dv, G, dtype, single: bool = False, swept: bool = True) -> Tuning:
