@@ -5,13 +5,14 @@ impl:
                 self-attention from context_parallel.BLOCKWISE_FROM (8192) tokens on, or beyond 2048 under a sliding
                 window, which runs blockwise (online softmax over key blocks, blocks outside the window skipped,
                 flash-style backward: memory of one query piece x one key block).
-  window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, splash and cudnn;
-  pallas_gpu and triton refuse it, and "auto" passes over them.
+  window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, pallas_gpu, splash and
+  cudnn; triton refuses it, and "auto" passes over it.
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
   "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu); standard attention runs
-                their single-map mode (dv == d, segment ids too). Mosaic GPU interpret mode off GPU (for tests).
+                their single-map mode (d, dv each 64, 128 or 192: Motif 3's 192 / 128 too; segment ids too).
+                Mosaic GPU interpret mode off GPU (for tests).
   "splash"      composition of JAX's splash attention (TPU; interpret mode elsewhere): one call per map.
   "triton"      composition of JAX's Pallas Triton flash attention (any CUDA GPU; interpret mode elsewhere),
                 which takes segment ids: packed batches' flash path on GPUs without the fused kernel.
@@ -89,7 +90,8 @@ _KERNELS = {
                           lambda window, block_sizes, **_: dict(block_sizes=block_sizes, window=window),
                           per_device=True),
     "pallas_gpu": _Kernel("pallas_gpu", ("diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu"),
-                          lambda block_sizes, **_: dict(tuning=block_sizes), per_device=True, names_output=True),
+                          lambda window, block_sizes, **_: dict(tuning=block_sizes, window=window), per_device=True,
+                          names_output=True),
     "splash": _Kernel("compositions", ("diff_attention_splash", "dot_product_attention_splash"),
                       lambda window, platform, **_: dict(window=window, interpret=platform != "tpu"), per_device=True),
     "triton": _Kernel("compositions", ("diff_attention_triton", "dot_product_attention_triton"),

@@ -200,11 +200,9 @@ class Route:
 
 
 def pallas_gpu_unsupported(call: AttentionCall) -> str | None:
-    """Why the Mosaic GPU kernels cannot run `call` (None: they can)."""
+    """Why the Mosaic GPU kernels cannot run `call` (None: they can; any sliding window too)."""
     from diffjax.ops.pallas_gpu import unsupported
 
-    if call.window is not None:
-        return "takes no sliding window yet (use 'cudnn', or 'xla', which skips blocks outside the window)"
     return unsupported(*call.arrays()[:3])
 
 

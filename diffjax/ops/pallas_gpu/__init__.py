@@ -40,17 +40,24 @@ in its step loop, consumer 0 / 1; stack frame; with segment ids, where every ste
   dv_smem   4 + 8 / 52 + 124 B, 136 B (120 B). The whole dP, and each consumer's dV takes both shares straight from
             SMEM (two wgmmas: +50% FLOPs a step, no P sum in registers; the most exact dV).
 
-Single-map mode (standard attention, `dot_product_attention_pallas_gpu`, dv == d; FA3's layout): the
-same kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
+Single-map mode (standard attention, `dot_product_attention_pallas_gpu`; FA3's layout): the same
+kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
 different 64-row tiles of one 128-row block and share every streamed tile: forward and dq, two query
 tiles (own online softmax / full dP, own output rows, no O_2 hand-off, no exchange); dk/dv, two kv
 tiles streaming the same q / dO tiles. Both consumers run the CTA's step range; each masks with its
-own rows (`_q_tile`), so the diagonal step may be fully masked for one of them.
+own rows (`_q_tile`), so a step at either end of the range may be fully masked for one of them.
+d and dv are each 64, 128 or 192 (SINGLE_HEAD_DIMS says why), Motif 3's GDLA's 192 / 128 among them:
+only the forward's output staging depends on the pair (the query tile when dv == d, else a V ring slot,
+free once both consumers are past their last step).
 
 Conventions: bottom-right aligned causal masking (query t sits at key S - T + t, or q_offset + t when the
 caller places the queries, as context parallelism does with each device's query chunks: then q_offset is a
-traced int32 read from a one-element gmem operand, and the step ranges and masks follow it); kv steps above the
-diagonal are never loaded; unmasked steps run without mask arithmetic. T and S are zero-padded to
+traced int32 read from a one-element gmem operand, and the step ranges and masks follow it); a static sliding
+window W (each query sees keys q_pos - W + 1 .. q_pos, HF Mistral's sliding_window=W) gives the step ranges a
+lower bound as well (`_kv_steps`; dk/dv's query range an upper bound, `_q_steps`): kv steps above the diagonal
+or wholly behind every row's window are never loaded, so a windowed call costs T x W; steps where none of a
+consumer's pairs is masked run without mask arithmetic, the rest (the diagonal, the window's lower edge,
+padded keys, any step with segment ids) mask. T and S are zero-padded to
 the block sizes outside the kernels (no copy when they divide); padded keys are masked in the
 forward and contribute nothing to the backward (their K and V rows are zero). A fully masked query
 row gives o = 0 and zero gradients, like the reference.
@@ -82,9 +89,19 @@ from diffjax.ops.pallas_gpu.common import (
 from diffjax.ops.pallas_gpu.dkdv import _dkdv, _exchange_bytes
 from diffjax.ops.pallas_gpu.dq import _dq
 from diffjax.ops.pallas_gpu.forward import _forward
-from diffjax.ops.reference import split_segment_ids
+from diffjax.ops.reference import check_window, split_segment_ids
 
-__all__ = ["Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu", "unsupported"]
+__all__ = ["SINGLE_HEAD_DIMS", "Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu",
+           "unsupported"]
+
+
+# The single-map mode's head dims, q / k and v in any pair (Motif 3's GDLA: d 192, dv 128). Multiples of 64: 16-bit
+# tiles are 128-byte swizzled, which every wgmma contracting over d or dv needs. At most 192: a dk/dv consumer holds
+# dK and dV of its 64 kv rows in fp32 registers, d / 2 + dv / 2 a thread, beside S^T and dP^T (64 x 64 at the 64-row
+# steps the shared memory leaves at d 192: 32 each); (192, 128) needs 224, (192, 192) 256, as many as (128, 128)
+# at its default 128-row steps. Past the 232 registers a consumer gets, ptxas spills (unmeasured); d 256 would need
+# 128 for dK alone.
+SINGLE_HEAD_DIMS = (64, 128, 192)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -115,11 +132,12 @@ def unsupported(q, k, v, tuning=None) -> str | None:
     d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"needs q, k, v in one of bfloat16 / float16, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if d != dk or d not in (64, 128):
-        return f"needs the q and k head dim d in (64, 128), got {d} and {dk}"
-    if single and dv != d:
-        return f"needs dv = d for standard attention, got dv = {dv} with d = {d} ({q.dtype})"
-    if dv not in (d, 2 * d):
+    head_dims = SINGLE_HEAD_DIMS if single else (64, 128)
+    if d != dk or d not in head_dims:
+        return f"needs the q and k head dim d in {head_dims}, got {d} and {dk}"
+    if single and dv not in SINGLE_HEAD_DIMS:
+        return f"needs the value head dim dv in {SINGLE_HEAD_DIMS} for standard attention, got dv = {dv} with d = {d}"
+    if not single and dv not in (d, 2 * d):
         return f"needs dv = d or 2d, got dv = {dv} with d = {d}"
     if q.shape[2] % k.shape[2]:
         return f"needs query heads ({q.shape[2]}) to be a multiple of kv heads ({k.shape[2]})"
@@ -177,11 +195,12 @@ def _smem_bytes(d, dv, G, bs: Tuning, dtype, single: bool = False):
 
 
 def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, tuning=None,
-                              interpret=None, q_offset=None):
+                              interpret=None, q_offset=None, window=None):
     """Fused differential attention on Hopper; same contract as diffjax.ops.diff_attention.
     tuning: a Tuning (or a tuple of its fields); default `default_tuning` for the shape.
     q_offset: the key position of query 0 under the causal mask (an int or a traced int32 scalar; default
-    S - T): queries at q_offset + t, keys at 0 .. S - 1."""
+    S - T): queries at q_offset + t, keys at 0 .. S - 1.
+    window: None, or W: each query sees its W latest keys, itself included (causal only)."""
     why_not = unsupported(q_BTH2d, k_BSKGd, v_BSKv, tuning)
     if why_not:
         raise ValueError(f"diff_attention: impl='pallas_gpu' {why_not}")
@@ -189,23 +208,24 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
     # lam rounded to the value dtype like the reference, then fp32; broadcasting to [B, T, H] makes
     # autodiff sum dlam for a scalar lambda.
     lam_BTH = jnp.broadcast_to(jnp.asarray(lam).astype(v_BSKv.dtype).astype(jnp.float32), (B, T, H))
-    return _fused(q_BTH2d, k_BSKGd, v_BSKv, lam_BTH, False, causal, segment_ids, scale, tuning, interpret, q_offset)
+    return _fused(q_BTH2d, k_BSKGd, v_BSKv, lam_BTH, False, causal, segment_ids, scale, tuning, interpret, q_offset,
+                  window)
 
 
-def dot_product_attention_pallas_gpu(q_BTNd, k_BSKd, v_BSKd, *, causal=True, segment_ids=None, scale=None, tuning=None,
-                                     interpret=None, q_offset=None):
+def dot_product_attention_pallas_gpu(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, tuning=None,
+                                     interpret=None, q_offset=None, window=None):
     """Fused standard attention on Hopper (the single-map mode of the same kernels: the two consumer
     warpgroups take two 64-row query tiles, or in dk/dv two 64-row kv tiles, sharing every streamed
-    tile); same contract as diffjax.ops.dot_product_attention with dv == d, segment ids included.
-    q_offset: as for diff_attention_pallas_gpu."""
-    why_not = unsupported(q_BTNd, k_BSKd, v_BSKd, tuning)
+    tile); same contract as diffjax.ops.dot_product_attention, segment ids included, with d and dv each in
+    SINGLE_HEAD_DIMS. q_offset, window: as for diff_attention_pallas_gpu."""
+    why_not = unsupported(q_BTNd, k_BSKd, v_BSKv, tuning)
     if why_not:
         raise ValueError(f"dot_product_attention: impl='pallas_gpu' {why_not}")
-    return _fused(q_BTNd[:, :, :, None], k_BSKd[:, :, :, None], v_BSKd, None, True, causal, segment_ids, scale, tuning,
-                  interpret, q_offset)
+    return _fused(q_BTNd[:, :, :, None], k_BSKd[:, :, :, None], v_BSKv, None, True, causal, segment_ids, scale, tuning,
+                  interpret, q_offset, window)
 
 
-def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale, tuning, interpret, q_offset):
+def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale, tuning, interpret, q_offset, window):
     """Pad to the block sizes, run the custom-VJP kernels, crop: q with a map axis M (2, or 1 single)."""
     B, T, H, _, d = q_BTHMd.shape
     _, S, K, G, _ = k_BSKGd.shape
@@ -221,8 +241,7 @@ def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale
         G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages, pingpong=bool(bs.pingpong),
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
         interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret), single=single,
-        traced_offset=bool(causal) and q_offset is not None,
-        dkdv=bs.dkdv,
+        traced_offset=bool(causal) and q_offset is not None, window=_window(window, causal), dkdv=bs.dkdv,
     )
     offset = jnp.full((1,), q_offset, jnp.int32) if st.traced_offset else None
     q = _pad_axis(q_BTHMd, 1, Tp)
@@ -230,6 +249,11 @@ def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale
     v = _pad_axis(v_BSKv, 1, Sp)
     o_BTHv = _flash(st, q, k, v, lam_BHT, q_seg, kv_seg, offset)
     return o_BTHv[:, :T]
+
+
+def _window(window, causal):
+    check_window(window, causal)
+    return None if window is None else int(window)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -25,6 +25,7 @@ from diffjax.ops.pallas_gpu.common import (
     _query_copies,
     _query_offset,
     _rendezvous,
+    _run_steps,
     _score_mask,
     _set_registers,
     _Static,
@@ -62,8 +63,8 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         k0 = j * st.cta_kv
         wg = lax.axis_index("wg")
         offset = _query_offset(st, offset_ref)
-        first, _ = _q_steps(st, offset, k0, st.cta_kv, nq)
-        per_rep = nq - first
+        ring = _q_steps(st, offset, k0, st.cta_kv, nq)  # per query head of the group
+        first, per_rep = ring.first, ring.end - ring.first
         steps = R * per_rep
 
         def kv_rows(g: int):  # (map, first kv row) of consumer g's K / V tiles
@@ -100,7 +101,8 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             used so that the step's live set stays small next to the two fp32 accumulators: S^T and dP^T (this
             consumer's half, or whole), P^T, the dP sum (lean), dS^T; then the dK wgmma, and while it runs the
             P shares meet (`_p_share_exchange` / `_p_share_swap`), then the dV wgmma(s); one wait for both.
-            masked: True (the whole mask), "segments" (below the causal diagonal: segment ids and padding), False."""
+            masked: True (the whole mask), "segments" (where the positions see every pair: segment ids and padding
+            only), False."""
             dk_acc, dv_acc = carry
             step = rep * per_rep + i - first
             slot = lax.rem(step, jnp.int32(stages))
@@ -112,7 +114,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             sT = sT * st.scale2
             if masked:
                 q_seg = ops.load(qseg_smem.at[slot, 0], WGMMA.reduce(0)) if st.has_seg else None
-                mst = bst if masked is True else bst._replace(causal=False)
+                mst = bst if masked is True else bst._replace(causal=False, window=None)
                 mask = _score_mask(ops, mst, offset, (bk, bqb), i * bqb, k0, q_seg, kv_seg, transposed=True)
                 if mask is not None:
                     sT = jnp.where(mask, sT, -jnp.inf)
@@ -152,7 +154,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             if whole_dp:
                 plgpu.barrier_arrive(p_free)  # the first shares overwrite nothing
             m, k0_g = kv_rows(g)
-            _, full = _q_steps(st, offset, k0_g, bk, nq)
+            own = _q_steps(st, offset, k0_g, bk, nq)
             k_g = k_smem.at[g if st.single or G == 2 else 0]
             t = 0 if st.single else g  # this consumer's streamed query tile
             kv_seg = ops.load(kvseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
@@ -189,16 +191,15 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 return dk_acc, dv_acc
 
             step = functools.partial(diff_step, g, kv_seg) if lean else step_body
-            # lean family with segment ids: the causal mask only up to the diagonal's last step (fewer values live in
-            # the steps past it, and ptxas spills fewer), the segment ids everywhere (`_q_steps` masks all steps)
-            below = lean and st.has_seg
-            diagonal_end = _q_steps(st._replace(has_seg=False), offset, k0_g, bk, nq)[1] if below else full
+            # lean family with segment ids: the causal / window mask only where the rows' positions need it (fewer
+            # values live in the other steps, and ptxas spills fewer); segment ids and padding on every step
+            by_position = _q_steps(st._replace(has_seg=False), offset, k0_g, bk, nq) if lean and st.has_seg else own
 
             def rep_body(rep, carry):
-                carry = lax.fori_loop(first, diagonal_end, functools.partial(step, rep=rep, masked=True), carry)
-                if below:
-                    carry = lax.fori_loop(diagonal_end, full, functools.partial(step, rep=rep, masked="segments"), carry)
-                return lax.fori_loop(full, nq, functools.partial(step, rep=rep, masked=False), carry)
+                body = lambda i, carry, masked: step(i, carry, rep=rep, masked=masked)  # noqa: E731
+                if by_position is own:
+                    return _run_steps(body, ring, own, carry)
+                return _run_steps(body, ring, by_position, carry, unmasked="segments")
 
             dk_acc, dv_acc = lax.fori_loop(0, R, rep_body, (ops.full((bk, d), 0.0), ops.full((bk, dvt), 0.0)))
             if whole_dp:
