@@ -2,9 +2,11 @@
 refuses them until `python -m diffjax.checkpoint adopt RUN_DIR_OR_STEP` restores each one, checks that every
 floating-point array in it is finite and writes its digest (diffjax.integrity).
 
-Adoption is the one place a checkpoint is trusted without a digest to check it against: it refuses what it can
-tell is wrong (an item Orbax cannot restore, a NaN or an infinity) and writes nothing then; a changed byte that
-leaves a finite value it cannot tell. A checkpoint that has a digest is never adopted again: its digest stands.
+Adoption is the one place a checkpoint is trusted without a digest to check it against, so it takes only what
+diffjax could have written before it kept digests: a run in which no checkpoint, kept or set aside, has one (where
+others have theirs, a missing digest is damage). It refuses what it can tell is wrong (an item Orbax cannot restore,
+a NaN or an infinity) and writes nothing then; a changed byte that leaves a finite value it cannot tell. A checkpoint
+that has a digest is never adopted again: its digest stands.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def adopt(path: str | Path) -> list[Path]:
     named = storage.absolute(path) == newest
     candidates = [newest] if named else [run.step_dir(step) for step in run.steps()]
     undigested = [step_dir for step_dir in candidates if not integrity.has_digest(step_dir)]
+    if undigested and integrity.run_has_digests(run):
+        raise AdoptionRefused(
+            f"adopt: checkpoint {undigested[0]} was not adopted: {integrity.MISSING_DIGEST}, so it is damaged (adoption "
+            f"is for runs written before diffjax kept digests, where no checkpoint has one); nothing was written. "
+            f"Readers given {run.path} read its newest intact checkpoint; the trainer sets the damaged one aside")
     if named and not undigested and (problem := integrity.find_damage(newest)) is not None:
         raise AdoptionRefused(f"adopt: checkpoint {newest} has a {integrity.DIGEST_FILE} and is damaged against it "
                               f"({problem}): adoption never replaces a digest")

@@ -74,9 +74,8 @@ def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
     if problem is None:
         return step_dir
     if storage.absolute(path) == step_dir:
-        adopt = (f" (if you trust it, adopt it: {integrity.ADOPT_COMMAND} {step_dir})"
-                 if problem == integrity.MISSING_DIGEST else "")
-        raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read{adopt}")
+        raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read (name "
+                                     f"the run directory {run.path} to read its newest intact checkpoint)")
     damaged = [f"{step_dir.name} ({problem})"]
     for step in reversed(run.steps()):
         older = run.step_dir(step)
