@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffjax import integrity, storage
-from diffjax.params_checkpoint import int_keys
-from diffjax.run_dir import DATA_ITEM, RunDir, state_dir
+from diffjax.params_checkpoint import int_keys, is_stacked
+from diffjax.run_dir import DATA_ITEM, INCOMPLETE_DIR, RunDir, state_dir
 from diffjax.sharding import key_names
 
 
@@ -34,6 +34,9 @@ def adopt(path: str | Path) -> list[Path]:
     directory: each is restored and checked before any digest is written, so a refusal (AdoptionRefused, one line)
     writes none. Returns the step directories adopted (none: every one already had its digest)."""
     run, newest = RunDir.for_reading(path, "adopt")
+    if newest.parent.name == INCOMPLETE_DIR:
+        raise AdoptionRefused(f"adopt: {newest} was never completed (a conversion or merge that did not finish writes "
+                              "there): it is not a checkpoint; convert again with --overwrite")
     named = storage.absolute(path) == newest
     candidates = [newest] if named else [run.step_dir(step) for step in run.steps()]
     undigested = [step_dir for step_dir in candidates if not integrity.has_digest(step_dir)]
@@ -67,7 +70,7 @@ def _restore_problem(step_dir: Path) -> str | None:
             restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
             restored = checkpointer.restore(state_dir(step_dir), args=ocp.args.PyTreeRestore(
                 target, restore_args=restore_args, partial_restore=True))
-            if (problem := _non_finite(restored)) is not None:
+            if (problem := _non_finite(restored) or (key == "params" and _never_written(restored))) is not None:
                 return problem
             del restored
         if (step_dir / DATA_ITEM).is_dir():
@@ -83,6 +86,23 @@ def _non_finite(tree) -> str | None:
         if jnp.issubdtype(array.dtype, jnp.inexact):  # (numpy alone does not count bfloat16)
             if bad := int(array.size - np.count_nonzero(np.isfinite(array))):
                 return f"{'.'.join(key_names(path))}: {bad} of its {array.size} values are not finite"
+    return None
+
+
+def _never_written(tree) -> str | None:
+    """'<path> (layer i) holds only zeros: ...' for the first weight matrix of all zeros (each layer of a stacked
+    leaf on its own): what a conversion or merge killed before it finished leaves where it had not written yet (its
+    placeholders). No trained or converted model has one (zero-initialised parameters are vectors)."""
+    for path, array in jax.tree_util.tree_leaves_with_path(tree):
+        names = key_names(path)
+        if not jnp.issubdtype(array.dtype, jnp.inexact):
+            continue
+        stacked = is_stacked(names[1:])
+        for layer, matrix in enumerate(array if stacked else [array]):
+            if sum(size > 1 for size in matrix.shape) >= 2 and not np.count_nonzero(matrix):
+                where = f" (layer {layer})" if stacked else ""
+                return (f"{'.'.join(names)}{where} holds only zeros: it was never written (a conversion or merge that "
+                        "did not finish leaves zeros where it had not written yet)")
     return None
 
 

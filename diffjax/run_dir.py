@@ -5,6 +5,8 @@
     <run_dir>/checkpoints/<step>/data         the data iterator's state (the trainer's checkpoints)
     <run_dir>/checkpoints/<step>/digest.json  size and SHA-256 of every file, written when a save is complete
     <run_dir>/damaged-checkpoints/<step>      checkpoints that failed their digest, moved aside, never deleted
+    <run_dir>/incomplete-checkpoint/<step>    a params-only checkpoint being written (a conversion, a merge), moved
+                                              to checkpoints/ with its digest once complete: never read
     <run_dir>/metrics.jsonl                   one JSON record per logged step / eval
     <run_dir>/tensorboard/                    TensorBoard events
     <run_dir>/hf/                             a Hugging Face conversion's config.json, tokenizer and generation files
@@ -48,13 +50,14 @@ DIGEST_FILE = "digest.json"
 TEMPORARY_MARK = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress: <step>.orbax-checkpoint-tmp-<n>
 COMMIT_FILE = "commit_success.txt"  # on gs:// Orbax saves in place and writes this when a save is complete
 DAMAGED_DIR = "damaged-checkpoints"
+INCOMPLETE_DIR = "incomplete-checkpoint"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 HF_DIR = "hf"
 LOCK_FILE = "trainer.lock"
 WANDB_DIR = "wandb"  # W&B's name for its directory under wandb.init(dir=<run_dir>)
 WANDB_RUN_FILE = "wandb-run.json"
-CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, HF_DIR)  # what a conversion writes (and --overwrite replaces)
+CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, INCOMPLETE_DIR, HF_DIR)  # what a conversion writes (and --overwrite replaces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +93,10 @@ class RunDir:
                 raise FileNotFoundError(f"{what}: {path} is not a run directory or checkpoint")
             steps = _complete_steps(path)
             if not steps:
-                raise FileNotFoundError(f"{what}: no checkpoint under {path}")
+                incomplete = path.parent / INCOMPLETE_DIR if path.name == CHECKPOINTS_DIR else path / INCOMPLETE_DIR
+                unfinished = (f" ({incomplete} holds a conversion that did not finish: convert again with --overwrite)"
+                              if incomplete.is_dir() else "")
+                raise FileNotFoundError(f"{what}: no checkpoint under {path}{unfinished}")
             path = path / str(steps[-1])
         return cls.of_step(path), path
 
@@ -137,6 +143,11 @@ class RunDir:
     @property
     def damaged_checkpoints(self) -> Path:
         return self.path / DAMAGED_DIR
+
+    @property
+    def incomplete(self) -> Path:
+        """Where a params-only checkpoint is written until it is complete (diffjax.params_checkpoint)."""
+        return self.path / INCOMPLETE_DIR
 
     @property
     def metrics_file(self) -> Path:

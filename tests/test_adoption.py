@@ -59,3 +59,48 @@ def test_adopt_refuses_a_step_whose_digest_went_missing_in_a_run_with_digests(di
         load_params(step_dir)
     assert "diffjax.checkpoint adopt" not in str(refused.value)
     jax.tree.map(np.testing.assert_array_equal, load_params(run_dir), _params(0))
+
+
+_KILLED_MID_FILL = """
+import os, signal, sys
+import numpy as np
+from diffjax.config import ModelConfig
+from diffjax.params_checkpoint import save_params_streamed
+
+leaves = {("blocks", "w"): ((3, 4, 5), np.dtype(np.float32)), ("embed",): ((7, 4), np.dtype(np.float32))}
+
+def fill(write):
+    write(("embed",), None, np.ones((7, 4), np.float32))
+    os.kill(os.getpid(), signal.SIGKILL)  # as kill -9 of hf-to-diffjax or merge-lora mid-fill
+
+save_params_streamed(sys.argv[1], leaves, fill, ModelConfig())
+"""
+
+
+def test_a_conversion_killed_mid_fill_leaves_nothing_readable_or_adoptable(tmp_path):
+    """The probe: kill -9 of a streamed conversion once Orbax has written its placeholders. Before: checkpoints/0
+    of zeros without a digest, which every reader refused with advice to adopt it, and adopt took (rc 0)."""
+    import subprocess
+    import sys
+
+    from test_reliability_lines import REPO_ROOT
+
+    run_dir = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_FILL, str(run_dir)], cwd=REPO_ROOT, timeout=300)
+    assert killed.returncode == -9
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "config.yaml").exists()
+    unfinished = rf"{run_dir / 'incomplete-checkpoint'} holds a conversion that did not finish: convert again"
+    with pytest.raises(FileNotFoundError, match=rf"no checkpoint under {run_dir} \({unfinished}"):
+        load_params(run_dir)
+    with pytest.raises(FileNotFoundError, match=unfinished):
+        adopt(run_dir)
+    with pytest.raises(AdoptionRefused, match="was never completed .*: it is not a checkpoint; convert again"):
+        adopt(run_dir / "incomplete-checkpoint" / "0")
+    assert not list(run_dir.rglob("digest.json"))
+
+    # What the converters left before (the same step in checkpoints/): its never-written leaf refuses adoption.
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "incomplete-checkpoint" / "0").rename(run_dir / "checkpoints" / "0")
+    with pytest.raises(AdoptionRefused, match=r"params\.blocks\.w \(layer 0\) holds only zeros: it was never written"):
+        adopt(run_dir)
+    assert not list(run_dir.rglob("digest.json"))
