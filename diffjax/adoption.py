@@ -21,7 +21,7 @@ import numpy as np
 
 from diffjax import integrity, storage
 from diffjax.params_checkpoint import int_keys, is_stacked
-from diffjax.run_dir import DATA_ITEM, INCOMPLETE_DIR, RunDir, state_dir
+from diffjax.run_dir import DATA_ITEM, INCOMPLETE_DIR, RunDir, RunDirInUseError, state_dir
 from diffjax.sharding import key_names
 
 
@@ -40,19 +40,25 @@ def adopt(path: str | Path) -> list[Path]:
     named = storage.absolute(path) == newest
     candidates = [newest] if named else [run.step_dir(step) for step in run.steps()]
     undigested = [step_dir for step_dir in candidates if not integrity.has_digest(step_dir)]
-    if undigested and integrity.run_has_digests(run):
+    if not undigested:
+        if named and (problem := integrity.find_damage(newest)) is not None:
+            raise AdoptionRefused(f"adopt: checkpoint {newest} has a {integrity.DIGEST_FILE} and is damaged against "
+                                  f"it ({problem}): adoption never replaces a digest")
+        return []
+    if integrity.run_has_digests(run):
         raise AdoptionRefused(
             f"adopt: checkpoint {undigested[0]} was not adopted: {integrity.MISSING_DIGEST}, so it is damaged (adoption "
             f"is for runs written before diffjax kept digests, where no checkpoint has one); nothing was written. "
             f"Readers given {run.path} read its newest intact checkpoint; the trainer sets the damaged one aside")
-    if named and not undigested and (problem := integrity.find_damage(newest)) is not None:
-        raise AdoptionRefused(f"adopt: checkpoint {newest} has a {integrity.DIGEST_FILE} and is damaged against it "
-                              f"({problem}): adoption never replaces a digest")
-    for step_dir in undigested:
-        if (problem := _restore_problem(step_dir)) is not None:
-            raise AdoptionRefused(f"adopt: checkpoint {step_dir} was not adopted: {problem}; no digest was written")
-    for step_dir in undigested:
-        integrity.write_digest(step_dir)
+    lock = run.lock_for_writing("adopt")  # (a trainer may be writing this run)
+    try:
+        for step_dir in undigested:
+            if (problem := _restore_problem(step_dir)) is not None:
+                raise AdoptionRefused(f"adopt: checkpoint {step_dir} was not adopted: {problem}; no digest was written")
+        for step_dir in undigested:
+            integrity.write_digest(step_dir)
+    finally:
+        lock.release()
     return undigested
 
 
@@ -117,7 +123,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         adopted = adopt(args.path)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, RunDirInUseError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for step_dir in adopted:

@@ -22,7 +22,8 @@ Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if
 `lock_for_training()` makes it one trainer's, which holds this RunDir: diffjax.train.run's Run.directory),
 `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or one step: the step to load, with one-line
 errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
-(an empty directory the converter fills), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
+(an empty directory the converter fills, once it holds the lock: `lock_for_writing(command)`, which adopt takes
+too), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
 Who writes what: diffjax.params_checkpoint (params-only checkpoints and config.yaml), diffjax.train.state_checkpoints
 (the trainer's Orbax checkpoints, digests via diffjax.integrity), diffjax.train.metrics (metrics.jsonl,
 TensorBoard), diffjax.convert.hf_directories (hf/), diffjax.train.wandb_log (wandb-run.json; W&B writes wandb/).
@@ -102,25 +103,28 @@ class RunDir:
 
     @classmethod
     def for_conversion(cls, path: str | Path, *, overwrite: bool) -> "RunDir":
-        """An empty (or new) directory for a conversion; a non-empty one is refused unless `overwrite`, which
-        removes only what a conversion writes."""
+        """An empty (or new) directory for a conversion, created; a non-empty one is refused unless `overwrite`.
+        Nothing is removed here: the conversion takes the lock (lock_for_writing) first, then
+        remove_conversion_outputs()."""
         if storage.is_url(path):
             raise ValueError(f"{path}: a conversion writes to a local directory (transformers writes its hf/ files); "
                              "convert into one, then copy it to the bucket (gcloud storage cp -r)")
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise FileExistsError(f"{path} exists and is not a directory")
-        if path.is_dir() and any(path.iterdir()):
-            if not overwrite:
-                raise FileExistsError(f"{path} is not empty; choose an empty or new directory, or pass --overwrite")
-            for name in CONVERSION_OUTPUTS:
-                entry = path / name
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                elif entry.exists() or entry.is_symlink():
-                    entry.unlink()
+        if path.is_dir() and any(path.iterdir()) and not overwrite:
+            raise FileExistsError(f"{path} is not empty; choose an empty or new directory, or pass --overwrite")
         path.mkdir(parents=True, exist_ok=True)
         return cls(path)
+
+    def remove_conversion_outputs(self) -> None:
+        """Removes what a conversion writes (its --overwrite), nothing else; call it holding lock_for_writing()."""
+        for name in CONVERSION_OUTPUTS:
+            entry = self.path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            elif entry.exists() or entry.is_symlink():
+                entry.unlink()
 
     @classmethod
     def of_step(cls, step_dir: str | Path) -> "RunDir":
@@ -180,6 +184,11 @@ class RunDir:
         process 0 alone calls this (diffjax.train.run)."""
         return TrainerLock.take(self.lock_file)
 
+    def lock_for_writing(self, command: str) -> "TrainerLock":
+        """The trainer's lock, for `command` (a conversion, adopt) before it removes or writes anything here:
+        RunDirInUseError while a trainer or another command holds it. A dead holder's is taken over."""
+        return TrainerLock.take(self.lock_file, command=command)
+
     def step_dir(self, step: int) -> Path:
         return self.checkpoints / str(step)
 
@@ -228,12 +237,13 @@ class TrainerLock:
     _record_only: bool = False  # gs://: the record is the lock
 
     @classmethod
-    def take(cls, path: Path) -> "TrainerLock":
+    def take(cls, path: Path, command: str | None = None) -> "TrainerLock":
+        """command: what takes it when not a trainer (its record names it; so do its errors)."""
         if storage.is_url(path):
             previous = _read_record(path)
             if previous and _alive_here(previous):
-                raise RunDirInUseError(_in_use_message(path, previous))
-            path.write_text(json.dumps(_own_record()))
+                raise RunDirInUseError(_in_use_message(path, previous, command))
+            path.write_text(json.dumps(_own_record(command)))
             return cls(path, previous or None, _record_only=True)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -242,7 +252,7 @@ class TrainerLock:
                 flocked = True
             except BlockingIOError:
                 os.close(fd)
-                raise RunDirInUseError(_in_use_message(path, _read_record(path))) from None
+                raise RunDirInUseError(_in_use_message(path, _read_record(path), command)) from None
             except OSError as error:
                 if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     os.close(fd)
@@ -257,9 +267,9 @@ class TrainerLock:
             previous = _read_record(path)
             if not flocked and previous and _alive_here(previous):
                 os.close(fd)
-                raise RunDirInUseError(_in_use_message(path, previous))
+                raise RunDirInUseError(_in_use_message(path, previous, command))
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(_own_record()).encode(), 0)
+            os.pwrite(fd, json.dumps(_own_record(command)).encode(), 0)
             os.fsync(fd)
             return cls(path, previous or None, fd)
 
@@ -288,9 +298,10 @@ class TrainerLock:
                 f"on {held.get('host')}, started {held.get('started')})")
 
 
-def _own_record() -> dict:
+def _own_record(command: str | None = None) -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(),
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            **({"command": command} if command else {})}
 
 
 def _read_record(path: Path) -> dict:
@@ -316,8 +327,10 @@ def _alive_here(record: dict) -> bool:
     return True
 
 
-def _in_use_message(path: Path, holder: dict) -> str:
+def _in_use_message(path: Path, holder: dict, command: str | None = None) -> str:
+    """The refusal of a trainer (command None) or of `command` by the holder of the lock file `path`."""
     who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder
            else "a process that has not written its name yet")
-    return (f"train.run_dir {path.parent} is in use by another trainer ({who}; lock {path}): wait for it to end, "
-            "or choose another train.run_dir")
+    by = holder.get("command") or ("another trainer" if command is None else "a trainer")
+    what, other = ("train.run_dir", "train.run_dir") if command is None else (f"{command}: run directory", "directory")
+    return f"{what} {path.parent} is in use by {by} ({who}; lock {path}): wait for it to end, or choose another {other}"

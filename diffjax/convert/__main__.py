@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     from diffjax.params_checkpoint import CheckpointWriteError
     from diffjax.convert import hf_directories, verify  # noqa: F401
     from diffjax.convert.common import ConversionError, refuse_overlap
-    from diffjax.run_dir import RunDir
+    from diffjax.run_dir import RunDir, RunDirInUseError
 
     start, base_rss = time.time(), _peak_rss_mb()
     try:
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     except CheckpointWriteError as error:  # the input was fine; the disk was not
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except (ConversionError, ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ConversionError, ValueError, FileNotFoundError, FileExistsError, RunDirInUseError) as error:
         # ValueError also covers ModelConfig's validation of a run directory's config.yaml
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -36,14 +36,20 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 
 
 @contextlib.contextmanager
-def conversion_run_dir(dst, *, overwrite: bool):
-    """The RunDir a conversion writes into `dst`; a new `dst` is removed again if the conversion fails, so no
-    half-written directory is left behind."""
+def conversion_run_dir(dst, *, overwrite: bool, command: str):
+    """The RunDir `command` (hf-to-diffjax, upcycle, merge-lora) writes into `dst`, held (its trainer.lock) from
+    before --overwrite removes anything until the conversion ends: a trainer, or another conversion, running there
+    refuses it. A new `dst` is removed again if the conversion fails, so no half-written directory is left behind."""
     dst = Path(dst)
     created = not dst.exists()
-    run = RunDir.for_conversion(dst, overwrite=overwrite)
     try:
-        yield run
+        run = RunDir.for_conversion(dst, overwrite=overwrite)
+        lock = run.lock_for_writing(command)
+        try:
+            run.remove_conversion_outputs()
+            yield run
+        finally:
+            lock.release()
     except BaseException:
         if created:
             shutil.rmtree(dst, ignore_errors=True)
@@ -69,7 +75,7 @@ def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False
     Python files are fetched, and kept in DST/hf/, only with trust_remote_code). Returns the step directory."""
     src = hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)
     config = config_from_hf(read_hf_config(src), dtype=dtype)
-    with conversion_run_dir(dst, overwrite=overwrite) as run:
+    with conversion_run_dir(dst, overwrite=overwrite, command="hf-to-diffjax") as run:
         if motif3.is_motif3_config(config):
             return _motif3_to_diffjax(src, run, config, progress)
         params = params_from_hf_dir(src, config, config.param_dtype, progress=progress)

@@ -117,7 +117,7 @@ def upcycle_directory(src, dst, *, kind: str = "diff", second_map: str = "mirror
     if not (isinstance(lambda_warmup_steps, int) and lambda_warmup_steps >= 0):
         raise ConversionError(f"upcycle: lambda_warmup_steps must be an integer >= 0, got {lambda_warmup_steps!r}")
     model = upcycle(source, kind, second_map, lambda_init=lambda_init, seed=seed, lambda_warmup=lambda_warmup_steps > 0)
-    with conversion_run_dir(dst, overwrite=overwrite) as run:
+    with conversion_run_dir(dst, overwrite=overwrite, command="upcycle") as run:
         data = keep_hf_files(src, run) if from_hf else None
         optim = {"lambda_warmup_steps": lambda_warmup_steps} if lambda_warmup_steps else None
         return save_params(run.path, nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.config, data=data, optim=optim)

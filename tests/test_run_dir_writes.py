@@ -1,0 +1,90 @@
+"""Commands that write a run directory or an export (issue 55 items 3, 5, 6, 8): each holds the run's trainer.lock
+before it removes or writes anything, never writes into the Hugging Face cache, and a read-only or full disk is one
+line with nothing partial left. A tiny params-only run and its HF export, no training. Full and read-only disks are
+small tmpfs mounts (root only; those tests skip elsewhere)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+from diffjax.config import ModelConfig
+from diffjax.model import TransformerLM
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ModelConfig(vocab_size=257, d_model=32, num_layers=1, num_heads=2, max_seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(a params-only run directory, its HF export)."""
+    from diffjax.convert.hf_directories import diffjax_to_hf
+    from diffjax.params_checkpoint import save_params
+
+    root = tmp_path_factory.mktemp("writes")
+    save_params(root / "run", nnx.to_pure_dict(nnx.state(TransformerLM(CONFIG, rngs=nnx.Rngs(0)), nnx.Param)), CONFIG)
+    diffjax_to_hf(root / "run", root / "hf")
+    return root / "run", root / "hf"
+
+
+def _listing(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _one_line(capsys, code: int, expected_code: int = 2) -> str:
+    err = capsys.readouterr().err.strip()
+    assert code == expected_code and len(err.splitlines()) == 1, (code, err)
+    return err
+
+
+# --- 3. a conversion or adoption into a run directory a trainer holds ----------------------------------------------
+
+def test_a_conversion_or_adoption_is_refused_while_a_trainer_holds_the_run(tiny, tmp_path, capsys):
+    """The probe: `hf-to-diffjax SRC RUN --overwrite` with a trainer running in RUN. Before: config.yaml and the
+    checkpoints deleted under the trainer, then a traceback-free failure naming a missing file."""
+    from diffjax.adoption import main as adopt
+    from diffjax.convert.__main__ import main as convert
+    from diffjax.run_dir import RunDir
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny[0], run_dir)
+    before = _listing(run_dir)
+    trainer = RunDir(run_dir).lock_for_training()  # as the trainer holds it (a second flock is refused in-process too)
+    try:
+        held = f"run directory {run_dir} is in use by a trainer (pid {os.getpid()} "
+        err = _one_line(capsys, convert(["hf-to-diffjax", str(tiny[1]), str(run_dir), "--overwrite"]))
+        assert err.startswith(f"error: hf-to-diffjax: {held}"), err  # (upcycle and merge-lora: the same code)
+        (run_dir / "checkpoints" / "0" / "digest.json").unlink()  # something to adopt
+        err = _one_line(capsys, adopt(["adopt", str(run_dir)]))
+        assert err.startswith(f"error: adopt: {held}"), err
+        (run_dir / "checkpoints" / "0" / "digest.json").write_bytes(before["checkpoints/0/digest.json"])
+    finally:
+        trainer.release()
+    assert _listing(run_dir) == before
+    # Once it is free, the conversion holds it while it runs (a trainer started then is refused naming it) and
+    # gives it back.
+    from diffjax.convert import hf_directories
+
+    seen = []
+    real = hf_directories.save_params
+
+    def save_params(*args, **kwargs):
+        try:
+            RunDir(run_dir).lock_for_training()
+        except OSError as refused:
+            seen.append(str(refused))
+        return real(*args, **kwargs)
+
+    hf_directories.save_params = save_params
+    try:
+        assert convert(["hf-to-diffjax", str(tiny[1]), str(run_dir), "--overwrite"]) == 0
+    finally:
+        hf_directories.save_params = real
+    assert seen and seen[0].startswith(f"train.run_dir {run_dir} is in use by hf-to-diffjax (pid {os.getpid()} "), seen
+    assert not (run_dir / "trainer.lock").exists()
