@@ -271,6 +271,40 @@ def test_a_full_disk_stops_with_one_line_and_leaves_the_checkpoints_intact(tmp_p
         train(_config(tmp_path / "new", "train.steps=2"), **QUIET)
 
 
+def test_rotation_keeps_the_newest_checkpoint_training_can_continue_from(tmp_path):
+    """checkpoint.keep=2, then steps skipped from step 5 on (train.on_nonfinite=skip): the saves of 6 and 8 would
+    have rotated 2 away, and stopping then sets aside 4 on (step 5's loss came from 4's params). Before: nothing left
+    to continue from (issue 55 item 4)."""
+    checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig(keep=2))
+    for step, continuable_below in ((2, None), (4, None), (6, 4), (8, 4)):
+        checkpointer.save(step, {"w": np.full(4, float(step))}, {"epoch": 0}, continuable_below=continuable_below)
+    checkpointer.wait()
+    assert checkpointer.manager.all_steps() == [2, 6, 8]  # 4 went: it spoiled step 5, like 6 and 8
+    assert checkpointer.fall_back_before(5, log=lambda _: None).endswith(
+        f"a rerun resumes from {tmp_path / 'run' / 'checkpoints' / '2'}, the newest checkpoint training can continue from")
+    # Once a step after it is finite, a checkpoint is one training continues from, and the older ones rotate away.
+    for step in (10, 12):
+        checkpointer.save(step, {"w": np.full(4, float(step))}, {"epoch": 0})
+    checkpointer.close()
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir()) == [10, 12]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_a_run_that_diverges_keeps_a_checkpoint_to_continue_from_whatever_it_keeps(tmp_path, mode):
+    """The probe: lr 5 diverges at step 4 (skip mode: 11 steps skipped); stop mode with checkpoint.keep=1. Before:
+    rotation had deleted every checkpoint before the bad stretch."""
+    from diffjax.train.guard import DivergedError
+
+    run_dir = tmp_path / "run"
+    settings = ["train.steps=40", "optim.lr=5", "train.log_every=1", f"train.on_nonfinite={mode}",
+                *(["checkpoint.every=2"] if mode == "skip" else ["checkpoint.every=1", "checkpoint.keep=1"])]
+    with pytest.raises(DivergedError, match=r"a rerun resumes from \S+, the newest checkpoint training can continue"):
+        train(_config(run_dir, *settings), **QUIET)
+    kept = [int(p.name) for p in (run_dir / "checkpoints").iterdir()]
+    assert len(kept) == 1 and all(_all_finite(run_dir, step) for step in kept)
+
+
 class _SignalAt(Hook):
     """Sends this process `signals` when the run reaches `when` (("step", n) or ("final eval", n))."""
 

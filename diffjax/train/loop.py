@@ -88,7 +88,8 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print, hooks: Seque
                     for hook in all_hooks:  # MetricsLog first: every step up to here is written and checked finite
                         hook.on_checkpoint(run, run.step)
                     with run.clock.stopped():
-                        run.checkpointer.save(run.step, run.state, run.data_iter.get_state())
+                        run.checkpointer.save(run.step, run.state, run.data_iter.get_state(),
+                                              continuable_below=_continuable_below(metrics_log, run.step))
                     run.last_saved = run.step
                 if stop.received:
                     run.checkpointer.wait()
@@ -112,6 +113,14 @@ def train(config: RunConfig, *, log: Callable[[str], None] = print, hooks: Seque
     if result.tokens_per_second:
         run.log(f"done at step {run.step}: {result.tokens_per_second:,.0f} tokens/s")
     return result
+
+
+def _continuable_below(metrics_log: MetricsLog, step: int) -> int:
+    """The step below which every checkpoint is one training can continue from, every step up to `step` checked
+    (MetricsLog writes them before a save): all of them, unless a stretch of skipped steps is going on
+    (train.on_nonfinite=skip); its first bad step's loss came from the params of the step before it."""
+    bad_since = metrics_log.guard.bad_since
+    return step if bad_since is None else bad_since - 1
 
 
 def _evaluate(run: Run, hooks: Sequence[Hook], result: TrainResult) -> None:
