@@ -105,12 +105,14 @@ def main(argv=None) -> int:
     from diffjax.params_checkpoint import CheckpointWriteError
     from diffjax.convert import hf_directories, verify  # noqa: F401
     from diffjax.convert.common import ConversionError, refuse_overlap
+    from diffjax.convert.hub import refuse_the_cache
     from diffjax.run_dir import RunDir, RunDirInUseError
 
     start, base_rss = time.time(), _peak_rss_mb()
     try:
         if getattr(args, "dst", None) is not None:  # every subcommand that writes
             refuse_overlap(args.src, args.dst)
+            refuse_the_cache(args.dst)
         if args.command == "hf-to-diffjax":
             from diffjax.convert.hf_directories import hf_to_diffjax
             step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress,

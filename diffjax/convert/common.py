@@ -13,6 +13,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from diffjax.convert.hub import refuse_the_cache
+
 Path = tuple  # a parameter path in the NNX state, e.g. ("blocks", "attn", "q_kernel") (stacked over layers)
 
 
@@ -68,6 +70,7 @@ def flatten(tree: Mapping, prefix: Path = ()) -> dict[Path, object]:
 def prepare_output_dir(directory, *, overwrite: bool, owned: Iterable[str]) -> FsPath:
     """Create `directory`, or accept it when empty. A non-empty one is refused unless `overwrite`,
     which removes only the entries a conversion writes (`owned`: names or glob patterns)."""
+    refuse_the_cache(directory)
     directory = FsPath(directory)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{directory} exists and is not a directory")

@@ -25,6 +25,7 @@ import numpy as np
 
 from diffjax.config import ModelConfig
 from diffjax.convert import hub, motif3, motif3_weights
+from diffjax.convert.common import refuse_overlap
 from diffjax.params_checkpoint import nested
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
@@ -41,6 +42,7 @@ def conversion_run_dir(dst, *, overwrite: bool, command: str):
     before --overwrite removes anything until the conversion ends: a trainer, or another conversion, running there
     refuses it. A new `dst` is removed again if the conversion fails, so no half-written directory is left behind."""
     dst = Path(dst)
+    hub.refuse_the_cache(dst)
     created = not dst.exists()
     try:
         run = RunDir.for_conversion(dst, overwrite=overwrite)
@@ -74,6 +76,7 @@ def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False
     None keeps the checkpoint's. revision, trust_remote_code: a Hub name's (diffjax.convert.hub; the repository's
     Python files are fetched, and kept in DST/hf/, only with trust_remote_code). Returns the step directory."""
     src = hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)
+    refuse_overlap(src, dst)  # (a Hub name's snapshot: the CLI checked only the name)
     config = config_from_hf(read_hf_config(src), dtype=dtype)
     with conversion_run_dir(dst, overwrite=overwrite, command="hf-to-diffjax") as run:
         if motif3.is_motif3_config(config):

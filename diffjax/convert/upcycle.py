@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from diffjax.config import ModelConfig
-from diffjax.convert.common import ConversionError, build_module
+from diffjax.convert.common import ConversionError, build_module, refuse_overlap
 from diffjax.model.transformer import TransformerLM
 
 KINDS = ("diff", "diff_v2")
@@ -112,6 +112,7 @@ def upcycle_directory(src, dst, *, kind: str = "diff", second_map: str = "mirror
     from diffjax.params_checkpoint import load_model, save_params
 
     src = resolve(src, revision=revision)
+    refuse_overlap(src, dst)  # (a Hub name's snapshot: the CLI checked only the name)
     from_hf = (Path(src) / "config.json").is_file()
     source = load_hf(src) if from_hf else load_model(src, what="upcycle source")
     if not (isinstance(lambda_warmup_steps, int) and lambda_warmup_steps >= 0):
