@@ -39,7 +39,8 @@ logger = logging.getLogger("diffjax.checkpoint")
 
 
 class CheckpointWriteError(OSError):
-    """Writing a params-only checkpoint failed (a full disk, no permission): nothing of it is left behind."""
+    """Writing a params-only checkpoint or an HF export failed (a full disk, no permission): nothing of it is left
+    behind."""
 
 
 def _write_failure(error: Exception) -> str:

@@ -88,3 +88,47 @@ def test_a_conversion_or_adoption_is_refused_while_a_trainer_holds_the_run(tiny,
         hf_directories.save_params = real
     assert seen and seen[0].startswith(f"train.run_dir {run_dir} is in use by hf-to-diffjax (pid {os.getpid()} "), seen
     assert not (run_dir / "trainer.lock").exists()
+
+
+# --- 6. a full disk -----------------------------------------------------------------------------
+
+@pytest.fixture
+def disk(tmp_path):
+    """disk(kib, read_only=False, holding=None): a tmpfs of that size (with a copy of `holding` in it, then made
+    read-only if asked), unmounted after the test."""
+    mounted = []
+
+    def mount(kib: int, read_only: bool = False, holding: Path | None = None) -> Path:
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (not root)")
+        mounted.append(path)
+        if holding is not None:
+            shutil.copytree(holding, path / holding.name)
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def _cli(*command):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True, cwd=REPO_ROOT,
+                            env=env, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("  [")]  # the converter's progress
+    return result.returncode, lines
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tiny, disk):
+    """Before: a 19-line traceback and a partial model.safetensors (issue 55 item 6)."""
+    full = disk(60)
+    code, lines = _cli("-m", "diffjax.convert", "diffjax-to-hf", tiny[0], full / "hf")
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0] == f"error: writing the export {full / 'hf'} failed: No space left on device; nothing of it was kept"
+    assert list(full.iterdir()) == []
+
