@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffjax import integrity, storage
+from diffjax.log_lines import os_error_line
 from diffjax.params_checkpoint import int_keys, is_stacked
 from diffjax.run_dir import DATA_ITEM, INCOMPLETE_DIR, RunDir, RunDirInUseError, state_dir
 from diffjax.sharding import key_names
@@ -50,6 +51,10 @@ def adopt(path: str | Path) -> list[Path]:
             f"adopt: checkpoint {undigested[0]} was not adopted: {integrity.MISSING_DIGEST}, so it is damaged (adoption "
             f"is for runs written before diffjax kept digests, where no checkpoint has one); nothing was written. "
             f"Readers given {run.path} read its newest intact checkpoint; the trainer sets the damaged one aside")
+    if not storage.writable(run.checkpoints):
+        raise AdoptionRefused(f"adopt: {run.checkpoints} is not writable (a read-only file system, or no permission): "
+                              f"adoption writes a {integrity.DIGEST_FILE} into each checkpoint; copy the run somewhere "
+                              "writable and adopt it there")
     lock = run.lock_for_writing("adopt")  # (a trainer may be writing this run)
     try:
         for step_dir in undigested:
@@ -126,6 +131,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, RunDirInUseError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a digest that could not be written (a full disk): it was written atomically, or not
+        print(f"error: adopt: {os_error_line(error)}", file=sys.stderr)
+        return 1
     for step_dir in adopted:
         print(f"adopted {step_dir}: it restores, every value is finite; wrote its {integrity.DIGEST_FILE}")
     if not adopted:

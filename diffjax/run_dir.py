@@ -114,6 +114,9 @@ class RunDir:
             raise FileExistsError(f"{path} exists and is not a directory")
         if path.is_dir() and any(path.iterdir()) and not overwrite:
             raise FileExistsError(f"{path} is not empty; choose an empty or new directory, or pass --overwrite")
+        if not storage.writable(path):
+            raise PermissionError(f"{path} is not writable (a read-only file system, or no permission): choose a "
+                                  "directory the conversion can write")
         path.mkdir(parents=True, exist_ok=True)
         return cls(path)
 

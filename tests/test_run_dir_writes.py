@@ -90,7 +90,7 @@ def test_a_conversion_or_adoption_is_refused_while_a_trainer_holds_the_run(tiny,
     assert not (run_dir / "trainer.lock").exists()
 
 
-# --- 6. a full disk -----------------------------------------------------------------------------
+# --- 6, 8. a full or read-only disk -----------------------------------------------------------------------------
 
 @pytest.fixture
 def disk(tmp_path):
@@ -132,3 +132,19 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tiny, disk):
     assert lines[0] == f"error: writing the export {full / 'hf'} failed: No space left on device; nothing of it was kept"
     assert list(full.iterdir()) == []
 
+
+def test_a_read_only_disk_is_one_line_for_conversions_exports_and_adoption(tiny, disk, tmp_path):
+    """Before: 22- and 26-line tracebacks (issue 55 item 8)."""
+    read_only = disk(1024, read_only=True)
+    for command in ("hf-to-diffjax", "diffjax-to-hf"):
+        src = tiny[1] if command == "hf-to-diffjax" else tiny[0]
+        code, lines = _cli("-m", "diffjax.convert", command, src, read_only / "out")
+        assert code == 2 and lines == [f"error: {read_only / 'out'} is not writable (a read-only file system, or no "
+                                       f"permission): choose a directory the {'conversion' if command == 'hf-to-diffjax' else 'export'} can write"], lines
+    unadopted = tmp_path / "run"
+    shutil.copytree(tiny[0], unadopted)
+    (unadopted / "checkpoints" / "0" / "digest.json").unlink()
+    run_dir = disk(1024, read_only=True, holding=unadopted) / "run"
+    code, lines = _cli("-m", "diffjax.checkpoint", "adopt", run_dir)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: adopt: {run_dir / 'checkpoints'} is not writable"), lines

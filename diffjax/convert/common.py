@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from diffjax import storage
 from diffjax.convert.hub import refuse_the_cache
 
 Path = tuple  # a parameter path in the NNX state, e.g. ("blocks", "attn", "q_kernel") (stacked over layers)
@@ -74,6 +75,9 @@ def prepare_output_dir(directory, *, overwrite: bool, owned: Iterable[str]) -> F
     directory = FsPath(directory)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{directory} exists and is not a directory")
+    if not storage.writable(directory):
+        raise PermissionError(f"{directory} is not writable (a read-only file system, or no permission): choose a "
+                              "directory the export can write")
     if directory.is_dir() and any(directory.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{directory} is not empty; choose an empty or new directory, or pass --overwrite")
