@@ -305,6 +305,43 @@ def test_a_run_that_diverges_keeps_a_checkpoint_to_continue_from_whatever_it_kee
     assert len(kept) == 1 and all(_all_finite(run_dir, step) for step in kept)
 
 
+def test_a_failed_save_said_once_is_not_raised_again_by_close(tmp_path):
+    """Closing Orbax's manager after a failed save can raise the failed write once more (its async checkpointer):
+    before, that escaped Checkpointer.close as a second, chained traceback (issue 55 item 7; 1 run in 6 on a real
+    full disk)."""
+    from diffjax.train.state_checkpoints import SaveError
+
+    class FailedWrite:
+        """Orbax's manager after a write failed: its wait raises the failure once (per thread), its close again."""
+
+        def __init__(self, waits_raise: bool):
+            self.waits_raise = waits_raise
+
+        def wait_until_finished(self):
+            if self.waits_raise:
+                self.waits_raise = False
+                raise ValueError("Error writing ...: No space left on device")
+
+        def close(self):
+            raise ValueError("Error writing ...: No space left on device")
+
+        def latest_step(self):
+            return None
+
+    checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig())
+    checkpointer.manager.close()
+    checkpointer.manager = FailedWrite(waits_raise=True)
+    with pytest.raises(SaveError, match="saving the checkpoint of step None .* failed: Error writing"):
+        checkpointer.wait()  # (the loop's next save, or the end of the run)
+    checkpointer.close()  # the failure was said: nothing more
+    fresh = Checkpointer(tmp_path / "fresh", CheckpointConfig())
+    fresh.manager.close()
+    fresh.manager = FailedWrite(waits_raise=False)
+    with pytest.raises(SaveError, match="failed: Error writing") as raised:
+        fresh.close()  # where close is the first to see it: one SaveError
+    assert raised.value.__suppress_context__
+
+
 class _SignalAt(Hook):
     """Sends this process `signals` when the run reaches `when` (("step", n) or ("final eval", n))."""
 

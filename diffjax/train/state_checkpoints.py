@@ -63,7 +63,7 @@ class Checkpointer:
     def __init__(self, run: RunDir | str | Path, config: CheckpointConfig):
         self.run = (run if isinstance(run, RunDir) else RunDir(run)).absolute()  # (tools and tests pass a path)
         self.directory = self.run.checkpoints
-        self._async, self._saving, self._keep = config.async_save, None, config.keep
+        self._async, self._saving, self._keep, self._failed = config.async_save, None, config.keep, False
         self._continuable_below = None  # of the save in flight: see save()
         self._quiet = _OrbaxErrorsWeReport()
         logging.getLogger("absl").addFilter(self._quiet)
@@ -247,12 +247,17 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as error:  # Orbax re-raises whatever its background thread met
-            self._remove_temporaries(str(self._saving))
-            after_a_failed_write()
-            message = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise SaveError(f"saving the checkpoint of step {self._saving} in {self.directory} failed: {message}; "
-                            f"{_newest_is_intact(self.manager.latest_step())}") from None
+            raise self._failed_save(error) from None
         self._rotate()
+
+    def _failed_save(self, error: Exception) -> SaveError:
+        """The one line for the save that failed with `error` (its temporary directory removed)."""
+        self._failed = True
+        self._remove_temporaries(str(self._saving))
+        after_a_failed_write()
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return SaveError(f"saving the checkpoint of step {self._saving} in {self.directory} failed: {message}; "
+                         f"{_newest_is_intact(self.manager.latest_step())}")
 
     def _rotate(self) -> None:
         """After a save: deletes all but the newest checkpoint.keep checkpoints, except the newest one training can
@@ -273,8 +278,13 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            self.manager.close()
-            logging.getLogger("absl").removeFilter(self._quiet)
+            try:
+                self.manager.close()  # its async checkpointer can raise a failed write once more
+            except Exception as error:
+                if not self._failed:  # (a failure already said is not said again, nor chained to itself)
+                    raise self._failed_save(error) from None
+            finally:
+                logging.getLogger("absl").removeFilter(self._quiet)
 
 
 def restore_params(path: str | Path, abstract_state: Any) -> Any:
