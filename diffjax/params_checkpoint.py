@@ -27,6 +27,7 @@ import yaml
 
 from diffjax import integrity, lora, storage
 from diffjax.config import ModelConfig
+from diffjax.config_values import read_yaml_mapping
 from diffjax.log_lines import after_a_failed_write, drop_late_write_callbacks
 from diffjax.run_dir import DIGEST_FILE, INCOMPLETE_DIR, STATE_ITEM, TEMPORARY_MARK, RunDir, state_dir
 from diffjax.sharding import key_names
@@ -374,7 +375,7 @@ def saved_model_config(step_dir: Path, *, what: str = "checkpoint") -> ModelConf
     config_path = RunDir.of_step(step_dir).config_file
     if not config_path.exists():
         raise FileNotFoundError(f"{what}: {config_path} is missing: cannot tell which model {step_dir} holds")
-    model = (yaml.safe_load(config_path.read_text()) or {}).get("model")
+    model = read_yaml_mapping(config_path).get("model")
     if not isinstance(model, dict):
         raise ValueError(f"{what}: {config_path} has no `model` section")
     return ModelConfig.from_dict(model)
