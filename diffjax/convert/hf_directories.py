@@ -75,8 +75,9 @@ def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False
     run directory `dst`, streaming one weight file at a time. dtype: parameter (and compute) dtype,
     None keeps the checkpoint's. revision, trust_remote_code: a Hub name's (diffjax.convert.hub; the repository's
     Python files are fetched, and kept in DST/hf/, only with trust_remote_code). Returns the step directory."""
-    src = hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)
-    refuse_overlap(src, dst)  # (a Hub name's snapshot: the CLI checked only the name)
+    if (resolved := hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)) != src:
+        refuse_overlap(resolved, dst)  # a Hub name's snapshot (the CLI checks the name only)
+    src = resolved
     config = config_from_hf(read_hf_config(src), dtype=dtype)
     with conversion_run_dir(dst, overwrite=overwrite, command="hf-to-diffjax") as run:
         if motif3.is_motif3_config(config):

@@ -111,8 +111,9 @@ def upcycle_directory(src, dst, *, kind: str = "diff", second_map: str = "mirror
     from diffjax.convert.hub import resolve
     from diffjax.params_checkpoint import load_model, save_params
 
-    src = resolve(src, revision=revision)
-    refuse_overlap(src, dst)  # (a Hub name's snapshot: the CLI checked only the name)
+    if (resolved := resolve(src, revision=revision)) != src:
+        refuse_overlap(resolved, dst)  # a Hub name's snapshot (the CLI checks the name only)
+    src = resolved
     from_hf = (Path(src) / "config.json").is_file()
     source = load_hf(src) if from_hf else load_model(src, what="upcycle source")
     if not (isinstance(lambda_warmup_steps, int) and lambda_warmup_steps >= 0):
