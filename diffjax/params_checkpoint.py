@@ -116,7 +116,32 @@ class _NoStateMetadataNote(logging.Filter):
                     message.endswith(f"{os.sep}{STATE_ITEM}{os.sep}_CHECKPOINT_METADATA"))
 
 
+class _UnreadableMetadataOnce(logging.Filter):
+    """Orbax's "Failed to read / json parse Metadata file" errors about a step's _CHECKPOINT_METADATA, logged at every
+    read (three times as a run resumes) with the file's whole content, become one warning per file. The file is
+    Orbax's bookkeeping (timestamps, handler names; outside the digest, as Orbax writes it as it commits): Orbax reads
+    the checkpoint without it, and the digest has checked the checkpoint's data."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith(("Failed to read Metadata file",
+                                                                       "Failed to json parse Metadata file"))
+                and record.args):
+            return True
+        path = str(record.args[0])
+        if path in self.said:
+            return False
+        self.said.add(path)
+        record.msg, record.args = "warning: %s cannot be read (Orbax's metadata: the checkpoint is read without it)", (path,)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 logging.getLogger("absl").addFilter(_NoStateMetadataNote())
+logging.getLogger("absl").addFilter(_UnreadableMetadataOnce())
 
 
 def _saved_metadata(step_dir: Path) -> dict:

@@ -342,6 +342,28 @@ def test_a_failed_save_said_once_is_not_raised_again_by_close(tmp_path):
     assert raised.value.__suppress_context__
 
 
+def test_unreadable_orbax_metadata_is_one_warning(tmp_path, caplog):
+    """Garbage in checkpoints/N/_CHECKPOINT_METADATA (Orbax's bookkeeping, outside the digest): before, Orbax's
+    "error: Failed to json parse Metadata file" with the file's content at every read, three times as a run resumed,
+    and exit 0 (issue 55 item 12). The checkpoint is still read."""
+    import logging
+
+    checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig())
+    checkpointer.save(2, {"w": np.arange(4.0)}, {"epoch": 0})
+    checkpointer.close()
+    metadata = tmp_path / "run" / "checkpoints" / "2" / "_CHECKPOINT_METADATA"
+    metadata.write_text("garbage\n")
+    with caplog.at_level(logging.INFO):
+        resumed = Checkpointer(tmp_path / "run", CheckpointConfig())
+        assert resumed.newest_intact(log=print) == 2
+        np.testing.assert_array_equal(resumed.read(2)["state"]["w"], np.arange(4.0))
+        resumed.close()
+    said = [record for record in caplog.records if "Metadata file" in record.getMessage() or str(metadata) in
+            record.getMessage()]
+    assert [(record.levelname, record.getMessage()) for record in said] == [
+        ("WARNING", f"warning: {metadata} cannot be read (Orbax's metadata: the checkpoint is read without it)")]
+
+
 class _SignalAt(Hook):
     """Sends this process `signals` when the run reaches `when` (("step", n) or ("final eval", n))."""
 
