@@ -383,6 +383,62 @@ class _SignalAt(Hook):
             self._send()
 
 
+_COMPILING = """
+import sys
+from diffjax.train import Hook
+from diffjax.train.cli import main
+
+
+class SayCompiling(Hook):  # the first step compiles inside its first call
+    def on_start(self, run):
+        step = run.train_step
+
+        def first(*args):
+            run.train_step = step
+            print("compiling", flush=True)
+            return step(*args)
+
+        run.train_step = first
+
+
+import diffjax.train.loop as loop
+train = loop.train
+loop.train = lambda config, **kwargs: train(config, hooks=[SayCompiling()], **kwargs)
+import diffjax.train as package
+package.train = loop.train
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_first_step_compiles_stops_at_once(tmp_path):
+    """Nothing new to save before the first step has run: a SIGTERM then ends the run at once (143), its lock
+    released. Before: it took effect only once the compile was done (over 50 s for a large model), and saved step 1
+    (issue 55 item 13). An empty compilation cache, so that the step compiles for seconds."""
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
+    trainer = subprocess.Popen([sys.executable, "-u", "-c", _COMPILING, *SMALL, "train.sample_tokens=0",
+                                f"train.run_dir={run_dir}", "train.steps=4"], cwd=REPO_ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in trainer.stdout:
+            if line == "compiling\n":
+                break
+        time.sleep(0.5)  # tracing, then compiling
+        sent = time.monotonic()
+        trainer.send_signal(signal.SIGTERM)
+        out, err = trainer.communicate(timeout=300)
+    finally:
+        trainer.kill()
+    waited = time.monotonic() - sent
+    assert trainer.returncode == 143 and waited < 5, (trainer.returncode, waited, out, err[-2000:])
+    assert out.strip().endswith("SIGTERM: stopped before the first step had run (nothing new to save; the checkpoints "
+                                "saved so far are intact)"), out
+    assert list((run_dir / "checkpoints").iterdir()) == [] and not (run_dir / "trainer.lock").exists()
+
+
 @pytest.mark.parametrize("when, signals, expected", [
     (("final eval", 3), (signal.SIGINT,), "SIGINT"),  # Ctrl-C during the final eval / sample: stops at once
     (("step", 2), (signal.SIGTERM, signal.SIGTERM), "SIGTERM"),  # a second signal does not wait for the save
