@@ -58,7 +58,7 @@ HF_DIR = "hf"
 LOCK_FILE = "trainer.lock"
 WANDB_DIR = "wandb"  # W&B's name for its directory under wandb.init(dir=<run_dir>)
 WANDB_RUN_FILE = "wandb-run.json"
-CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, INCOMPLETE_DIR, HF_DIR)  # what a conversion writes (and --overwrite replaces)
+CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, INCOMPLETE_DIR, HF_DIR)  # what a conversion writes (--overwrite: removes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +297,8 @@ class TrainerLock:
             return (f"note: took over {self.path} from pid {held.get('pid')} on {held.get('host')} (started "
                     f"{held.get('started')}), which cannot be checked from here (gs:// has no file locks): make sure "
                     "no other trainer writes to this run directory")
-        return (f"note: took over {self.path}, left by a trainer that is no longer running (pid {held.get('pid')} "
-                f"on {held.get('host')}, started {held.get('started')})")
+        return (f"note: took over {self.path}, left by {held.get('command') or 'a trainer'} that is no longer running "
+                f"(pid {held.get('pid')} on {held.get('host')}, started {held.get('started')})")
 
 
 def _own_record(command: str | None = None) -> dict:

@@ -353,7 +353,7 @@ def test_unreadable_orbax_metadata_is_one_warning(tmp_path, caplog):
     checkpointer.close()
     metadata = tmp_path / "run" / "checkpoints" / "2" / "_CHECKPOINT_METADATA"
     metadata.write_text("garbage\n")
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="absl"):  # (the convert CLI, run in this process, quiets absl)
         resumed = Checkpointer(tmp_path / "run", CheckpointConfig())
         assert resumed.newest_intact(log=print) == 2
         np.testing.assert_array_equal(resumed.read(2)["state"]["w"], np.arange(4.0))

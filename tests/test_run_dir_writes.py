@@ -139,8 +139,9 @@ def test_a_read_only_disk_is_one_line_for_conversions_exports_and_adoption(tiny,
     for command in ("hf-to-diffjax", "diffjax-to-hf"):
         src = tiny[1] if command == "hf-to-diffjax" else tiny[0]
         code, lines = _cli("-m", "diffjax.convert", command, src, read_only / "out")
+        writer = "conversion" if command == "hf-to-diffjax" else "export"
         assert code == 2 and lines == [f"error: {read_only / 'out'} is not writable (a read-only file system, or no "
-                                       f"permission): choose a directory the {'conversion' if command == 'hf-to-diffjax' else 'export'} can write"], lines
+                                       f"permission): choose a directory the {writer} can write"], lines
     unadopted = tmp_path / "run"
     shutil.copytree(tiny[0], unadopted)
     (unadopted / "checkpoints" / "0" / "digest.json").unlink()
