@@ -252,7 +252,7 @@ class Checkpointer:
 
     def _failed_save(self, error: Exception) -> SaveError:
         """The one line for the save that failed with `error` (its temporary directory removed)."""
-        self._failed = True
+        self._failed, self._continuable_below = True, None  # (nothing new to rotate)
         self._remove_temporaries(str(self._saving))
         after_a_failed_write()
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
