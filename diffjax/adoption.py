@@ -81,7 +81,8 @@ def _restore_problem(step_dir: Path) -> str | None:
             restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
             restored = checkpointer.restore(state_dir(step_dir), args=ocp.args.PyTreeRestore(
                 target, restore_args=restore_args, partial_restore=True))
-            if (problem := _non_finite(restored) or (key == "params" and _never_written(restored))) is not None:
+            problem = _non_finite(restored) or (_never_written(restored) if key == "params" else None)
+            if problem is not None:
                 return problem
             del restored
         if (step_dir / DATA_ITEM).is_dir():
