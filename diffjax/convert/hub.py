@@ -68,7 +68,7 @@ def refuse_the_cache(destination: str | os.PathLike) -> None:
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
         roots = (os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub"), home)
     target = Path(destination).resolve()
-    for root in map(lambda root: Path(root).resolve(), roots):
+    for root in (Path(root).resolve() for root in roots):
         if target == root or root in target.parents:
             raise ValueError(f"{destination} is in the Hugging Face cache {root}: diffjax does not write there (its "
                              "snapshots are read by every program that loads those models); choose a directory "
