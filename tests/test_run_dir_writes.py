@@ -124,6 +124,7 @@ def _cli(*command):
     return result.returncode, lines
 
 
+@pytest.mark.slow
 def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tiny, disk):
     """Before: a 19-line traceback and a partial model.safetensors (issue 55 item 6)."""
     full = disk(60)
@@ -133,6 +134,7 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tiny, disk):
     assert list(full.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_read_only_disk_is_one_line_for_conversions_exports_and_adoption(tiny, disk, tmp_path):
     """Before: 22- and 26-line tracebacks (issue 55 item 8)."""
     read_only = disk(1024, read_only=True)
