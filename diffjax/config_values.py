@@ -15,6 +15,22 @@ import typing
 from typing import Any
 
 
+def read_yaml_mapping(path) -> dict:
+    """The mapping a YAML file holds (a pathlib or etils path; empty: {}). ValueError in one line naming the file and
+    the line and column of a syntax error, or what the file holds instead of a mapping."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"config file {path}{where}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of sections, got {type(values).__name__}")
+    return values
+
+
 def plain(value):
     """Tuples as lists, recursively (for YAML / JSON)."""
     if isinstance(value, dict):

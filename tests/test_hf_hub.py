@@ -176,6 +176,22 @@ def test_the_convert_cli_by_name(offline, tmp_path, capsys):
     assert (tmp_path / "upcycled" / "hf" / "config.json").is_file()  # the source's files, kept as from a directory
 
 
+def test_nothing_is_written_into_the_hugging_face_cache(offline, hub_home, tmp_path, capsys):
+    """The probe: `hf-to-diffjax org/name <its snapshot> --overwrite`. Before: config.yaml and checkpoints/ written
+    into the cache, rc 0 (issue 55 item 5). Any other directory of the cache is refused as well, and exports too."""
+    cache = hub_home[0] / "hub"
+    snapshot = hub.resolve(NAME)
+    listing = sorted(str(p) for p in cache.rglob("*"))
+    for argv in (["hf-to-diffjax", NAME, str(snapshot), "--overwrite"],
+                 ["hf-to-diffjax", str(tmp_path / "elsewhere"), str(cache / "mine")],
+                 ["diffjax-to-hf", str(tmp_path / "elsewhere"), str(cache / "exported")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("error: "), err
+        assert "is in the Hugging Face cache" in err or "is SRC" in err, err
+    assert sorted(str(p) for p in cache.rglob("*")) == listing
+
+
 def run_cli(*args, **env):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "JAX_PLATFORMS": "cpu", **env}

@@ -102,6 +102,17 @@ def test_the_export_refuses_what_motif_3_cannot_hold(tmp_path):
 # ------------------------------------------------------------------------------ the published names, shapes only
 
 
+def test_a_config_off_by_one_dimension_is_a_readable_line():
+    """The published checkpoint's tensors against its config.json with hidden_size off by 8: before, one line of
+    129,589 characters listing every tensor (issue 55 item 11)."""
+    shapes = checkpoint_shapes(PUBLISHED, include_mtp=True)
+    rows = motif3_weights.plan(config_from_hf({**PUBLISHED, "hidden_size": PUBLISHED["hidden_size"] + 8}))
+    with pytest.raises(ConversionError, match=r"^\d+ checkpoint tensor\(s\) have another shape than this config's: "
+                                              r"'model.embed_tokens.weight' has shape .* and \d+ more$") as error:
+        motif3_weights.check_names(shapes, rows)
+    assert len(str(error.value)) < 600, str(error.value)
+
+
 @pytest.mark.parametrize("rope_style", ["rotate_half", "interleaved"])
 def test_every_published_tensor_maps_at_the_published_size(rope_style):
     """checkpoint_shapes(PUBLISHED, include_mtp=True) through the plan without allocating: every name mapped or (the

@@ -12,7 +12,7 @@ import resource
 import sys
 import time
 
-from diffjax.log_lines import print_package_logs
+from diffjax.log_lines import os_error_line, print_package_logs
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work; never grab an accelerator
 
@@ -105,12 +105,14 @@ def main(argv=None) -> int:
     from diffjax.params_checkpoint import CheckpointWriteError
     from diffjax.convert import hf_directories, verify  # noqa: F401
     from diffjax.convert.common import ConversionError, refuse_overlap
-    from diffjax.run_dir import RunDir
+    from diffjax.convert.hub import refuse_the_cache
+    from diffjax.run_dir import RunDir, RunDirInUseError
 
     start, base_rss = time.time(), _peak_rss_mb()
     try:
         if getattr(args, "dst", None) is not None:  # every subcommand that writes
             refuse_overlap(args.src, args.dst)
+            refuse_the_cache(args.dst)
         if args.command == "hf-to-diffjax":
             from diffjax.convert.hf_directories import hf_to_diffjax
             step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress,
@@ -144,10 +146,13 @@ def main(argv=None) -> int:
     except CheckpointWriteError as error:  # the input was fine; the disk was not
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except (ConversionError, ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ConversionError, ValueError, FileNotFoundError, FileExistsError, RunDirInUseError, PermissionError) as error:
         # ValueError also covers ModelConfig's validation of a run directory's config.yaml
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a write that failed past the checks (a disk that filled up, ...)
+        print(f"error: {os_error_line(error)}", file=sys.stderr)
+        return 1
     peak = _peak_rss_mb()
     print(f"{time.time() - start:.1f} s, peak memory {peak:.0f} MiB ({peak - base_rss:.0f} MiB above the "
           f"{base_rss:.0f} MiB after start-up)", file=sys.stderr)

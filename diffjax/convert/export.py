@@ -28,6 +28,7 @@ from diffjax.convert import motif, motif3, motif3_weights
 from diffjax.convert.common import ConversionError, flatten, path_name, prepare_output_dir
 from diffjax.convert.hf import hf_model_type, is_diffllama, stacked_path, weight_table
 from diffjax.convert.safetensors_io import write_safetensors
+from diffjax.params_checkpoint import CheckpointWriteError
 from diffjax.model.rope import interleaved_from_rotate_half
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
@@ -333,23 +334,43 @@ def save_hf(
         raise ConversionError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}")
     plan = hf_tensor_plan(config, params, dtype)  # checks params before touching the directory
     config_json = hf_config(config, dtype=dtype or str(plan[0][2]), base=base_config)
+    created = not Path(directory).exists()
     directory = prepare_output_dir(directory, overwrite=overwrite, owned=HF_OUTPUT_FILES)
+    written: list[Path] = []
+    try:
+        _write_export(directory, plan, parse_size(max_shard_size), extra_files, config_json, progress, written)
+    except OSError as error:  # a full disk, most often: nothing partial is left
+        for path in written:
+            path.unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise CheckpointWriteError(f"writing the export {directory} failed: {error.strerror or error}; nothing of it "
+                                   "was kept") from None
+    return directory
 
-    shards = _shards(plan, parse_size(max_shard_size))
+
+def _write_export(directory: Path, plan, max_shard_bytes: int, extra_files, config_json: dict, progress,
+                  written: list[Path]) -> None:
+    """The safetensors shards (and their index), the extra files and config.json, last: it marks a complete export.
+    Each file is added to `written` before it is written."""
+    def target(name: str) -> Path:
+        written.append(directory / name)
+        return directory / name
+
+    shards = _shards(plan, max_shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     produce = {key: fn for key, _, _, fn in plan}
     weight_map, total = {}, 0
     for index, (name, shard) in enumerate(zip(names, shards)):
         if progress:
             progress(name, index, len(shards))
-        total += write_safetensors(directory / name, [(k, s, d) for k, s, d, _ in shard], lambda key: produce[key]())
+        total += write_safetensors(target(name), [(k, s, d) for k, s, d, _ in shard], lambda key: produce[key]())
         weight_map.update({key: name for key, *_ in shard})
     if len(shards) > 1:
         index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
+        target("model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
     for file in extra_files:
         file = Path(file)
         if file.name != "config.json" and not file.name.endswith((".safetensors", ".bin", ".index.json")):
-            shutil.copy2(file, directory / file.name)
-    (directory / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")  # last: marks a complete export
-    return directory
+            shutil.copy2(file, target(file.name))
+    target("config.json").write_text(json.dumps(config_json, indent=2) + "\n")

@@ -21,7 +21,7 @@ from flax import nnx
 from diffjax import attention_kinds
 from diffjax.config import ModelConfig
 from diffjax.convert import hub, motif, motif3, motif3_weights
-from diffjax.convert.common import ConversionError, build_module, to_numpy
+from diffjax.convert.common import ConversionError, build_module, name_and_shape_problems, to_numpy
 from diffjax.convert.hf_files import HFWeights
 from diffjax.model.rope import interleaved_from_rotate_half
 from diffjax.model.transformer import TransformerLM
@@ -244,29 +244,14 @@ def _canonical_names(names) -> dict[str, str]:
     return {n: n for n in names}
 
 
-def _listed(keys: list[str], limit: int = 20) -> str:
-    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
 def check_checkpoint(shapes: dict[str, tuple], config: ModelConfig) -> None:
-    """Raise ConversionError listing every missing, unexpected and mis-shaped key of a checkpoint
-    (name -> shape, already in DiffLlamaForCausalLM naming) against `config`."""
-    table = weight_table(config)
-    expected = {key: shape for key, shape, *_ in table}
-    problems = []
-    if missing := [key for key in expected if key not in shapes]:
-        problems.append(f"checkpoint is missing {len(missing)} key(s): {_listed(missing)}")
-    allowed = set(expected) | {"lm_head.weight"}  # a tied model's file may still carry the head
-    if unexpected := sorted(k for k in shapes if k not in allowed and not k.endswith(_IGNORED_SUFFIXES)):
-        problems.append(
-            f"checkpoint has {len(unexpected)} unexpected key(s) that a {config.attention!r}-attention "
-            f"CausalLM of this config does not have: {_listed(unexpected)}"
-        )
-    for key, shape in expected.items():
-        if key in shapes and tuple(shapes[key]) != shape:
-            problems.append(f"checkpoint key {key!r} has shape {tuple(shapes[key])}, expected {shape} for this config")
-    if problems:
-        raise ConversionError("; ".join(problems))
+    """Raise ConversionError naming the missing, unexpected and mis-shaped keys of a checkpoint (name -> shape,
+    already in DiffLlamaForCausalLM naming) against `config`."""
+    expected = {key: shape for key, shape, *_ in weight_table(config)}
+    if problems := name_and_shape_problems(
+            shapes, expected, ignored=lambda key: key.endswith(_IGNORED_SUFFIXES), missing_what="key(s)",
+            unexpected_what=f"unexpected key(s) that a {config.attention!r}-attention CausalLM of this config does not have"):
+        raise ConversionError(problems)
 
 
 def _np_dtype(name) -> np.dtype | None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from diffjax.config import ModelConfig
 from diffjax.convert import hub, motif3, motif3_weights
+from diffjax.convert.common import refuse_overlap
 from diffjax.params_checkpoint import nested
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
@@ -36,14 +37,21 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 
 
 @contextlib.contextmanager
-def conversion_run_dir(dst, *, overwrite: bool):
-    """The RunDir a conversion writes into `dst`; a new `dst` is removed again if the conversion fails, so no
-    half-written directory is left behind."""
+def conversion_run_dir(dst, *, overwrite: bool, command: str):
+    """The RunDir `command` (hf-to-diffjax, upcycle, merge-lora) writes into `dst`, held (its trainer.lock) from
+    before --overwrite removes anything until the conversion ends: a trainer, or another conversion, running there
+    refuses it. A new `dst` is removed again if the conversion fails, so no half-written directory is left behind."""
     dst = Path(dst)
+    hub.refuse_the_cache(dst)
     created = not dst.exists()
-    run = RunDir.for_conversion(dst, overwrite=overwrite)
     try:
-        yield run
+        run = RunDir.for_conversion(dst, overwrite=overwrite)
+        lock = run.lock_for_writing(command)
+        try:
+            run.remove_conversion_outputs()
+            yield run
+        finally:
+            lock.release()
     except BaseException:
         if created:
             shutil.rmtree(dst, ignore_errors=True)
@@ -67,9 +75,11 @@ def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False
     run directory `dst`, streaming one weight file at a time. dtype: parameter (and compute) dtype,
     None keeps the checkpoint's. revision, trust_remote_code: a Hub name's (diffjax.convert.hub; the repository's
     Python files are fetched, and kept in DST/hf/, only with trust_remote_code). Returns the step directory."""
-    src = hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)
+    if (resolved := hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)) != src:
+        refuse_overlap(resolved, dst)  # a Hub name's snapshot (the CLI checks the name only)
+    src = resolved
     config = config_from_hf(read_hf_config(src), dtype=dtype)
-    with conversion_run_dir(dst, overwrite=overwrite) as run:
+    with conversion_run_dir(dst, overwrite=overwrite, command="hf-to-diffjax") as run:
         if motif3.is_motif3_config(config):
             return _motif3_to_diffjax(src, run, config, progress)
         params = params_from_hf_dir(src, config, config.param_dtype, progress=progress)

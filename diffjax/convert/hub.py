@@ -57,6 +57,24 @@ def resolve(src: str | os.PathLike, *, revision: str | None = None, trust_remote
     return snapshot
 
 
+def refuse_the_cache(destination: str | os.PathLike) -> None:
+    """ValueError when `destination` lies in the Hugging Face cache (HF_HUB_CACHE, HF_HOME), links resolved:
+    diffjax never writes there (a snapshot is huggingface_hub's, read by every program that loads the model)."""
+    try:
+        from huggingface_hub import constants
+        roots = (constants.HF_HUB_CACHE, constants.HF_HOME)
+    except ImportError:  # its defaults, from the environment
+        home = os.environ.get("HF_HOME") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+        roots = (os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub"), home)
+    target = Path(destination).resolve()
+    for root in (Path(root).resolve() for root in roots):
+        if target == root or root in target.parents:
+            raise ValueError(f"{destination} is in the Hugging Face cache {root}: diffjax does not write there (its "
+                             "snapshots are read by every program that loads those models); choose a directory "
+                             "outside it")
+
+
 def _snapshot(huggingface_hub, name: str, revision: str | None, patterns) -> Path:
     """snapshot_download of `patterns`, its errors as one FileNotFoundError line each."""
     from huggingface_hub import errors

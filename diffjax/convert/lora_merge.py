@@ -45,7 +45,7 @@ def merge_lora_directory(src: str | Path, dst: str | Path, *, overwrite: bool = 
             else:
                 write(path, None, params[path])
 
-    with conversion_run_dir(dst, overwrite=overwrite) as run:
+    with conversion_run_dir(dst, overwrite=overwrite, command="merge-lora") as run:
         data = keep_hf_files(base.hf, run) if base.hf.is_dir() else None
         return save_params_streamed(run.path, leaves, fill, params.model_config, data=data)
 

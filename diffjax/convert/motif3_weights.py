@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from diffjax.config import ModelConfig
-from diffjax.convert.common import ConversionError, to_numpy
+from diffjax.convert.common import ConversionError, name_and_shape_problems, to_numpy
 from diffjax.convert.hf_files import HFWeights
 from diffjax.kinds import layer_segments
 from diffjax.model.rope import interleaved_from_rotate_half
@@ -195,20 +195,11 @@ def is_skipped(name: str) -> bool:
 
 def check_names(shapes: dict[str, tuple], rows: list[Row]) -> list[str]:
     """The checkpoint's skipped names; raises ConversionError listing missing, unexpected and mis-shaped ones."""
-    expected = {row.key: row.shape for row in rows}
-    skipped = sorted(name for name in shapes if is_skipped(name))
-    problems = []
-    if missing := [key for key in expected if key not in shapes]:
-        problems.append(f"checkpoint is missing {len(missing)} Motif 3 tensor(s): {', '.join(missing[:20])}")
-    allowed = set(expected) | {"lm_head.weight"}  # a tied model's file may still carry the head
-    if unexpected := sorted(k for k in shapes if k not in allowed and not is_skipped(k)):
-        problems.append(f"checkpoint has {len(unexpected)} tensor(s) this Motif 3 config does not have: "
-                        f"{', '.join(unexpected[:20])}")
-    problems += [f"checkpoint tensor {key!r} has shape {tuple(shapes[key])}, expected {shape} for this config"
-                 for key, shape in expected.items() if key in shapes and tuple(shapes[key]) != shape]
-    if problems:
-        raise ConversionError("; ".join(problems))
-    return skipped
+    if problems := name_and_shape_problems(shapes, {row.key: row.shape for row in rows}, ignored=is_skipped,
+                                           missing_what="Motif 3 tensor(s)",
+                                           unexpected_what="tensor(s) this Motif 3 config does not have"):
+        raise ConversionError(problems)
+    return sorted(name for name in shapes if is_skipped(name))
 
 
 def note_skipped(skipped: list[str]) -> None:

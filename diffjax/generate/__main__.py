@@ -39,15 +39,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def load_tokenizer(step_dir: Path):
     """The tokenizer a run directory's config.yaml names (data.tokenizer); an error naming the fix if none."""
-    import yaml
-
+    from diffjax.config_values import read_yaml_mapping
     from diffjax.tokenizers import TokenizerConfig, make_tokenizer
 
     run = RunDir.of_step(step_dir)
     config_path = run.config_file
     if not config_path.exists():
         raise FileNotFoundError(f"--checkpoint: {config_path} is missing: cannot tell the model or its tokenizer")
-    section = ((yaml.safe_load(config_path.read_text()) or {}).get("data") or {}).get("tokenizer")
+    section = (read_yaml_mapping(config_path).get("data") or {}).get("tokenizer")
     if not isinstance(section, dict):
         hint = f" (a conversion keeps its source's tokenizer files in {run.hf})" if run.hf.is_dir() else ""
         example = f"{{kind: hf, path: {run.hf}}}" if run.hf.is_dir() else "{kind: sentencepiece, path: tokenizer.model}"
