@@ -153,9 +153,13 @@ def model_config(row: CheckpointFormat, hf: Mapping, *, dtype=None, param_dtype=
     fields = row.config_in(hf)
     dtype = dtype_name(dtype if dtype is not None else hf.get("dtype") or hf.get("torch_dtype") or "float32")
     try:
-        return ModelConfig(**fields, dtype=dtype, param_dtype=dtype_name(param_dtype) if param_dtype else dtype)
+        config = ModelConfig(**fields, dtype=dtype, param_dtype=dtype_name(param_dtype) if param_dtype else dtype)
     except ValueError as error:  # ModelConfig's own validation, e.g. num_heads not divisible by num_kv_heads
         raise ConversionError(f"config.json describes a {row.label} model diffjax cannot build: {error}") from None
+    if not row.holds_config(config):  # (a format's own bug: what it reads would export as another format)
+        raise ConversionError(f"format {row.name!r} read config.json as attention={config.attention!r}, which it does "
+                              "not hold: its config_in and holds / attention must agree")
+    return config
 
 
 def config_from_hf(hf: Mapping, *, dtype=None, param_dtype=None) -> ModelConfig:
