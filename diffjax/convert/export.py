@@ -24,8 +24,6 @@ from diffjax.convert.formats import CheckpointFormat, check_exportable
 from diffjax.convert.safetensors_io import write_safetensors
 from diffjax.convert.weight_plan import export_plan
 
-__all__ = ["HF_OUTPUT_FILES", "check_exportable", "hf_config", "hf_tensor_plan", "parse_size", "save_hf"]
-
 # Files an export writes (and --overwrite may replace); anything else in the directory is left alone.
 HF_OUTPUT_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
                    "pytorch_model.bin.index.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
