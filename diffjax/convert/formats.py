@@ -35,6 +35,8 @@ WRITER_KEYS = ("transformers_version",)  # keys about the program that wrote a c
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointFormat:
+    """A row of the table: one checkpoint format (the module docstring says what the table does with it)."""
+
     name: str  # "llama", "diffllama", "motif", "motif3"
     label: str  # for messages: "Llama", "Motif 3"
     model_type: str  # config.json's model_type, lower case (it is read in any case)
