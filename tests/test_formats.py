@@ -137,8 +137,9 @@ def test_a_format_defined_in_a_test_file_converts_in_and_out_bit_exact(toy_forma
     model = load_model(tmp_path / "run")
     assert model.config.attention == "diff_v2"
     H, d, D = model.config.num_heads, model.config.head_dim, model.config.d_model  # the rows' layout, by hand:
+    q_proj = tensors["model.layers.1.self_attn.q_proj.weight"]
     np.testing.assert_array_equal(np.asarray(model.blocks.attn.q_kernel[1]),
-                                  tensors["model.layers.1.self_attn.q_proj.weight"].reshape(H, 2, d, D).transpose(3, 0, 1, 2))
+                                  q_proj.reshape(H, 2, d, D).transpose(3, 0, 1, 2))
     diffjax_to_hf(tmp_path / "run", tmp_path / "back", max_shard_size="4KB")
     back = {}
     for file in (tmp_path / "back").glob("*.safetensors"):
@@ -146,7 +147,8 @@ def test_a_format_defined_in_a_test_file_converts_in_and_out_bit_exact(toy_forma
     assert sorted(back) == sorted(set(tensors) - {"model.toy_extras.counter"})
     for key, value in back.items():
         assert value.dtype == tensors[key].dtype and np.array_equal(value, tensors[key]), key
-    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((tmp_path / "toy" / "config.json").read_text())
+    source = json.loads((tmp_path / "toy" / "config.json").read_text())
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == source
     exported = diffjax.save_hf(model, tmp_path / "bare")  # no source config.json: the format's own spelling
     assert json.loads((exported / "config.json").read_text())["model_type"] == "ToyDiffV2"
 

@@ -42,7 +42,8 @@ class CheckpointFormat:
     model_type: str  # config.json's model_type, lower case (it is read in any case)
     architecture: str  # config.json's architectures entry: the transformers class
     attention: tuple[str, ...]  # the attention kinds it holds
-    config_in: Callable  # (config.json dict) -> ModelConfig fields (dtypes aside); ConversionError for what it cannot read
+    # (config.json dict) -> ModelConfig fields (dtypes aside); a ConversionError line for what it cannot read
+    config_in: Callable
     config_out: Callable  # (ModelConfig) -> the config.json keys it models (dtypes, model_type, architectures aside)
     weight_plan: Callable  # (ModelConfig) -> [weight_plan.Row], one per checkpoint tensor, in the checkpoint's order
     export_problems: Callable = lambda config: []  # (ModelConfig) -> what this format cannot hold, one line each

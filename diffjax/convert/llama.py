@@ -20,7 +20,8 @@ from diffjax.convert.weight_plan import (COPY, TRANSPOSED, Row, causal_lm_plan, 
 
 log = logging.getLogger(__name__)
 
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh"}
 EXPORT_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}  # (diffjax's -> config.json's)
 ROPE_TYPES = ("default", "llama3")
 
@@ -31,7 +32,8 @@ def _rope_fields(hf: dict) -> dict:
     scaling = dict(hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     merged = {**params, **scaling}
-    types = {form: d.get("rope_type", d.get("type")) for form, d in (("rope_parameters", params), ("rope_scaling", scaling))}
+    types = {form: d.get("rope_type", d.get("type"))
+             for form, d in (("rope_parameters", params), ("rope_scaling", scaling))}
     if None not in types.values() and len(set(types.values())) > 1:
         raise ConversionError(f"config.json: rope_parameters and rope_scaling disagree on rope_type ({types})")
     rope_type = types["rope_scaling"] or types["rope_parameters"] or "default"
@@ -39,7 +41,8 @@ def _rope_fields(hf: dict) -> dict:
         raise ConversionError(f"config.json: rope_type {rope_type!r} is not supported; supported: 'default', 'llama3'")
     partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        raise ConversionError(f"config.json: partial_rotary_factor={partial} is not supported (diffjax rotates every q/k channel)")
+        raise ConversionError(f"config.json: partial_rotary_factor={partial} is not supported (diffjax rotates every "
+                              "q/k channel)")
     fields = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "llama3":
         try:
@@ -69,8 +72,9 @@ def config_fields(hf: dict, *, default_eps: float, activations: dict = ACTIVATIO
     n_heads = hf["num_attention_heads"]
     fields = dict(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=n_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        mlp_dim=hf["intermediate_size"], activation=activations[act], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        num_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, mlp_dim=hf["intermediate_size"],
+        activation=activations[act], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=int(hf.get("max_position_embeddings", 2048)), norm_eps=float(hf.get("rms_norm_eps", default_eps)),
         **_rope_fields(hf))
     if hf.get("initializer_range") is not None:
@@ -143,7 +147,8 @@ def _layer_rows(config: ModelConfig, hf: str, leaf) -> list[Row]:
 
 
 def plan(config: ModelConfig, attention_rows) -> list[Row]:
-    """A Llama-style checkpoint's rows; attention_rows(config, "model.layers.<i>.self_attn.", leaf) a layer's attention."""
+    """A Llama-style checkpoint's rows; attention_rows(config, "model.layers.<i>.self_attn.", leaf) gives a layer's
+    attention."""
     return causal_lm_plan(config, lambda segment_config, depth, hf, leaf: (
         _layer_rows(segment_config, hf, leaf) + attention_rows(segment_config, hf + "self_attn.", leaf)))
 

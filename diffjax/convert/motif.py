@@ -51,12 +51,14 @@ def _attention_fields(hf: dict) -> dict:
     elif hf.get("head_dim") is None:
         raise ConversionError("config.json: num_noise_heads needs head_dim (as Motif's serving code requires)")
     if n_kv % 2:
-        raise ConversionError(f"config.json: num_key_value_heads must be even (pairs of the two maps' heads), got {n_kv}")
+        raise ConversionError(f"config.json: num_key_value_heads must be even (pairs of the two maps' heads), "
+                              f"got {n_kv}")
     n_signal = n_query - n_noise
     if not 0 < n_noise <= n_signal or n_signal % n_noise:
         raise ConversionError(f"config.json: num_noise_heads ({n_noise}) must divide the signal heads "
                               f"(num_attention_heads - num_noise_heads = {n_signal})")
-    fields = dict(num_heads=n_signal, num_kv_heads=n_kv // 2, head_dim=hf.get("head_dim") or hf["hidden_size"] // n_query,
+    fields = dict(num_heads=n_signal, num_kv_heads=n_kv // 2,
+                  head_dim=hf.get("head_dim") or hf["hidden_size"] // n_query,
                   lambda_init_depth_offset=LAMBDA_INIT_DEPTH_OFFSET)
     if hf.get("attn_rms_norm_eps") is not None:
         fields["subln_eps"] = float(hf["attn_rms_norm_eps"])
@@ -114,7 +116,8 @@ def attention_rows(config: ModelConfig, hf: str, leaf) -> list[Row]:
         Row(hf + "v_proj.weight", (2 * K * d, D), (leaf("attn", "v_kernel"),), *linear((K, 2 * d))),
         Row(hf + "o_proj.weight", (D, 2 * H * d), (leaf("attn", "o_kernel"),), *out_projection(D, H, 2 * d)),
         Row(hf + "subln.weight", (2 * d,), (leaf("attn", "subln_scale"),), *COPY),
-    ] + [Row(hf + name, (d,), (leaf("attn", name),), *COPY) for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
+    ] + [Row(hf + name, (d,), (leaf("attn", name),), *COPY)
+         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
 
 
 FORMAT = formats.register(formats.CheckpointFormat(

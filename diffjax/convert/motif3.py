@@ -230,7 +230,6 @@ def export_fields(config: ModelConfig) -> dict:
         **_window_export(config), **_rope_export(config), **_mlp_export(config))
 
 
-
 FORMAT = formats.register(formats.CheckpointFormat(
     name="motif3", label="Motif 3", model_type="motif", architecture=ARCHITECTURE, attention=("gdla",),
     detect=is_motif3, config_in=config_fields, config_out=export_fields, weight_plan=motif3_weights.plan,

@@ -214,7 +214,8 @@ def export_plan(rows: list[Row], read, read_layer, dtypes: Mapping, dtype=None) 
         out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(dtypes[row.leaves[0][0]])
 
         def produce(row=row, out_dtype=out_dtype):
-            arrays = [np.asarray(read(path) if index is None else read_layer(path, index)) for path, index in row.leaves]
+            arrays = [np.asarray(read(path) if index is None else read_layer(path, index))
+                      for path, index in row.leaves]
             return np.ascontiguousarray(row.to_hf(*arrays)).astype(out_dtype, copy=False)
 
         entries.append((row.key, row.shape, out_dtype, produce))
