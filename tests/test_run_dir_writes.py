@@ -72,20 +72,20 @@ def test_a_conversion_or_adoption_is_refused_while_a_trainer_holds_the_run(tiny,
     from diffjax.convert import hf_directories
 
     seen = []
-    real = hf_directories.save_params
+    real = hf_directories.save_params_streamed
 
-    def save_params(*args, **kwargs):
+    def save_params_streamed(*args, **kwargs):
         try:
             RunDir(run_dir).lock_for_training()
         except OSError as refused:
             seen.append(str(refused))
         return real(*args, **kwargs)
 
-    hf_directories.save_params = save_params
+    hf_directories.save_params_streamed = save_params_streamed
     try:
         assert convert(["hf-to-diffjax", str(tiny[1]), str(run_dir), "--overwrite"]) == 0
     finally:
-        hf_directories.save_params = real
+        hf_directories.save_params_streamed = real
     assert seen and seen[0].startswith(f"train.run_dir {run_dir} is in use by hf-to-diffjax (pid {os.getpid()} "), seen
     assert not (run_dir / "trainer.lock").exists()
 

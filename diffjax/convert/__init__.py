@@ -1,4 +1,5 @@
 """Weight converters between diffjax and the PyTorch references (microsoft/unilm `Diff-Transformer/`, transformers' DiffLlama).
+Each Hugging Face checkpoint format is a row of diffjax.convert.formats, defined by its family's module.
 
 Command line: `python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, upcycle, verify}` (README, "Convert").
 """

@@ -1,5 +1,6 @@
 """Shared pieces of the converters: errors, tensors to numpy, output directories, and
-assembling a model (or an nnx pure dict) from named arrays."""
+assembling a model (or an nnx pure dict) from named arrays. Imports no jax (the format table reads config.json
+without it); build_module imports jax and flax when called."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path as FsPath
 
-import jax.numpy as jnp
-import ml_dtypes
+import ml_dtypes  # (also makes np.dtype("bfloat16") known)
 import numpy as np
-from flax import nnx
 
 from diffjax import storage
 from diffjax.convert.hub import refuse_the_cache
@@ -57,6 +56,11 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def np_dtype(dtype) -> np.dtype | None:
+    """A dtype name ("bfloat16", "float32", ...) or dtype object as numpy's; None stays None."""
+    return None if dtype is None else np.dtype(dtype)
+
+
 def path_name(path: Path) -> str:
     return ".".join(str(p) for p in path)
 
@@ -68,6 +72,9 @@ def build_module(make_module, params: Mapping[Path, np.ndarray], dtype, *, consu
     checkpoint keys and shapes first, so a mismatch here is a converter bug and says which path.
     consume: pop each array from `params` once it is on the device (peak memory ~1x the model, not 2x).
     """
+    import jax.numpy as jnp
+    from flax import nnx
+
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make_module))
     leaves = []
     for path, variable in nnx.to_flat_state(abstract_state):
