@@ -115,7 +115,8 @@ def main(argv=None) -> int:
                         help="tokens per row (default: the run's data.seq_len)")
     parser.add_argument("--text", action="append", default=[], metavar="PATH",
                         help="text to sample (.jsonl, else text files; repeatable); default: the run's held-out documents")
-    parser.add_argument("--batch-size", type=common.positive_int, default=8)
+    parser.add_argument("--batch-size", type=common.positive_int, default=8,
+                        help="rows of --seq-len tokens per forward pass (default 8)")
     parser.add_argument("--median-sample", type=common.positive_int, default=1 << 16, help="values per layer and batch for the median")
     args = parser.parse_args(argv)
 

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="the train step's context axis size (default: the config's parallel.context, 1 for -1)")
     parser.add_argument("--window", type=int, default=None, metavar="W", help="model.attention_window=W")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as train.py takes them")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as diffjax-train takes them")
     args = parser.parse_args(argv)
     if args.context is not None and args.context < 1:
         parser.error(f"--context must be a positive integer, got {args.context}")

@@ -20,7 +20,7 @@ from diffjax.train.config_files import DEFAULT
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="diffjax-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT, metavar="NAME_OR_PATH",
                         help=f"a shipped config's name (paper/diff-1.4b, ...) or a YAML file (default: {DEFAULT})")
     parser.add_argument("--help-keys", action="store_true",
