@@ -189,12 +189,14 @@ def scale_by_path(multipliers: list[tuple[re.Pattern, float]]) -> optax.Gradient
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def schedule_change(old: OptimizerConfig, old_steps: int, new: OptimizerConfig, new_steps: int, step: int) -> str | None:
+def schedule_change(old: OptimizerConfig, old_steps: int, new: OptimizerConfig, new_steps: int,
+                    step: int) -> str | None:
     """What resuming at optimizer step `step` (the next update, 0-based; the progress line's step + 1) with `new` /
     `new_steps` instead of the run's `old` / `old_steps` does to the learning rate, as a note: the rate at that
     step before and now, and where warm-up and decay end; None when the schedule is the same."""
-    ends = [(config.warmup_steps, config.decay_steps or steps) for config, steps in ((old, old_steps), (new, new_steps))]
-    before, after = (float(make_schedule(config, steps)(step)) for config, steps in ((old, old_steps), (new, new_steps)))
+    runs = ((old, old_steps), (new, new_steps))
+    ends = [(config.warmup_steps, config.decay_steps or steps) for config, steps in runs]
+    before, after = (float(make_schedule(config, steps)(step)) for config, steps in runs)
     if ends[0] == ends[1] and math.isclose(before, after, rel_tol=1e-6, abs_tol=1e-12):
         return None
     (old_warmup, old_end), (new_warmup, new_end) = ends

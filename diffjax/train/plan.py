@@ -244,7 +244,8 @@ def compiled_memory(run: RunConfig, sizes: dict[str, int], micro_batch: int) -> 
     shape = (1, micro_batch * split_of("batch", sizes), run.data.seq_len)
     tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=training.step_batch_sharding)
     step = training.jit_train_step(tx, schedule, run.model, loss_chunk=run.train.loss_chunk)
-    memory = step.lower(state, {"tokens": tokens, "segment_ids": tokens, "positions": tokens}).compile().memory_analysis()
+    batch = {"tokens": tokens, "segment_ids": tokens, "positions": tokens}
+    memory = step.lower(state, batch).compile().memory_analysis()
     return {"arguments": memory.argument_size_in_bytes, "batch": 3 * math.prod(shape) * 4 // split_of("batch", sizes),
             "outputs": memory.output_size_in_bytes, "aliased": memory.alias_size_in_bytes,
             "temporaries": memory.temp_size_in_bytes, "code": memory.generated_code_size_in_bytes}
@@ -283,8 +284,10 @@ def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> 
              f"device(s))", f"batch: {batch.describe(run.data.seq_len)}",
              f"attention in the train step: {plan.route}" + (" (materialises T x S scores)" if a["scores"] else ""),
              "memory per device:",
-             f"  params           {_size(plan.params):>11}  {dtype}" + (", the frozen LoRA base" if run.lora.enabled else ""),
-             f"  gradients        {_size(plan.gradients):>11}" + (", and their accumulator" if plan.accum_steps > 1 else ""),
+             f"  params           {_size(plan.params):>11}  {dtype}"
+             + (", the frozen LoRA base" if run.lora.enabled else ""),
+             f"  gradients        {_size(plan.gradients):>11}"
+             + (", and their accumulator" if plan.accum_steps > 1 else ""),
              f"  optimizer state  {_size(plan.optimizer):>11}  AdamW's two moments, {dtype}",
              f"  activations      {_size(sum(a.values())):>11}  estimate, remat {run.model.remat}, micro-batch "
              f"{plan.micro_batch}: kept for the backward {_size(a['saved'])}, one layer's working set "
