@@ -116,3 +116,8 @@ def test_the_cli_says_whether_it_fits(capsys):
     with pytest.raises(SystemExit):
         main(["--device", "h100"])  # --device without --plan
     assert "--device and --devices go with --plan" in capsys.readouterr().err
+    assert main(["--plan", "--config", "tiny", "parallel.tensor=3", "parallel.data=1"]) == 2
+    assert "parallel.tensor (3) must divide model.num_heads (4)" in capsys.readouterr().err
+    from diffjax.train.cli import DEVICE_NAMES
+
+    assert set(DEVICE_NAMES) == set(plan.DEVICE_MEMORY)

@@ -24,11 +24,13 @@ import sys
 
 from diffjax.train.config_files import DEFAULT
 
-DEVICE_NAMES = ("cpu", "h100", "h200", "a100", "l4", "v5p", "v5e", "v6e")  # --plan's devices (diffjax.train.plan)
+# --plan's devices: diffjax.train.plan.DEVICE_MEMORY's (named here so that --help loads no jax; tested equal)
+DEVICE_NAMES = ("cpu", "h100", "h200", "a100", "l4", "v5p", "v5e", "v6e")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="diffjax-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="diffjax-train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT, metavar="NAME_OR_PATH",
                         help=f"a shipped config's name (paper/diff-1.4b, ...) or a YAML file (default: {DEFAULT})")
     parser.add_argument("--help-keys", action="store_true",
@@ -36,13 +38,13 @@ def main(argv=None) -> int:
                              "allowed values and meaning, then exit")
     parser.add_argument("--plan", action="store_true",
                         help="print the run's memory per device and whether it fits --device, then exit (trains nothing)")
-    parser.add_argument("--device", default="cpu", choices=DEVICE_NAMES,
+    parser.add_argument("--device", choices=DEVICE_NAMES,
                         help="with --plan: the device to plan for (default cpu: this machine's memory)")
     parser.add_argument("--devices", type=int, metavar="N",
                         help="with --plan: devices in all, for a mesh axis of -1 (default: the other axes' product)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
-    if (args.device != "cpu" or args.devices is not None) and not args.plan:
+    if (args.device is not None or args.devices is not None) and not args.plan:
         parser.error("--device and --devices go with --plan")
 
     from diffjax.log_lines import print_package_logs
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
         print(describe_keys(config))
         return 0
     if args.plan:
-        return _plan(config, args.device, args.devices)
+        return _plan(config, args.device or "cpu", args.devices)
     print_package_logs()  # (train.init_from's reader warns through logging)
     try:
         result = train(config)

@@ -37,7 +37,7 @@ from diffjax.ops.choice import DEVICES, choose
 from diffjax.sharding import _RULES, logical_spec
 from diffjax.train.batching import plan_batch
 from diffjax.train.config import RunConfig
-from diffjax.train.mesh import MESH_AXES, mesh_shape
+from diffjax.train.mesh import MESH_AXES, check_model_fits_mesh, mesh_shape
 from diffjax.train.step import resolve_loss_chunk
 
 GiB = 2**30
@@ -204,6 +204,7 @@ def plan_memory(run: RunConfig, device: str, num_devices: int | None = None) -> 
     of `device` (a diffjax.ops DEVICES name)."""
     fixed = math.prod(size for axis in MESH_AXES if (size := getattr(run.parallel, axis)) != -1)
     sizes = mesh_shape(run.parallel, num_devices or fixed)
+    check_model_fits_mesh(run.model, ShapeOnlyMesh(sizes))
     count = math.prod(sizes.values())
     batch = plan_batch(run.global_batch_size, batch_shards=split_of("batch", sizes),
                        micro_batch_per_device=run.train.micro_batch_per_device)

@@ -424,7 +424,10 @@ def changed_settings(directory: RunDir, config: RunConfig) -> list[str]:
 def _schedule_change(directory: RunDir, config: RunConfig, step: int) -> str | None:
     """optimizer.schedule_change's note for resuming at `step` against the schedule config.yaml describes."""
     saved = read_yaml(directory.config_file)
-    old_optim = build_config(OptimizerConfig, saved.get("optim") or {}, prefix="optim")
+    try:
+        old_optim = build_config(OptimizerConfig, saved.get("optim") or {}, prefix="optim")
+    except ValueError:  # (a config.yaml of an older diffjax: nothing to compare with)
+        return None
     old_steps = (saved.get("train") or {}).get("steps", config.train.steps)
     return schedule_change(old_optim, old_steps, config.optim, config.train.steps, step)
 
