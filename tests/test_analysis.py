@@ -379,7 +379,7 @@ def test_outliers_a_repeated_first_layer_value_is_explained(models):
     assert top[99] >= 0.999 * top[0] and set(result.top_layers["attention logits"]) == {0}
     assert result.repeated("attention logits") and result.layers("attention logits") == "0"
     table = outliers.format_results(["periodic"], [result])
-    assert "note: periodic, attention logits: the 100 largest are one value repeated (layer 0)" in table
+    assert "note: periodic, attention logits: the 100 largest are one value repeated (layers 0)" in table
 
 
 def test_cli_writes_training_data_and_refuses_bad_checkpoints(tmp_path, capsys):

@@ -98,8 +98,9 @@ def statistics(model, batches: Sequence[dict], *, median_sample: int = 1 << 16, 
                 depths[kind].append(np.full(len(tops[kind][-1]), depth))
                 samples[kind].append(sample[sample >= 0])
         tokens += int(np.count_nonzero(batch["segment_ids"]))
-    order = {kind: np.argsort(-np.concatenate(tops[kind]), kind="stable")[: max(TOP_K)] for kind in KINDS}
-    return OutlierResult(tokens, {kind: np.concatenate(tops[kind])[order[kind]] for kind in KINDS},
+    values = {kind: np.concatenate(tops[kind]) for kind in KINDS}
+    order = {kind: np.argsort(-values[kind], kind="stable")[: max(TOP_K)] for kind in KINDS}
+    return OutlierResult(tokens, {kind: values[kind][order[kind]] for kind in KINDS},
                          {kind: float(np.median(np.concatenate(samples[kind]))) for kind in KINDS},
                          {kind: np.concatenate(depths[kind])[order[kind]] for kind in KINDS})
 
@@ -110,7 +111,7 @@ def format_results(labels: Sequence[str], results: Sequence[OutlierResult]) -> s
             for kind in KINDS for label, r in zip(labels, results)]
     title = ("Largest activation magnitudes (top-k = k-th largest |value|, each occurrence counted) and the median "
              "|value|, over " + ", ".join(f"{r.tokens} tokens ({label})" for label, r in zip(labels, results)))
-    notes = [f"note: {label}, {kind}: the {max(TOP_K)} largest are one value repeated (layer {r.layers(kind)}): "
+    notes = [f"note: {label}, {kind}: the {max(TOP_K)} largest are one value repeated (layers {r.layers(kind)}): "
              "activations repeat wherever their inputs do (in the first layer a logit depends only on its two tokens "
              "and their distance; in any layer on the document up to the query)"
              for kind in KINDS for label, r in zip(labels, results) if r.repeated(kind)]

@@ -124,7 +124,8 @@ def main(argv=None) -> int:
             from diffjax.convert.hf_directories import hf_to_diffjax
             step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress,
                                      revision=args.revision, trust_remote_code=args.trust_remote_code)
-            print(f"wrote {step_dir} (run directory {args.dst}; {_fine_tune_hint(RunDir(args.dst).config_file, args.dst)})")
+            print(f"wrote {step_dir} (run directory {args.dst}; "
+                  f"{_fine_tune_hint(RunDir(args.dst).config_file, args.dst)})")
         elif args.command == "diffjax-to-hf":
             from diffjax.convert.hf_directories import diffjax_to_hf
             out = diffjax_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_size=args.shard_size,

@@ -20,10 +20,10 @@ CONFIG_AND_TOKENIZER = ("config.json", "generation_config.json", "tokenizer*", "
 SAFETENSORS = ("*.safetensors", "model.safetensors.index.json")
 PYTORCH_BIN = ("pytorch_model*.bin", "pytorch_model.bin.index.json")  # read only where there are no safetensors
 REMOTE_CODE = ("*.py",)
-_TOP_LEVEL_ONLY = ("*/*",)
+_TOP_LEVEL_ONLY = ("*/*",)  # the files diffjax reads sit at a repository's top level
 # Set beside HF_HUB_OFFLINE where diffjax itself switched offline mode on (diffjax-eval, when the Hub does not
 # answer): why, so that messages tell that apart from the user's own setting.
-OFFLINE_REASON = "DIFFJAX_OFFLINE_REASON"  # the files diffjax reads sit at a repository's top level
+OFFLINE_REASON = "DIFFJAX_OFFLINE_REASON"
 # org/name as the Hub spells repository ids (no "..", no "--", no leading or trailing "." / "-" in a part).
 _HUB_NAME = re.compile(r"^(?!.*(?:\.\.|--))[A-Za-z0-9_](?:[\w.-]*[\w])?/[A-Za-z0-9_](?:[\w.-]*[\w])?$")
 
