@@ -1,5 +1,5 @@
 """Adopting checkpoints that have no digest (a run written before diffjax kept digests, or by hand): every reader
-refuses them until `python -m diffjax.checkpoint adopt RUN_DIR_OR_STEP` restores each one, checks that every
+refuses them until `diffjax-checkpoint adopt RUN_DIR_OR_STEP` restores each one, checks that every
 floating-point array in it is finite and writes its digest (diffjax.integrity).
 
 Adoption is the one place a checkpoint is trusted without a digest to check it against, so it takes only what
@@ -119,7 +119,7 @@ def _never_written(tree) -> str | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffjax.checkpoint",
+    parser = argparse.ArgumentParser(prog="diffjax-checkpoint",
                                      description="Tools for diffjax checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     adopt_parser = commands.add_parser(

@@ -171,7 +171,7 @@ def test_a_missing_digest_is_damage_in_a_digested_run_and_asks_for_adoption_in_a
     assert find_damage(newer) == MISSING_DIGEST  # step 0 has its digest
     (run_dir / "checkpoints" / "0" / "digest.json").unlink()
     for step_dir in (newer, run_dir / "checkpoints" / "0"):
-        with pytest.raises(NotAdoptedError, match=rf"adopt the run .*: python -m diffjax.checkpoint adopt {run_dir}$"):
+        with pytest.raises(NotAdoptedError, match=rf"adopt the run .*: diffjax-checkpoint adopt {run_dir}$"):
             find_damage(step_dir)
     with pytest.raises(NotAdoptedError, match=rf"^checkpoint: checkpoint {newer} has no digest.json, nor has any"):
         load_model(run_dir)

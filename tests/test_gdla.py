@@ -22,7 +22,7 @@ from diffjax.model.attention.gdla import GroupedDiffLatentAttention
 from diffjax.model.kv_cache import KVCache
 from diffjax.model.rope import inv_frequencies, layer_rope_tables, rope_tables, window_inv_frequencies
 from diffjax.ops import DEVICES, choose, simulated_device
-from diffjax.ops.__main__ import attention_calls
+from diffjax.model.sizes import attention_calls
 
 from motif3_published import PUBLISHED, checkpoint_shapes, small_config
 

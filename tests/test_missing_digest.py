@@ -23,7 +23,7 @@ from test_robustness import _main
 from test_trainer import REPO_ROOT, SMALL, _config
 
 RUN = ["train.steps=4", "checkpoint.every=2", "train.sample_tokens=0"]  # checkpoints 2 and 4
-ADOPT = "python -m diffjax.checkpoint adopt"
+ADOPT = "diffjax-checkpoint adopt"
 MISSING = "it has no digest.json, unlike the other checkpoints of its run"
 
 pytestmark = pytest.mark.slow  # the trained run: ~15 s once for the module

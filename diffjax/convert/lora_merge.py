@@ -1,4 +1,4 @@
-"""A LoRA run's model with its adapters merged into the base weights: `python -m diffjax.convert merge-lora RUN DST`
+"""A LoRA run's model with its adapters merged into the base weights: `diffjax-convert merge-lora RUN DST`
 (a params-only run directory, which trains on, loads with load_model and exports like any conversion) and the lazy
 mapping `diffjax-to-hf RUN DST` of a LoRA run exports from (hf_directories.diffjax_to_hf).
 

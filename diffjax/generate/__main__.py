@@ -1,6 +1,6 @@
-"""python -m diffjax.generate --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N ...]
+"""diffjax-generate --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N ...]
 
-Continues each prompt with the model of a run directory (train.py's, or a conversion's) and prints prompt +
+Continues each prompt with the model of a run directory (diffjax-train's, or a conversion's) and prints prompt +
 continuation, one after the other; several prompts of any lengths run as one batch. Text goes through the
 run's tokenizer (config.yaml's data.tokenizer); --prompt-ids takes token ids instead and needs none.
 A row stops at the tokenizer's eos (unless --ignore-eos) or after --max-new-tokens.
@@ -21,9 +21,9 @@ SEPARATOR = "\n" + "-" * 40
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffjax.generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
+    parser = argparse.ArgumentParser(prog="diffjax-generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="a run directory (train.py's or a conversion's), its checkpoints/ directory or a step directory")
+                        help="a run directory (diffjax-train's or a conversion's), its checkpoints/ directory or a step directory")
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
     prompts.add_argument("--prompt-ids", action="append", metavar="IDS",

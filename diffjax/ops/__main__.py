@@ -16,47 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffjax.ops.choice import DEVICES, AttentionCall, choose, current_device
-
-
-def attention_calls(config, seq_len: int, context: int = 1) -> list[tuple[str, AttentionCall]]:
-    """(what, call) for a model config's training step (under a context axis of `context`), prefill and decode step,
-    shapes by abstract evaluation."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from diffjax import attention_kinds
-    from diffjax.model.attention import module_class
-    from diffjax.model.rope import inv_frequencies, rope_tables
-    from diffjax.model.transformer import REMAT_SAVES
-
-    op = attention_kinds.get(config.attention).attention_op
-    dtype = jnp.dtype(config.dtype)
-    module = nnx.eval_shape(lambda: module_class(config)(config, 0, rngs=nnx.Rngs(0)))
-
-    def shapes(T):
-        x = jax.ShapeDtypeStruct((1, T, config.d_model), dtype)
-        positions = jax.ShapeDtypeStruct((1, T), jnp.int32)
-        rope = jax.eval_shape(lambda p: rope_tables(p, inv_frequencies(config), dtype), positions)
-        return nnx.eval_shape(lambda m, x, r: m.project(x, r), module, x, rope)
-
-    q, k, v = shapes(seq_len)
-    q1, k1, v1 = shapes(1)
-    S = config.max_seq_len  # the cache's slots
-    cache = lambda x: (1, S) + tuple(x.shape[2:])  # noqa: E731
-    # Windowed layers and global layers make different calls (the decode step folds the window into its mask).
-    windows = sorted({config.window_at(depth) for depth in range(config.num_layers)}, key=lambda w: w or 0)
-    calls = []
-    for window in windows:
-        layers = "" if len(windows) == 1 else " (global layers)" if window is None else " (windowed layers)"
-        calls += [
-            (f"train step (packed rows){layers}",
-             AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, "one", window, context,
-                           REMAT_SAVES[config.remat])),
-            (f"generation prefill{layers}", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, None, window)),
-        ]
-    return calls + [("generation decode step", AttentionCall(op, q1.shape, cache(k1), cache(v1), dtype.name, False, "pair"))]
+from diffjax.ops.choice import DEVICES, choose, current_device
 
 
 def main(argv=None) -> int:
@@ -67,10 +27,11 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="the train step's context axis size (default: the config's parallel.context, 1 for -1)")
     parser.add_argument("--window", type=int, default=None, metavar="W", help="model.attention_window=W")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as train.py takes them")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as diffjax-train takes them")
     args = parser.parse_args(argv)
     if args.context is not None and args.context < 1:
         parser.error(f"--context must be a positive integer, got {args.context}")
+    from diffjax.model.sizes import attention_calls
     from diffjax.train.config import load_run_config
 
     overrides = args.overrides + ([] if args.window is None else [f"model.attention_window={args.window}"])

@@ -203,7 +203,7 @@ class RunConfig:
     def __post_init__(self):
         if self.lora.enabled and not self.train.init_from:
             raise ValueError("lora.rank > 0 fine-tunes a base model: set train.init_from to its run directory (a "
-                             "trained run, or an HF model converted with `python -m diffjax.convert hf-to-diffjax`)")
+                             "trained run, or an HF model converted with `diffjax-convert hf-to-diffjax`)")
         if self.train.batch_tokens is not None and self.train.batch_tokens % self.data.seq_len:
             raise ValueError(
                 f"train.batch_tokens ({self.train.batch_tokens}) must be a multiple of data.seq_len ({self.data.seq_len})"
