@@ -13,10 +13,12 @@ forward+backward:
   two-call  two ops.dot_product_attention calls with dv = 2d (one per map) and o1 - lam o2: what
             diff costs without a fused kernel
   mgpu: jax's own Mosaic GPU flash attention (jax.experimental.pallas.ops.gpu.attention_mgpu), baseline rows
-  only: the single-map peer of cuDNN and pallas_gpu's single-map mode (its backward takes no causal mask: an error
-  row); one "skipped" line where jax lacks the module or no GPU runs.
-  (pallas_gpu's baseline rows run its single-map mode; its two-call rows run cudnn, since the
-  single-map mode needs dv = d. Targets, against the cudnn rows of the same run: diff fwd TFLOP/s
+  only: the single-map peer of cuDNN and pallas_gpu's single-map mode, in float16 (its shared-memory buffers
+  are float16 whatever the inputs, jax 0.10-0.11: bf16 inputs fail to lower; fp16 and bf16 have the same Hopper
+  tensor-core rate); its causal backward is not implemented upstream (a "skipped" row), nor is it run where jax
+  lacks the module or no GPU runs (one "skipped" line).
+  (pallas_gpu's baseline rows run its single-map mode; its two-call rows run cudnn: their dv = 2d,
+  256 at d 128, is past the single-map mode's 192. Targets, against the cudnn rows of the same run: diff fwd TFLOP/s
   >= 1.1x the cuDNN baseline's, fwd+bwd >= 1.0x, and >= 1.3x faster than two-call cuDNN)
 
 FLOP convention (nominal, FlashAttention-style): a matmul (m x k)(k x n) is 2mkn.
@@ -91,7 +93,7 @@ def make_fns(impl, causal, B, T, H):
     def diff(q, k, v, lam):
         return ops.diff_attention(q, k, v, lam, causal=causal, impl=impl)
 
-    two_call_impl = "cudnn" if impl == "pallas_gpu" else impl  # its single-map mode needs dv = d
+    two_call_impl = "cudnn" if impl == "pallas_gpu" else impl  # dv = 2d: past the single-map mode's 192 at d 128
 
     def baseline(q, k, v):
         return ops.dot_product_attention(q, k, v, causal=causal, impl=impl)
@@ -124,13 +126,16 @@ def mgpu_module():
     return attention_mgpu, None
 
 
+MGPU_DTYPE = jnp.float16  # attention_mgpu stages q, k, v in float16 shared memory (jax 0.10-0.11): bf16 cannot load
+
+
 def mgpu_fns(module, causal, B, T, H):
-    """The single-map peer: jax's attention_mgpu on the baseline's shapes (2H heads of D), forward and
-    forward+backward. Its backward takes no causal mask (jax 0.10-0.12): that row is an error row."""
+    """The single-map peer: jax's attention_mgpu on the baseline's shapes (2H heads of D) in MGPU_DTYPE, forward
+    and forward+backward (the causal backward raises NotImplementedError upstream: a "skipped" row)."""
     config = module.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
                                  block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    args = tuple(jax.random.normal(key, (B, T, 2 * H, D), jnp.bfloat16) for key in ks)
+    args = tuple(jax.random.normal(key, (B, T, 2 * H, D), MGPU_DTYPE) for key in ks)
 
     def attend(q, k, v):
         return module.attention(q, k, v, config)
@@ -141,16 +146,18 @@ def mgpu_fns(module, causal, B, T, H):
 def time_mgpu(module, rec: dict, warmup: int, repeats: int) -> dict:
     """rec (T, causal, pass) with the single-map peer's time and TFLOP/s (the baseline columns)."""
     T, causal, mode, B, H = rec["T"], rec["causal"], rec["pass"], rec["B"], rec["H"]
+    rec["dtype"] = jnp.dtype(MGPU_DTYPE).name
     try:
         fn, fargs = mgpu_fns(module, causal, B, T, H)[mode]
         rec["baseline_s"] = time_fn(fn, fargs, warmup, repeats)
-    except Exception as e:  # noqa: BLE001 (causal backward: not implemented upstream)
-        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        print(f"{'mgpu':<11}{T:>6} {str(causal):>6} {mode:>8} | error {rec['error'][:80]}")
+    except Exception as e:  # noqa: BLE001 (an upstream failure is a result row, not the end of the run)
+        key = "skipped" if isinstance(e, NotImplementedError) else "error"  # the causal backward (jax 0.10-0.11)
+        rec[key] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"{'mgpu':<11}{T:>6} {str(causal):>6} {mode:>8} | {key} {rec[key][:80]}")
         return rec
     rec["baseline_tflops"] = (1.0 if mode == "fwd" else 3.5) * flops_baseline(B, H, T, T, causal) / rec["baseline_s"] / 1e12
     print(f"{'mgpu':<11}{T:>6} {str(causal):>6} {mode:>8} | {'':>9} {'':>8} | {1e3 * rec['baseline_s']:>9.2f} "
-          f"{rec['baseline_tflops']:>8.3f} |   (jax's Mosaic GPU flash attention, single map)")
+          f"{rec['baseline_tflops']:>8.3f} |   (jax's Mosaic GPU flash attention, single map, {rec['dtype']})")
     return rec
 
 
@@ -244,6 +251,28 @@ def kernel_targets(records, T=8192):
     return out if out["lines"] else None
 
 
+def route_table(paths) -> dict:
+    """diffjax.ops.choice.HOPPER_MS from result files of this benchmark on Hopper GPUs: per (op, d, dv, causal) and
+    pass, each impl's milliseconds at T = 8192, the mean over the files (diff rows: diff_attention; baseline rows:
+    dot_product_attention, dv = d), rounded to 0.01 ms. Rows with an error or run interpreted are left out."""
+    from diffjax.ops.choice import HOPPER_KINDS
+
+    times: dict = {}
+    for path in paths:
+        content = json.loads(Path(path).read_text())
+        if not any(kind in content["device"]["kind"] for kind in HOPPER_KINDS):
+            raise ValueError(f"{path}: measured on {content['device']['kind']}, not a Hopper GPU ({HOPPER_KINDS})")
+        for r in content["records"]:
+            if r.get("error") or r.get("interpret") or r["T"] != 8192:
+                continue
+            for op, dv, key in (("diff_attention", r["dv"], "diff_s"), ("dot_product_attention", r["d"], "baseline_s")):
+                if key in r:
+                    cell = times.setdefault((op, r["d"], dv, r["causal"]), {}).setdefault(r["pass"], {})
+                    cell.setdefault(r["impl"], []).append(r[key])
+    return {call: {pass_: {impl: round(1e3 * statistics.mean(ts), 2) for impl, ts in sorted(impls.items())}
+                   for pass_, impls in sorted(passes.items())} for call, passes in sorted(times.items())}
+
+
 def run_memory_section(platform, device):
     """Memory against T (compiles per impl and T; on a GPU also real out-of-memory probes)."""
     if platform == "gpu":
@@ -277,6 +306,8 @@ def parse_args():
     parser.add_argument("--impls", default=None, help="comma-separated subset of impls")
     parser.add_argument("--lengths", default=None, help="comma-separated T values")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory section (compiles and OOM probes)")
+    parser.add_argument("--route-table", nargs="+", metavar="JSON", default=None,
+                        help="print diffjax.ops.choice.HOPPER_MS from these result files (Hopper runs) and exit")
     return parser.parse_args()
 
 
@@ -357,6 +388,10 @@ def mgpu_section(lengths, H, accel, warmup, repeats) -> list[dict]:
 
 def main():
     args = parse_args()
+    if args.route_table:
+        for call, passes in route_table(args.route_table).items():
+            print(f"    {call}: {passes},")
+        return
     platform = jax.default_backend()
     device = jax.devices()[0]
     impls = args.impls.split(",") if args.impls else impls_for(platform)

@@ -5,7 +5,8 @@
 
 Per device, in bytes, from the abstract params (jax.eval_shape: nothing allocated) and diffjax's own sharding rules
 (diffjax.sharding.logical_spec: the spec a parameter really gets on that mesh, a dimension the axes do not divide
-staying whole):
+staying whole), computed by diffjax.train.plan (what `diffjax-train --plan` reports for any config; this benchmark
+adds Motif 3's own activation working set, LoRA and generation plans):
   params       each parameter's shard, in param_dtype
   grads        full fine-tuning: one shard-sized gradient (param_dtype), live through the optimizer update
   optimizer    AdamW's two moments: in param_dtype as diffjax configures optax (bf16 for Motif 3), and the fp32
@@ -39,61 +40,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffjax.sharding import _RULES, logical_spec  # noqa: E402
+from diffjax.train.plan import abstract_params, compiled_memory, params_bytes, split_of  # noqa: E402
 
 GiB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results" / "memory_plan.md"
-
-
-class ShapeOnlyMesh:
-    """What logical_spec reads of a mesh (its axis sizes): a plan for 512 devices needs none of them."""
-
-    def __init__(self, sizes: dict[str, int]):
-        self.shape = dict(sizes)
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """'expert=8,fsdp=16' -> {'expert': 8, 'fsdp': 16}."""
-    sizes = {}
-    for item in text.split(","):
-        name, _, size = item.partition("=")
-        sizes[name.strip()] = int(size)
-    return sizes
-
-
-def abstract_params(config):
-    """[(dotted path, logical axes, shape, dtype)] of the model's parameters, allocated nowhere."""
-    from flax import nnx
-
-    from diffjax.model import TransformerLM
-    model = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
-    rows = []
-    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        axes = param.get_metadata().get("logical_axes") or (None,) * len(param.shape)
-        rows.append((".".join(map(str, path)), tuple(axes), tuple(param.shape), np.dtype(param.dtype)))
-    return rows
-
-
-def shard_elements(axes, shape, sizes: dict[str, int]) -> int:
-    """Elements of one device's shard of a parameter under the rules on a mesh of `sizes`."""
-    spec = logical_spec(axes, shape, ShapeOnlyMesh(sizes))
-    count = 1
-    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        count *= dim // math.prod(sizes[name] for name in names)
-    return count
-
-
-def params_bytes(params, sizes: dict[str, int]) -> int:
-    """One device's share of the parameters, in bytes (each in its own dtype)."""
-    return sum(shard_elements(axes, shape, sizes) * dtype.itemsize for _, axes, shape, dtype in params)
-
-
-def split_of(logical: str, sizes: dict[str, int]) -> int:
-    """How many ways the rules split an activation's logical axis on this mesh (batch, length)."""
-    axes = _RULES[logical]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(sizes.get(axis, 1) for axis in axes)
 
 
 @dataclasses.dataclass
@@ -204,24 +154,9 @@ CHECK_MESHES = ({"expert": 8}, {"expert": 4, "data": 2}, {"expert": 2, "fsdp": 2
 
 def compiled_state_bytes(run_config, sizes: dict[str, int]) -> tuple[int, int]:
     """(compiled argument bytes per device of the train step, of which the batch) on this machine's devices."""
-    import jax
-
-    from diffjax.train.mesh import ParallelConfig, make_mesh
-    from diffjax.train.optimizer import make_optimizer
-    from diffjax.train.step import sharded_init
-
-    mesh = make_mesh(ParallelConfig(**{"data": 1, **sizes}), jax.devices()[:math.prod(sizes.values())])
-    tx, schedule = make_optimizer(run_config.optim, 10)
-    training, init = sharded_init(run_config.model, tx, mesh)
-    abstract = jax.eval_shape(init, jax.random.key(0))
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                         training.state_shardings)
-    batch_shape = (1, run_config.train.batch_size, run_config.data.seq_len)
-    tokens = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=training.step_batch_sharding)
-    step = training.jit_train_step(tx, schedule, run_config.model)
-    memory = step.lower(state, {"tokens": tokens, "segment_ids": tokens, "positions": tokens}).compile().memory_analysis()
-    batch = 3 * math.prod(batch_shape) * 4 // split_of("batch", sizes)
-    return memory.argument_size_in_bytes, batch
+    figures = compiled_memory(run_config, {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, "expert": 1, **sizes},
+                              run_config.train.batch_size // split_of("batch", sizes))
+    return figures["arguments"], figures["batch"]
 
 
 def check(config_name: str) -> str:

@@ -217,7 +217,10 @@ def executions_per_run(comps: dict[str, list[Instr]], entry: str | None) -> dict
 
 
 def hlo_costs(text: str) -> dict[str, dict]:
-    """op name -> {category, flops, bytes (per execution), runs (per module execution), source}."""
+    """op name -> {category, flops, bytes (per execution), runs (per module execution), source}. A custom call
+    inside a fusion (XLA GPU's dynamic-slice fusions around a Mosaic GPU kernel: the kernel reads its operands'
+    slices in place) is also listed under its own name, the one the GPU runtime times it by, with the fusion's
+    runs and its own operands' bytes (the slices, not the stacks they are cut from)."""
     instrs, comps, entry = parse_hlo(text)
     runs = executions_per_run(comps, entry)
     out = {}
@@ -225,21 +228,55 @@ def hlo_costs(text: str) -> dict[str, dict]:
         for instr in comps.get(comp, []):
             if instr.opcode in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
                 continue
-            source = re.search(r'op_name="([^"]*)"', instr.attrs)
-            out[instr.name] = {
-                "opcode": instr.opcode, "category": category(instr, instrs, comps),
-                "flops": _flops(instr, instrs, comps),
-                "bytes": shape_bytes(instr.shape) + sum(shape_bytes(instrs[o].shape) for o in instr.operands
-                                                        if o in instrs),
-                "runs": times, "source": _short_source(source.group(1)) if source else "",
-            }
+            out[instr.name] = _cost(instr, instrs, comps, times)
+            for inner in _inner_custom_calls(instr, comps) if instr.opcode == "fusion" else ():
+                out.setdefault(inner.name, _cost(inner, instrs, comps, times))
     return out
 
 
+def _cost(instr: Instr, instrs, comps, times: float) -> dict:
+    source = re.search(r'op_name="([^"]*)"', instr.attrs)
+    return {"opcode": instr.opcode, "category": category(instr, instrs, comps), "flops": _flops(instr, instrs, comps),
+            "bytes": shape_bytes(instr.shape) + sum(shape_bytes(instrs[o].shape) for o in instr.operands
+                                                    if o in instrs),
+            "runs": times, "source": _short_source(source.group(1)) if source else ""}
+
+
+def _inner_custom_calls(fusion: Instr, comps) -> list[Instr]:
+    return [inner for comp in _called(fusion) for inner in comps.get(comp, []) if inner.opcode == "custom-call"]
+
+
+def kernel_launches(text: str, pattern: str = r"diffjax_mgpu\w*?_(?:fwd|bwd_dq|bwd_dkdv)") -> list[dict]:
+    """Custom calls (also those inside fusions) whose jax provenance names a kernel matching `pattern`, in an HLO
+    module's text: one entry per kernel and pass of the step (fwd, bwd, bwd remat) with its HLO ops and launches
+    per module execution (while-loop trip counts applied: a scanned layer stack's kernels count once per layer)."""
+    instrs, comps, entry = parse_hlo(text)
+    found = collections.defaultdict(lambda: {"ops": [], "launches": 0.0})
+    for comp, times in executions_per_run(comps, entry).items():
+        for instr in comps.get(comp, []):
+            inner = _inner_custom_calls(instr, comps) if instr.opcode == "fusion" else []
+            for call in [instr] * (instr.opcode == "custom-call") + inner:
+                op_name = re.search(r'op_name="([^"]*)"', call.attrs)
+                kernel = re.search(pattern, op_name.group(1)) if op_name else None
+                if kernel:
+                    row = found[kernel.group(0), step_pass(op_name.group(1))]
+                    row["ops"].append(call.name)
+                    row["launches"] += times
+    return [{"kernel": kernel, "pass": name, **value} for (kernel, name), value in sorted(found.items())]
+
+
 def _short_source(op_name: str) -> str:
-    """The jax-level provenance of an op, last two path parts (e.g. 'closed_call/transpose(jvp(btD,DhGd->bthGd))')."""
+    """The jax-level provenance of an op: its pass (step_pass), then the last two path parts (e.g. 'bwd:
+    checkpoint/diffjax_mgpu_bwd_dq')."""
     parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")]
-    return "/".join(parts[-2:])[:80]
+    return (f"{step_pass(op_name)}: " if step_pass(op_name) else "") + "/".join(parts[-2:])[:80]
+
+
+def step_pass(op_name: str) -> str:
+    """The pass of a differentiated step an op belongs to: 'fwd', 'bwd', 'bwd remat' (the backward's
+    recomputation of the forward), '' (not differentiated)."""
+    name = "bwd" if "transpose(jvp" in op_name else "fwd" if "jvp(" in op_name else ""
+    return name + (" remat" if name and "rematted_computation" in op_name else "")
 
 
 # ------------------------------------------------------------------------------ trace
@@ -304,7 +341,8 @@ def find_hlo(dump: Path, module: str) -> Path | None:
 # ------------------------------------------------------------------------------ table
 
 def reduce_trace(events, costs: dict[str, dict], module: str, steps: int | None, top: int) -> dict:
-    """The table: ops of `module` by summed time, top `top` and one row for the rest."""
+    """The table: ops of `module` by summed time, top `top` and one row for the rest; the time by category and
+    the attention kernels' time by role (forward, dq, dk/dv)."""
     time_ns, count, runs, modules = collections.Counter(), collections.Counter(), set(), collections.Counter()
     kernels = collections.defaultdict(collections.Counter)
     for mod, op, dur, run, kernel in events:
@@ -321,20 +359,31 @@ def reduce_trace(events, costs: dict[str, dict], module: str, steps: int | None,
                          f"{', '.join(str(m) for m, _ in modules.most_common(8))}")
     steps = steps or max(1, len(runs - {None}))
     total = sum(time_ns.values())
-    rows = [_row(op, t, count[op], costs.get(op), steps, total) for op, t in time_ns.most_common(top)]
-    for row in rows:  # the GPU kernel that took most of the op's time (a cuBLAS or Mosaic kernel's own name)
-        row["kernel"] = kernels[row["op"]].most_common(1)[0][0][:60] if kernels[row["op"]] else ""
+    # the GPU kernel that took most of an op's time (a cuBLAS or Mosaic kernel's own name)
+    kernel_of = {op: kernels[op].most_common(1)[0][0] if kernels[op] else "" for op in time_ns}
+    category_of = {op: op_category(op, costs.get(op), kernel_of[op]) for op in time_ns}
+    rows = [_row(op, t, count[op], costs.get(op), steps, total, category_of[op], kernel_of[op])
+            for op, t in time_ns.most_common(top)]
     rest = total - sum(t for _, t in time_ns.most_common(top))
     if rest > 0:
-        rows.append({"op": f"(other {len(time_ns) - top} ops)", "category": "other", "ms_per_step": rest / steps / 1e6,
-                     "share": 100 * rest / total, "events": sum(count.values()) - sum(r["events"] for r in rows),
+        rows.append({"op": f"(other {len(time_ns) - top} ops)", "category": "other", "role": "",
+                     "ms_per_step": rest / steps / 1e6, "share": 100 * rest / total,
+                     "events": sum(count.values()) - sum(r["events"] for r in rows),
                      "tflops": None, "gbps": None, "source": "", "kernel": ""})
-    by_category = collections.Counter()
+    by_category, by_role = collections.Counter(), collections.defaultdict(list)
     for op, t in time_ns.items():
-        by_category[(costs.get(op) or {}).get("category") or _category_by_name(op)] += t
+        by_category[category_of[op]] += t
+        if category_of[op] == "attention kernel":
+            by_role[attention_role(kernel_of[op] or op)].append(op)
+    attention = {role: {"ms_per_step": sum(time_ns[op] for op in ops) / steps / 1e6,
+                        "share": 100 * sum(time_ns[op] for op in ops) / total,
+                        "launches_per_step": sum(count[op] for op in ops) / steps, "ops": sorted(ops),
+                        "kernels": sorted({kernel_of[op] for op in ops} - {""})}
+                 for role, ops in by_role.items()}
     return {"module": module, "steps": steps, "ms_per_step": total / steps / 1e6, "ops": len(time_ns), "rows": rows,
             "by_category": {c: {"ms_per_step": t / steps / 1e6, "share": 100 * t / total}
                             for c, t in by_category.most_common()},
+            "attention_by_role": dict(sorted(attention.items(), key=lambda kv: -kv[1]["ms_per_step"])),
             "hlo_costs": bool(costs)}
 
 
@@ -344,8 +393,36 @@ def _is_control(op: str, cost: dict | None) -> bool:
     return opcode in CONTROL
 
 
+# A GPU kernel's name -> category, for ops the HLO does not describe: our Pallas kernels (diffjax_mgpu_*), cuDNN's
+# flash attention (cudnn_generated_..._sdpa_..._flash_fprop / bprop), cuBLAS's (nvjet_*, sm90_xmma_gemm_*) and
+# CUTLASS's GEMMs, NCCL, copies, then XLA's own fusions (named after their root: loop_add_fusion,
+# input_reduce_fusion).
+KERNEL_CATEGORIES = (("attention kernel", r"diffjax_mgpu|flash|fmha|sdpa|attention|mha_"), ("collective", r"nccl"),
+                     ("matmul", r"nvjet|cutlass|cublas|gemm|xmma|matmul"),
+                     ("copy or transpose", r"memcpy|memset|transpose|copy"), ("reduction", r"reduce|scatter"),
+                     ("elementwise", r"^loop_|fusion"))
+# An attention kernel's role from its name (ours: diffjax_mgpu[_single]_fwd / _bwd_dq / _bwd_dkdv).
+ATTENTION_ROLES = (("dk/dv", r"dkdv|dk_dv|dkv"), ("dq", r"(^|_)dq(_|$)"), ("backward", r"bwd|bprop|backward"),
+                   ("forward", r"fwd|fprop|forward"))
+
+
+def op_category(op: str, cost: dict | None, kernel: str) -> str:
+    """The HLO's category; where the HLO does not describe the op (no entry, or "other"), its GPU kernel's name
+    decides, then the op's own name."""
+    hlo = (cost or {}).get("category")
+    if hlo and hlo != "other":
+        return hlo
+    by_kernel = next((c for c, pattern in KERNEL_CATEGORIES if kernel and re.search(pattern, kernel, re.I)), None)
+    return by_kernel or hlo or _category_by_name(op)
+
+
+def attention_role(kernel: str) -> str:
+    """'forward', 'dq', 'dk/dv', 'backward' (a fused backward: cuDNN's bprop), or 'other'."""
+    return next((role for role, pattern in ATTENTION_ROLES if re.search(pattern, kernel, re.I)), "other")
+
+
 def _category_by_name(op: str) -> str:
-    """Without the HLO: a guess from XLA's fusion naming (its fusions are named after their ops)."""
+    """Without the HLO or a kernel name: a guess from XLA's fusion naming (its fusions are named after their ops)."""
     rules = (("attention kernel", r"fmha|flash|mgpu|attention"),
              ("collective", r"all-reduce|all-gather|reduce-scatter"),
              ("matmul", r"dot|gemm|cublas|matmul|conv"), ("reduction", r"reduce"),
@@ -353,15 +430,17 @@ def _category_by_name(op: str) -> str:
     return next((c for c, pattern in rules if re.search(pattern, op, re.I)), "other")
 
 
-def _row(op, t_ns, events, cost, steps, total) -> dict:
+def _row(op, t_ns, events, cost, steps, total, category, kernel) -> dict:
     cost = cost or {}
     executions = cost.get("runs", 0) * steps
     rate = executions / (t_ns * 1e-9) if executions else None  # executions per second of this op's time
     flops, nbytes = cost.get("flops"), cost.get("bytes")
-    return {"op": op, "category": cost.get("category") or _category_by_name(op), "ms_per_step": t_ns / steps / 1e6,
-            "share": 100 * t_ns / total, "events": events,
+    role = attention_role(kernel or op) if category == "attention kernel" else ""
+    return {"op": op, "category": category, "role": role,
+            "ms_per_step": t_ns / steps / 1e6, "share": 100 * t_ns / total, "events": events,
             "tflops": flops * rate / 1e12 if flops and rate else None,
-            "gbps": nbytes * rate / 1e9 if nbytes and rate else None, "source": cost.get("source", "")}
+            "gbps": nbytes * rate / 1e9 if nbytes and rate else None, "source": cost.get("source", ""),
+            "kernel": kernel[:60]}
 
 
 def markdown(table: dict, title: str) -> str:
@@ -373,9 +452,16 @@ def markdown(table: dict, title: str) -> str:
     lines += [f"| {c} | {v['ms_per_step']:.3f} | {v['share']:.1f}% |" for c, v in table["by_category"].items()]
     lines += ["", "| # | op | category | ms / step | share | events | TFLOP/s | GB/s | source | kernel |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {i} | `{r['op']}` | {r['category']} | {r['ms_per_step']:.3f} | {r['share']:.1f}% | {r['events']} | "
-              f"{fmt(r['tflops'], '.1f')} | {fmt(r['gbps'], '.0f')} | {r['source'].replace('|', '/')} | {r['kernel']} |"
+    lines += [f"| {i} | `{r['op']}` | {r['category']}{': ' + r['role'] if r.get('role') else ''} | "
+              f"{r['ms_per_step']:.3f} | {r['share']:.1f}% | {r['events']} | {fmt(r['tflops'], '.1f')} | "
+              f"{fmt(r['gbps'], '.0f')} | {r['source'].replace('|', '/')} | {r['kernel']} |"
               for i, r in enumerate(table["rows"], 1)]
+    if table.get("attention_by_role"):
+        lines += ["", f"Attention kernels by role ({table['steps']} steps traced):", "",
+                  "| role | ms / step | share | launches / step | ops | kernels |", "|---|---|---|---|---|---|"]
+        lines += [f"| {role} | {v['ms_per_step']:.3f} | {v['share']:.1f}% | {v['launches_per_step']:g} | "
+                  f"{', '.join(f'`{op}`' for op in v['ops'])} | {', '.join(v['kernels'])} |"
+                  for role, v in table["attention_by_role"].items()]
     return "\n".join(lines) + "\n"
 
 

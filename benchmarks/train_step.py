@@ -5,9 +5,12 @@
     python benchmarks/train_step.py --memory-only --micro-batches 1,4,8 --seq-lens 4096   # compile only (CPU too)
     python benchmarks/train_step.py --tiny                   # tiny twins on CPU in seconds (CI runs this)
 
-Synthetic tokens (one document per row, so the attention gets segment ids as in packed training), bf16
-compute, fp32 params, the paper's 100,288 vocabulary, the attention impl `--impl` (auto: the fastest per
-model, as the trainer picks it), the loss in chunks as the trainer runs it (`--loss-chunk`, train.loss_chunk).
+Synthetic tokens, one document per row: with `--rows packed` (default) the attention gets segment ids as in packed
+training, so cuDNN, which takes none, cannot run it; `--rows unpacked` leaves them out (one document needs none), so
+`auto` may take cuDNN where it measured it faster (the twin's attention trains faster on cuDNN without remat, and on
+par with the fused kernel under remat=attention: diffjax.ops.HOPPER_MS). bf16 compute, fp32 params, the paper's
+100,288 vocabulary, the attention impl `--impl` (auto: the fastest per model and pass, as the trainer picks it), the
+loss in chunks as the trainer runs it (`--loss-chunk`, train.loss_chunk).
 For every model, sequence length and remat policy:
 
   memory      XLA's compiled memory analysis of the step (arguments = the train state, temporaries,
@@ -60,8 +63,8 @@ def paper_twins(size: str) -> dict[str, ModelConfig]:
 class Bench:
     """One model on one device: its (abstract or real) train state and the jitted step, compiled per micro-batch."""
 
-    def __init__(self, model_config: ModelConfig, loss_chunk: int | None):
-        self.config = model_config
+    def __init__(self, model_config: ModelConfig, loss_chunk: int | None, packed: bool = True):
+        self.config, self.keys = model_config, ("tokens", "segment_ids", "positions") if packed else ("tokens", "positions")
         self.mesh = make_mesh(ParallelConfig(data=1), jax.devices()[:1])
         self.tx, self.schedule = make_optimizer(OptimizerConfig(), 1000)
         self.training, self.init = sharded_init(model_config, self.tx, self.mesh)
@@ -81,7 +84,7 @@ class Bench:
     def _compile(self, micro_batch: int, seq_len: int):
         tokens = jax.ShapeDtypeStruct((1, micro_batch, seq_len), np.int32, sharding=self.training.step_batch_sharding)
         start = time.perf_counter()
-        compiled = self.step.lower(self.abstract_state, {"tokens": tokens, "segment_ids": tokens, "positions": tokens}).compile()
+        compiled = self.step.lower(self.abstract_state, dict.fromkeys(self.keys, tokens)).compile()
         memory = compiled.memory_analysis()
         figures = {"compile_s": time.perf_counter() - start}
         if memory is not None:
@@ -100,7 +103,7 @@ class Bench:
         tokens = np.random.default_rng(0).integers(0, self.config.vocab_size, (1, micro_batch, seq_len), dtype=np.int32)
         arrays = {"tokens": tokens, "segment_ids": np.ones_like(tokens),
                   "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), tokens.shape)}
-        return {key: jax.device_put(value, self.training.step_batch_sharding) for key, value in arrays.items()}
+        return {key: jax.device_put(arrays[key], self.training.step_batch_sharding) for key in self.keys}
 
 
 def budget_bytes(override_gib: float | None) -> float:
@@ -181,6 +184,8 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int_list, default=[2048, 4096])
     parser.add_argument("--remat", default="minimal", help="comma-separated remat policies (model.remat)")
     parser.add_argument("--impl", default="auto", help="model.attention_impl")
+    parser.add_argument("--rows", choices=("packed", "unpacked"), default="packed",
+                        help="rows with segment ids (as the trainer's packed rows) or without (cuDNN can take them)")
     parser.add_argument("--loss-chunk", type=int, default=None, help="train.loss_chunk (default: the trainer's auto; 0: off)")
     parser.add_argument("--micro-batches", type=int_list, default=None, help="measure exactly these (no search)")
     parser.add_argument("--max-micro-batch", type=int, default=32)
@@ -239,12 +244,12 @@ def main() -> None:
 def run_one(args, kind: str, size: str, config: ModelConfig, remat: str, seq_len: int, budget: float, peak, matmul_tflops) -> dict:
     config = config.replace(remat=remat, scan_layers=True, attention_impl=args.impl, dtype="bfloat16",
                             max_seq_len=max(config.max_seq_len, seq_len))
-    bench = Bench(config, args.loss_chunk)
+    bench = Bench(config, args.loss_chunk, packed=args.rows == "packed")
     name = f"{kind}-{size}" if not args.tiny else f"{kind}-tiny"
     print(f"{name}: {config.param_count() / 1e6:,.1f}M params, seq {seq_len}, remat {remat}, impl {args.impl}, "
-          f"loss chunk {bench.loss_chunk}", flush=True)
+          f"{args.rows} rows, loss chunk {bench.loss_chunk}", flush=True)
     row = {"model": name, "params": config.param_count(), "seq_len": seq_len, "remat": remat, "impl": args.impl,
-           "loss_chunk": bench.loss_chunk, "model_config": config.to_dict()}
+           "rows": args.rows, "loss_chunk": bench.loss_chunk, "model_config": config.to_dict()}
     if args.micro_batches:
         figures = {}
         for micro_batch in args.micro_batches:

@@ -1,5 +1,6 @@
-"""The attention kinds: one table that config validation, parameter counts, FLOPs, the converters and the
-analyses read, so that none of them names a kind. Importable without JAX.
+"""The attention kinds: one table that config validation, parameter counts, FLOPs and the analyses read, so that
+none of them names a kind (which checkpoint formats hold a kind is theirs to say: diffjax.convert.formats).
+Importable without JAX.
 
 A kind is a row here plus one module under diffjax/model/attention/ (a subclass of
 `diffjax.model.attention.AttentionModule`) that states what differs: its parameters, `project`, the
@@ -38,9 +39,6 @@ class AttentionKind:
     attention_params: Callable  # (ModelConfig) -> parameters of one layer's attention
     attention_flops: Callable  # (ModelConfig, mean context) -> forward FLOPs of one layer's attention per token
     vector_params: Callable = lambda config: 0  # (ModelConfig) -> those of attention_params outside any matmul
-    hf_model_type: str | None = None  # the Hugging Face model_type it reads and writes (None: no HF counterpart)
-    hf_architecture: str | None = None
-    unilm_module: str | None = None  # microsoft/unilm's module class it loads from and exports to
     analyses: tuple[str, ...] = ANALYSES
     options: type[kinds.Options] | None = None  # the kind's own settings (ModelConfig.attention_options)
     rotary_dim: Callable = lambda config: config.head_dim  # (ModelConfig) -> the q / k channels RoPE rotates
@@ -70,14 +68,6 @@ class AttentionKind:
 
 TABLE: kinds.Table[AttentionKind] = kinds.Table("attention")
 register, unregister, get, names = TABLE.register, TABLE.unregister, TABLE.get, TABLE.names
-
-
-def for_hf_model_type(model_type: str) -> AttentionKind | None:
-    return next((kind for kind in TABLE.rows() if kind.hf_model_type == model_type), None)
-
-
-def for_unilm_module(module_name: str) -> AttentionKind | None:
-    return next((kind for kind in TABLE.rows() if kind.unilm_module == module_name), None)
 
 
 # ------------------------------------------------------------------------------ the built-in kinds
@@ -241,19 +231,18 @@ for _kind in (
     AttentionKind(
         name="diff", label="DIFF", module="diffjax.model.attention.diff:DiffAttention", maps=2, value_width=2,
         lambda_form="per_layer", attention_params=_diff_params, attention_flops=_V1_FLOPS, vector_params=_v1_vectors,
-        hf_model_type="diffllama", hf_architecture="DiffLlamaForCausalLM", unilm_module="MultiheadFlashDiff1",
         training=_V1_TRAINING,
     ),
     AttentionKind(
         name="standard", label="Transformer", module="diffjax.model.attention.standard:StandardAttention", maps=1,
         value_width=1, lambda_form="none", attention_params=_standard_params,
         attention_flops=lambda c, context: 4 * c.num_heads * c.head_dim * context,
-        hf_model_type="llama", hf_architecture="LlamaForCausalLM", training=kinds.Training(lora_targets=_projections()),
+        training=kinds.Training(lora_targets=_projections()),
     ),
     AttentionKind(
         name="diff_v2", label="DIFF V2", module="diffjax.model.attention.diff_v2:DiffAttentionV2", maps=2,
         value_width=1, lambda_form="per_token", attention_params=_diff_v2_params,
-        attention_flops=lambda c, context: 8 * c.num_heads * c.head_dim * context, unilm_module="MultiheadFlashDiffV2",
+        attention_flops=lambda c, context: 8 * c.num_heads * c.head_dim * context,
         training=kinds.Training(no_decay=(r"lambda_",), lora_targets=_projections()),  # (lambda_kernel)
     ),
     AttentionKind(
@@ -268,8 +257,7 @@ for _kind in (
         name="gda", label="GDA", module="diffjax.model.attention.gda:GroupedDiffAttention", maps=2, value_width=2,
         lambda_form="per_layer", attention_params=_gda_params,
         attention_flops=lambda c, context: 6 * (c.num_heads + c.attention_options.num_noise_heads) * c.head_dim * context,
-        vector_params=_v1_vectors, hf_model_type="motif", hf_architecture="MotifForCausalLM",
-        options=GDAOptions, training=_V1_TRAINING,
+        vector_params=_v1_vectors, options=GDAOptions, training=_V1_TRAINING,
     ),
     AttentionKind(
         # One softmax map per query head (ops.dot_product_attention over all H heads, q k^T of d, P V of dv); each

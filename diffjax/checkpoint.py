@@ -2,7 +2,8 @@
 the code is in diffjax/params_checkpoint.py; the run directory's layout in diffjax/run_dir.py; the trainer's
 own checkpoints in diffjax/train/state_checkpoints.py.
 
-`python -m diffjax.checkpoint adopt RUN_DIR_OR_STEP` adopts checkpoints that have no digest (diffjax/adoption.py)."""
+`diffjax-checkpoint adopt RUN_DIR_OR_STEP` (also `python -m diffjax.checkpoint`) adopts checkpoints that have no digest
+(diffjax/adoption.py)."""
 
 from diffjax.params_checkpoint import *  # noqa: F401,F403
 from diffjax.adoption import AdoptionRefused, adopt  # noqa: F401

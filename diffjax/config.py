@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from diffjax import attention_kinds, kinds, mlp_kinds, residual_kinds
 from diffjax.attention_impls import config_problems
+from diffjax.config_values import did_you_mean, one_of
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (diffjax.model.layers.polynorm)
 ROPE_STYLES = ("interleaved", "rotate_half")
@@ -205,13 +206,13 @@ class ModelConfig:
 
     def _numerics_errors(self) -> list[str]:
         checks = [
-            (self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}"),
-            (self.rope_style in ROPE_STYLES, f"rope_style must be one of {ROPE_STYLES}, got {self.rope_style!r}"),
-            (self.rope_type in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}"),
-            (self.remat in REMAT_POLICIES, f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}"),
+            (self.activation in ACTIVATIONS, one_of("activation", self.activation, ACTIVATIONS)),
+            (self.rope_style in ROPE_STYLES, one_of("rope_style", self.rope_style, ROPE_STYLES)),
+            (self.rope_type in ROPE_TYPES, one_of("rope_type", self.rope_type, ROPE_TYPES)),
+            (self.remat in REMAT_POLICIES, one_of("remat", self.remat, REMAT_POLICIES)),
             (isinstance(self.scan_layers, bool), f"scan_layers must be true or false, got {self.scan_layers!r}"),
-            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
-            (self.param_dtype in DTYPES, f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}"),
+            (self.dtype in DTYPES, one_of("dtype", self.dtype, DTYPES)),
+            (self.param_dtype in DTYPES, one_of("param_dtype", self.param_dtype, DTYPES)),
             (self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps!r}"),
             (isinstance(self.subln, bool), f"subln must be true or false, got {self.subln!r}"),
             (self.subln_eps is None or self.subln_eps > 0,
@@ -282,7 +283,8 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
+            named = ", ".join(name + did_you_mean(name, known) for name in unknown)
+            raise ValueError(f"unknown ModelConfig keys {named}; valid keys: {sorted(known)}")
         return cls(**values)
 
     @classmethod

@@ -4,15 +4,85 @@ kinds' options with it, the run config its sections).
 `build_config(cls, values)` builds a frozen dataclass from a nested mapping: unknown keys and values of the wrong
 type are errors that name the key and what is allowed; command-line strings become the field's type ("3e-4" a
 float where a float is expected). A class may rename keys older config files used (`legacy_values`).
+
+`did_you_mean` is the one way a name that is not allowed (a config key, a kind, an impl, a shipped config's name)
+names the closest allowed ones: "unknown config key train.stesp (did you mean train.steps?)"; an unknown key also
+finds the same name under another section ("train.lr (did you mean optim.lr?)").
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import difflib
 import math
 import types
 import typing
-from typing import Any
+from typing import Any, Iterable
+
+# Every dotted key of the class the outermost build_config builds (a RunConfig's: train.steps, optim.lr, ...), so
+# that an unknown key nested in one section can be found under another.
+_ALL_KEYS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("all_keys", default=())
+
+
+def closest(name, allowed: Iterable) -> list[str]:
+    """The allowed names closest to `name`: difflib's similarity at least 0.6 and within 0.1 of the best, up to 3."""
+    scored = sorted(((difflib.SequenceMatcher(None, str(name), str(item)).ratio(), str(item)) for item in allowed),
+                    key=lambda pair: -pair[0])
+    return [item for score, item in scored[:3] if score >= max(0.6, scored[0][0] - 0.1)]
+
+
+def did_you_mean(name, allowed: Iterable) -> str:
+    """' (did you mean X?)' / ' (did you mean X or Y?)' naming the `closest` allowed names; '' when none is close."""
+    close = closest(name, allowed)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def one_of(field: str, value, allowed: Iterable) -> str:
+    """The error for a `value` of `field` that is not one of `allowed`, naming the closest."""
+    allowed = tuple(allowed)
+    return f"{field} must be one of {allowed}, got {value!r}{did_you_mean(value, allowed)}"
+
+
+def dotted_keys(cls, prefix: str = "") -> list[str]:
+    """Every key of a config dataclass, dotted, nested dataclass fields included (`train`, `train.steps`, ...)."""
+    hints, keys = typing.get_type_hints(cls), []
+    for field in dataclasses.fields(cls):
+        if field.init:
+            keys.append(prefix + field.name)
+            annotation = hints[field.name]
+            nested = [a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a)] or [annotation]
+            if dataclasses.is_dataclass(nested[0]):
+                keys += dotted_keys(nested[0], f"{prefix}{field.name}.")
+    return keys
+
+
+def _unknown_key(where: str, name: str, fields: Iterable[str]) -> str:
+    """The unknown key `where + name` with what was meant: the same name under another section (train.lr: optim.lr),
+    else the closest names of its own section (`fields`), else the closest key anywhere."""
+    key, everywhere = where + name, _ALL_KEYS.get()
+    # (only for sections of the outermost class: a kind's options are not among its keys)
+    in_tree = not where or where.rstrip(".") in everywhere
+    elsewhere = [other for other in everywhere if other.rsplit(".", 1)[-1] == name and other != key] if in_tree else []
+    close = elsewhere[:3] or [where + field for field in closest(name, fields)] or closest(key, everywhere)
+    return key + (f" (did you mean {' or '.join(close)}?)" if close else "")
+
+
+def read_yaml_mapping(path) -> dict:
+    """The mapping a YAML file holds (a pathlib or etils path; empty: {}). ValueError in one line naming the file and
+    the line and column of a syntax error, or what the file holds instead of a mapping."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"config file {path}{where}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of sections, got {type(values).__name__}")
+    return values
 
 
 def plain(value):
@@ -88,6 +158,21 @@ def convert(value, annotation, key: str):
 
 def build_config(cls, values: dict[str, Any], *, prefix: str = ""):
     """`cls(**values)` with nested dataclasses built recursively and values converted to field types."""
+    with _all_keys_of(cls, outermost=not _ALL_KEYS.get()):
+        return _build_config(cls, values, prefix)
+
+
+@contextlib.contextmanager
+def _all_keys_of(cls, outermost: bool):
+    token = _ALL_KEYS.set(tuple(dotted_keys(cls))) if outermost else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _ALL_KEYS.reset(token)
+
+
+def _build_config(cls, values: dict[str, Any], prefix: str):
     if hasattr(cls, "legacy_values"):
         values = cls.legacy_values(values)
     hints = typing.get_type_hints(cls)
@@ -95,8 +180,9 @@ def build_config(cls, values: dict[str, Any], *, prefix: str = ""):
     unknown = sorted(set(values) - set(fields))
     if unknown:
         where = f"{prefix}." if prefix else ""
+        named = [_unknown_key(where, key, fields) for key in unknown]
         raise ValueError(
-            f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(where + k for k in unknown)}; "
+            f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(named)}; "
             f"valid keys{' under ' + prefix if prefix else ''}: {', '.join(sorted(fields))}"
         )
     kwargs = {}

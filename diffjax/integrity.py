@@ -6,7 +6,7 @@ for inspection, out of reach of rotation, and its step free to be saved again).
 
 A checkpoint without a digest is never trusted: where other checkpoints of its run have one, it is damage (a
 removed digest would otherwise hide any change); where none has (a run written before diffjax kept digests, or by
-hand), it is read only once adopted (diffjax/adoption.py: `python -m diffjax.checkpoint adopt RUN_DIR`).
+hand), it is read only once adopted (diffjax/adoption.py: `diffjax-checkpoint adopt RUN_DIR`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from diffjax import storage
 from diffjax.run_dir import COMMIT_FILE, DIGEST_FILE, RunDir
 
 UNDIGESTED = {DIGEST_FILE, "_CHECKPOINT_METADATA"}  # Orbax writes the last one as it commits
-ADOPT_COMMAND = "python -m diffjax.checkpoint adopt"
+ADOPT_COMMAND = "diffjax-checkpoint adopt"
 MISSING_DIGEST = f"it has no {DIGEST_FILE}, unlike the other checkpoints of its run"
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
-from diffjax.config_values import build_config
+from diffjax.config_values import build_config, one_of
 
 
 class Options:
@@ -126,7 +126,7 @@ class Table(Generic[K]):
 
     def get(self, name: str) -> K:
         if name not in self._rows:
-            raise ValueError(f"{self.field} must be one of {self.names()}, got {name!r}")
+            raise ValueError(one_of(self.field, name, self.names()))
         return self._rows[name]
 
     def names(self) -> tuple[str, ...]:

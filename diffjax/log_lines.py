@@ -83,6 +83,13 @@ def after_a_failed_write() -> None:
     warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
+def os_error_line(error: OSError) -> str:
+    """An OSError as "<file>: <reason>" (its str is "[Errno 28] No space left on device: '<file>'")."""
+    if error.strerror is None:
+        return str(error)
+    return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+
+
 def print_package_logs() -> None:
     """For a command line: every record (warnings and up) through _OnePrefix, in place of the handler absl's first
     log (importing Orbax logs) put on the root logger with Python's default format. A handler set up otherwise

@@ -54,10 +54,9 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
 from diffjax.config import BLOCK_PARTS
-from diffjax.config_values import build_config
+from diffjax.config_values import build_config, read_yaml_mapping
 from diffjax.kinds import layer_segments
 
 # Where a part's LoRA targets live in a decoder block (its modules' attribute names).
@@ -388,7 +387,7 @@ def check_same_base(saved: dict, current: dict, step_dir, init_from, advice: str
 def run_settings(config_file) -> tuple[LoraConfig, str] | None:
     """(LoraConfig, train.init_from) of a LoRA run directory from its config.yaml (a pathlib or epath path; its lora
     section has rank > 0); None for any other run directory."""
-    saved = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+    saved = read_yaml_mapping(config_file) if config_file.exists() else {}
     section = saved.get("lora") or {}
     if not isinstance(section, dict) or not section.get("rank"):
         return None

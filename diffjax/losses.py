@@ -36,10 +36,11 @@ def packed_target_mask(segment_ids_BT):
 
 def next_token_targets(tokens_BT, segment_ids_BT, loss_mask_BT=None):
     """(targets [B, T] int, weights [B, T] float32): position t predicts tokens[t + 1], counted where
-    packed_target_mask allows and loss_mask_BT[t + 1] is set (the batch's "loss_mask": tokens the loss counts;
-    None: all); the last position has no target (weight 0). Stated per position, so a batch may be permuted
-    after this (the context-parallel layout) and the loss stays the same."""
-    mask_BT = packed_target_mask(segment_ids_BT)
+    packed_target_mask allows (segment_ids_BT None: one document per row) and loss_mask_BT[t + 1] is set (the
+    batch's "loss_mask": tokens the loss counts; None: all); the last position has no target (weight 0). Stated per
+    position, so a batch may be permuted after this (the context-parallel layout) and the loss stays the same."""
+    B, T = jnp.shape(tokens_BT)
+    mask_BT = jnp.ones((B, T - 1), bool) if segment_ids_BT is None else packed_target_mask(segment_ids_BT)
     if loss_mask_BT is not None:
         mask_BT &= jnp.asarray(loss_mask_BT)[:, 1:] != 0
     weights_BT = jnp.pad(mask_BT.astype(jnp.float32), ((0, 0), (0, 1)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from diffjax import kinds
+from diffjax.config_values import one_of
 
 MLPKind = kinds.PartKind  # a row: name, label, module, params, matmul_params, options, training
 
@@ -139,7 +140,7 @@ class MoEOptions(kinds.Options):
             problems.append(f"dense_first_layers ({self.dense_first_layers}) must be at most num_layers "
                             f"({config.num_layers})")
         if self.score_func not in SCORE_FUNCS:
-            problems.append(f"score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
+            problems.append(one_of("score_func", self.score_func, SCORE_FUNCS))
         problems += [f"{name} must be true or false, got {getattr(self, name)!r}"
                      for name in ("route_norm", "expert_bias", "sigmoid_weight")
                      if not isinstance(getattr(self, name), bool)]

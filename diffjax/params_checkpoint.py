@@ -27,8 +27,9 @@ import yaml
 
 from diffjax import integrity, lora, storage
 from diffjax.config import ModelConfig
+from diffjax.config_values import read_yaml_mapping
 from diffjax.log_lines import after_a_failed_write, drop_late_write_callbacks
-from diffjax.run_dir import DIGEST_FILE, STATE_ITEM, TEMPORARY_MARK, RunDir, state_dir
+from diffjax.run_dir import DIGEST_FILE, INCOMPLETE_DIR, STATE_ITEM, TEMPORARY_MARK, RunDir, state_dir
 from diffjax.sharding import key_names
 
 STACKED = "blocks"  # the params key whose leaves carry the leading layers axis
@@ -39,7 +40,8 @@ logger = logging.getLogger("diffjax.checkpoint")
 
 
 class CheckpointWriteError(OSError):
-    """Writing a params-only checkpoint failed (a full disk, no permission): nothing of it is left behind."""
+    """Writing a params-only checkpoint or an HF export failed (a full disk, no permission): nothing of it is left
+    behind."""
 
 
 def _write_failure(error: Exception) -> str:
@@ -74,9 +76,8 @@ def resolve_checkpoint(path: str | Path, what: str = "checkpoint") -> Path:
     if problem is None:
         return step_dir
     if storage.absolute(path) == step_dir:
-        adopt = (f" (if you trust it, adopt it: {integrity.ADOPT_COMMAND} {step_dir})"
-                 if problem == integrity.MISSING_DIGEST else "")
-        raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read{adopt}")
+        raise DamagedCheckpointError(f"{what}: checkpoint {step_dir} is damaged: {problem}; it was not read (name "
+                                     f"the run directory {run.path} to read its newest intact checkpoint)")
     damaged = [f"{step_dir.name} ({problem})"]
     for step in reversed(run.steps()):
         older = run.step_dir(step)
@@ -115,7 +116,32 @@ class _NoStateMetadataNote(logging.Filter):
                     message.endswith(f"{os.sep}{STATE_ITEM}{os.sep}_CHECKPOINT_METADATA"))
 
 
+class _UnreadableMetadataOnce(logging.Filter):
+    """Orbax's "Failed to read / json parse Metadata file" errors about a step's _CHECKPOINT_METADATA, logged at every
+    read (three times as a run resumes) with the file's whole content, become one warning per file. The file is
+    Orbax's bookkeeping (timestamps, handler names; outside the digest, as Orbax writes it as it commits): Orbax reads
+    the checkpoint without it, and the digest has checked the checkpoint's data."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith(("Failed to read Metadata file",
+                                                                       "Failed to json parse Metadata file"))
+                and record.args):
+            return True
+        path = str(record.args[0])
+        if path in self.said:
+            return False
+        self.said.add(path)
+        record.msg, record.args = "warning: %s cannot be read (Orbax's metadata: the checkpoint is read without it)", (path,)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 logging.getLogger("absl").addFilter(_NoStateMetadataNote())
+logging.getLogger("absl").addFilter(_UnreadableMetadataOnce())
 
 
 def _saved_metadata(step_dir: Path) -> dict:
@@ -237,18 +263,19 @@ def save_params_streamed(run_dir: str | Path, leaves: Mapping[tuple, tuple[tuple
 
     `leaves`: {path tuple: (shape, dtype)}. The checkpoint is first written by Orbax from zero-stride placeholders
     (so its files are save_params' exactly), then `fill(write)` calls write(path, layer index or None, array) for
-    every leaf (each layer of a stacked one), which goes straight into that leaf's zarr array. The digest and
-    config.yaml follow only when every piece was written: a killed or failed fill never looks complete (a failure
-    removes the step directory)."""
+    every leaf (each layer of a stacked one), which goes straight into that leaf's zarr array. All of it happens in
+    incomplete-checkpoint/ (run_dir.INCOMPLETE_DIR); the step moves into checkpoints/ with its digest, and config.yaml
+    follows, only when every piece was written: a killed or failed fill never looks like a checkpoint (a failure
+    removes what it wrote)."""
     run = _new_params_run(run_dir)
     placeholders = nested({path: np.broadcast_to(np.zeros((), dtype), shape) for path, (shape, dtype) in leaves.items()})
     _write_state(run, step, placeholders)
-    writer = _LeafWriter(state_dir(run.step_dir(step)), leaves)
+    writer = _LeafWriter(state_dir(run.incomplete / str(step)), leaves)
     try:
         fill(writer.write)
         writer.check_complete()
     except BaseException:
-        storage.rmtree(run.step_dir(step), ignore_errors=True)
+        storage.rmtree(run.incomplete, ignore_errors=True)
         raise
     return _complete(run, step, model_config, data, None)
 
@@ -259,7 +286,7 @@ class _LeafWriter:
 
     def __init__(self, directory: Path, leaves: Mapping[tuple, tuple[tuple, Any]]):
         self.directory, self.leaves, self.arrays = directory, leaves, {}
-        self.missing = {path: set(range(shape[0])) if _is_stacked(path) else {None} for path, (shape, _) in leaves.items()}
+        self.missing = {path: set(range(shape[0])) if is_stacked(path) else {None} for path, (shape, _) in leaves.items()}
 
     def write(self, path: tuple, index: int | None, array) -> None:
         import tensorstore as ts
@@ -289,7 +316,7 @@ class _LeafWriter:
                              (f" and {len(missing) - 3} more parameters" if len(missing) > 3 else ""))
 
 
-def _is_stacked(path: tuple) -> bool:
+def is_stacked(path: tuple) -> bool:
     """Under "blocks", or a model of several segments' "blocks_from_<start>" (diffjax.kinds.Segment)."""
     return path[0] == STACKED or path[0].startswith(f"{STACKED}_from_")
 
@@ -309,15 +336,20 @@ def _new_params_run(run_dir: str | Path) -> RunDir:
     run = RunDir(storage.absolute(run_dir))
     if run.has_checkpoints():
         raise FileExistsError(f"{run.checkpoints} already holds checkpoints; choose an empty directory")
+    if run.incomplete.exists():
+        raise FileExistsError(f"{run.incomplete} holds a checkpoint that was never completed (a conversion that did not "
+                              "finish): remove it (a conversion's --overwrite does) or choose an empty directory")
     run.path.mkdir(parents=True, exist_ok=True)
     return run
 
 
 def _write_state(run: RunDir, step: int, params: Any) -> None:
-    """Orbax writes {"params": params} (host numpy) as checkpoints/<step>/state; a failure leaves nothing."""
+    """Orbax writes {"params": params} (host numpy) as incomplete-checkpoint/<step>/state, which _complete moves
+    into checkpoints/ once the checkpoint is complete (a streamed one is filled in between): a kill at any point
+    leaves nothing that looks like a checkpoint. A failure leaves nothing."""
     import orbax.checkpoint as ocp
 
-    drop_late_write_callbacks(TEMPORARY_MARK)  # what a failed write leaves behind besides its CheckpointWriteError
+    drop_late_write_callbacks(TEMPORARY_MARK, INCOMPLETE_DIR)  # what a failed write leaves behind besides its error
     # Peak memory ~ the params alone (the converter streams models larger than half the machine's memory):
     # OCDBT would hold the whole encoded checkpoint until it commits, and the default numpy handler copies
     # every array (needed only for asynchronous saves; this one is synchronous).
@@ -325,14 +357,14 @@ def _write_state(run: RunDir, step: int, params: Any) -> None:
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
     )
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, save_concurrent_gb=1, type_handler_registry=registry)
-    manager = ocp.CheckpointManager(run.checkpoints, item_handlers={STATE_ITEM: handler},
+    manager = ocp.CheckpointManager(run.incomplete, item_handlers={STATE_ITEM: handler},
                                     options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
     # Written in chunks of at most CHUNK_BYTES, stacked leaves split along the layers axis first: the encoding
     # transient is one chunk, not a whole stack, and CheckpointParams.layer (and _LeafWriter) touch only one
     # layer's chunks.
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
     for name in params:
-        if _is_stacked((name,)):
+        if is_stacked((name,)):
             save_args[name] = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,)), params[name])
     try:
         manager.save(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave({"params": params},
@@ -341,8 +373,7 @@ def _write_state(run: RunDir, step: int, params: Any) -> None:
         manager.wait_until_finished()
     except Exception as error:  # Orbax raises tensorstore's write errors as ValueError
         manager.close()  # first: its threads may still be writing (tensorstore's can still re-create the directory)
-        for temporary in run.checkpoints.glob(f"{step}{TEMPORARY_MARK}*"):
-            storage.rmtree(temporary, ignore_errors=True)
+        storage.rmtree(run.incomplete, ignore_errors=True)
         after_a_failed_write()
         raise CheckpointWriteError(f"writing the checkpoint {run.step_dir(step)} failed: {_write_failure(error)}; "
                                    "nothing of it was kept") from None
@@ -350,7 +381,11 @@ def _write_state(run: RunDir, step: int, params: Any) -> None:
 
 
 def _complete(run: RunDir, step: int, model_config: ModelConfig, data: dict | None, optim: dict | None) -> Path:
-    integrity.write_digest(run.step_dir(step))  # its readers verify it (resolve_checkpoint)
+    written = run.incomplete / str(step)
+    integrity.write_digest(written)  # its readers verify it (resolve_checkpoint)
+    run.checkpoints.mkdir(exist_ok=True)
+    storage.move(written, run.step_dir(step))  # the checkpoint appears complete, with its digest
+    storage.rmtree(run.incomplete, ignore_errors=True)
     # A run config train.py reads (its other sections take their defaults); the data section's sequence
     # length must fit the model; `data` adds to that section (a conversion names its tokenizer there), `optim` is
     # the optim section (an upcycled model's lambda warm-up).
@@ -365,7 +400,7 @@ def saved_model_config(step_dir: Path, *, what: str = "checkpoint") -> ModelConf
     config_path = RunDir.of_step(step_dir).config_file
     if not config_path.exists():
         raise FileNotFoundError(f"{what}: {config_path} is missing: cannot tell which model {step_dir} holds")
-    model = (yaml.safe_load(config_path.read_text()) or {}).get("model")
+    model = read_yaml_mapping(config_path).get("model")
     if not isinstance(model, dict):
         raise ValueError(f"{what}: {config_path} has no `model` section")
     return ModelConfig.from_dict(model)

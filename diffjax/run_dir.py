@@ -5,6 +5,8 @@
     <run_dir>/checkpoints/<step>/data         the data iterator's state (the trainer's checkpoints)
     <run_dir>/checkpoints/<step>/digest.json  size and SHA-256 of every file, written when a save is complete
     <run_dir>/damaged-checkpoints/<step>      checkpoints that failed their digest, moved aside, never deleted
+    <run_dir>/incomplete-checkpoint/<step>    a params-only checkpoint being written (a conversion, a merge), moved
+                                              to checkpoints/ with its digest once complete: never read
     <run_dir>/metrics.jsonl                   one JSON record per logged step / eval
     <run_dir>/tensorboard/                    TensorBoard events
     <run_dir>/hf/                             a Hugging Face conversion's config.json, tokenizer and generation files
@@ -20,7 +22,8 @@ Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if
 `lock_for_training()` makes it one trainer's, which holds this RunDir: diffjax.train.run's Run.directory),
 `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or one step: the step to load, with one-line
 errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
-(an empty directory the converter fills), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
+(an empty directory the converter fills, once it holds the lock: `lock_for_writing(command)`, which adopt takes
+too), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
 Who writes what: diffjax.params_checkpoint (params-only checkpoints and config.yaml), diffjax.train.state_checkpoints
 (the trainer's Orbax checkpoints, digests via diffjax.integrity), diffjax.train.metrics (metrics.jsonl,
 TensorBoard), diffjax.convert.hf_directories (hf/), diffjax.train.wandb_log (wandb-run.json; W&B writes wandb/).
@@ -48,13 +51,14 @@ DIGEST_FILE = "digest.json"
 TEMPORARY_MARK = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress: <step>.orbax-checkpoint-tmp-<n>
 COMMIT_FILE = "commit_success.txt"  # on gs:// Orbax saves in place and writes this when a save is complete
 DAMAGED_DIR = "damaged-checkpoints"
+INCOMPLETE_DIR = "incomplete-checkpoint"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 HF_DIR = "hf"
 LOCK_FILE = "trainer.lock"
 WANDB_DIR = "wandb"  # W&B's name for its directory under wandb.init(dir=<run_dir>)
 WANDB_RUN_FILE = "wandb-run.json"
-CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, HF_DIR)  # what a conversion writes (and --overwrite replaces)
+CONVERSION_OUTPUTS = (CONFIG_FILE, CHECKPOINTS_DIR, INCOMPLETE_DIR, HF_DIR)  # what a conversion writes (--overwrite: removes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,31 +94,40 @@ class RunDir:
                 raise FileNotFoundError(f"{what}: {path} is not a run directory or checkpoint")
             steps = _complete_steps(path)
             if not steps:
-                raise FileNotFoundError(f"{what}: no checkpoint under {path}")
+                incomplete = path.parent / INCOMPLETE_DIR if path.name == CHECKPOINTS_DIR else path / INCOMPLETE_DIR
+                unfinished = (f" ({incomplete} holds a conversion that did not finish: convert again with --overwrite)"
+                              if incomplete.is_dir() else "")
+                raise FileNotFoundError(f"{what}: no checkpoint under {path}{unfinished}")
             path = path / str(steps[-1])
         return cls.of_step(path), path
 
     @classmethod
     def for_conversion(cls, path: str | Path, *, overwrite: bool) -> "RunDir":
-        """An empty (or new) directory for a conversion; a non-empty one is refused unless `overwrite`, which
-        removes only what a conversion writes."""
+        """An empty (or new) directory for a conversion, created; a non-empty one is refused unless `overwrite`.
+        Nothing is removed here: the conversion takes the lock (lock_for_writing) first, then
+        remove_conversion_outputs()."""
         if storage.is_url(path):
             raise ValueError(f"{path}: a conversion writes to a local directory (transformers writes its hf/ files); "
                              "convert into one, then copy it to the bucket (gcloud storage cp -r)")
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise FileExistsError(f"{path} exists and is not a directory")
-        if path.is_dir() and any(path.iterdir()):
-            if not overwrite:
-                raise FileExistsError(f"{path} is not empty; choose an empty or new directory, or pass --overwrite")
-            for name in CONVERSION_OUTPUTS:
-                entry = path / name
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                elif entry.exists() or entry.is_symlink():
-                    entry.unlink()
+        if path.is_dir() and any(path.iterdir()) and not overwrite:
+            raise FileExistsError(f"{path} is not empty; choose an empty or new directory, or pass --overwrite")
+        if not storage.writable(path):
+            raise PermissionError(f"{path} is not writable (a read-only file system, or no permission): choose a "
+                                  "directory the conversion can write")
         path.mkdir(parents=True, exist_ok=True)
         return cls(path)
+
+    def remove_conversion_outputs(self) -> None:
+        """Removes what a conversion writes (its --overwrite), nothing else; call it holding lock_for_writing()."""
+        for name in CONVERSION_OUTPUTS:
+            entry = self.path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            elif entry.exists() or entry.is_symlink():
+                entry.unlink()
 
     @classmethod
     def of_step(cls, step_dir: str | Path) -> "RunDir":
@@ -137,6 +150,11 @@ class RunDir:
     @property
     def damaged_checkpoints(self) -> Path:
         return self.path / DAMAGED_DIR
+
+    @property
+    def incomplete(self) -> Path:
+        """Where a params-only checkpoint is written until it is complete (diffjax.params_checkpoint)."""
+        return self.path / INCOMPLETE_DIR
 
     @property
     def metrics_file(self) -> Path:
@@ -168,6 +186,11 @@ class RunDir:
         lock file of a holder that died is taken over (TrainerLock.took_over names it). Multi-process runs:
         process 0 alone calls this (diffjax.train.run)."""
         return TrainerLock.take(self.lock_file)
+
+    def lock_for_writing(self, command: str) -> "TrainerLock":
+        """The trainer's lock, for `command` (a conversion, adopt) before it removes or writes anything here:
+        RunDirInUseError while a trainer or another command holds it. A dead holder's is taken over."""
+        return TrainerLock.take(self.lock_file, command=command)
 
     def step_dir(self, step: int) -> Path:
         return self.checkpoints / str(step)
@@ -217,12 +240,13 @@ class TrainerLock:
     _record_only: bool = False  # gs://: the record is the lock
 
     @classmethod
-    def take(cls, path: Path) -> "TrainerLock":
+    def take(cls, path: Path, command: str | None = None) -> "TrainerLock":
+        """command: what takes it when not a trainer (its record names it; so do its errors)."""
         if storage.is_url(path):
             previous = _read_record(path)
             if previous and _alive_here(previous):
-                raise RunDirInUseError(_in_use_message(path, previous))
-            path.write_text(json.dumps(_own_record()))
+                raise RunDirInUseError(_in_use_message(path, previous, command))
+            path.write_text(json.dumps(_own_record(command)))
             return cls(path, previous or None, _record_only=True)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -231,7 +255,7 @@ class TrainerLock:
                 flocked = True
             except BlockingIOError:
                 os.close(fd)
-                raise RunDirInUseError(_in_use_message(path, _read_record(path))) from None
+                raise RunDirInUseError(_in_use_message(path, _read_record(path), command)) from None
             except OSError as error:
                 if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     os.close(fd)
@@ -246,9 +270,9 @@ class TrainerLock:
             previous = _read_record(path)
             if not flocked and previous and _alive_here(previous):
                 os.close(fd)
-                raise RunDirInUseError(_in_use_message(path, previous))
+                raise RunDirInUseError(_in_use_message(path, previous, command))
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(_own_record()).encode(), 0)
+            os.pwrite(fd, json.dumps(_own_record(command)).encode(), 0)
             os.fsync(fd)
             return cls(path, previous or None, fd)
 
@@ -273,13 +297,14 @@ class TrainerLock:
             return (f"note: took over {self.path} from pid {held.get('pid')} on {held.get('host')} (started "
                     f"{held.get('started')}), which cannot be checked from here (gs:// has no file locks): make sure "
                     "no other trainer writes to this run directory")
-        return (f"note: took over {self.path}, left by a trainer that is no longer running (pid {held.get('pid')} "
-                f"on {held.get('host')}, started {held.get('started')})")
+        return (f"note: took over {self.path}, left by {held.get('command') or 'a trainer'} that is no longer running "
+                f"(pid {held.get('pid')} on {held.get('host')}, started {held.get('started')})")
 
 
-def _own_record() -> dict:
+def _own_record(command: str | None = None) -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(),
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            **({"command": command} if command else {})}
 
 
 def _read_record(path: Path) -> dict:
@@ -305,8 +330,10 @@ def _alive_here(record: dict) -> bool:
     return True
 
 
-def _in_use_message(path: Path, holder: dict) -> str:
+def _in_use_message(path: Path, holder: dict, command: str | None = None) -> str:
+    """The refusal of a trainer (command None) or of `command` by the holder of the lock file `path`."""
     who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder
            else "a process that has not written its name yet")
-    return (f"train.run_dir {path.parent} is in use by another trainer ({who}; lock {path}): wait for it to end, "
-            "or choose another train.run_dir")
+    by = holder.get("command") or ("another trainer" if command is None else "a trainer")
+    what, other = ("train.run_dir", "train.run_dir") if command is None else (f"{command}: run directory", "directory")
+    return f"{what} {path.parent} is in use by {by} ({who}; lock {path}): wait for it to end, or choose another {other}"

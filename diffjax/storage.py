@@ -53,6 +53,15 @@ def absolute(path) -> AnyPath:
     return path if is_url(path) else path.absolute()
 
 
+def writable(path) -> bool:
+    """Whether this process can write `path`, or create it in the nearest directory above it that exists (a read-only
+    file system, no permission: False). A gs:// URL: True (its permissions show when it is written)."""
+    if is_url(path):
+        return True
+    existing = next(p for p in (Path(path).absolute(), *Path(path).absolute().parents) if p.exists())
+    return os.access(existing, os.W_OK | os.X_OK)
+
+
 def files_under(directory: AnyPath) -> list[AnyPath]:
     """Every file below `directory`, at any depth, sorted (epath's rglob refuses gs://: walked here)."""
     directory = as_path(directory)

@@ -296,6 +296,92 @@ def test_outliers_of_a_planted_hidden_state(models):
     assert "top-100" in outliers.format_results(["planted"], [result])
 
 
+def _stacked(model, module: str, name: str, values) -> None:
+    """Set one stacked kernel ([L, ...]: a value per layer) of `model` in place."""
+    variable = getattr(getattr(model.blocks, module), name)
+    variable[...] = jnp.asarray(values, variable[...].dtype)
+
+
+def _hand_logits(model, tokens_BT, segment_ids_BT, q_LDHMd, k_LDKMd):
+    """Each layer's counted attention logits, float64, from the embedding and the planted kernels alone (silent
+    layers: every layer's input is the embedding; positions 0: RoPE is the identity): RMSNorm, q.k / sqrt(d) over
+    both maps, each head against its kv head, at the (query, key) pairs attention uses."""
+    config = model.config
+    x = np.asarray(model.embed.embedding[...], np.float64)[tokens_BT]
+    scale = np.asarray(model.blocks.attn_norm.scale[...], np.float64)  # [L, D]
+    B, T = tokens_BT.shape
+    t, s = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+    counted = (s <= t) & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & (segment_ids_BT[:, :, None] != 0)
+    per_layer = []
+    for layer in range(config.num_layers):
+        n = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + config.norm_eps) * scale[layer]
+        q = np.einsum("btD,DhMd->bthMd", n, q_LDHMd[layer])
+        k = np.repeat(np.einsum("bsD,DkMd->bskMd", n, k_LDKMd[layer]), config.num_query_groups, axis=2)
+        logits = np.einsum("bthMd,bshMd->Mbhts", q, k) / np.sqrt(config.head_dim)
+        per_layer.append(np.abs(logits)[:, counted[:, None].repeat(config.num_heads, 1)].ravel())
+    return per_layer
+
+
+def test_outliers_of_planted_values_by_hand(models):
+    """Distinct planted outliers, every figure worked out in float64 here: hidden states (silent layers: each layer's
+    output is the embedding row, so each value counts once per layer) with three planted entries, and attention
+    logits from random q / k kernels whose second layer is 1.3x the first (both among the largest); a packed batch with
+    padding. Each reported top-k, the median (every value: fewer than median_sample) and the layers are checked."""
+    model = _planted(models["diff"], SILENT)
+    config = model.config
+    L, D, H, K, d = config.num_layers, config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+    rng = np.random.default_rng(0)
+    embedding = rng.normal(size=(257, D))
+    embedding[5, 7], embedding[9, 2], embedding[11, 30] = 40.0, -25.0, 60.0
+    model.embed.embedding[...] = jnp.asarray(embedding, jnp.float32)
+    q_kernels = rng.normal(size=(L, D, H, 2, d)) * np.array([1.0, 1.3])[:, None, None, None, None] / np.sqrt(D)
+    k_kernels = rng.normal(size=(L, D, K, 2, d)) / np.sqrt(D)
+    _stacked(model, "attn", "q_kernel", q_kernels)
+    _stacked(model, "attn", "k_kernel", k_kernels)
+    tokens, _, segment_ids = (np.array(a) for a in _packed_batch())
+    tokens[0, 3], tokens[1, 8], tokens[1, 2] = 5, 9, 11  # the planted rows, each once, in real tokens
+    tokens[1, 10] = 11  # and in the padding, which must not count
+    batch = {"tokens": tokens, "positions": np.zeros_like(tokens), "segment_ids": segment_ids}
+    result = outliers.statistics(model, [batch])
+
+    real = segment_ids != 0
+    hidden = np.sort(np.tile(np.abs(embedding[tokens[real]]).ravel(), L))[::-1]
+    assert hidden[:6].tolist() == [60.0, 60.0, 40.0, 40.0, 25.0, 25.0]  # once per layer
+    logits = _hand_logits(model, tokens, segment_ids, q_kernels, k_kernels)
+    layer_of = np.concatenate([np.full(len(values), depth) for depth, values in enumerate(logits)])
+    order = np.argsort(-np.concatenate(logits), kind="stable")
+    expected = {"hidden states": hidden, "attention logits": np.concatenate(logits)[order]}
+    for kind, values in expected.items():
+        for k in outliers.TOP_K:
+            assert result.top_k(kind, k) == pytest.approx(values[k - 1], rel=1e-5), (kind, k)
+        assert result.median[kind] == pytest.approx(np.median(values), rel=1e-5), kind
+    assert np.array_equal(result.top_layers["attention logits"], layer_of[order][:100])
+    assert 0 < np.count_nonzero(layer_of[order][:100] == 0) < 100  # both layers among the largest
+    assert not result.repeated("attention logits") and "note:" not in outliers.format_results(["p"], [result])
+
+
+def test_outliers_a_repeated_first_layer_value_is_explained(models):
+    """A first layer's logit is a function of its two tokens and their distance: text that repeats repeats its
+    largest logit at every occurrence (the tiny DIFF run's 48.3 for every k: a space five bytes after a newline, 721
+    times in 32768 tokens). The table says the 100 largest are one value from layer 0 (the second is silent)."""
+    model = _planted(models["diff"], {**SILENT, ("attn", "q_kernel"): 0.0})
+    config = model.config
+    rng = np.random.default_rng(1)
+    q_kernels = np.zeros((config.num_layers, config.d_model, config.num_heads, 2, config.head_dim))
+    q_kernels[0] = rng.normal(size=q_kernels.shape[1:])
+    _stacked(model, "attn", "q_kernel", q_kernels)
+    B, T, length = 8, 128, 8  # rows of 16 documents, each the same 8 tokens: every (query, key) pair recurs 128 times
+    tokens = np.tile(rng.integers(1, 257, length), (B, T // length)).astype(np.int32)
+    positions = np.tile(np.arange(T) % length, (B, 1))
+    batch = {"tokens": tokens, "positions": positions, "segment_ids": np.tile(1 + np.arange(T) // length, (B, 1))}
+    result = outliers.statistics(model, [batch])
+    top = result.top["attention logits"]
+    assert top[99] >= 0.999 * top[0] and set(result.top_layers["attention logits"]) == {0}
+    assert result.repeated("attention logits") and result.layers("attention logits") == "0"
+    table = outliers.format_results(["periodic"], [result])
+    assert "note: periodic, attention logits: the 100 largest are one value repeated (layers 0)" in table
+
+
 def test_cli_writes_training_data_and_refuses_bad_checkpoints(tmp_path, capsys):
     path = tmp_path / "needles.jsonl"
     assert needles.main(["--write-training", str(path), "--count", "3", "--lengths", "200", "--digits", "4"]) == 0

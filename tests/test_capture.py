@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +20,12 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import ncu_summary  # noqa: E402
 import profile_table  # noqa: E402
 
+from diffjax.jax_compat import H100, lowering_target  # noqa: E402
 from diffjax.ops import choice  # noqa: E402
 from diffjax.ops.pallas_gpu import Tuning, default_tuning  # noqa: E402
 
 NCU_EXAMPLE = REPO_ROOT / "benchmarks" / "testdata" / "ncu_details_example.csv"
-ROW_KEYS = {"op", "category", "ms_per_step", "share", "events", "tflops", "gbps", "source", "kernel"}
+ROW_KEYS = {"op", "category", "role", "ms_per_step", "share", "events", "tflops", "gbps", "source", "kernel"}
 
 
 def assert_table_shape(table: dict):
@@ -129,11 +131,117 @@ def test_hlo_operands_printed_bare_or_with_shapes(operands):
     assert (dot["flops"], dot["bytes"], dot["runs"]) == (2 * 64 * 48 * 96, 4 * (64 * 48 + 64 * 96 + 96 * 48), 1)
 
 
+def test_kernels_without_an_hlo_op_are_categorised_by_their_name():
+    """The 2026-11-27 capture's case: XProf gives the Mosaic GPU kernels inside XLA's dynamic-slice fusions no HLO
+    op, so with the HLO's costs alone they fell under "other". Their kernel names say what they are: attention,
+    split by role (forward launched three times, dq, dk/dv), cuBLAS / cuDNN kernels likewise."""
+    kernels = {"mpmd_map.10": "diffjax_mgpu_bwd_dkdv_mosaic_gpu_kernel", "mpmd_map.13": "diffjax_mgpu_bwd_dq_mosaic_gpu_kernel",
+               "mpmd_map.0": "diffjax_mgpu_fwd_mosaic_gpu_kernel", "mpmd_map.2": "diffjax_mgpu_fwd_mosaic_gpu_kernel",
+               "mpmd_map.14": "diffjax_mgpu_single_fwd_mosaic_gpu_kernel",
+               "custom-call.7": "nvjet_sm90_tst_176x128_64x5_1x2_h_bz_TNN",
+               "custom-call.9": "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x128x128_4x1x1",
+               "fusion.4": "loop_add_fusion_2", "rng.1": "some_kernel"}
+    events = [("jit_train_step", op, 1000 * (i + 1), None, kernel)
+              for _ in range(2) for i, (op, kernel) in enumerate(kernels.items())]
+    costs = {"rng.1": {"opcode": "rng", "category": "other", "runs": 1}}
+    table = profile_table.reduce_trace(events, costs, module="train_step", steps=2, top=30)
+    assert_table_shape(table)
+    rows = {r["op"]: r for r in table["rows"]}
+    assert {op: (rows[op]["category"], rows[op]["role"]) for op in kernels} == {
+        "mpmd_map.10": ("attention kernel", "dk/dv"), "mpmd_map.13": ("attention kernel", "dq"),
+        "mpmd_map.0": ("attention kernel", "forward"), "mpmd_map.2": ("attention kernel", "forward"),
+        "mpmd_map.14": ("attention kernel", "forward"), "custom-call.7": ("matmul", ""),
+        "custom-call.9": ("attention kernel", "backward"), "fusion.4": ("elementwise", ""), "rng.1": ("other", "")}
+    forward = table["attention_by_role"]["forward"]
+    assert forward["launches_per_step"] == 3 and forward["ops"] == ["mpmd_map.0", "mpmd_map.14", "mpmd_map.2"]
+    assert forward["ms_per_step"] == pytest.approx((3 + 4 + 5) * 1000 / 1e6)
+    assert "| mpmd_map.10` | attention kernel: dk/dv |" in profile_table.markdown(table, "t").replace("| `", "| ")
+    assert "| forward | 0.012 |" in profile_table.markdown(table, "t")
+
+
+# XLA GPU's form of a scanned step with Mosaic GPU kernels (as the 2026-11-27 capture's optimized HLO has it): a
+# dynamic-slice fusion around the forward kernel (the kernel reads its layer's slice in place), plain custom calls
+# in the backward, the layer loop's known trip count.
+KERNEL_HLO = """HloModule jit_train_step, entry_computation_layout={()}
+
+%dynamic-slice-fusion (p0: bf16[24,8,4096,8,2,128], p1: s32[]) -> bf16[8,4096,8,256] {
+  %p0 = bf16[24,8,4096,8,2,128]{5,4,3,2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %dynamic_slice.1 = bf16[1,8,4096,8,2,128]{5,4,3,2,1,0} dynamic-slice(%p0, %p1, %c, %c, %c, %c, %c), dynamic_slice_sizes={1,8,4096,8,2,128}
+  %bitcast.1 = bf16[8,4096,8,2,128]{4,3,2,1,0} bitcast(%dynamic_slice.1)
+  ROOT %mpmd_map.14 = bf16[8,4096,8,256]{3,2,1,0} custom-call(%bitcast.1, %bitcast.1), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/while/body/eval_jaxpr/jvp()/while/body/eval_jaxpr/diffjax_mgpu_fwd/mpmd_map"}
+}
+
+%body (p: (s32[], bf16[24,8,4096,8,2,128])) -> (s32[], bf16[24,8,4096,8,2,128]) {
+  %p = (s32[], bf16[24,8,4096,8,2,128]{5,4,3,2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[24,8,4096,8,2,128]{5,4,3,2,1,0} get-tuple-element(%p), index=1
+  %dynamic_slice_fusion = bf16[8,4096,8,256]{3,2,1,0} fusion(%x, %i), kind=kCustom, calls=%dynamic-slice-fusion
+  %q = bf16[8,4096,8,2,128]{4,3,2,1,0} bitcast(%dynamic_slice_fusion)
+  %mpmd_map.2 = bf16[8,4096,8,256]{3,2,1,0} custom-call(%q, %q), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/while/body/eval_jaxpr/transpose(jvp())/while/body/checkpoint/rematted_computation/diffjax_mgpu_fwd/mpmd_map"}
+  %mpmd_map.10 = bf16[8,4096,8,2,128]{4,3,2,1,0} custom-call(%q, %mpmd_map.2), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/while/body/eval_jaxpr/transpose(jvp())/while/body/checkpoint/diffjax_mgpu_bwd_dkdv/mpmd_map"}
+  ROOT %t = (s32[], bf16[24,8,4096,8,2,128]{5,4,3,2,1,0}) tuple(%i, %x)
+}
+
+ENTRY %main (a: bf16[24,8,4096,8,2,128]) -> (s32[], bf16[24,8,4096,8,2,128]) {
+  %a = bf16[24,8,4096,8,2,128]{5,4,3,2,1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[24,8,4096,8,2,128]{5,4,3,2,1,0}) tuple(%zero, %a)
+  ROOT %while.1 = (s32[], bf16[24,8,4096,8,2,128]{5,4,3,2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"24"}}
+}
+"""
+
+
+def test_custom_calls_inside_fusions_and_the_kernels_per_layer():
+    """The forward kernel inside a dynamic-slice fusion is costed under its own name (the one the GPU runtime
+    times it by): the loop's 24 runs, its own operands' bytes (the layer's slice, not the stack), its pass; and
+    step_hlo's count finds each kernel per pass and layer, failing its check at a third forward launch."""
+    import step_hlo
+
+    cost = profile_table.hlo_costs(KERNEL_HLO)["mpmd_map.14"]
+    assert (cost["category"], cost["runs"], cost["source"]) == ("attention kernel", 24, "fwd: diffjax_mgpu_fwd/mpmd_map")
+    assert cost["bytes"] == 2 * (8 * 4096 * 8 * 256 + 2 * 8 * 4096 * 8 * 2 * 128)
+    assert profile_table.hlo_costs(KERNEL_HLO)["mpmd_map.2"]["source"].startswith("bwd remat: ")
+    launches = {(r["kernel"], r["pass"]): (r["ops"], r["launches"]) for r in profile_table.kernel_launches(KERNEL_HLO)}
+    assert launches == {("diffjax_mgpu_fwd", "fwd"): (["mpmd_map.14"], 24), ("diffjax_mgpu_fwd", "bwd remat"): (["mpmd_map.2"], 24),
+                        ("diffjax_mgpu_bwd_dkdv", "bwd"): (["mpmd_map.10"], 24)}
+    result = step_hlo.check(profile_table.kernel_launches(KERNEL_HLO), layers=24)
+    assert (result["forward_per_layer"], result["ok"]) == (2, True)
+    third = KERNEL_HLO.replace("  %q = ", '  %mpmd_map.0 = bf16[8,4096,8,256]{3,2,1,0} custom-call(%x), custom_call_target='
+                               '"mosaic_gpu_v2", metadata={op_name="jit(train_step)/while/body/jvp()/diffjax_mgpu_fwd/mpmd_map"}\n  %q = ')
+    result = step_hlo.check(profile_table.kernel_launches(third), layers=24)
+    assert (result["forward_per_layer"], result["ok"]) == (3, False)
+    assert "forward kernel launches per layer: 3 (at most 2): FAILS" in step_hlo.markdown(result)
+
+
 def test_gpu_kernel_annotations_name_their_hlo_op():
     assert profile_table._annotation_op(
         "XlaModule:#hlo_module=jit_train_step,program_id=6#::Thunk:#hlo_op=fusion.12#") == ("jit_train_step", "fusion.12")
     assert profile_table._annotation_op("XlaModule:#hlo_module=jit_f#::custom-call.3:#kernel#") == ("jit_f", "custom-call.3")
     assert profile_table._annotation_op("XlaModule:#hlo_module=jit_f#") == ("jit_f", None)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_the_mgpu_peer_lowers_for_an_h100_in_its_dtype(mode, monkeypatch):
+    """jax's attention_mgpu stages q, k, v in float16 shared memory: bfloat16 inputs do not lower (every mgpu row
+    of the 2026-11-27 capture failed so), the benchmark's MGPU_DTYPE does, forward and backward."""
+    import attention
+
+    attention_mgpu = pytest.importorskip("jax.experimental.pallas.ops.gpu.attention_mgpu")
+    # the forward reads the CUDA runtime's version (a ptxas bug in 12.8-12.9.0): a CPU's jaxlib has none
+    monkeypatch.setattr(attention_mgpu, "cuda_versions", SimpleNamespace(cuda_runtime_get_version=lambda: 12090))
+    fn, args = attention.mgpu_fns(attention_mgpu, False, 1, 256, 1)[mode]
+
+    def lower(dtype):
+        with lowering_target(H100) as cuda:
+            shapes = [jax.ShapeDtypeStruct(a.shape, dtype) for a in args]
+            return fn.trace(*shapes).lower(lowering_platforms=(cuda,)).as_text()
+
+    assert args[0].dtype == attention.MGPU_DTYPE
+    assert lower(attention.MGPU_DTYPE).count("mosaic_gpu") >= (1 if mode == "fwd" else 3)
+    with pytest.raises(Exception, match="(?i)dtype"):
+        lower(jnp.bfloat16)
 
 
 def test_ncu_summary_of_the_synthetic_details_csv():
@@ -210,29 +318,151 @@ def test_the_sweep_merges_its_best_into_the_table(tmp_path):
     assert len(pallas_gpu_sweep.candidates(Tuning(), pallas_gpu_sweep.FORWARD_OPTIONS)) == 8
 
 
-@pytest.mark.slow
-@pytest.mark.single_leg  # subprocesses of the trainer and the sweep on CPU (~2 min)
-def test_gpu_session_capture_dry_run(tmp_path):
-    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable,
-           "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def test_every_tuning_field_is_swept():
+    """A kernel variant behind a new Tuning field needs its options in the sweep (the session's sweep phase runs
+    what pallas_gpu_sweep.py's options give, no list of its own)."""
+    import pallas_gpu_sweep
+
+    assert pallas_gpu_sweep.unswept_fields() == []
+    assert set(pallas_gpu_sweep.FIXED_FIELDS) <= set(Tuning._fields)
+
+
+def test_the_sweeps_best_is_a_tuning_that_agrees_with_the_default():
+    import pallas_gpu_sweep
+
+    sweep = object.__new__(pallas_gpu_sweep.Sweep)
+    fast_but_wrong, slow = (Tuning(pingpong=False)._asdict(), Tuning()._asdict())
+    sweep.rows = [{"tuning": slow, "mode": "fwd", "s": 2.0, "agrees": True},
+                  {"tuning": fast_but_wrong, "mode": "fwd", "s": 1.0, "agrees": False},
+                  {"tuning": fast_but_wrong, "mode": "fwd+bwd", "error": "unsupported"}]
+    assert sweep.best("fwd")["tuning"] == slow and sweep.best("fwd+bwd") is None
+    assert pallas_gpu_sweep.rel_diff(jnp.array([1.0, -2.0]), jnp.array([1.0, -2.5])) == pytest.approx(0.5 / 2.5)
+
+
+def test_the_motif3_slice_holds_as_many_moe_layers_as_the_memory_plan_fits():
+    """published's first 4 layers hold 2 MoE layers (110 GiB with their bf16 grads and AdamW moments): an H100's
+    budget (95% of 81,559 MiB) takes one (dense_first_layers 3), an H200's would take both. One MoE layer's MLP is
+    385 experts of 3 x 4096 x 1280 (+ a 384-wide router) where a dense layer has 3 x 4096 x 12288: 11.0 GiB in bf16."""
+    import motif3_step
+
+    h100, h200 = 0.95 * 81559 * 2**20, 0.95 * 143771 * 2**20
+    config, plans = motif3_step.choose_slice(motif3_step.base_config(tiny=False), 4096, h100, log=lambda line: None)
+    assert (config.num_layers, config.mlp_options.dense_first_layers, config.mlp_options.num_experts) == (4, 3, 384)
+    assert (config.d_model, list(config.global_layers), config.remat) == (4096, [0], "full")
+    assert [p["moe_layers"] for p in plans] == [2, 1, 0] and [p["fits"] for p in plans] == [False, True, True]
+    assert plans[0]["total"] <= 0.9 * h200  # the published first 4 layers, on an H200
+    moe_minus_dense = (385 * 3 * 4096 * 1280 + 384 * 4096 - 3 * 4096 * 12288) * 2
+    assert plans[0]["params"] - plans[1]["params"] == pytest.approx(moe_minus_dense, rel=1e-3)
+
+
+def test_the_gpu_tests_run_by_value_resume_and_skip_what_the_sweep_proved(tmp_path):
+    """gpu_tests_plugin: the DIFF kernels first and triton last whatever the collection order, an earlier call's
+    tests deselected, the long causal d 128 case skipped once this call's sweep checked T 8192 against XLA, and one
+    log line per finished test (setup, call and teardown summed)."""
+    import gpu_tests_plugin as plugin
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid, self.name, self.markers = nodeid, nodeid.split("::")[-1], []
+
+        def add_marker(self, marker):
+            self.markers.append(marker)
+
+    names = ["test_triton_compiled_on_gpu_matches_reference[96]", "test_pallas_gpu_compiled_other_tunings[change0]",
+             "test_pallas_gpu_compiled_forward_and_grads[causal-long-d128]",
+             "test_pallas_gpu_single_compiled_forward_and_grads[full-T>S-d128]",
+             "test_pallas_gpu_compiled_forward_and_grads[full-rep2-G2-token-d128]", "test_unknown"]
+    items = [Item(f"tests/test_ops_pallas_gpu.py::{name}") for name in names]
+    done = tmp_path / "done.tsv"
+    done.write_text(f"passed\t12.0\t{items[3].nodeid}\n")
+    sweep = {"dry_run": False, "single": False, "causal": True, "d": 128, "dv": 256, "T": 8192,
+             "reference_check": {"fwd": {"ok": True}, "fwd+bwd": {"ok": True}}}
+    (tmp_path / "pallas_gpu_sweep.json").write_text(json.dumps(sweep))
+    deselected = []
+    config = SimpleNamespace(getoption={"gpu_done": done, "gpu_evidence": tmp_path}.get,
+                             hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
+    plugin.pytest_collection_modifyitems(config, items)
+    assert [i.name for i in items] == [names[2], names[4], names[1], names[0], "test_unknown"]
+    assert [i.name for i in deselected] == [names[3]]
+    assert [m.kwargs["reason"] for m in items[0].markers] == [
+        "proven in this call by the sweep's reference check at T 8192 (pallas_gpu_sweep.json)"]
+    assert items[1].markers == []
+    sweep["reference_check"]["fwd+bwd"]["ok"] = False  # a failed check proves nothing
+    (tmp_path / "pallas_gpu_sweep.json").write_text(json.dumps(sweep))
+    items = [Item(f"tests/test_ops_pallas_gpu.py::{names[2]}")]
+    plugin.pytest_collection_modifyitems(config, items)
+    assert items[0].markers == []
+
+    log = plugin._Log(tmp_path / "log.tsv")
+    for when, outcome, seconds in (("setup", "passed", 1.0), ("call", "failed", 2.5), ("teardown", "passed", 0.5)):
+        log.pytest_runtest_logreport(SimpleNamespace(nodeid="t::a", when=when, outcome=outcome, duration=seconds,
+                                                     failed=outcome == "failed"))
+    log.pytest_runtest_logreport(SimpleNamespace(nodeid="t::b", when="call", outcome="passed", duration=9.0, failed=False))
+    assert (tmp_path / "log.tsv").read_text() == "failed\t4.0\tt::a\n"  # b never reached its teardown
+    assert plugin.done_ids(tmp_path / "log.tsv") == {"t::a"}
+
+
+def run_session(out: Path, work: Path, *phases: str, **env) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable,
+           "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env}
     env.pop("XLA_FLAGS", None)  # the script's own (its HLO dump), not the tests' 8 devices
-    result = subprocess.run(["bash", "benchmarks/gpu_session.sh", "capture", "sweep"], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(["bash", "benchmarks/gpu_session.sh", *phases], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.single_leg  # every phase a CPU runs, in subprocesses (~6 min)
+def test_gpu_session_dry_run(tmp_path):
+    """The prepared call's phases and capture at CPU size: each ends with status 0, $OUT holds at most 8 files (the
+    key ones and session.tar.gz with everything), the figures are there; then a tests-only call resumes after the
+    first call's first 5 tests."""
+    out, work, files = tmp_path / "out", tmp_path / "work", tmp_path / "files"
+    phases = ("hlo", "sweep", "bench", "trainstep", "motif3", "tests", "capture")
+    result = run_session(out, work, *phases)
+    assert sorted(p.name for p in out.iterdir()) == sorted(["gpu.txt", "session.tar.gz", "step_hlo.md", "sweep.log",
+                                                            "bench.log", "trainstep_4096_attention.log", "motif3.log",
+                                                            "gpu_tests.tsv"])
+    gpu_txt = (out / "gpu.txt").read_text()
+    assert all(f"== {phase}: exit status 0" in gpu_txt for phase in phases), gpu_txt
+    files.mkdir()
+    subprocess.run(["tar", "-xzf", str(out / "session.tar.gz"), "-C", str(files)], check=True)
+    assert json.loads((files / "step_hlo.json").read_text())["ok"]
+    sweep = json.loads((files / "pallas_gpu_sweep.json").read_text())
+    assert sweep["dry_run"] and all(check["ok"] for check in sweep["reference_check"].values())
+    assert all(r["agrees"] for r in sweep["rows"] if "s" in r)
+    assert [r["tuning"]["dkdv"] for r in sweep["rows"] if r["mode"] == "dkdv"] == ["exchange", Tuning().dkdv]  # baseline first
+    tuning = json.loads((files / "pallas_gpu_tuning.json").read_text())
+    assert tuning["dry_run"] is True and "diff d128 dv256 bfloat16" in tuning["best"]
+    assert json.loads((files / "train_step_gpu_4096_attention.json").read_text())["ratios"]
+    motif3 = json.loads((files / "motif3_step.json").read_text())
+    assert motif3["tiny"] and motif3["choices"]["dense_first_layers"] == 2 and motif3["rows"][0]["tokens_per_s"] > 0
+    tests = (out / "gpu_tests.tsv").read_text().splitlines()
+    assert len(tests) == 20 and all(line.startswith("skipped\t") for line in tests)  # no GPU: every gpu test skips
+    assert "mgpu: skipped" in result.stdout
+    check_capture(files)
+
+    (tmp_path / "done.tsv").write_text("\n".join(tests[:5]) + "\n")
+    run_session(out, tmp_path / "work2", "tests", TESTS_DONE=str(tmp_path / "done.tsv"))
+    resumed = (out / "gpu_tests.tsv").read_text().splitlines()
+    assert sorted(resumed + tests[:5]) == sorted(tests)
+
+
+def check_capture(files: Path):
+    """capture's files: both twins' profile tables (reduced again from the kept trace and HLO to the same rows), the
+    side-by-side categories, the ncu summary of the synthetic CSV."""
     for model in ("diff-1.4b", "transformer-1.4b"):
-        table = json.loads((tmp_path / f"profile_{model}.json").read_text())
+        table = json.loads((files / f"profile_{model}.json").read_text())
         assert_table_shape(table)
         assert table["hlo_costs"] and table["steps"] == 2
         assert any(r["category"] == "matmul" and r["tflops"] for r in table["rows"])
-        again = tmp_path / f"again_{model}.json"  # the kept trace and HLO reduce again to the same table
-        assert profile_table.main([str(tmp_path / f"trace_{model}.xplane.pb.gz"), "--hlo", str(tmp_path / f"hlo_{model}.txt.gz"),
+        again = files / f"again_{model}.json"
+        assert profile_table.main([str(files / f"trace_{model}.xplane.pb.gz"), "--hlo", str(files / f"hlo_{model}.txt.gz"),
                                    "--steps", "2", "--out", str(again)]) == 0
         assert json.loads(again.read_text())["rows"] == table["rows"]
-    side_by_side = (tmp_path / "profile_diff_vs_twin.md").read_text()
+    side_by_side = (files / "profile_diff_vs_twin.md").read_text()
     assert "| category | diff-1.4b ms / step | transformer-1.4b ms / step | transformer-1.4b - diff-1.4b |" in side_by_side
     assert "| matmul |" in side_by_side and "| total |" in side_by_side
-    kernels = [r["kernel"] for r in json.loads((tmp_path / "ncu_summary.json").read_text())]
+    kernels = [r["kernel"] for r in json.loads((files / "ncu_summary.json").read_text())]
     assert sorted(kernels) == ["diffjax_mgpu_bwd_dkdv", "diffjax_mgpu_bwd_dq", "diffjax_mgpu_fwd"]
-    assert "mgpu: skipped" in result.stdout
-    tuning = json.loads((tmp_path / "pallas_gpu_tuning.json").read_text())
-    assert tuning["dry_run"] is True and "diff d128 dv256 bfloat16" in tuning["best"]

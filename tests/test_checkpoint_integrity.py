@@ -120,6 +120,33 @@ def test_the_command_line_readers_refuse_a_damaged_checkpoint_in_one_line(damage
     assert message in _one_line_error(capsys, outliers.main(["--checkpoint", str(step_dir), "--tokens", "64"]))
 
 
+def test_a_broken_config_yaml_is_one_line_for_every_reader(clean_run, tmp_path, capsys):
+    """generate, the export, the analyses, eval and train.init_from of a run directory whose config.yaml is not
+    valid YAML. Before: 56-80 lines of YAML traceback (issue 55 item 9); the trainer said one line already."""
+    from diffjax.analysis import outliers
+    from diffjax.convert.__main__ import main as convert
+    from diffjax.generate.__main__ import main as generate
+    from test_robustness import _main
+    from test_trainer import SMALL
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(clean_run[0], run_dir)
+    lines = (run_dir / "config.yaml").read_text().splitlines()
+    (run_dir / "config.yaml").write_text("\n".join(lines + ["model: {d_model: 16", "  broken: ["]) + "\n")
+    message = (f"error: config file {run_dir / 'config.yaml'} line {len(lines) + 2}, column 9: not valid YAML (expected "
+               "',' or '}', but got ':')")
+    assert _one_line_error(capsys, convert(["diffjax-to-hf", str(run_dir), str(tmp_path / "hf")])) == message
+    assert _one_line_error(capsys, generate(["--checkpoint", str(run_dir), "--prompt-ids", "1,2"])) == message
+    assert _one_line_error(capsys, outliers.main(["--checkpoint", str(run_dir), "--tokens", "64"])) == message
+    assert _one_line_error(capsys, _main(*SMALL, f"train.run_dir={tmp_path / 'new'}", f"train.init_from={run_dir}")) \
+        == message
+    if __import__("importlib").util.find_spec("lm_eval"):
+        from diffjax.eval.lm_eval_adapter import load_for_eval
+
+        with pytest.raises(ValueError, match=r"^config file .* line \d+, column 9: not valid YAML"):
+            load_for_eval(run_dir)  # (diffjax-eval prints its ValueErrors as one line)
+
+
 def test_init_from_a_damaged_checkpoint_is_refused(damaged_run, tmp_path, capsys):
     from test_robustness import _main
     from test_trainer import SMALL
@@ -144,7 +171,7 @@ def test_a_missing_digest_is_damage_in_a_digested_run_and_asks_for_adoption_in_a
     assert find_damage(newer) == MISSING_DIGEST  # step 0 has its digest
     (run_dir / "checkpoints" / "0" / "digest.json").unlink()
     for step_dir in (newer, run_dir / "checkpoints" / "0"):
-        with pytest.raises(NotAdoptedError, match=rf"adopt the run .*: python -m diffjax.checkpoint adopt {run_dir}$"):
+        with pytest.raises(NotAdoptedError, match=rf"adopt the run .*: diffjax-checkpoint adopt {run_dir}$"):
             find_damage(step_dir)
     with pytest.raises(NotAdoptedError, match=rf"^checkpoint: checkpoint {newer} has no digest.json, nor has any"):
         load_model(run_dir)

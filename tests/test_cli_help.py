@@ -1,17 +1,68 @@
-"""Every `python -m diffjax...` command answers --help with its usage (run as `python -m` runs it: runpy with
-run_name "__main__"), and the analyses' library modules say what to run instead of printing nothing."""
+"""Every command answers --help with its usage under the one name users type (a console script's name for the tools
+pyproject installs, `python -m <module>` for the others; run as `python -m` runs it: runpy with run_name
+"__main__"), every option of every command says what it does, and the analyses' library modules say what to run
+instead of printing nothing."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import runpy
 import sys
+import tomllib
 import warnings
+from pathlib import Path
 
 import pytest
 
-COMMANDS = ["diffjax.analysis.needles", "diffjax.analysis.recall", "diffjax.analysis.attention_scores",
-            "diffjax.analysis.outliers", "diffjax.analysis.quantization", "diffjax.analysis.probe", "diffjax.eval",
-            "diffjax.generate", "diffjax.convert", "diffjax.ops", "diffjax.tokenizers"]
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# The console scripts: name -> "module:function" (diffjax-train, diffjax-convert, ...).
+SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+# What `python -m` runs, and the name its usage line gives: the console script's where one runs the same main.
+COMMANDS = {"diffjax.analysis.needles": None, "diffjax.analysis.recall": None, "diffjax.analysis.attention_scores": None,
+            "diffjax.analysis.outliers": None, "diffjax.analysis.quantization": None, "diffjax.analysis.probe": None,
+            "diffjax.eval": "diffjax-eval", "diffjax.generate": "diffjax-generate", "diffjax.convert": "diffjax-convert",
+            "diffjax.checkpoint": "diffjax-checkpoint", "diffjax.ops": None, "diffjax.tokenizers": None}
+# Every command line's main: the console scripts' and the modules'.
+MAINS = {**{name: target for name, target in SCRIPTS.items()},
+         **{f"python -m {module}": f"{module}.__main__:main" if module in ("diffjax.ops", "diffjax.tokenizers")
+            else f"{module}:main" for module, script in COMMANDS.items() if script is None}}
+
+
+class _Built(Exception):
+    """Raised by the first parse: carries the parser a main built."""
+
+
+def parser_of(target: str, monkeypatch) -> argparse.ArgumentParser:
+    """The ArgumentParser the main `target` ("module:function") builds, taken at its first parse (nothing runs)."""
+    module, function = target.split(":")
+
+    def capture(parser, *args, **kwargs):
+        raise _Built(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_intermixed_args", capture)
+    with pytest.raises(_Built) as built:
+        getattr(importlib.import_module(module), function)([])
+    return built.value.args[0]
+
+
+def options_without_help(parser: argparse.ArgumentParser) -> list[str]:
+    """'PROG --option' (or a positional's name) for each argument of the parser and its subcommands that has no help."""
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            missing += [name for sub in action.choices.values() for name in options_without_help(sub)]
+        elif not action.help:
+            missing.append(f"{parser.prog} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+@pytest.mark.parametrize("command", sorted(MAINS))
+def test_every_option_has_help_and_the_usage_names_the_command(command, monkeypatch):
+    parser = parser_of(MAINS[command], monkeypatch)
+    assert parser.prog == command
+    assert options_without_help(parser) == []
 
 
 def run_module(module: str, argv: list[str], monkeypatch) -> int:
@@ -22,10 +73,10 @@ def run_module(module: str, argv: list[str], monkeypatch) -> int:
     return exit.value.code
 
 
-@pytest.mark.parametrize("module", COMMANDS)
+@pytest.mark.parametrize("module", sorted(COMMANDS))
 def test_help_prints_the_usage(module, monkeypatch, capsys):
     assert run_module(module, ["--help"], monkeypatch) == 0
-    assert capsys.readouterr().out.startswith(f"usage: python -m {module} ")
+    assert capsys.readouterr().out.startswith(f"usage: {COMMANDS[module] or f'python -m {module}'} ")
 
 
 def test_the_probe_library_names_the_commands_that_use_it(monkeypatch, capsys):

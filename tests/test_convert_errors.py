@@ -64,6 +64,19 @@ def test_shape_mismatch_names_key_expected_and_found(checkpoint):
         load_hf(checkpoint)
 
 
+def test_a_config_off_by_one_dimension_is_a_readable_line(checkpoint):
+    """hidden_size off by 8 mis-shapes every tensor: the first few and a count, not each (issue 55 item 11; the
+    Motif 3 path: test_motif3.py)."""
+    edit_config(checkpoint, hidden_size=72)
+    with pytest.raises(ConversionError) as error:
+        load_hf(checkpoint)
+    message = str(error.value)
+    assert len(message) < 600 and "\n" not in message, message
+    assert message.startswith("21 checkpoint tensor(s) have another shape than this config's: "
+                              "'model.embed_tokens.weight' has shape (97, 64), expected (97, 72); "), message
+    assert message.endswith(" and 18 more"), message
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [

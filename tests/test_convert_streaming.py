@@ -1,10 +1,10 @@
 """Peak memory of conversion on a synthetic many-shard checkpoint, measured in a subprocess.
 
-hf-to-diffjax holds the converted params (Orbax writes one checkpoint from them) plus a tensor or
-two of the source: its bound, the model + 2 x the largest shard + a fixed allowance for Orbax /
-tensorstore buffers and thread pools, stays below twice the model, which is why a checkpoint
-larger than half the machine's memory converts. Reading everything first, or Orbax's OCDBT save
-with its defensive copy (~1.7x the model on top of the params), breaks it.
+hf-to-diffjax writes each converted tensor into the checkpoint as its shard is read (save_params_streamed):
+measured 117 MiB of growth here (211 MiB when it held the converted params for one Orbax save). Its bound, the model +
+2 x the largest shard + a fixed allowance for Orbax / tensorstore buffers and thread pools, stays below twice the
+model; reading everything first, or Orbax's OCDBT save with its defensive copy (~1.7x the model on top of the
+params), breaks it.
 diffjax-to-hf reads and writes one tensor at a time: its bound has no model term at all.
 """
 

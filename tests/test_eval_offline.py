@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from diffjax.convert.hub import OFFLINE_REASON
+
 pytest.importorskip("lm_eval")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -48,12 +50,17 @@ def byte_run_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offline", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
-                         ids=["HF_HUB_OFFLINE", "hub-does-not-answer"])
-def test_a_dataset_out_of_reach_is_one_line_at_once(offline, byte_run_dir, tmp_path):
+@pytest.mark.parametrize("offline, who", [
+    ({"HF_HUB_OFFLINE": "1"}, "offline mode is on (HF_HUB_OFFLINE set in your environment)"),
+    ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "diffjax switched to offline mode (set HF_HUB_OFFLINE) because the Hub "
+                                            "(http://127.0.0.1:9) did not answer within 5 s")],
+    ids=["HF_HUB_OFFLINE", "hub-does-not-answer"])
+def test_a_dataset_out_of_reach_is_one_line_at_once(offline, who, byte_run_dir, tmp_path):
+    """The line says who went offline: the user, or diffjax-eval because the Hub did not answer."""
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "hub_task.yaml").write_text(TASK)
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT",
+                                                            OFFLINE_REASON)}
     env.update(offline, HF_HOME=str(tmp_path / "hf-home"))  # an empty cache
     start = time.perf_counter()
     result = subprocess.run(
@@ -64,12 +71,35 @@ def test_a_dataset_out_of_reach_is_one_line_at_once(offline, byte_run_dir, tmp_p
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
-        "error: task hub_task needs its dataset diffjax-tests/absent-dataset from the Hugging Face Hub, offline (the "
-        "Hub does not answer, or HF_HUB_OFFLINE is set) and not in the local cache (HF_HOME): run once online to cache "
-        "it, or evaluate a task on local files: --include-path DIR holding a task YAML with `dataset_path: json` and "
-        "`dataset_kwargs: {data_files: {test: FILE.jsonl}}`"], result.stderr
+        "error: task hub_task needs its dataset diffjax-tests/absent-dataset from the Hugging Face Hub, not in the "
+        f"local cache (HF_HOME), and {who}: run once online to cache it, or evaluate a task on local files: "
+        "--include-path DIR holding a task YAML with `dataset_path: json` and `dataset_kwargs: {data_files: {test: "
+        "FILE.jsonl}}`"], result.stderr
     assert "Traceback" not in result.stderr and "Retrying" not in result.stderr, result.stderr
     assert seconds < 60, f"{seconds:.0f} s: a retry loop?"
+
+
+@pytest.mark.parametrize("user_setting", [None, "HF_DATASETS_OFFLINE"])
+def test_offline_messages_say_who_switched_offline(user_setting, monkeypatch):
+    """diffjax-eval's own switch (the Hub did not answer) is told apart from the user's setting."""
+    from diffjax.convert.hub import offline_because
+    from diffjax.eval import hub_datasets
+
+    for variable in (*hub_datasets.OFFLINE_VARIABLES, OFFLINE_REASON):  # absent now, and again after the test
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
+    if user_setting:
+        monkeypatch.setenv(user_setting, "1")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    hub_datasets.offline_unless_reachable()
+    assert hub_datasets.is_offline()
+    if user_setting:  # left as the user set it
+        assert "HF_HUB_OFFLINE" not in os.environ
+        assert offline_because(hub_datasets.OFFLINE_VARIABLES) == ("offline mode is on (HF_DATASETS_OFFLINE set in "
+                                                                   "your environment)")
+    else:
+        assert offline_because() == ("diffjax switched to offline mode (set HF_HUB_OFFLINE) because the Hub "
+                                     "(http://127.0.0.1:9) did not answer within 5 s")
 
 
 def test_a_library_warning_prints_once():

@@ -135,6 +135,24 @@ def test_a_bad_parallel_expert_is_one_clear_line():
         ParallelConfig(expert=0)
 
 
+def test_eval_refuses_a_mesh_the_experts_do_not_split_over_in_one_line(tmp_path):
+    """diffjax-eval --mesh expert=4 of a 6-expert model: the trainer's check, before loading. Before: 18 lines of
+    shard_map's error when the first batch was scored (issue 55 item 10)."""
+    pytest.importorskip("lm_eval")
+    from flax import nnx
+
+    from diffjax.checkpoint import save_params
+    from diffjax.eval.lm_eval_adapter import load_for_eval, parse_mesh
+    from diffjax.model import TransformerLM
+
+    six = MODEL.replace(vocab_size=257, mlp_options=dataclasses.replace(MODEL.mlp_options, num_experts=6))
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(TransformerLM(six, rngs=nnx.Rngs(0)), nnx.Param)))
+    save_params(tmp_path / "run", params, six)
+    with pytest.raises(ValueError, match=r"^mesh expert=4: expert \(4\) must divide model.mlp_options.num_experts "
+                                         r"\(6\): expert parallelism places whole experts; use expert in \[1, 2, 3, 6\]$"):
+        load_for_eval(tmp_path / "run", mesh=parse_mesh("expert=4"), tokenizer="byte")
+
+
 def _train_small(run_dir, *mesh: str):
     """The real trainer CLI on the shipped motif3/small (GDLA, mHC, 6 experts top 2 + a shared one), 2 steps."""
     command = [sys.executable, "train.py", "--config", "motif3/small",

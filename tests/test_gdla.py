@@ -3,7 +3,7 @@
 windowed layer with the output gate, the window and YaRN each on and off; YaRN's frequencies against transformers';
 mutations that must fail (the noise head paired with the wrong group, YaRN's factor on cos / sin instead of the
 softmax scale, the window one key off); a KV-cache decode against the full forward; the ops route of the published
-shapes on h100 and v5p."""
+shapes on h100 and v5p, and the memory of a published-size layer's gradient on an h100 (linear in T)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from diffjax.model import TransformerLM
 from diffjax.model.attention.gdla import GroupedDiffLatentAttention
 from diffjax.model.kv_cache import KVCache
 from diffjax.model.rope import inv_frequencies, layer_rope_tables, rope_tables, window_inv_frequencies
-from diffjax.ops import DEVICES, choose
-from diffjax.ops.__main__ import attention_calls
+from diffjax.ops import DEVICES, choose, simulated_device
+from diffjax.model.sizes import attention_calls
 
 from motif3_published import PUBLISHED, checkpoint_shapes, small_config
 
@@ -292,10 +292,10 @@ def test_bad_options_and_rope_fields_get_one_line_each():
 
 
 def test_ops_route_of_the_published_shapes():
-    """The published attention (bf16, T = 4096): on a v5p the fused Pallas TPU kernel takes every layer (scores 192
-    wide, values 128, the window too); on an H100 none of the GPU kernels takes d = 192 with dv = 128 (pallas_gpu:
-    d in (64, 128); the cuDNN composition splits V into d-wide pieces; triton: d <= 128), so XLA runs, blockwise on
-    the windowed layers; a decode step is XLA everywhere."""
+    """The published attention (bf16, T = 4096): on a v5p the fused Pallas TPU kernel takes every layer, on an H100
+    the fused Mosaic GPU kernels (scores 192 wide, values 128, the window, packed rows: pallas_gpu's single-map mode;
+    the cuDNN composition cannot take values narrower than the keys, triton d > 128); a decode step is XLA
+    everywhere."""
     config = gdla_config(PUBLISHED, dtype="bfloat16", param_dtype="bfloat16", attention_impl="auto")
     calls = attention_calls(config, 4096)
     assert [what for what, _ in calls] == [
@@ -309,13 +309,65 @@ def test_ops_route_of_the_published_shapes():
     v5p = [choose(call, "auto", DEVICES["v5p"]) for _, call in calls]
     assert [r.impl for r in v5p] == ["pallas_tpu"] * 4 + ["xla"]
     h100 = [choose(call, "auto", DEVICES["h100"]) for _, call in calls]
-    assert [(r.impl, r.blockwise) for r in h100] == [("xla", False)] * 2 + [("xla", True)] * 2 + [("xla", False)]
-    assert all("pallas_gpu needs the q and k head dim d in (64, 128), got 192" in r.reason for r in h100[:2])
-    assert all("cudnn needs the value width (128) to be a multiple of the q/k head dim (192)" in r.reason
-               for r in h100[:4])
+    assert [(r.impl, r.blockwise) for r in h100] == [("pallas_gpu", False)] * 4 + [("xla", False)]
     assert "decode" in h100[4].reason and "decode" in v5p[4].reason
-    with pytest.raises(ValueError, match="pallas_gpu.*head dim d in \\(64, 128\\), got 192"):
-        choose(calls[1][1], "pallas_gpu", DEVICES["h100"])
+    with pytest.raises(ValueError, match="impl='cudnn' needs the value width \\(128\\) to be a multiple of the q/k head dim"):
+        choose(calls[1][1], "cudnn", DEVICES["h100"])
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_the_shipped_config_previews_no_xla_call_but_decode_on_an_h100(context):
+    """`python -m diffjax.ops --config motif3/published --device h100 [--context 2]`'s routes: the train step and
+    the prefill, windowed and global layers, run the fused kernels (per query chunk over a context axis)."""
+    from diffjax.ops.__main__ import main
+    from diffjax.train.config import load_run_config
+
+    run = load_run_config("motif3/published", [])
+    calls = attention_calls(run.model, run.data.seq_len, context)
+    routes = {what: choose(call, run.model.attention_impl, DEVICES["h100"]) for what, call in calls}
+    assert len(routes) == 5
+    for what, route in routes.items():
+        expected = ("xla", False) if "decode" in what else ("pallas_gpu", context > 1 and "train" in what)
+        assert (route.impl, route.context) == expected and not route.blockwise, (what, route)
+    assert main(["--config", "motif3/published", "--device", "h100", "--context", str(context)]) == 0
+
+
+def _equations(jaxpr):
+    """Every equation of jaxpr and its sub-jaxprs (cond branches, loops, custom VJPs, kernel bodies)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _equations(sub)
+
+
+@pytest.mark.parametrize("T", [6144, 32768])
+def test_a_published_layers_gradient_on_an_h100_holds_nothing_t_by_s(T):
+    """Memory linear in T: one published-size GDLA layer's loss gradient on packed rows, its windowed or global call
+    picked at run time (a scanned stack's traced flag), traced as routed on an H100 (nothing runs): both calls run the
+    fused Mosaic GPU kernels, forward and backward, and no intermediate has two axes as long as the sequence (T above
+    d_model, 4096). Before the kernels took d 192 / dv 128 and the window, the global call's XLA path held [.., T, T]
+    scores below BLOCKWISE_FROM (8192) and ran XLA blockwise above."""
+    config = gdla_config(PUBLISHED, dtype="bfloat16", param_dtype="bfloat16", attention_impl="auto")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GroupedDiffLatentAttention(config, rngs=nnx.Rngs(0))))
+
+    def loss(state, x_BTD, segment_ids, windowed):
+        rope = layer_rope_tables(config, jnp.arange(T)[None], x_BTD.dtype)
+        out = nnx.merge(graphdef, state)(x_BTD, rope, segment_ids, constants={"global_attention": ~windowed})
+        return jnp.sum(out.astype(jnp.float32))
+
+    args = (jax.ShapeDtypeStruct((1, T, config.d_model), jnp.bfloat16), jax.ShapeDtypeStruct((1, T), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.bool_))
+    with simulated_device(DEVICES["h100"]):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, *args).jaxpr
+    equations = list(_equations(jaxpr))
+    long = [(eqn.primitive.name, var.aval.shape) for eqn in equations for var in eqn.outvars
+            if sum(n >= T for n in getattr(var.aval, "shape", ())) >= 2]
+    assert not long, f"intermediates T x S in size: {long[:5]}"
+    kernels = [str(eqn.params.get("name")) for eqn in equations if str(eqn.params.get("name")).startswith("diffjax_mgpu")]
+    assert sorted(kernels) == sorted(f"diffjax_mgpu_single_{k}" for k in ("fwd", "bwd_dq", "bwd_dkdv") * 2), kernels
 
 
 @pytest.mark.slow

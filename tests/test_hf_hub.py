@@ -124,7 +124,7 @@ def test_eval_loads_a_hub_name(offline):
 
 @pytest.mark.parametrize("name,revision,message", [
     ("diffjax-tests/not-cached", None, r"^diffjax-tests/not-cached is not a local directory and is not \(fully\) in "
-     r"the Hugging Face cache .*hub, and offline mode \(HF_HUB_OFFLINE\) is on; fetch it with "
+     r"the Hugging Face cache .*hub, and offline mode is on \(HF_HUB_OFFLINE set in your environment\); fetch it with "
      r"`hf download diffjax-tests/not-cached` where the Hub is reachable"),
     (NAME, "v3", rf"^{NAME} at revision 'v3' is not a local directory .*`hf download {NAME} --revision v3`"),
 ])
@@ -133,6 +133,16 @@ def test_offline_and_not_cached_is_one_line(offline, name, revision, message):
         diffjax.load_hf(name, revision=revision)
     assert "\n" not in str(raised.value)
     assert raised.value.__cause__ is None and raised.value.__context__ is None  # no chained traceback
+
+
+def test_offline_mode_diffjax_switched_on_says_so(offline, monkeypatch):
+    """diffjax-eval goes offline when the Hub does not answer: a name it then cannot read says diffjax did it."""
+    from diffjax.convert.hub import OFFLINE_REASON
+
+    monkeypatch.setenv(OFFLINE_REASON, "the Hub (https://huggingface.co) did not answer within 5 s")
+    with pytest.raises(FileNotFoundError, match=r"and diffjax switched to offline mode \(set HF_HUB_OFFLINE\) because "
+                                                r"the Hub \(https://huggingface.co\) did not answer within 5 s; fetch"):
+        diffjax.load_hf("diffjax-tests/not-cached")
 
 
 def test_without_huggingface_hub_a_name_is_one_line(monkeypatch):
@@ -176,6 +186,22 @@ def test_the_convert_cli_by_name(offline, tmp_path, capsys):
     assert (tmp_path / "upcycled" / "hf" / "config.json").is_file()  # the source's files, kept as from a directory
 
 
+def test_nothing_is_written_into_the_hugging_face_cache(offline, hub_home, tmp_path, capsys):
+    """The probe: `hf-to-diffjax org/name <its snapshot> --overwrite`. Before: config.yaml and checkpoints/ written
+    into the cache, rc 0 (issue 55 item 5). Any other directory of the cache is refused as well, and exports too."""
+    cache = hub_home[0] / "hub"
+    snapshot = hub.resolve(NAME)
+    listing = sorted(str(p) for p in cache.rglob("*"))
+    for argv in (["hf-to-diffjax", NAME, str(snapshot), "--overwrite"],
+                 ["hf-to-diffjax", str(tmp_path / "elsewhere"), str(cache / "mine")],
+                 ["diffjax-to-hf", str(tmp_path / "elsewhere"), str(cache / "exported")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("error: "), err
+        assert "is in the Hugging Face cache" in err or "is SRC" in err, err
+    assert sorted(str(p) for p in cache.rglob("*")) == listing
+
+
 def run_cli(*args, **env):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "JAX_PLATFORMS": "cpu", **env}
@@ -198,7 +224,8 @@ def test_the_cli_honours_hf_home_and_offline_mode(hub_home, tmp_path):
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
     done = run_cli("upcycle", "diffjax-tests/not-cached", tmp_path / "up", HF_HOME=str(home), HF_HUB_OFFLINE="1")
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "offline mode (HF_HUB_OFFLINE) is on; fetch it with `hf download diffjax-tests/not-cached`" in done.stderr
+    assert ("offline mode is on (HF_HUB_OFFLINE set in your environment); fetch it with `hf download "
+            "diffjax-tests/not-cached`") in done.stderr
     start = time.monotonic()
     done = run_cli("verify", "diffjax-tests/not-cached", HF_HOME=str(home), HF_HUB_OFFLINE=None,
                    HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens there: as with no network

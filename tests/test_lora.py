@@ -125,7 +125,7 @@ def test_a_run_directory_names_its_lora_settings_and_base_in_config_yaml(tmp_pat
     config_file.write_text("lora: {rank: 2, alpha: 4.0, targets: [q, v]}\ntrain: {init_from: /base}\n")
     assert lora.run_settings(config_file) == (lora.LoraConfig(rank=2, alpha=4.0, targets=("q", "v")), "/base")
     config_file.write_text("lora: {rank: 2, alpha: 4.0, rnak: 3}\ntrain: {init_from: /base}\n")
-    with pytest.raises(ValueError, match=rf"^{config_file}: unknown config key lora.rnak; valid keys under lora: alpha, "
+    with pytest.raises(ValueError, match=rf"^{config_file}: unknown config key lora.rnak \(did you mean lora.rank\?\); valid keys under lora: alpha, "
                                          "rank, targets, trainable$"):
         lora.run_settings(config_file)
     config_file.write_text("lora: {rank: 2}\n")

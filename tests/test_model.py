@@ -63,7 +63,7 @@ def test_config_derives_sizes_and_rederives_on_replace():
     assert explicit.head_dim == 128  # explicit head_dim lifts the divisibility rule (Shared DIFF shapes)
     assert ModelConfig.from_dict(config.to_dict()) == config
     assert ModelConfig.from_dict(shared.to_dict()) == shared and "attention_options" not in config.to_dict()
-    with pytest.raises(ValueError, match="unknown ModelConfig keys \\['heads'\\]"):
+    with pytest.raises(ValueError, match=r"unknown ModelConfig keys heads \(did you mean num_heads or head_dim\?\); valid keys"):
         ModelConfig.from_dict({"heads": 3})
 
 

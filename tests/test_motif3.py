@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import diffjax
-from diffjax.convert import motif3_weights
+from diffjax.convert import motif3, motif3_weights, weight_plan
 from diffjax.convert.common import ConversionError
 from diffjax.convert.hf import config_from_hf
 from diffjax.model import TransformerLM
@@ -102,6 +102,17 @@ def test_the_export_refuses_what_motif_3_cannot_hold(tmp_path):
 # ------------------------------------------------------------------------------ the published names, shapes only
 
 
+def test_a_config_off_by_one_dimension_is_a_readable_line():
+    """The published checkpoint's tensors against its config.json with hidden_size off by 8: before, one line of
+    129,589 characters listing every tensor (issue 55 item 11)."""
+    shapes = checkpoint_shapes(PUBLISHED, include_mtp=True)
+    rows = motif3_weights.plan(config_from_hf({**PUBLISHED, "hidden_size": PUBLISHED["hidden_size"] + 8}))
+    with pytest.raises(ConversionError, match=r"^\d+ checkpoint tensor\(s\) have another shape than this config's: "
+                                              r"'model.embed_tokens.weight' has shape .* and \d+ more$") as error:
+        weight_plan.check_names(shapes, rows, motif3.FORMAT)
+    assert len(str(error.value)) < 600, str(error.value)
+
+
 @pytest.mark.parametrize("rope_style", ["rotate_half", "interleaved"])
 def test_every_published_tensor_maps_at_the_published_size(rope_style):
     """checkpoint_shapes(PUBLISHED, include_mtp=True) through the plan without allocating: every name mapped or (the
@@ -109,7 +120,7 @@ def test_every_published_tensor_maps_at_the_published_size(rope_style):
     config = config_from_hf(PUBLISHED).replace(rope_style=rope_style)
     shapes = checkpoint_shapes(PUBLISHED, include_mtp=True)
     rows = motif3_weights.plan(config)
-    skipped = motif3_weights.check_names(shapes, rows)
+    skipped = weight_plan.check_names(shapes, rows, motif3.FORMAT)
     assert skipped and all(name.startswith("model.mtp_layers.0.") for name in skipped)
     assert sorted(skipped) == sorted(set(shapes) - {row.key for row in rows})
     abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
@@ -145,8 +156,8 @@ def _grads_by_name(model, tokens):
         return diffjax.next_token_loss(nnx.merge(graphdef, params)(tokens), tokens)
 
     flat = {path: np.asarray(g[...]) for path, g in nnx.to_flat_state(jax.grad(loss)(params))}
-    plan = motif3_weights.export_plan(model.config, flat.__getitem__, lambda path, i: flat[path][i],
-                                      {path: np.dtype(np.float32) for path in flat})
+    plan = weight_plan.export_plan(motif3_weights.plan(model.config), flat.__getitem__, lambda path, i: flat[path][i],
+                                   {path: np.dtype(np.float32) for path in flat})
     return {key: produce() for key, _, _, produce in plan}
 
 

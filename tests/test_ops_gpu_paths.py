@@ -112,17 +112,21 @@ def _call(d, dv, *, op="diff_attention", G=2, T=128, S=None, segments=None, caus
 
 
 def _auto(call, device):
-    return ops.choose(call, "auto", ops.DEVICES[device]).impl
+    """The impl auto picks, or (undifferentiated, differentiated) where the two passes take different impls."""
+    route = ops.choose(call, "auto", ops.DEVICES[device])
+    return route.impl if route.grad_impl == route.impl else (route.impl, route.grad_impl)
 
 
-# (device, op, d, packed) -> the impl auto picks (bf16, T = 128, causal); the table of README "Attention kernels".
+# (device, op, d, packed) -> the impl auto picks (bf16, T = 128, causal, no remat); the table of docs/kernels.md.
 AUTO_TABLE = {
-    # Hopper: the fused kernel wherever it runs (d 64 / 128), packed or not, except where cuDNN was measured
-    # faster (CUDNN_FASTER_ON_HOPPER: d 128, both ops, causal or not) and takes the call (no segment ids).
+    # Hopper: the fused kernel wherever it runs (d 64 / 128), packed or not, except where cuDNN takes the call (no
+    # segment ids) and was measured faster in a pass (HOPPER_MS: d 128, both ops): the forward stays on the fused
+    # kernel, training (fwd+bwd) takes cuDNN.
     ("h100", "diff_attention", 64, True): "pallas_gpu", ("h100", "diff_attention", 64, False): "pallas_gpu",
-    ("h100", "diff_attention", 128, True): "pallas_gpu", ("h100", "diff_attention", 128, False): "cudnn",
+    ("h100", "diff_attention", 128, True): "pallas_gpu", ("h100", "diff_attention", 128, False): ("pallas_gpu", "cudnn"),
     ("h100", "diff_attention", 96, True): "triton", ("h100", "diff_attention", 96, False): "cudnn",
-    ("h100", "dot_product_attention", 128, True): "pallas_gpu", ("h100", "dot_product_attention", 128, False): "cudnn",
+    ("h100", "dot_product_attention", 128, True): "pallas_gpu",
+    ("h100", "dot_product_attention", 128, False): ("pallas_gpu", "cudnn"),
     ("h100", "dot_product_attention", 96, True): "triton", ("h100", "dot_product_attention", 64, False): "pallas_gpu",
     # Other CUDA GPUs: cuDNN without segment ids, Pallas Triton with them.
     ("a100", "diff_attention", 64, True): "triton", ("a100", "diff_attention", 64, False): "cudnn",
@@ -149,12 +153,17 @@ def test_auto_edges_decode_and_reasons():
     for device in ("h100", "a100", "v5e", "cpu"):
         route = ops.choose(decode, "auto", ops.DEVICES[device])
         assert route == ops.Route("xla", False, False, route.reason) and route.reason.startswith("decode"), (device, route)
-    # A TPU call shorter than one kernel block; a non-causal diff call on Hopper at d 64 (not measured slower)
-    # and at d 128 (measured slower: cuDNN).
+    # A TPU call shorter than one kernel block; a non-causal diff call on Hopper at d 64 (not measured) and at d 128
+    # (measured: the fused kernel's forward is faster, cuDNN's forward and backward); standard attention at d 128
+    # non-causal, where cuDNN was measured faster in both passes.
     assert ops.choose(_call(64, 128, T=64), "auto", ops.DEVICES["v5e"]) == ops.Route(
         "xla", context=False, blockwise=False, reason="T=64 < 128 is below one kernel block")
     assert _auto(_call(64, 128, causal=False), "h100") == "pallas_gpu"
-    assert _auto(_call(128, 256, causal=False), "h100") == "cudnn"
+    route = ops.choose(_call(128, 256, causal=False), "auto", ops.DEVICES["h100"])
+    assert (route.impl, route.grad_impl) == ("pallas_gpu", "cudnn"), route
+    assert route.reason == "fused Mosaic GPU kernel, measured faster fwd on Hopper (3.25 vs 4.17 ms at T 8192)"
+    assert route.grad_reason == "cuDNN flash composition, measured faster fwd+bwd on Hopper (13.39 vs 15.76 ms at T 8192)"
+    assert _auto(_call(128, 128, op="dot_product_attention", causal=False), "h100") == "cudnn"
     # A q / kv segment pair that is not a decode (T != S, T > 1) runs nowhere but xla: every reason named.
     route = ops.choose(_call(64, 128, T=64, S=128, segments="pair"), "auto", ops.DEVICES["a100"])
     assert route.impl == "xla" and "pallas_gpu needs a Hopper GPU" in route.reason and "triton needs T == S" in route.reason
@@ -175,12 +184,12 @@ def test_explicit_impls_are_checked_by_the_chooser():
 
 # (device, impl, call) -> (impl, context, blockwise): the route over a context axis of 2 (bf16, causal, d 128 / dv
 # 256 unless named). Only the fused kernels take a query offset; every other impl attends blockwise in XLA, and
-# "auto" takes the fused kernels wherever they run the call: neither TPU_MIN_T nor CUDNN_FASTER_ON_HOPPER applies.
+# "auto" takes the fused kernels wherever they run the call: neither TPU_MIN_T nor HOPPER_MS applies.
 CONTEXT_ROUTES = {
     ("v5p", "auto", "T=64"): ("pallas_tpu", True, False),  # below TPU_MIN_T: xla without the context axis
-    ("h100", "auto", "unpacked"): ("pallas_gpu", True, False),  # in CUDNN_FASTER_ON_HOPPER: cudnn without it
+    ("h100", "auto", "unpacked"): ("pallas_gpu", True, False),  # in HOPPER_MS: cudnn trains it without a context axis
     ("h100", "auto", "packed"): ("pallas_gpu", True, False),
-    ("h100", "auto", "window"): ("xla", True, True),  # pallas_gpu takes no window
+    ("h100", "auto", "window"): ("pallas_gpu", True, False),
     ("h100", "auto", "float32"): ("xla", True, True),  # nor float32
     ("a100", "auto", "unpacked"): ("xla", True, True),
     ("cpu", "auto", "unpacked"): ("xla", True, True),
@@ -246,6 +255,10 @@ def test_the_command_prints_each_calls_choice(capsys):
     out = capsys.readouterr().out
     assert "train step (packed rows): diff_attention q [1, 2048, 8, 2, 128]" in out
     assert "-> pallas_gpu: fused Mosaic GPU kernel" in out and "-> xla: decode" in out
+    # The prefill (no segment ids: cuDNN takes it) shows both passes: the fused kernel's forward, cuDNN's training.
+    prefill = out[out.index("generation prefill"):]
+    assert "\n    -> fwd: pallas_gpu: fused Mosaic GPU kernel, measured faster fwd" in prefill
+    assert "\n    -> fwd+bwd: cudnn: cuDNN flash composition, measured faster fwd+bwd" in prefill
     assert main(["--config", str(configs / "tiny.yaml"), "--device", "a100", "model.attention=standard",
                  "model.dtype=bfloat16"]) == 0
     assert "dot_product_attention q [1, 128, 4, 32]" in capsys.readouterr().out
@@ -261,15 +274,16 @@ def test_the_command_previews_the_context_and_blockwise_routes(capsys):
                      "model.global_layers=[0]", "data.seq_len=4096", "model.max_seq_len=4096"]) == 0
         out = capsys.readouterr().out
         assert "window 256, context axis of 2" in out
-        return dict(re.findall(r"^  (\S[^:]*): .*\n    -> ([^:]*):", out, re.MULTILINE))
+        return dict(re.findall(r"^  (\S[^:]*): .*\n    -> (?:fwd: )?([^:]*):", out, re.MULTILINE))  # (the forward's)
 
     from diffjax.ops.__main__ import main
 
     chunked, blockwise = "per query chunk over the context axis", "xla blockwise per query chunk over the context axis"
     assert routes("h100") == {
         "train step (packed rows) (global layers)": f"pallas_gpu {chunked}",
-        "train step (packed rows) (windowed layers)": blockwise,  # pallas_gpu takes no window
-        "generation prefill (global layers)": "cudnn", "generation prefill (windowed layers)": "cudnn",
+        "train step (packed rows) (windowed layers)": f"pallas_gpu {chunked}",
+        # the forward alone: pallas_gpu measured faster (HOPPER_MS), windowed or not
+        "generation prefill (global layers)": "pallas_gpu", "generation prefill (windowed layers)": "pallas_gpu",
         "generation decode step": "xla"}
     assert routes("v5p") == {
         "train step (packed rows) (global layers)": f"pallas_tpu {chunked}",

@@ -48,6 +48,24 @@ def test_decay_steps_overrides_the_run_length():
     assert float(schedule(50)) == pytest.approx(0.0)
 
 
+def test_extending_a_run_says_how_its_schedule_changes():
+    """A finished 400-step run extended to 800 at step 400 (the progress line's 401): both rates from the formula."""
+    from diffjax.train.optimizer import schedule_change
+
+    config = OptimizerConfig(lr=3e-3, warmup_steps=20, decay="cosine", min_lr=3e-4)
+    note = schedule_change(config, 400, config, 800, 400)
+    before, after = (_expected_lr(400, 3e-3, 20, total, 3e-4, "cosine") for total in (400, 800))
+    assert before == pytest.approx(3e-4) and after > 1e-3
+    assert note == (f"note: the learning-rate schedule changes on resume: step 401 trains at lr {after:.2e} (the run's "
+                    f"schedule: {before:.2e}); warm-up ends at step 20, the cosine decay reaches min_lr 3.0e-04 at step "
+                    "800 (was 400); optim.decay_steps=400 keeps the run's schedule")
+    kept = OptimizerConfig(lr=3e-3, warmup_steps=20, decay="cosine", min_lr=3e-4, decay_steps=400)
+    assert schedule_change(config, 400, kept, 800, 400) is None  # decay_steps keeps it: nothing to say
+    assert schedule_change(config, 400, config, 400, 123) is None
+    assert "step 11 trains at lr 3.00e-03 (the run's schedule: 1.50e-03); warm-up ends at step 10 (was 20)" in \
+        schedule_change(config, 400, OptimizerConfig(lr=3e-3, warmup_steps=10, min_lr=3e-4), 400, 10)
+
+
 @pytest.mark.parametrize(
     "changes, key",
     [({"decay": "step"}, "optim.decay"), ({"min_lr": 1.0}, "optim.min_lr"), ({"lr": 0.0}, "optim.lr"),

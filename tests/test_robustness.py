@@ -271,6 +271,99 @@ def test_a_full_disk_stops_with_one_line_and_leaves_the_checkpoints_intact(tmp_p
         train(_config(tmp_path / "new", "train.steps=2"), **QUIET)
 
 
+def test_rotation_keeps_the_newest_checkpoint_training_can_continue_from(tmp_path):
+    """checkpoint.keep=2, then steps skipped from step 5 on (train.on_nonfinite=skip): the saves of 6 and 8 would
+    have rotated 2 away, and stopping then sets aside 4 on (step 5's loss came from 4's params). Before: nothing left
+    to continue from (issue 55 item 4)."""
+    checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig(keep=2))
+    for step, continuable_below in ((2, None), (4, None), (6, 4), (8, 4)):
+        checkpointer.save(step, {"w": np.full(4, float(step))}, {"epoch": 0}, continuable_below=continuable_below)
+    checkpointer.wait()
+    assert checkpointer.manager.all_steps() == [2, 6, 8]  # 4 went: it spoiled step 5, like 6 and 8
+    assert checkpointer.fall_back_before(5, log=lambda _: None).endswith(
+        f"a rerun resumes from {tmp_path / 'run' / 'checkpoints' / '2'}, the newest checkpoint training can continue from")
+    # Once a step after it is finite, a checkpoint is one training continues from, and the older ones rotate away.
+    for step in (10, 12):
+        checkpointer.save(step, {"w": np.full(4, float(step))}, {"epoch": 0})
+    checkpointer.close()
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir()) == [10, 12]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_a_run_that_diverges_keeps_a_checkpoint_to_continue_from_whatever_it_keeps(tmp_path, mode):
+    """The probe: lr 5 diverges at step 4 (skip mode: 11 steps skipped); stop mode with checkpoint.keep=1. Before:
+    rotation had deleted every checkpoint before the bad stretch."""
+    from diffjax.train.guard import DivergedError
+
+    run_dir = tmp_path / "run"
+    settings = ["train.steps=40", "optim.lr=5", "train.log_every=1", f"train.on_nonfinite={mode}",
+                *(["checkpoint.every=2"] if mode == "skip" else ["checkpoint.every=1", "checkpoint.keep=1"])]
+    with pytest.raises(DivergedError, match=r"a rerun resumes from \S+, the newest checkpoint training can continue"):
+        train(_config(run_dir, *settings), **QUIET)
+    kept = [int(p.name) for p in (run_dir / "checkpoints").iterdir()]
+    assert len(kept) == 1 and all(_all_finite(run_dir, step) for step in kept)
+
+
+def test_a_failed_save_said_once_is_not_raised_again_by_close(tmp_path):
+    """Closing Orbax's manager after a failed save can raise the failed write once more (its async checkpointer):
+    before, that escaped Checkpointer.close as a second, chained traceback (issue 55 item 7; 1 run in 6 on a real
+    full disk)."""
+    from diffjax.train.state_checkpoints import SaveError
+
+    class FailedWrite:
+        """Orbax's manager after a write failed: its wait raises the failure once (per thread), its close again."""
+
+        def __init__(self, waits_raise: bool):
+            self.waits_raise = waits_raise
+
+        def wait_until_finished(self):
+            if self.waits_raise:
+                self.waits_raise = False
+                raise ValueError("Error writing ...: No space left on device")
+
+        def close(self):
+            raise ValueError("Error writing ...: No space left on device")
+
+        def latest_step(self):
+            return None
+
+    checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig())
+    checkpointer.manager.close()
+    checkpointer.manager = FailedWrite(waits_raise=True)
+    with pytest.raises(SaveError, match="saving the checkpoint of step None .* failed: Error writing"):
+        checkpointer.wait()  # (the loop's next save, or the end of the run)
+    checkpointer.close()  # the failure was said: nothing more
+    fresh = Checkpointer(tmp_path / "fresh", CheckpointConfig())
+    fresh.manager.close()
+    fresh.manager = FailedWrite(waits_raise=False)
+    with pytest.raises(SaveError, match="failed: Error writing") as raised:
+        fresh.close()  # where close is the first to see it: one SaveError
+    assert raised.value.__suppress_context__
+
+
+def test_unreadable_orbax_metadata_is_one_warning(tmp_path, caplog):
+    """Garbage in checkpoints/N/_CHECKPOINT_METADATA (Orbax's bookkeeping, outside the digest): before, Orbax's
+    "error: Failed to json parse Metadata file" with the file's content at every read, three times as a run resumed,
+    and exit 0 (issue 55 item 12). The checkpoint is still read."""
+    import logging
+
+    checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig())
+    checkpointer.save(2, {"w": np.arange(4.0)}, {"epoch": 0})
+    checkpointer.close()
+    metadata = tmp_path / "run" / "checkpoints" / "2" / "_CHECKPOINT_METADATA"
+    metadata.write_text("garbage\n")
+    with caplog.at_level(logging.INFO, logger="absl"):  # (the convert CLI, run in this process, quiets absl)
+        resumed = Checkpointer(tmp_path / "run", CheckpointConfig())
+        assert resumed.newest_intact(log=print) == 2
+        np.testing.assert_array_equal(resumed.read(2)["state"]["w"], np.arange(4.0))
+        resumed.close()
+    said = [record for record in caplog.records if "Metadata file" in record.getMessage() or str(metadata) in
+            record.getMessage()]
+    assert [(record.levelname, record.getMessage()) for record in said] == [
+        ("WARNING", f"warning: {metadata} cannot be read (Orbax's metadata: the checkpoint is read without it)")]
+
+
 class _SignalAt(Hook):
     """Sends this process `signals` when the run reaches `when` (("step", n) or ("final eval", n))."""
 
@@ -288,6 +381,62 @@ class _SignalAt(Hook):
     def on_eval(self, run, step, loss):
         if self.when == ("final eval", step):
             self._send()
+
+
+_COMPILING = """
+import sys
+from diffjax.train import Hook
+from diffjax.train.cli import main
+
+
+class SayCompiling(Hook):  # the first step compiles inside its first call
+    def on_start(self, run):
+        step = run.train_step
+
+        def first(*args):
+            run.train_step = step
+            print("compiling", flush=True)
+            return step(*args)
+
+        run.train_step = first
+
+
+import diffjax.train.loop as loop
+train = loop.train
+loop.train = lambda config, **kwargs: train(config, hooks=[SayCompiling()], **kwargs)
+import diffjax.train as package
+package.train = loop.train
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_first_step_compiles_stops_at_once(tmp_path):
+    """Nothing new to save before the first step has run: a SIGTERM then ends the run at once (143), its lock
+    released. Before: it took effect only once the compile was done (over 50 s for a large model), and saved step 1
+    (issue 55 item 13). An empty compilation cache, so that the step compiles for seconds."""
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
+    trainer = subprocess.Popen([sys.executable, "-u", "-c", _COMPILING, *SMALL, "train.sample_tokens=0",
+                                f"train.run_dir={run_dir}", "train.steps=4"], cwd=REPO_ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in trainer.stdout:
+            if line == "compiling\n":
+                break
+        time.sleep(0.5)  # tracing, then compiling
+        sent = time.monotonic()
+        trainer.send_signal(signal.SIGTERM)
+        out, err = trainer.communicate(timeout=300)
+    finally:
+        trainer.kill()
+    waited = time.monotonic() - sent
+    assert trainer.returncode == 143 and waited < 5, (trainer.returncode, waited, out, err[-2000:])
+    assert out.strip().endswith("SIGTERM: stopped before the first step had run (nothing new to save; the checkpoints "
+                                "saved so far are intact)"), out
+    assert list((run_dir / "checkpoints").iterdir()) == [] and not (run_dir / "trainer.lock").exists()
 
 
 @pytest.mark.parametrize("when, signals, expected", [

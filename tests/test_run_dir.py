@@ -57,7 +57,7 @@ def test_for_training_and_for_conversion(tmp_path):
     (target / "checkpoints" / "0").mkdir(parents=True)
     with pytest.raises(FileExistsError, match="is not empty; choose an empty or new directory, or pass --overwrite"):
         RunDir.for_conversion(target, overwrite=False)
-    RunDir.for_conversion(target, overwrite=True)  # removes what a conversion writes, nothing else
+    RunDir.for_conversion(target, overwrite=True).remove_conversion_outputs()  # what a conversion writes, nothing else
     assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]
 
 

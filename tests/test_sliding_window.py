@@ -2,9 +2,10 @@
 
 The ops against the XLA reference (forward and gradients, packed, GQA, both ops and both key layouts): the fused
 Pallas TPU kernels (interpret mode), the blockwise XLA path, splash (interpret) and the cuDNN composition's
-arguments; that the skipped blocks are exactly those with no visible key (attention costs T x W); the model
-against transformers' Mistral (Llama with a sliding window), every kind's loss and gradients with windowed
-layers run blockwise against the reference; unilm flashdiff's window_size; the config and export refusals.
+arguments (the Mosaic GPU kernels' windowed cases are in test_ops_pallas_gpu.py); that the skipped blocks are
+exactly those with no visible key (attention costs T x W); the model against transformers' Mistral (Llama with
+a sliding window), every kind's loss and gradients with windowed layers run blockwise against the reference;
+unilm flashdiff's window_size; the config and export refusals.
 The context-parallel path with a window is in test_context_parallel.py, windowed generation in test_generate.py.
 """
 
@@ -176,16 +177,20 @@ def test_skipped_blocks_are_exactly_those_behind_or_ahead_of_every_window(T_, W,
 
 def test_the_explicit_impls_that_take_no_window_refuse_it():
     q, k, v, lam = _inputs("diff")
+    h100 = ops.DEVICES["h100"]
     call = ops.AttentionCall.of("diff_attention", q.astype(jnp.bfloat16), k, v, True, None, WINDOW)
-    with pytest.raises(ValueError, match="impl='pallas_gpu' takes no sliding window yet"):
-        ops.choose(call, "pallas_gpu", ops.DEVICES["h100"])
     with pytest.raises(ValueError, match="impl='triton' takes no sliding window"):
-        ops.choose(call, "triton", ops.DEVICES["h100"])
-    # On an H100, auto takes cuDNN (local_window_size) for a windowed call without segment ids...
-    assert ops.choose(call, "auto", ops.DEVICES["h100"]).impl == "cudnn"
+        ops.choose(call, "triton", h100)
+    # On an H100, auto takes cuDNN (local_window_size) for a windowed call pallas_gpu cannot run (d 16) without
+    # segment ids...
+    assert ops.choose(call, "auto", h100).impl == "cudnn"
     # ...and the blockwise XLA path, which skips the blocks outside the window, for packed rows.
     packed = ops.AttentionCall.of("diff_attention", q.astype(jnp.bfloat16), k, v, True, _packed_ids(), WINDOW)
-    assert ops.choose(packed, "auto", ops.DEVICES["h100"]).impl == "xla"
+    assert ops.choose(packed, "auto", h100).impl == "xla"
+    # pallas_gpu takes a window with any shape it runs: packed rows at d 64 run it, asked for or not.
+    wide = [jax.ShapeDtypeStruct(x.shape[:-1] + (x.shape[-1] * 4,), jnp.bfloat16) for x in (q, k, v)]
+    packed_d64 = ops.AttentionCall.of("diff_attention", *wide, True, _packed_ids(), WINDOW)
+    assert ops.choose(packed_d64, "pallas_gpu", h100).impl == ops.choose(packed_d64, "auto", h100).impl == "pallas_gpu"
     for bad, message in [(0, "positive integer"), (2.5, "positive integer"), (True, "positive integer")]:
         with pytest.raises(ValueError, match=f"window must be None .* {message}"):
             ops.diff_attention(q, k, v, lam, window=bad)

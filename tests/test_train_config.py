@@ -39,8 +39,10 @@ def test_overrides_are_typed_by_the_field():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.num_layer=3"], r"unknown config key model\.num_layer; valid keys under model: .*num_layers"),
-        (["training.steps=3"], r"unknown config key training; valid keys: checkpoint, data, lora, model, optim, parallel, train"),
+        (["model.num_layer=3"], r"unknown config key model\.num_layer \(did you mean model\.num_layers\?\); valid keys under "
+                                r"model: .*num_layers"),
+        (["training.steps=3"], r"unknown config key training \(did you mean train\?\); valid keys: checkpoint, data, lora, "
+                               r"model, optim, parallel, train"),
         (["optim.lr=fast"], r"optim\.lr must be a number, got 'fast'"),
         (["model.d_model=1.5"], r"model\.d_model must be an integer"),
         (["train.steps=0"], r"train\.steps must be an integer >= 1"),
@@ -60,6 +62,42 @@ def test_overrides_are_typed_by_the_field():
 def test_bad_keys_and_values_are_named(overrides, message):
     with pytest.raises(ValueError, match=message):
         load_run_config(CONFIGS / "tiny.yaml", VOCAB + overrides)
+
+
+@pytest.mark.parametrize("overrides, meant", [
+    (["train.stesp=3"], "unknown config key train.stesp (did you mean train.steps?)"),  # a typo in the key
+    (["trian.steps=3"], "unknown config key trian (did you mean train?)"),  # in the section
+    (["train.lr=1e-3"], "unknown config key train.lr (did you mean optim.lr?)"),  # the key under another section
+    (["optim.steps=3"], "unknown config key optim.steps (did you mean train.steps?)"),
+    (["train.wandb.projct=p"], "unknown config key train.wandb.projct (did you mean train.wandb.project?)"),
+    (["model.attention=dif"], "got 'dif' (did you mean diff?)"),  # kind names
+    (["model.mlp=gate"], "mlp must be one of ('gated', 'polynorm', 'moe'), got 'gate' (did you mean gated?)"),
+    (["model.attention=gda", "model.attention_options.num_noise_head=2"],
+     "unknown config key attention_options.num_noise_head (did you mean attention_options.num_noise_heads?)"),
+    (["model.attention_impl=pallas"], "got 'pallas' (did you mean pallas_tpu or pallas_gpu"),
+    (["model.dtype=bf16"], "got 'bf16' (did you mean bfloat16?)"),
+    (["data.tokenizer.kind=sentencepeice"], "got 'sentencepeice' (did you mean sentencepiece?)"),
+    (["model.num_heads=4", "model.d_model=128"], None),  # no error, nothing suggested
+])
+def test_a_mistyped_name_says_what_was_meant(overrides, meant):
+    if meant is None:
+        load_run_config(CONFIGS / "tiny.yaml", VOCAB + overrides)
+        return
+    with pytest.raises(ValueError) as raised:
+        load_run_config(CONFIGS / "tiny.yaml", VOCAB + overrides)
+    assert meant in str(raised.value)
+
+
+def test_a_mistyped_yaml_key_or_config_name_says_what_was_meant(tmp_path):
+    (tmp_path / "run.yaml").write_text("base: %s\ntrain:\n  setps: 10\n" % (CONFIGS / "tiny.yaml"))
+    with pytest.raises(ValueError, match=r"unknown config key train\.setps \(did you mean train\.steps\?\)"):
+        load_run_config(tmp_path / "run.yaml", VOCAB)
+    with pytest.raises(FileNotFoundError, match=r"config 'paper/diff-1\.4' is neither a file nor a shipped config "
+                                                r"\(did you mean paper/diff-1\.4b"):
+        load_run_config("paper/diff-1.4", VOCAB)
+    with pytest.raises(FileNotFoundError) as raised:  # nothing close: the list alone
+        load_run_config("zzz", VOCAB)
+    assert "did you mean" not in str(raised.value) and "the shipped ones: motif3/published" in str(raised.value)
 
 
 def test_missing_and_cyclic_config_files(tmp_path):

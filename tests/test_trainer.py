@@ -38,6 +38,21 @@ def _config(run_dir, *overrides):
     return load_run_config(REPO_ROOT / "diffjax" / "configs" / "tiny.yaml", SMALL + [f"train.run_dir={run_dir}", *overrides])
 
 
+@pytest.mark.slow
+def test_extending_a_finished_run_says_how_its_learning_rate_changes(tmp_path):
+    """train.steps raised on a finished run re-plans the schedule: the note names the rate the next step trains at,
+    which is the rate metrics.jsonl records for it."""
+    schedule = ["optim.warmup_steps=1", "optim.decay=linear", "optim.min_lr=1e-4", "optim.lr=1e-3"]
+    train(_config(tmp_path / "run", "train.steps=2", *schedule), log=lambda _: None)
+    lines = []
+    train(_config(tmp_path / "run", "train.steps=4", *schedule), log=lines.append)
+    note = next(line for line in lines if "schedule changes" in line)
+    rate = float(re.search(r"step 3 trains at lr (\S+) \(the run's schedule: 1\.00e-04\)", note).group(1))
+    assert "decay reaches min_lr 1.0e-04 at step 4 (was 2); optim.decay_steps=2 keeps the run's schedule" in note
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rate == pytest.approx(next(r["lr"] for r in records if r["step"] == 3 and r["kind"] == "train"), rel=5e-3)
+
+
 def test_resume_is_exact(tmp_path):
     """2N steps straight == N steps, stop, resume for N more: same losses and bit-identical state."""
     n = 4
@@ -52,6 +67,7 @@ def test_resume_is_exact(tmp_path):
     lines = []
     second = train(_config(tmp_path / "resumed", f"train.steps={2 * n}", *schedule, "checkpoint.every=100"), log=lines.append)
     assert any(f"(step {n})" in line and line.startswith("resumed from") for line in lines), lines
+    assert not any("schedule changes" in line for line in lines), lines  # optim.decay_steps fixed it
     assert sorted(first.losses) == list(range(1, n + 1)) and sorted(second.losses) == list(range(n + 1, 2 * n + 1))
     resumed_losses = {**first.losses, **second.losses}
     assert resumed_losses == straight.losses  # exact float equality, step by step

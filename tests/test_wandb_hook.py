@@ -145,8 +145,8 @@ def test_missing_extra_is_one_line_before_set_up(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["train.wandb.projekt=p"], r"unknown config key train\.wandb\.projekt; valid keys under train\.wandb: "
-                                r"entity, group, mode, name, project, tags"),
+    (["train.wandb.projekt=p"], r"unknown config key train\.wandb\.projekt \(did you mean train\.wandb\.project\?\); "
+                                r"valid keys under train\.wandb: entity, group, mode, name, project, tags"),
     (["train.wandb.project=p", "train.wandb.mode=onlin"],
      r"train\.wandb\.mode must be one of \('online', 'offline', 'disabled'\) or null"),
     (["train.wandb.mode=offline"], r"train\.wandb\.mode is set but train\.wandb\.project is not"),

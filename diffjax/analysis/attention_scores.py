@@ -132,11 +132,12 @@ def main(argv=None) -> int:
                         help="context length in tokens (default: the longest the models fit)")
     parser.add_argument("--needles", type=common.positive_int, default=4, help="N, needles per sample (default 4)")
     parser.add_argument("--queries", type=common.positive_int, default=1, help="R, query cities per sample (default 1)")
-    parser.add_argument("--depths", type=common.int_list, default=DEPTHS)
+    parser.add_argument("--depths", type=common.int_list, default=DEPTHS,
+                        help="answer depths in percent (default 0,25,50,75,100)")
     parser.add_argument("--samples", type=common.positive_int, default=20, help="samples per depth (default 20)")
-    parser.add_argument("--digits", type=common.positive_int, default=7)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=common.positive_int, default=4)
+    parser.add_argument("--digits", type=common.positive_int, default=7, help="digits of the magic numbers (default 7)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default 0)")
+    parser.add_argument("--batch-size", type=common.positive_int, default=4, help="samples per forward pass (default 4)")
     args = parser.parse_args(argv)
     tasks = []
 

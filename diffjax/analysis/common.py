@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import yaml
 
 from diffjax import attention_kinds
 from diffjax.analysis import figures
-from diffjax.config_values import build_config
+from diffjax.config_values import build_config, read_yaml_mapping
 from diffjax.data.config import DataConfig
 from diffjax.log_lines import print_package_logs
 from diffjax.run_dir import RunDir
@@ -49,7 +48,7 @@ def load_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:
 
     step_dir = resolve_checkpoint(path, "--checkpoint")
     model = load_model(step_dir, what="--checkpoint")
-    values = yaml.safe_load(RunDir.of_step(step_dir).config_file.read_text()) or {}
+    values = read_yaml_mapping(RunDir.of_step(step_dir).config_file)
     data_values = values.get("data") or {}
     data = build_config(DataConfig, data_values, prefix="data")
     if "tokenizer" not in data_values and model.config.vocab_size != 257:

@@ -278,8 +278,8 @@ def main(argv=None) -> int:
     parser.add_argument("--depths", type=common.int_list, default=DEPTHS, help="answer depths in percent (default 0,25,50,75,100)")
     parser.add_argument("--samples", type=common.positive_int, default=50, help="samples per (length, depth) (default 50)")
     parser.add_argument("--digits", type=common.positive_int, default=7, help="digits of the magic numbers (default 7)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=common.positive_int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default 0)")
+    parser.add_argument("--batch-size", type=common.positive_int, default=8, help="samples per forward pass (default 8)")
     parser.add_argument("--write-training", type=Path, metavar="JSONL",
                         help="write --count training examples ({\"text\": ...} lines, byte tokenizer lengths) instead")
     parser.add_argument("--count", type=common.positive_int, default=1000, help="training examples to write (default 1000)")

@@ -104,11 +104,12 @@ def main(argv=None) -> int:
                         help="text to sample (.jsonl, else text files; repeatable); default: the run's held-out documents")
     parser.add_argument("--length", type=int, default=None,
                         help="needle context length in tokens (default: the longest the models fit; 0: no needles)")
-    parser.add_argument("--needles", type=common.positive_int, default=4)
-    parser.add_argument("--queries", type=common.positive_int, default=1)
+    parser.add_argument("--needles", type=common.positive_int, default=4, help="N, needles per sample (default 4)")
+    parser.add_argument("--queries", type=common.positive_int, default=1, help="R, query cities per sample (default 1)")
     parser.add_argument("--samples", type=common.positive_int, default=10, help="needle samples per depth (default 10)")
-    parser.add_argument("--digits", type=common.positive_int, default=7)
-    parser.add_argument("--batch-size", type=common.positive_int, default=8)
+    parser.add_argument("--digits", type=common.positive_int, default=7, help="digits of the magic numbers (default 7)")
+    parser.add_argument("--batch-size", type=common.positive_int, default=8,
+                        help="text rows or needle samples per forward pass (default 8)")
     args = parser.parse_args(argv)
     if args.length is not None and args.length < 0:
         parser.error(f"argument --length: expected a positive integer or 0 (no needles), got {args.length}")

@@ -1,7 +1,7 @@
 """Multi-query associative recall (MQAR; Zoology, arXiv:2312.04927) written as text: a context of key-value pairs
 (" ab42 xk07 ..."), then queries ("\\nab") each answered by its value. A few-layer model learns it on a CPU
 in minutes, where the paper's multi-needle task (needles.py) needs far more training, so the attention kinds can
-be compared on retrieval at a scale that decides something (issue 25).
+be compared on retrieval at a scale that decides something.
 
 It has the needle task's structure: every pair but the queried ones is a distractor; the first query's pair sits
 at the answer depth (0% = the first pair, 100% = the last); examples are `needles.NeedleExample`s (needle spans =
@@ -170,8 +170,9 @@ def main(argv=None) -> int:
     parser.add_argument("--depths", type=common.int_list, default=DEPTHS, help="answer depths in percent (default 0,25,50,75,100)")
     parser.add_argument("--samples", type=common.positive_int, default=RecallTask.samples,
                         help="samples per (pairs, depth) (default 50)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=common.positive_int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default 0)")
+    parser.add_argument("--batch-size", type=common.positive_int, default=16,
+                        help="samples per forward pass (default 16)")
     parser.add_argument("--write-training", type=Path, metavar="JSONL",
                         help="write --count training documents (segments lines: the loss counts the answers) instead")
     parser.add_argument("--count", type=common.positive_int, default=1000, help="training documents to write (default 1000)")

@@ -1,6 +1,7 @@
 """Weight converters between diffjax and the PyTorch references (microsoft/unilm `Diff-Transformer/`, transformers' DiffLlama).
+Each Hugging Face checkpoint format is a row of diffjax.convert.formats, defined by its family's module.
 
-Command line: `python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, upcycle, verify}` (README, "Convert").
+Command line: `diffjax-convert {hf-to-diffjax, diffjax-to-hf, upcycle, merge-lora, verify}` (README, "Convert").
 """
 
 from diffjax.convert.hf_directories import diffjax_to_hf, hf_to_diffjax

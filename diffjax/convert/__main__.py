@@ -1,4 +1,4 @@
-"""python -m diffjax.convert {hf-to-diffjax, diffjax-to-hf, upcycle, merge-lora, verify} ...
+"""diffjax-convert {hf-to-diffjax, diffjax-to-hf, upcycle, merge-lora, verify} ...
 
 Exit status: 0 done (verify: within tolerance), 1 verify past tolerance, 2 bad input (one line on stderr).
 """
@@ -12,7 +12,7 @@ import resource
 import sys
 import time
 
-from diffjax.log_lines import print_package_logs
+from diffjax.log_lines import os_error_line, print_package_logs
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work; never grab an accelerator
 
@@ -35,7 +35,7 @@ def _progress(name: str, index: int, count: int) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffjax.convert", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="diffjax-convert", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("hf-to-diffjax", help="HF directory (diffllama / llama / motif) -> diffjax run directory")
@@ -78,12 +78,21 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("verify", help="compare transformers and diffjax on the same prompts")
     p.add_argument("src", help="HF directory or Hub name org/name")
     p.add_argument("--diffjax", metavar="DIR", help="a converted diffjax run directory to check (default: convert SRC in memory)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="both models' dtype, and its tolerances (default float32)")
     p.add_argument("--prompts", type=int, default=4, help="number of random prompts (default 4)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per prompt (default 64)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     _hub_arguments(p, remote_code="run the modeling code SRC ships (needed for Motif; executes SRC's Python files)")
     return parser
+
+
+def _fine_tune_hint(config_file, dst) -> str:
+    """Training starts from a conversion into a run directory of its own: trained on in place, checkpoint rotation
+    would remove the converted step (docs/porting.md)."""
+    dst = str(dst).rstrip("/")
+    return (f"fine-tune it into a new run directory with `diffjax-train --config {config_file} "
+            f"train.init_from={dst} train.run_dir={dst}-tuned`")
 
 
 def _hub_arguments(parser: argparse.ArgumentParser, remote_code: str | None = None) -> None:
@@ -105,18 +114,20 @@ def main(argv=None) -> int:
     from diffjax.params_checkpoint import CheckpointWriteError
     from diffjax.convert import hf_directories, verify  # noqa: F401
     from diffjax.convert.common import ConversionError, refuse_overlap
-    from diffjax.run_dir import RunDir
+    from diffjax.convert.hub import refuse_the_cache
+    from diffjax.run_dir import RunDir, RunDirInUseError
 
     start, base_rss = time.time(), _peak_rss_mb()
     try:
         if getattr(args, "dst", None) is not None:  # every subcommand that writes
             refuse_overlap(args.src, args.dst)
+            refuse_the_cache(args.dst)
         if args.command == "hf-to-diffjax":
             from diffjax.convert.hf_directories import hf_to_diffjax
             step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress,
                                      revision=args.revision, trust_remote_code=args.trust_remote_code)
-            print(f"wrote {step_dir} (run directory {args.dst}: train on with "
-                  f"`diffjax-train --config {RunDir(args.dst).config_file} train.run_dir={args.dst}`)")
+            print(f"wrote {step_dir} (run directory {args.dst}; "
+                  f"{_fine_tune_hint(RunDir(args.dst).config_file, args.dst)})")
         elif args.command == "diffjax-to-hf":
             from diffjax.convert.hf_directories import diffjax_to_hf
             out = diffjax_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_size=args.shard_size,
@@ -128,12 +139,11 @@ def main(argv=None) -> int:
                                          lambda_init=args.lambda_init, seed=args.seed,
                                          lambda_warmup_steps=args.lambda_warmup, overwrite=args.overwrite,
                                          revision=args.revision)
-            print(f"wrote {step_dir} (train on with `diffjax-train --config {RunDir(args.dst).config_file} "
-                  f"train.run_dir={args.dst}`)")
+            print(f"wrote {step_dir} ({_fine_tune_hint(RunDir(args.dst).config_file, args.dst)})")
         elif args.command == "merge-lora":
             from diffjax.convert.lora_merge import merge_lora_directory
             step_dir = merge_lora_directory(args.src, args.dst, overwrite=args.overwrite)
-            print(f"wrote {step_dir} (export with `python -m diffjax.convert diffjax-to-hf {args.dst} HF_DIR`)")
+            print(f"wrote {step_dir} (export with `diffjax-convert diffjax-to-hf {args.dst} HF_DIR`)")
         else:
             from diffjax.convert.verify import verify
             result = verify(args.src, diffjax_path=args.diffjax, dtype=args.dtype, prompts=args.prompts,
@@ -144,10 +154,13 @@ def main(argv=None) -> int:
     except CheckpointWriteError as error:  # the input was fine; the disk was not
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except (ConversionError, ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ConversionError, ValueError, FileNotFoundError, FileExistsError, RunDirInUseError, PermissionError) as error:
         # ValueError also covers ModelConfig's validation of a run directory's config.yaml
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a write that failed past the checks (a disk that filled up, ...)
+        print(f"error: {os_error_line(error)}", file=sys.stderr)
+        return 1
     peak = _peak_rss_mb()
     print(f"{time.time() - start:.1f} s, peak memory {peak:.0f} MiB ({peak - base_rss:.0f} MiB above the "
           f"{base_rss:.0f} MiB after start-up)", file=sys.stderr)

@@ -1,6 +1,6 @@
 """HF directories <-> diffjax run directories (the checkpoints train.py resumes from and load_model loads).
 
-A converted run directory (diffjax/run_dir.py) is written by `diffjax.params_checkpoint.save_params`:
+A converted run directory (diffjax/run_dir.py) is written by `diffjax.params_checkpoint.save_params_streamed`:
 
     DST/config.yaml                     a run config whose `model` section is the converted ModelConfig
     DST/checkpoints/0/state             Orbax, {"params": nnx pure dict}
@@ -9,9 +9,8 @@ A converted run directory (diffjax/run_dir.py) is written by `diffjax.params_che
                                         tokenizer.json, config.yaml's data.tokenizer names it (kind hf), so
                                         train.py and generate use the checkpoint's own tokenizer
 
-save_params writes without OCDBT and without Orbax's defensive copy of host arrays, so it adds a
-bounded amount of memory to the params (tests/test_convert_streaming.py measures it). A Motif 3 checkpoint is
-written tensor by tensor as its shards are read (save_params_streamed): peak memory about one shard, not the model.
+Every format's checkpoint is written tensor by tensor as its shards are read (save_params_streamed): peak memory is
+about one shard, not the model (tests/test_convert_streaming.py measures it).
 """
 
 from __future__ import annotations
@@ -20,30 +19,34 @@ import contextlib
 import shutil
 from pathlib import Path
 
-import jax.numpy as jnp
-import numpy as np
-
 from diffjax.config import ModelConfig
-from diffjax.convert import hub, motif3, motif3_weights
-from diffjax.params_checkpoint import nested
+from diffjax.convert import formats, hub
+from diffjax.convert.common import np_dtype, refuse_overlap
 from diffjax.convert.export import save_hf
-from diffjax.convert.hf import config_from_hf, params_from_hf_dir, read_hf_config
-from diffjax.params_checkpoint import (CheckpointParams, resolve_checkpoint, save_params,
-                                      save_params_streamed, saved_model_config)
+from diffjax.convert.hf import checked_weights, convert_files, read_hf_config
+from diffjax.convert.weight_plan import Converter, leaf_shapes
+from diffjax.params_checkpoint import CheckpointParams, resolve_checkpoint, save_params_streamed, saved_model_config
 from diffjax.run_dir import RunDir
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
 
 
 @contextlib.contextmanager
-def conversion_run_dir(dst, *, overwrite: bool):
-    """The RunDir a conversion writes into `dst`; a new `dst` is removed again if the conversion fails, so no
-    half-written directory is left behind."""
+def conversion_run_dir(dst, *, overwrite: bool, command: str):
+    """The RunDir `command` (hf-to-diffjax, upcycle, merge-lora) writes into `dst`, held (its trainer.lock) from
+    before --overwrite removes anything until the conversion ends: a trainer, or another conversion, running there
+    refuses it. A new `dst` is removed again if the conversion fails, so no half-written directory is left behind."""
     dst = Path(dst)
+    hub.refuse_the_cache(dst)
     created = not dst.exists()
-    run = RunDir.for_conversion(dst, overwrite=overwrite)
     try:
-        yield run
+        run = RunDir.for_conversion(dst, overwrite=overwrite)
+        lock = run.lock_for_writing(command)
+        try:
+            run.remove_conversion_outputs()
+            yield run
+        finally:
+            lock.release()
     except BaseException:
         if created:
             shutil.rmtree(dst, ignore_errors=True)
@@ -63,33 +66,28 @@ def keep_hf_files(src, run: RunDir) -> dict | None:
 
 def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False, progress=None,
                   revision: str | None = None, trust_remote_code: bool = False) -> Path:
-    """Convert the HF directory or Hub name `src` (diffllama, llama or motif; safetensors or .bin) into the diffjax
-    run directory `dst`, streaming one weight file at a time. dtype: parameter (and compute) dtype,
-    None keeps the checkpoint's. revision, trust_remote_code: a Hub name's (diffjax.convert.hub; the repository's
-    Python files are fetched, and kept in DST/hf/, only with trust_remote_code). Returns the step directory."""
-    src = hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)
-    config = config_from_hf(read_hf_config(src), dtype=dtype)
-    with conversion_run_dir(dst, overwrite=overwrite) as run:
-        if motif3.is_motif3_config(config):
-            return _motif3_to_diffjax(src, run, config, progress)
-        params = params_from_hf_dir(src, config, config.param_dtype, progress=progress)
-        data = keep_hf_files(src, run)
-        tree = nested(params)
-        del params
-        return save_params(run.path, tree, config, data=data)
+    """Convert the HF directory or Hub name `src` (any format of diffjax.convert.formats; safetensors or .bin) into
+    the diffjax run directory `dst`. dtype: parameter (and compute) dtype, None keeps the checkpoint's.
+    revision, trust_remote_code: a Hub name's (diffjax.convert.hub; the repository's Python files are fetched, and
+    kept in DST/hf/, only with trust_remote_code). Returns the step directory.
 
+    Each converted tensor goes into its place in the checkpoint as its shard is read (Motif 3's published checkpoint
+    is 629 GB): peak memory is about one shard, not the model."""
+    if (resolved := hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code)) != src:
+        refuse_overlap(resolved, dst)  # a Hub name's snapshot (the CLI checks the name only)
+    src = resolved
+    hf = read_hf_config(src)
+    fmt = formats.detect(hf)
+    config = formats.model_config(fmt, hf, dtype=dtype)
+    with conversion_run_dir(dst, overwrite=overwrite, command="hf-to-diffjax") as run:
+        weights, names, rows = checked_weights(src, config, fmt)
+        dtype = np_dtype(config.param_dtype)
+        leaves = {path: (shape, dtype) for path, shape in leaf_shapes(config, rows).items()}
 
-def _motif3_to_diffjax(src, run: RunDir, config: ModelConfig, progress) -> Path:
-    """Each converted tensor goes into its place in the checkpoint as its shard is read (the published
-    checkpoint is 629 GB): peak memory is about one shard, not the model."""
-    weights = motif3_weights.checked_weights(src, config)
-    dtype = np.dtype(jnp.dtype(config.param_dtype))
-    leaves = {path: (shape, dtype) for path, shape in motif3_weights.leaf_shapes(config, weights.shapes()).items()}
+        def fill(write):
+            convert_files(weights, names, Converter(config, rows, dtype, write), progress=progress)
 
-    def fill(write):
-        motif3_weights.convert_files(weights, motif3_weights.Converter(config, dtype, write), progress=progress)
-
-    return save_params_streamed(run.path, leaves, fill, config, data=keep_hf_files(src, run))
+        return save_params_streamed(run.path, leaves, fill, config, data=keep_hf_files(src, run))
 
 
 def read_run_config(src) -> tuple[Path, Path, ModelConfig]:

@@ -21,6 +21,9 @@ SAFETENSORS = ("*.safetensors", "model.safetensors.index.json")
 PYTORCH_BIN = ("pytorch_model*.bin", "pytorch_model.bin.index.json")  # read only where there are no safetensors
 REMOTE_CODE = ("*.py",)
 _TOP_LEVEL_ONLY = ("*/*",)  # the files diffjax reads sit at a repository's top level
+# Set beside HF_HUB_OFFLINE where diffjax itself switched offline mode on (diffjax-eval, when the Hub does not
+# answer): why, so that messages tell that apart from the user's own setting.
+OFFLINE_REASON = "DIFFJAX_OFFLINE_REASON"
 # org/name as the Hub spells repository ids (no "..", no "--", no leading or trailing "." / "-" in a part).
 _HUB_NAME = re.compile(r"^(?!.*(?:\.\.|--))[A-Za-z0-9_](?:[\w.-]*[\w])?/[A-Za-z0-9_](?:[\w.-]*[\w])?$")
 
@@ -57,6 +60,24 @@ def resolve(src: str | os.PathLike, *, revision: str | None = None, trust_remote
     return snapshot
 
 
+def refuse_the_cache(destination: str | os.PathLike) -> None:
+    """ValueError when `destination` lies in the Hugging Face cache (HF_HUB_CACHE, HF_HOME), links resolved:
+    diffjax never writes there (a snapshot is huggingface_hub's, read by every program that loads the model)."""
+    try:
+        from huggingface_hub import constants
+        roots = (constants.HF_HUB_CACHE, constants.HF_HOME)
+    except ImportError:  # its defaults, from the environment
+        home = os.environ.get("HF_HOME") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+        roots = (os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub"), home)
+    target = Path(destination).resolve()
+    for root in (Path(root).resolve() for root in roots):
+        if target == root or root in target.parents:
+            raise ValueError(f"{destination} is in the Hugging Face cache {root}: diffjax does not write there (its "
+                             "snapshots are read by every program that loads those models); choose a directory "
+                             "outside it")
+
+
 def _snapshot(huggingface_hub, name: str, revision: str | None, patterns) -> Path:
     """snapshot_download of `patterns`, its errors as one FileNotFoundError line each."""
     from huggingface_hub import errors
@@ -71,13 +92,21 @@ def _snapshot(huggingface_hub, name: str, revision: str | None, patterns) -> Pat
     except errors.RepositoryNotFoundError:
         problem = f"{name}: no such model on the Hugging Face Hub (a private one needs HF_TOKEN or `hf auth login`)"
     except errors.LocalEntryNotFoundError as error:
-        offline = "offline mode (HF_HUB_OFFLINE) is on" if huggingface_hub.constants.HF_HUB_OFFLINE else (
+        offline = offline_because() if huggingface_hub.constants.HF_HUB_OFFLINE else (
             f"the Hub could not be reached ({_first_line(error.__cause__ or error)})")
         problem = (f"{_described(name, revision)} is not a local directory and is not (fully) in the Hugging Face "
                    f"cache {huggingface_hub.constants.HF_HUB_CACHE}, and {offline}")
     except (OSError, ValueError) as error:  # other HTTP errors, a name the Hub refuses
         problem = f"{_described(name, revision)}: {type(error).__name__}: {_first_line(error)}"
     raise FileNotFoundError(f"{problem}; {_fetch_hint(name, revision)}")
+
+
+def offline_because(variables=("HF_HUB_OFFLINE",)) -> str:
+    """Who switched offline mode on, and why: diffjax (OFFLINE_REASON says why) or the user (those of `variables`
+    set in the environment)."""
+    if reason := os.environ.get(OFFLINE_REASON):
+        return f"diffjax switched to offline mode (set HF_HUB_OFFLINE) because {reason}"
+    return f"offline mode is on ({' and '.join(v for v in variables if v in os.environ) or variables[0]} set in your environment)"
 
 
 def _described(name: str, revision: str | None) -> str:

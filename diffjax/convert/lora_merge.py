@@ -1,4 +1,4 @@
-"""A LoRA run's model with its adapters merged into the base weights: `python -m diffjax.convert merge-lora RUN DST`
+"""A LoRA run's model with its adapters merged into the base weights: `diffjax-convert merge-lora RUN DST`
 (a params-only run directory, which trains on, loads with load_model and exports like any conversion) and the lazy
 mapping `diffjax-to-hf RUN DST` of a LoRA run exports from (hf_directories.diffjax_to_hf).
 
@@ -45,7 +45,7 @@ def merge_lora_directory(src: str | Path, dst: str | Path, *, overwrite: bool = 
             else:
                 write(path, None, params[path])
 
-    with conversion_run_dir(dst, overwrite=overwrite) as run:
+    with conversion_run_dir(dst, overwrite=overwrite, command="merge-lora") as run:
         data = keep_hf_files(base.hf, run) if base.hf.is_dir() else None
         return save_params_streamed(run.path, leaves, fill, params.model_config, data=data)
 

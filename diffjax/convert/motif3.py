@@ -1,6 +1,6 @@
 """Motif 3's config.json (model_type "Motif", as Motif-2's; tests/motif3_published.py lists the published one)
-<-> ModelConfig. diffjax.convert.hf routes a Motif config here when it has Motif 3's keys (`is_motif3`); the
-tensor names are diffjax.convert.motif3_weights'.
+<-> ModelConfig, the format row "motif3": a variant of model_type "motif" recognised by Motif 3's keys (`is_motif3`);
+the tensor names are diffjax.convert.motif3_weights'.
 
 What each field becomes (tests/motif3_reference.py states what the model computes with them):
   q_lora_rank, kv_lora_rank, qk_rope_head_dim, v_head_dim, num_noise_heads, elementwise_attn_output_gate
@@ -16,6 +16,7 @@ What each field becomes (tests/motif3_reference.py states what the model compute
 from __future__ import annotations
 
 from diffjax.config import ModelConfig
+from diffjax.convert import formats, motif3_weights
 from diffjax.convert.common import ConversionError
 
 PUBLISHED_MODEL_TYPE, ARCHITECTURE = "Motif", "MotifForCausalLM"
@@ -28,10 +29,6 @@ DEFAULT_ORIGINAL_SEQ_LEN = 32768  # MotifConfig's original_seq_len
 def is_motif3(hf: dict) -> bool:
     """Whether a Motif config.json is Motif 3's (GDLA, experts, mHC) rather than Motif-2's."""
     return any(hf.get(key) for key in MARKERS) or hf.get("attention_cls") == "gdla"
-
-
-def is_motif3_config(config: ModelConfig) -> bool:
-    return config.attention == "gdla"
 
 
 def _refuse_unsupported(hf: dict) -> None:
@@ -142,13 +139,6 @@ def config_fields(hf: dict) -> dict:
         **_rope_fields(hf), **_window_fields(hf), **_mlp_fields(hf), **_residual_fields(hf))
 
 
-def config_from_hf(hf: dict, dtype: str) -> ModelConfig:
-    try:
-        return ModelConfig(**config_fields(hf), dtype=dtype, param_dtype=dtype)
-    except ValueError as error:
-        raise ConversionError(f"config.json describes a Motif 3 diffjax cannot build: {error}") from None
-
-
 # ------------------------------------------------------------------------------ ModelConfig -> config.json
 
 
@@ -191,9 +181,10 @@ def _window_export(config: ModelConfig) -> dict:
 def _rope_export(config: ModelConfig) -> dict:
     if config.rope_type != "yarn":
         return dict(rope_theta=float(config.rope_theta), rope_scaling=None, original_seq_len=config.max_seq_len)
-    yarn = dict(rope_type="yarn", factor=float(config.rope_factor), beta_fast=float(config.rope_beta_fast),
-                beta_slow=float(config.rope_beta_slow), original_max_position_embeddings=config.rope_original_max_len,
-                mscale=float(config.rope_mscale or 1.0))
+    # (rope_theta inside rope_scaling too: config_fields reads it from there first, so a source's own would go stale)
+    yarn = dict(rope_type="yarn", rope_theta=float(config.rope_theta), factor=float(config.rope_factor),
+                beta_fast=float(config.rope_beta_fast), beta_slow=float(config.rope_beta_slow),
+                original_max_position_embeddings=config.rope_original_max_len, mscale=float(config.rope_mscale or 1.0))
     return dict(rope_theta=float(config.rope_theta), rope_scaling=yarn, rope_factor=float(config.rope_factor),
                 mscale=float(config.rope_mscale or 1.0), original_seq_len=config.rope_original_max_len)
 
@@ -224,7 +215,7 @@ def export_fields(config: ModelConfig) -> dict:
     mhc = config.residual == "mhc"
     r = config.residual_options
     return dict(
-        architectures=[ARCHITECTURE], model_type=PUBLISHED_MODEL_TYPE, attention_cls="gdla", diff_v2=True,
+        attention_cls="gdla", diff_v2=True,
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.mlp_dim,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads, num_noise_heads=a.num_noise_heads, head_dim=config.head_dim,
@@ -238,3 +229,10 @@ def export_fields(config: ModelConfig) -> dict:
                 mhc_h_post_alpha_end=r.h_post_alpha, mhc_identity_init=r.identity_init) if mhc else {}),
         **_window_export(config), **_rope_export(config), **_mlp_export(config))
 
+
+FORMAT = formats.register(formats.CheckpointFormat(
+    name="motif3", label="Motif 3", model_type="motif", architecture=ARCHITECTURE, attention=("gdla",),
+    detect=is_motif3, config_in=config_fields, config_out=export_fields, weight_plan=motif3_weights.plan,
+    export_problems=export_problems, spelling=PUBLISHED_MODEL_TYPE, remote_code=True,
+    skipped={motif3_weights.MTP_PREFIX: "the multi-token-prediction block, which Motif 3's modeling code never builds"},
+))

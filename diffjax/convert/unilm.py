@@ -45,7 +45,8 @@ __all__ = ["UNILM_ATTENTION_KEYS", "UNILM_V2_ATTENTION_KEYS", "load_unilm_attent
 
 LAMBDA_KEYS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 UNILM_ATTENTION_KEYS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight", *LAMBDA_KEYS, "subln.weight")
-V1_MODULE, V2_MODULE = "MultiheadFlashDiff1", "MultiheadFlashDiffV2"  # attention_kinds' unilm_module entries
+V1_MODULE, V2_MODULE = "MultiheadFlashDiff1", "MultiheadFlashDiffV2"
+MODULES = {V1_MODULE: "diff", V2_MODULE: "diff_v2"}  # unilm's module classes -> the attention kind each loads as
 UNILM_V2_ATTENTION_KEYS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "lambda_proj.weight")
 _OPTIONAL_KEYS = ("subln.weight",)
 # Keys only one variant has: a state_dict is the variant whose own keys it holds more of.
@@ -284,7 +285,7 @@ def _checked_arrays(found: dict[str, Any], variant: str, prefix: str) -> tuple[d
 def _v2_module(arrays: dict[str, np.ndarray], common: dict[str, Any]) -> DiffAttentionV2:
     """A DiffAttentionV2 holding a V2 module's tensors (plain transposes and reshapes: nothing is permuted)."""
     E, H, K, d = common["d_model"], common["num_heads"], common["num_kv_heads"], common["head_dim"]
-    config = ModelConfig(num_layers=1, attention=attention_kinds.for_unilm_module(V2_MODULE).name, **common)
+    config = ModelConfig(num_layers=1, attention=MODULES[V2_MODULE], **common)
     params = {
         ("q_kernel",): arrays["q_proj.weight"].T.reshape(E, H, 2, d),
         ("k_kernel",): arrays["k_proj.weight"].T.reshape(E, K, d),
@@ -300,7 +301,7 @@ def _v1_module(arrays: dict[str, np.ndarray], common: dict[str, Any], *, depth: 
     """A DiffAttention (layer `depth` of its config) holding a V1 module's tensors; subln.weight ones when absent."""
     E, H, K, d = common["d_model"], common["num_heads"], common["num_kv_heads"], common["head_dim"]
     config = ModelConfig(
-        num_layers=depth + 1, attention=attention_kinds.for_unilm_module(V1_MODULE).name, lambda_init=None if lambda_init is None else float(lambda_init),
+        num_layers=depth + 1, attention=MODULES[V1_MODULE], lambda_init=None if lambda_init is None else float(lambda_init),
         norm_eps=float(norm_eps), **common,
     )
     subln = arrays.get("subln.weight")
@@ -352,7 +353,8 @@ def unilm_attention_state_dict(
     """
     config = layer.config
     kind = attention_kinds.get(config.attention)
-    if kind.unilm_module is None:
+    module = next((module for module, name in MODULES.items() if name == kind.name), None)
+    if module is None:
         raise ValueError(f"a {kind.label} layer (attention {kind.name!r}) has no unilm counterpart "
                          f"(unilm has {V1_MODULE} and {V2_MODULE} only)")
     if config.rope_style != "interleaved":
@@ -365,7 +367,7 @@ def unilm_attention_state_dict(
     def get(name):
         return np.asarray(getattr(layer, name)[...])
 
-    if kind.unilm_module == V2_MODULE:
+    if module == V2_MODULE:
         out = {
             "q_proj.weight": get("q_kernel").reshape(E, 2 * H * d).T,
             "k_proj.weight": get("k_kernel").reshape(E, K * d).T,

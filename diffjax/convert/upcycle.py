@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from diffjax.config import ModelConfig
-from diffjax.convert.common import ConversionError, build_module
+from diffjax.convert.common import ConversionError, build_module, refuse_overlap
 from diffjax.model.transformer import TransformerLM
 
 KINDS = ("diff", "diff_v2")
@@ -111,13 +111,15 @@ def upcycle_directory(src, dst, *, kind: str = "diff", second_map: str = "mirror
     from diffjax.convert.hub import resolve
     from diffjax.params_checkpoint import load_model, save_params
 
-    src = resolve(src, revision=revision)
+    if (resolved := resolve(src, revision=revision)) != src:
+        refuse_overlap(resolved, dst)  # a Hub name's snapshot (the CLI checks the name only)
+    src = resolved
     from_hf = (Path(src) / "config.json").is_file()
     source = load_hf(src) if from_hf else load_model(src, what="upcycle source")
     if not (isinstance(lambda_warmup_steps, int) and lambda_warmup_steps >= 0):
         raise ConversionError(f"upcycle: lambda_warmup_steps must be an integer >= 0, got {lambda_warmup_steps!r}")
     model = upcycle(source, kind, second_map, lambda_init=lambda_init, seed=seed, lambda_warmup=lambda_warmup_steps > 0)
-    with conversion_run_dir(dst, overwrite=overwrite) as run:
+    with conversion_run_dir(dst, overwrite=overwrite, command="upcycle") as run:
         data = keep_hf_files(src, run) if from_hf else None
         optim = {"lambda_warmup_steps": lambda_warmup_steps} if lambda_warmup_steps else None
         return save_params(run.path, nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.config, data=data, optim=optim)

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diffjax.convert import hub, motif
+from diffjax.convert import formats, hub
 from diffjax.convert.common import ConversionError, build_module, flatten
-from diffjax.convert.hf import load_hf, read_hf_config
+from diffjax.convert.hf import load_detected, read_hf_config
 from diffjax.model import layer_outputs
 from diffjax.model.transformer import TransformerLM
 
@@ -176,18 +176,20 @@ def verify(
         raise ConversionError(f"verify: prompts and seq_len must be >= 1, got {prompts} and {seq_len}")
     source, src = str(src), Path(hub.resolve(src, revision=revision, trust_remote_code=trust_remote_code))
     hf = read_hf_config(src)
+    fmt = formats.detect(hf)
+    if fmt.remote_code and not trust_remote_code:
+        raise ConversionError(f"verify: transformers has no {fmt.label} model built in; {source}'s own modeling code "
+                              "(its config.json's auto_map) runs with trust_remote_code=True (--trust-remote-code), "
+                              "which executes that directory's Python files")
     if model is None:
-        model = load_diffjax_as(diffjax_path, dtype) if diffjax_path is not None else load_hf(src, dtype=dtype)
+        model = (load_diffjax_as(diffjax_path, dtype) if diffjax_path is not None
+                 else load_detected(src, hf, fmt, dtype=dtype))
     config = model.config
     if config.vocab_size != hf.get("vocab_size") or config.num_layers != hf.get("num_hidden_layers"):
         raise ConversionError(
             f"verify: the diffjax model (vocab_size {config.vocab_size}, {config.num_layers} layers) is not a "
             f"conversion of {source} (vocab_size {hf.get('vocab_size')}, {hf.get('num_hidden_layers')} layers)"
         )
-    if str(hf.get("model_type")).lower() == motif.MODEL_TYPE and not trust_remote_code:
-        raise ConversionError(f"verify: transformers has no Motif model built in; {source}'s own modeling code (its "
-                              "config.json's auto_map) runs with trust_remote_code=True (--trust-remote-code), which "
-                              "executes that directory's Python files")
     seq_len = min(seq_len, config.max_seq_len, int(hf.get("max_position_embeddings", seq_len)))
     tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (prompts, seq_len), dtype=np.int32)
     ref_stages, ref_logits = _torch_run(src, dtype, tokens, trust_remote_code)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from diffjax.config_values import one_of
 from diffjax.tokenizers.config import TokenizerConfig
 
 DATA_SOURCES = ("builtin", "text", "jsonl", "parquet")
@@ -42,7 +43,7 @@ class DataConfig:
 
     def __post_init__(self):
         if self.source not in DATA_SOURCES:
-            raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
+            raise ValueError(one_of("data.source", self.source, DATA_SOURCES))
         if self.source != "builtin" and not self.paths:
             raise ValueError(f"data.paths must list at least one file or glob for data.source {self.source!r}")
         if isinstance(self.paths, str):  # a single path from YAML or the command line

@@ -5,7 +5,7 @@ loglikelihood_rolling (perplexity) and generate_until (greedy or sampled, KV-cac
 checkpoint diffjax loads (a run directory, its checkpoints/ or a step directory, a conversion, a Hugging Face
 DiffLlama / Llama / Motif directory), optionally on a device mesh. The command line:
 
-    python -m diffjax.eval --model-path PATH --tasks hellaswag,arc_easy [--include-path DIR] [--limit N]
+    diffjax-eval --model-path PATH --tasks hellaswag,arc_easy [--include-path DIR] [--limit N]
 
 Importing this package loads neither lm_eval nor torch: `DiffjaxLM` imports the adapter (and lm_eval) on first
 use, and registering the model name "diffjax" with lm_eval happens then.

@@ -1,12 +1,12 @@
-"""python -m diffjax.eval --model-path PATH --tasks TASK[,TASK...] [--include-path DIR] [--limit N] [--output JSON]
+"""diffjax-eval --model-path PATH --tasks TASK[,TASK...] [--include-path DIR] [--limit N] [--output JSON]
 
-Runs lm-evaluation-harness tasks (lm_eval.simple_evaluate) on a diffjax checkpoint: a run directory (train.py's
+Runs lm-evaluation-harness tasks (lm_eval.simple_evaluate) on a diffjax checkpoint: a run directory (diffjax-train's
 or a conversion's), its checkpoints/ directory, a step directory or a Hugging Face directory. Prints lm_eval's
 results table; --output writes the results as JSON (with every sample's responses under --log-samples).
 Tasks: lm_eval's own (indexing its ~15,000 task configs takes ~15 s) or your YAML configs under --include-path
 (looked up there first: when every task is found there, lm_eval's are not indexed at all).
-Offline (the Hub does not answer, or HF_HUB_OFFLINE is set), tasks read their datasets from the local cache only,
-and a dataset not cached is one line naming the task.
+Offline (HF_HUB_OFFLINE set by you, or by diffjax-eval when the Hub does not answer within 5 s), tasks read
+their datasets from the local cache only, and a dataset not cached is one line naming the task and who went offline.
 Exit status: 0 done, 2 bad input or a dataset out of reach (one line on stderr).
 """
 
@@ -21,7 +21,7 @@ from diffjax.log_lines import print_package_logs
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffjax.eval",
+    parser = argparse.ArgumentParser(prog="diffjax-eval",
                                      description="Run lm-evaluation-harness tasks on a diffjax checkpoint.")
     parser.add_argument("--model-path", required=True, metavar="PATH",
                         help="a run directory, its checkpoints/ directory, a step directory, a Hugging Face directory "

@@ -18,7 +18,8 @@ LOCAL_TASK_HINT = ("or evaluate a task on local files: --include-path DIR holdin
 
 def offline_unless_reachable(timeout_s: float = 5.0) -> None:
     """Sets HF_HUB_OFFLINE and HF_DATASETS_OFFLINE when the Hub (HF_ENDPOINT) does not answer a HEAD request
-    (through the environment's proxies). A user's own setting of either is left as it is."""
+    (through the environment's proxies), and diffjax.convert.hub's OFFLINE_REASON to say why (messages then tell
+    the user diffjax did it). A user's own setting of either is left as it is."""
     if any(variable in os.environ for variable in OFFLINE_VARIABLES):
         return
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
@@ -27,7 +28,10 @@ def offline_unless_reachable(timeout_s: float = 5.0) -> None:
     except urllib.error.HTTPError:
         return  # it answered
     except (OSError, ValueError):
+        from diffjax.convert.hub import OFFLINE_REASON
+
         os.environ.update({variable: "1" for variable in OFFLINE_VARIABLES})
+        os.environ[OFFLINE_REASON] = f"the Hub ({endpoint}) did not answer within {timeout_s:g} s"
 
 
 def is_offline() -> bool:
@@ -39,8 +43,9 @@ def dataset_out_of_reach(error: ConnectionError) -> str:
     config = _config_of_the_task_being_built(error)
     named = re.search(r"reach '([^']+)'", str(error))
     dataset = getattr(config, "dataset_path", None) or (named.group(1) if named else "?")
-    why = ("offline (the Hub does not answer, or HF_HUB_OFFLINE is set) and not in the local cache (HF_HOME)"
-           if is_offline() else f"out of reach ({error})")
+    from diffjax.convert.hub import offline_because
+
+    why = f"not in the local cache (HF_HOME), and {offline_because(OFFLINE_VARIABLES)}" if is_offline() else f"out of reach ({error})"
     return (f"task {getattr(config, 'task', None) or '?'} needs its dataset {dataset} from the Hugging Face Hub, "
             f"{why}: run once online to cache it, {LOCAL_TASK_HINT}")
 

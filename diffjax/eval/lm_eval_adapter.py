@@ -48,7 +48,7 @@ from tqdm import tqdm
 from diffjax import sharding, storage
 from diffjax.ops.context_parallel import context_order, context_size, to_context_order
 from diffjax.config_values import build_config
-from diffjax.train.mesh import MESH_AXES, ParallelConfig, make_mesh
+from diffjax.train.mesh import MESH_AXES, ParallelConfig, check_model_fits_mesh, make_mesh
 
 log = logging.getLogger("diffjax.eval")
 
@@ -96,12 +96,23 @@ def _load_run(step_dir: Path, mesh: Mesh | None, what: str):
     if mesh is None:
         return load_model(step_dir, what=what)
     config = saved_model_config(step_dir, what=what)
+    _check_fits(config, mesh)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))), nnx.Param)
     shardings = sharding.param_shardings(abstract, mesh)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nnx.to_pure_dict(abstract),
                           shardings)
     nnx.replace_by_pure_dict(abstract, load_model_params(step_dir, target, what=what))  # a LoRA run: merged
     return nnx.merge(graphdef, abstract)
+
+
+def _check_fits(config, mesh: Mesh) -> None:
+    """The trainer's check that the model splits over the mesh (whole heads over tensor, whole experts over expert),
+    as one line naming the mesh, instead of shard_map's error when the first batch is scored."""
+    try:
+        check_model_fits_mesh(config, mesh)
+    except ValueError as error:
+        axes = ",".join(f"{axis}={size}" for axis, size in mesh.shape.items() if size > 1)
+        raise ValueError(f"mesh {axes}: {str(error).replace('parallel.', '')}") from None
 
 
 def _run_tokenizer(step_dir: Path):
@@ -131,6 +142,7 @@ def load_for_eval(path, *, dtype: str | None = None, mesh: Mesh | None = None, t
 
         model, own_tokenizer = load_hf(path), functools.partial(HFTokenizer, path)
         if mesh is not None:
+            _check_fits(model.config, mesh)
             state = nnx.state(model, nnx.Param)
             nnx.replace_by_pure_dict(state, jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh)))
             nnx.update(model, state)

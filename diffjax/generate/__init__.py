@@ -2,7 +2,7 @@
 
 `diffjax.generate` is this package, and calling it calls `diffjax.generate.generate` (the module is made
 callable), so the Python API, `from diffjax.generate import generate, sample` and the CLI
-`python -m diffjax.generate --checkpoint DIR --prompt TEXT` all go by the one name.
+`diffjax-generate --checkpoint DIR --prompt TEXT` all go by the one name.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""python -m diffjax.generate --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N ...]
+"""diffjax-generate --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N ...]
 
-Continues each prompt with the model of a run directory (train.py's, or a conversion's) and prints prompt +
+Continues each prompt with the model of a run directory (diffjax-train's, or a conversion's) and prints prompt +
 continuation, one after the other; several prompts of any lengths run as one batch. Text goes through the
 run's tokenizer (config.yaml's data.tokenizer); --prompt-ids takes token ids instead and needs none.
 A row stops at the tokenizer's eos (unless --ignore-eos) or after --max-new-tokens.
@@ -21,9 +21,9 @@ SEPARATOR = "\n" + "-" * 40
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffjax.generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
+    parser = argparse.ArgumentParser(prog="diffjax-generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="a run directory (train.py's or a conversion's), its checkpoints/ directory or a step directory")
+                        help="a run directory (diffjax-train's or a conversion's), its checkpoints/ directory or a step directory")
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
     prompts.add_argument("--prompt-ids", action="append", metavar="IDS",
@@ -39,15 +39,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def load_tokenizer(step_dir: Path):
     """The tokenizer a run directory's config.yaml names (data.tokenizer); an error naming the fix if none."""
-    import yaml
-
+    from diffjax.config_values import read_yaml_mapping
     from diffjax.tokenizers import TokenizerConfig, make_tokenizer
 
     run = RunDir.of_step(step_dir)
     config_path = run.config_file
     if not config_path.exists():
         raise FileNotFoundError(f"--checkpoint: {config_path} is missing: cannot tell the model or its tokenizer")
-    section = ((yaml.safe_load(config_path.read_text()) or {}).get("data") or {}).get("tokenizer")
+    section = (read_yaml_mapping(config_path).get("data") or {}).get("tokenizer")
     if not isinstance(section, dict):
         hint = f" (a conversion keeps its source's tokenizer files in {run.hf})" if run.hf.is_dir() else ""
         example = f"{{kind: hf, path: {run.hf}}}" if run.hf.is_dir() else "{kind: sentencepiece, path: tokenizer.model}"

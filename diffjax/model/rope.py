@@ -2,7 +2,8 @@
 
 "interleaved" (GPT-J, unilm) rotates channel pairs (2i, 2i+1); "rotate_half" (NeoX, HF Llama)
 rotates (i, i + d/2). Both use frequency i for pair i, so the two are the same function up to a
-fixed permutation of the q/k channels (diffjax.convert applies it when importing HF weights).
+fixed permutation of the q/k channels (diffjax.convert.weight_plan.interleaved_from_rotate_half, which the
+converters apply to HF weights).
 
 Schedules (ModelConfig.rope_type): "default" theta^(-2i/d); "llama3"; "yarn" (the frequencies only: YaRN's
 attention factor goes on the softmax scale of the layers that attend the whole context, `softmax_scale_factor`,
@@ -139,14 +140,3 @@ def apply_rope(x_BT_d, cos_BTf, sin_BTf, style: str):
         raise ValueError(f"rope style must be 'interleaved' or 'rotate_half', got {style!r}")
     return rotated.astype(x_BT_d.dtype)
 
-
-def interleaved_from_rotate_half(d: int) -> np.ndarray:
-    """Index map: channel c of the interleaved layout takes channel idx[c] of the rotate_half layout.
-
-    Interleaved channel 2i is the first element of pair i (rotate_half channel i); 2i + 1 is the
-    second (rotate_half channel i + d/2).
-    """
-    idx = np.empty(d, dtype=np.int64)
-    idx[0::2] = np.arange(d // 2)
-    idx[1::2] = np.arange(d // 2) + d // 2
-    return idx

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from diffjax import attention_kinds
+from diffjax import attention_kinds, ops
 from diffjax.config import ModelConfig
 from diffjax.kinds import Segment, layer_segments
 from diffjax.model import layer_outputs, mlp, residual
@@ -32,6 +32,9 @@ REMAT_POLICIES = {
     "attention": jax.checkpoint_policies.save_only_these_names(*SAVED_BY_ATTENTION_POLICY, "attention_residual"),
     "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input
 }
+# What each policy saves of an attention op's forward for its backward (ops.saved_by_remat: "auto" counts the forward
+# a backward runs again when it weighs kernels): "attention" keeps the names the ops give (SAVED_BY_ATTENTION_POLICY).
+REMAT_SAVES = {"none": "all", "minimal": "none", "attention": "named", "full": "none"}
 
 
 class DecoderBlock(nnx.Module):
@@ -231,10 +234,11 @@ class TransformerLM(nnx.Module):
         segments, kvs, emitted = self.segments(), [], []
         for segment in segments:
             layers = slice(segment.start, segment.stop)
-            stream, segment_kv, segment_outputs = self._run_stack(
-                segment, stream, rope_cos_sin, segment_ids_BT, cache, jax.tree.map(lambda x: x[layers], constants),
-                None if kv is None else tuple(None if x is None else x[layers] for x in kv),
-                None if layer_params is None else layer_params[layers], request)
+            with ops.saved_by_remat(REMAT_SAVES[self.config.remat]):
+                stream, segment_kv, segment_outputs = self._run_stack(
+                    segment, stream, rope_cos_sin, segment_ids_BT, cache, jax.tree.map(lambda x: x[layers], constants),
+                    None if kv is None else tuple(None if x is None else x[layers] for x in kv),
+                    None if layer_params is None else layer_params[layers], request)
             kvs.append(segment_kv)
             emitted.append(segment_outputs)
         emitted = layer_outputs.joined(emitted)

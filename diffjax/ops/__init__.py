@@ -5,13 +5,14 @@ impl:
                 self-attention from context_parallel.BLOCKWISE_FROM (8192) tokens on, or beyond 2048 under a sliding
                 window, which runs blockwise (online softmax over key blocks, blocks outside the window skipped,
                 flash-style backward: memory of one query piece x one key block).
-  window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, splash and cudnn;
-  pallas_gpu and triton refuse it, and "auto" passes over them.
+  window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, pallas_gpu, splash and
+  cudnn; triton refuses it, and "auto" passes over it.
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
                 custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
                 (correct but slow: for tests).
   "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu); standard attention runs
-                their single-map mode (dv == d, segment ids too). Mosaic GPU interpret mode off GPU (for tests).
+                their single-map mode (d, dv each 64, 128 or 192: Motif 3's 192 / 128 too; segment ids too).
+                Mosaic GPU interpret mode off GPU (for tests).
   "splash"      composition of JAX's splash attention (TPU; interpret mode elsewhere): one call per map.
   "triton"      composition of JAX's Pallas Triton flash attention (any CUDA GPU; interpret mode elsewhere),
                 which takes segment ids: packed batches' flash path on GPUs without the fused kernel.
@@ -20,36 +21,42 @@ impl:
   "cudnn"       composition of jax.nn.dot_product_attention(implementation="cudnn") (GPU): V split
                 into d-wide pieces, both maps folded into the head axis.
   "auto"        TPU -> "pallas_tpu" (T >= 128). GPU -> "pallas_gpu" on Hopper for every shape it runs,
-                with or without segment ids, except where cuDNN was measured faster on a call cuDNN
-                takes (CUDNN_FASTER_ON_HOPPER); else "cudnn" when it takes the call (no segment ids);
-                else "triton" (segment ids, any CUDA GPU); "xla" only when none of them runs; a decode
-                step (one query against a KV cache) runs "xla".
+                with or without segment ids, except where cuDNN takes the call (no segment ids) and was
+                measured faster (HOPPER_MS, per pass: undifferentiated, as in eval and generation's prefill,
+                and differentiated, as in the train step: a call may run pallas_gpu forward and train through
+                cuDNN); else "cudnn" when it takes the call; else "triton" (segment ids, any CUDA GPU); "xla"
+                only when none of them runs; a decode step (one query against a KV cache) runs "xla".
 A mesh with a context axis (parallel.context > 1; context_parallel.py) splits the sequence: attention all-gathers
 K/V over that axis, and each device attends its two query chunks. "pallas_tpu" / "pallas_gpu", and "auto" on a TPU
 / on a Hopper GPU where the Mosaic GPU kernels take the call, run the fused kernels per chunk (the chunk's place in
 the sequence as their query offset); every other impl attends blockwise in XLA.
 
-The whole route of a call (impl, context axis, blockwise) is `diffjax.ops.choose(call, impl, device) -> Route`, a
-pure function of the shapes, the context axis' size and the device (choice.py; `python -m diffjax.ops --config ...
---device h100 --context 2` prints it per attention call); auto's choice and its reason are logged once per (op,
-platform, choice, reason), "xla" on an accelerator as a warning. One table (_KERNELS) says how each impl is called.
+The whole route of a call (impl per pass, context axis, blockwise) is `diffjax.ops.choose(call, impl, device) ->
+Route`, a pure function of the shapes, the context axis' size and the device (choice.py; `python -m diffjax.ops
+--config ... --device h100 --context 2` prints it per attention call); auto's choice and its reason are logged once
+per (op, platform, choice, reason), "xla" on an accelerator as a warning. One table (_KERNELS) says how each impl is
+called. A call whose passes take different impls is a custom VJP (_by_pass): the primal runs the forward's impl,
+the forward rule the differentiated one's, so differentiation itself picks (nothing to pass, nothing to go stale).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import sharding
 from diffjax.attention_impls import IMPLS, config_problems
 from diffjax.ops import compositions, context_parallel
-from diffjax.ops.choice import (CUDNN_FASTER_ON_HOPPER, DEVICES, AttentionCall, Device, Route, choose, current_device,
-                                simulated_device)
+from diffjax.ops.choice import (DEVICES, HOPPER_MS, PASSES, AttentionCall, Device, Route, choose, current_device,
+                                current_saved, saved_by_remat, simulated_device)
+from diffjax.ops.names import OUTPUT_NAME
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
 
 logger = logging.getLogger(__name__)
@@ -60,13 +67,15 @@ _LOGGED: set[tuple] = set()
 class _Kernel:
     """How an impl is called: diff_attention's and dot_product_attention's function in diffjax.ops.<module>
     (imported on first use: the Pallas modules load only where they run), the keywords it takes beside causal,
-    segment_ids and scale (from the op's window and block_sizes, and the running platform), and whether it runs
-    per device under shard_map (XLA cannot partition a Pallas call)."""
+    segment_ids and scale (from the op's window and block_sizes, and the running platform), whether it runs
+    per device under shard_map (XLA cannot partition a Pallas call), and whether it names its own output for remat
+    (names.OUTPUT_NAME, inside its custom VJP: pallas_gpu; the dispatch names the others')."""
 
     module: str
     functions: tuple[str, str]  # (diff_attention's, dot_product_attention's)
     keywords: Callable[..., dict]  # (window, block_sizes, platform) -> keywords
     per_device: bool
+    names_output: bool = False
 
     def function(self, op: str):
         return getattr(importlib.import_module(f"diffjax.ops.{self.module}"), self.functions[op != "diff_attention"])
@@ -81,7 +90,8 @@ _KERNELS = {
                           lambda window, block_sizes, **_: dict(block_sizes=block_sizes, window=window),
                           per_device=True),
     "pallas_gpu": _Kernel("pallas_gpu", ("diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu"),
-                          lambda block_sizes, **_: dict(tuning=block_sizes), per_device=True),
+                          lambda window, block_sizes, **_: dict(tuning=block_sizes, window=window), per_device=True,
+                          names_output=True),
     "splash": _Kernel("compositions", ("diff_attention_splash", "dot_product_attention_splash"),
                       lambda window, platform, **_: dict(window=window, interpret=platform != "tpu"), per_device=True),
     "triton": _Kernel("compositions", ("diff_attention_triton", "dot_product_attention_triton"),
@@ -99,7 +109,7 @@ def _route(op: str, impl: str, q, k, v, causal, segment_ids, window) -> Route:
     """choose's route for this call on current_device(), under the active mesh's context axis; logged once per
     (op, platform, choice, reason) for auto ("xla" on an accelerator is a warning), for an explicit impl that runs
     interpreted, and per context route."""
-    call = AttentionCall.of(op, q, k, v, causal, segment_ids, window, context_parallel.context_size())
+    call = AttentionCall.of(op, q, k, v, causal, segment_ids, window, context_parallel.context_size(), current_saved())
     device = current_device()
     route = choose(call, impl, device)
     if route.context:
@@ -110,8 +120,9 @@ def _route(op: str, impl: str, q, k, v, causal, segment_ids, window) -> Route:
                   f"(diffjax.ops.context_parallel; impl={impl!r})")
     elif impl == "auto":
         slow = device.platform in ("tpu", "gpu") and route.impl == "xla" and not call.is_decode
-        _log_once(logging.WARNING if slow else logging.INFO, (op, device.platform, route.impl, route.reason),
-                  f"{op}: impl='auto' on {device.platform} chose {route.impl!r} ({route.reason})")
+        why = route.reason if route.grad_reason == route.reason else f"fwd: {route.reason}; fwd+bwd: {route.grad_reason}"
+        _log_once(logging.WARNING if slow else logging.INFO, (op, device.platform, route.describe(), why),
+                  f"{op}: impl='auto' on {device.platform} chose {route.describe()!r} ({why})")
     elif "interpret" in route.reason:
         _log_once(logging.INFO if impl == "pallas_tpu" else logging.WARNING, (op, device.platform, impl),
                   f"{op}: impl={impl!r} on {device.platform} {route.reason.removeprefix('asked for; ')}")
@@ -170,8 +181,41 @@ def _blockwise(op, q, k, v, lam, *, over_context, causal, segment_ids, scale, wi
 
 
 def _attention(op, q, k, v, lam, *, causal, segment_ids, scale, impl, block_sizes, window):
-    """Both ops' dispatch: the call's route, then its impl's row of _KERNELS (lam None for dot_product_attention)."""
+    """Both ops' dispatch: the call's route, then its impl's row of _KERNELS (lam None for dot_product_attention),
+    differentiated through route.grad_impl where that differs (_by_pass); the output named names.OUTPUT_NAME for
+    remat (pallas_gpu names its own)."""
     route = _route(op, impl, q, k, v, causal, segment_ids, window)
+    run = functools.partial(_run, op, causal=causal, segment_ids=segment_ids, scale=scale, block_sizes=block_sizes,
+                            window=window)
+    if route.grad_impl == route.impl:
+        out = run(route, q, k, v, lam)
+        if not route.blockwise and _KERNELS[route.impl].names_output:
+            return out
+    else:
+        args = (q, k, v) if lam is None else (q, k, v, jnp.asarray(lam))
+        grad_route = dataclasses.replace(route, impl=route.grad_impl)
+        out = _by_pass(functools.partial(run, route), functools.partial(run, grad_route), *args)
+    return checkpoint_name(out, OUTPUT_NAME)
+
+
+def _by_pass(forward, differentiated, *args):
+    """forward(*args), whose derivative is differentiated's: a custom VJP whose primal runs `forward` and whose
+    forward rule runs `differentiated` and keeps its VJP. Differentiation itself picks the impl of each pass (the
+    train step's fwd+bwd, eval's and generation's forward), so no caller says which pass it is in."""
+
+    @jax.custom_vjp
+    def call(*args):
+        return forward(*args)
+
+    def call_fwd(*args):
+        return jax.vjp(differentiated, *args)
+
+    call.defvjp(call_fwd, lambda vjp, g: vjp(g))
+    return call(*args)
+
+
+def _run(op, route, q, k, v, lam=None, *, causal, segment_ids, scale, block_sizes, window):
+    """The op on `route`."""
     if route.blockwise:
         return _blockwise(op, q, k, v, lam, over_context=route.context, causal=causal, segment_ids=segment_ids,
                           scale=scale, window=window)
@@ -220,7 +264,7 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
 
 
 __all__ = [
-    "CUDNN_FASTER_ON_HOPPER", "DEVICES", "IMPLS", "AttentionCall", "Device", "Route", "attention_mask", "choose",
+    "DEVICES", "HOPPER_MS", "IMPLS", "PASSES", "AttentionCall", "Device", "Route", "attention_mask", "choose",
     "config_problems", "current_device", "diff_attention", "diff_attention_xla", "dot_product_attention",
-    "dot_product_attention_xla", "simulated_device",
+    "dot_product_attention_xla", "saved_by_remat", "simulated_device",
 ]

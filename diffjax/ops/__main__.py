@@ -2,8 +2,9 @@
 
     python -m diffjax.ops --config paper/diff-1.4b --device h100 [--context N] [--window W] [key=value ...]
 
-prints, for the training step (packed rows: segment ids), a generation prefill and a decode step, the op's
-shapes and `diffjax.ops.choose`'s route for the config's `model.attention_impl` (default auto): the impl,
+prints, for the training step (packed rows: segment ids; under the config's model.remat), a generation prefill and
+a decode step, the op's shapes and `diffjax.ops.choose`'s route for the config's `model.attention_impl` (default
+auto) in each pass, "fwd" (undifferentiated: generation, eval) and "fwd+bwd" (differentiated: training): the impl,
 whether it runs per query chunk over the context axis, whether the XLA path runs blockwise, and why. The shapes
 come from the attention module's own `project` (abstractly: nothing is computed); they are per micro-batch
 row (B = 1) and unsharded. --context N: the train step's context axis (default: the config's parallel.context;
@@ -15,45 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffjax.ops.choice import DEVICES, AttentionCall, choose, current_device
-
-
-def attention_calls(config, seq_len: int, context: int = 1) -> list[tuple[str, AttentionCall]]:
-    """(what, call) for a model config's training step (under a context axis of `context`), prefill and decode step,
-    shapes by abstract evaluation."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from diffjax import attention_kinds
-    from diffjax.model.attention import module_class
-    from diffjax.model.rope import inv_frequencies, rope_tables
-
-    op = attention_kinds.get(config.attention).attention_op
-    dtype = jnp.dtype(config.dtype)
-    module = nnx.eval_shape(lambda: module_class(config)(config, 0, rngs=nnx.Rngs(0)))
-
-    def shapes(T):
-        x = jax.ShapeDtypeStruct((1, T, config.d_model), dtype)
-        positions = jax.ShapeDtypeStruct((1, T), jnp.int32)
-        rope = jax.eval_shape(lambda p: rope_tables(p, inv_frequencies(config), dtype), positions)
-        return nnx.eval_shape(lambda m, x, r: m.project(x, r), module, x, rope)
-
-    q, k, v = shapes(seq_len)
-    q1, k1, v1 = shapes(1)
-    S = config.max_seq_len  # the cache's slots
-    cache = lambda x: (1, S) + tuple(x.shape[2:])  # noqa: E731
-    # Windowed layers and global layers make different calls (the decode step folds the window into its mask).
-    windows = sorted({config.window_at(depth) for depth in range(config.num_layers)}, key=lambda w: w or 0)
-    calls = []
-    for window in windows:
-        layers = "" if len(windows) == 1 else " (global layers)" if window is None else " (windowed layers)"
-        calls += [
-            (f"train step (packed rows){layers}",
-             AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, "one", window, context)),
-            (f"generation prefill{layers}", AttentionCall(op, q.shape, k.shape, v.shape, dtype.name, True, None, window)),
-        ]
-    return calls + [("generation decode step", AttentionCall(op, q1.shape, cache(k1), cache(v1), dtype.name, False, "pair"))]
+from diffjax.ops.choice import DEVICES, choose, current_device
 
 
 def main(argv=None) -> int:
@@ -64,10 +27,11 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="the train step's context axis size (default: the config's parallel.context, 1 for -1)")
     parser.add_argument("--window", type=int, default=None, metavar="W", help="model.attention_window=W")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as train.py takes them")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as diffjax-train takes them")
     args = parser.parse_args(argv)
     if args.context is not None and args.context < 1:
         parser.error(f"--context must be a positive integer, got {args.context}")
+    from diffjax.model.sizes import attention_calls
     from diffjax.train.config import load_run_config
 
     overrides = args.overrides + ([] if args.window is None else [f"model.attention_window={args.window}"])
@@ -81,12 +45,18 @@ def main(argv=None) -> int:
     print(f"{model.attention} attention, attention_impl={model.attention_impl!r}, on {device.kind} ({device.platform})")
     context = max(config.parallel.context, 1) if args.context is None else args.context
     for what, call in attention_calls(model, config.data.seq_len, context):
+        print(f"  {what}: {call.describe()}")
         try:
             route = choose(call, model.attention_impl, device)
-            path, reason = route.describe(), route.reason
         except ValueError as error:
-            path, reason = "refused", str(error)
-        print(f"  {what}: {call.describe()}\n    -> {path}: {reason}")
+            print(f"    -> refused: {error}")
+            continue
+        passes = route.by_pass()
+        if passes["fwd"] == passes["fwd+bwd"]:
+            print(f"    -> {route.describe()}: {route.reason}")
+            continue
+        for pass_, (impl, reason) in passes.items():
+            print(f"    -> {pass_}: {impl}: {reason}")
     return 0
 
 

@@ -23,16 +23,29 @@ from diffjax.attention_impls import IMPLS
 from diffjax.ops import compositions, context_parallel
 from diffjax.ops.reference import check_window
 
-# (op, d, dv, causal) where the cuDNN composition was measured faster than pallas_gpu on Hopper (fwd+bwd,
-# bf16, T = 8192): for these "auto" takes cuDNN when cuDNN takes the call (no segment ids; packed training
-# batches keep pallas_gpu). H100, jax 0.11.2, 2026-11-26 (benchmarks/results/attention_gpu.json), TFLOP/s
-# pallas_gpu vs cuDNN: diff d 128 / dv 256 causal 357 vs 368, non-causal 376 vs 433; standard attention
-# (the single-map mode) d 128 causal 352 vs 469, non-causal 406 vs 566. pallas_gpu's forward alone is faster
-# in three of the four (1.18-1.39x; single-map non-causal 0.97x): the backward decides.
-CUDNN_FASTER_ON_HOPPER: frozenset[tuple[str, int, int, bool]] = frozenset({
-    ("diff_attention", 128, 256, True), ("diff_attention", 128, 256, False),
-    ("dot_product_attention", 128, 128, True), ("dot_product_attention", 128, 128, False),
-})
+# The passes a call can run in: "fwd" undifferentiated (eval, generation's prefill), "fwd+bwd" differentiated (the
+# train step: the forward rule and the backward), named as benchmarks/attention.py names them.
+PASSES = ("fwd", "fwd+bwd")
+# What the backward of a differentiated call finds saved of its forward (AttentionCall.saved), and the (impl, op)
+# whose residuals a policy keeping the names of names.py ("named": remat="attention") keeps.
+SAVED = ("all", "named", "none")
+KEPT_BY_NAME = (("pallas_gpu", "dot_product_attention"),)
+# Hopper measurements "auto" weighs pallas_gpu against cuDNN by, per pass: milliseconds per (op, d, dv, causal) at
+# T = S = 8192, B 2, H 8 differential heads (dot_product_attention: 16 heads of d, dv = d: attention.py's
+# baseline rows, pallas_gpu's single-map mode), bf16. The mean of the two H100 runs (jax 0.11.2) committed in
+# benchmarks/results/attention_gpu.json (2026-11-26) and benchmarks/results/capture_2026-11-27/attention_capture.json;
+# `python benchmarks/attention.py --route-table FILE...` prints it from result files, and tests/test_attention_passes.py
+# checks it against those two. A class not here runs pallas_gpu wherever it takes the call.
+HOPPER_MS: dict[tuple[str, int, int, bool], dict[str, dict[str, float]]] = {
+    ("diff_attention", 128, 256, False): {"fwd": {"cudnn": 4.17, "pallas_gpu": 3.25},
+                                          "fwd+bwd": {"cudnn": 13.39, "pallas_gpu": 15.76}},
+    ("diff_attention", 128, 256, True): {"fwd": {"cudnn": 2.4, "pallas_gpu": 1.69},
+                                         "fwd+bwd": {"cudnn": 7.87, "pallas_gpu": 8.16}},
+    ("dot_product_attention", 128, 128, False): {"fwd": {"cudnn": 1.91, "pallas_gpu": 2.1},
+                                                 "fwd+bwd": {"cudnn": 6.81, "pallas_gpu": 9.57}},
+    ("dot_product_attention", 128, 128, True): {"fwd": {"cudnn": 1.26, "pallas_gpu": 1.09},
+                                                "fwd+bwd": {"cudnn": 4.21, "pallas_gpu": 5.51}},
+}
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 # The best pallas_gpu Tuning per shape class, measured on a Hopper GPU by benchmarks/pallas_gpu_sweep.py --table
 # (copied here from a GPU session's output); absent: pallas_gpu.default_tuning's shared-memory rule alone.
@@ -82,12 +95,36 @@ def simulated_device(device: Device):
         _SIMULATED.reset(token)
 
 
+_SAVED: contextvars.ContextVar[str] = contextvars.ContextVar("saved_by_remat", default="all")
+
+
+@contextlib.contextmanager
+def saved_by_remat(saved: str):
+    """The attention calls traced inside are differentiated under a remat policy that saves `saved` (SAVED) of their
+    forward for the backward: the model's checkpointed blocks say so (model.transformer), and "auto" counts the
+    forward that a backward runs again (AttentionCall.saved)."""
+    if saved not in SAVED:
+        raise ValueError(f"saved must be one of {SAVED}, got {saved!r}")
+    token = _SAVED.set(saved)
+    try:
+        yield
+    finally:
+        _SAVED.reset(token)
+
+
+def current_saved() -> str:
+    """What `saved_by_remat` says of the calls traced now ("all" outside it)."""
+    return _SAVED.get()
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
     """An attention op call by its shapes: q [B, T, H, 2, d] (diff_attention) or [B, T, H, d]
     (dot_product_attention), k [B, S, Hkv, G, d] or [B, S, Hkv, d], v [B, S, Hkv, dv]. segments: None, "one"
     (one [B, T] id array, T == S) or "pair" (q ids and kv ids: decoding against a cache). window: None or the
-    sliding window's keys per query. context: the size of the mesh's context axis the call runs under (1: none)."""
+    sliding window's keys per query. context: the size of the mesh's context axis the call runs under (1: none).
+    saved: what of a differentiated call's forward its backward finds saved (SAVED): "all" (no remat), "named" (a
+    remat policy keeping names.OUTPUT_NAME and KERNEL_RESIDUALS_NAME), "none" (the forward runs again)."""
 
     op: str
     q_shape: tuple
@@ -98,13 +135,14 @@ class AttentionCall:
     segments: str | None = None
     window: int | None = None
     context: int = 1
+    saved: str = "all"
 
     @classmethod
-    def of(cls, op, q, k, v, causal, segment_ids, window=None, context=1) -> "AttentionCall":
+    def of(cls, op, q, k, v, causal, segment_ids, window=None, context=1, saved="all") -> "AttentionCall":
         check_window(window, causal)
         segments = None if segment_ids is None else "pair" if isinstance(segment_ids, (tuple, list)) else "one"
         return cls(op, tuple(q.shape), tuple(k.shape), tuple(v.shape), jnp.dtype(q.dtype).name, bool(causal), segments,
-                   None if window is None else int(window), int(context))
+                   None if window is None else int(window), int(context), saved)
 
     def arrays(self):
         """(q, k, v, segment_ids) as ShapeDtypeStructs: what the kernels' `unsupported` checks read."""
@@ -129,28 +167,42 @@ class AttentionCall:
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """How diffjax.ops runs a call. impl: the implementation that runs it. context: per query chunk over the
-    mesh's context axis (K/V all-gathered; impl pallas_tpu / pallas_gpu: the fused kernels with the chunk's place
-    in the sequence as their query offset, else blockwise XLA). blockwise: the XLA path attends blockwise (online
-    softmax over key blocks, flash-style backward: context_parallel.blockwise_attention) instead of materialising
-    the T x S scores. reason: why."""
+    """How diffjax.ops runs a call. impl: the implementation that runs it undifferentiated (eval, generation's
+    prefill); grad_impl: the one that runs it differentiated (its forward rule and backward: the train step), the
+    same unless "auto" measured another faster there (HOPPER_MS). context: per query chunk over the mesh's context
+    axis (K/V all-gathered; impl pallas_tpu / pallas_gpu: the fused kernels with the chunk's place in the sequence
+    as their query offset, else blockwise XLA). blockwise: the XLA path attends blockwise (online softmax over key
+    blocks, flash-style backward: context_parallel.blockwise_attention) instead of materialising the T x S scores.
+    reason, grad_reason: why impl, why grad_impl (None on construction: the same as impl / reason)."""
 
     impl: str
     context: bool
     blockwise: bool
     reason: str
+    grad_impl: str | None = None
+    grad_reason: str | None = None
+
+    def __post_init__(self):
+        if self.grad_impl is None:
+            object.__setattr__(self, "grad_impl", self.impl)
+        if self.grad_reason is None:
+            object.__setattr__(self, "grad_reason", self.reason)
+
+    def by_pass(self) -> dict[str, tuple[str, str]]:
+        """{pass: (impl, why)} for PASSES: "fwd" (undifferentiated) and "fwd+bwd" (differentiated)."""
+        return dict(zip(PASSES, ((self.impl, self.reason), (self.grad_impl, self.grad_reason))))
 
     def describe(self) -> str:
         path = f"{self.impl} blockwise" if self.blockwise else self.impl
+        if self.grad_impl != self.impl:
+            path = f"{path} (fwd), {self.grad_impl} (fwd+bwd)"
         return f"{path} per query chunk over the context axis" if self.context else path
 
 
 def pallas_gpu_unsupported(call: AttentionCall) -> str | None:
-    """Why the Mosaic GPU kernels cannot run `call` (None: they can)."""
+    """Why the Mosaic GPU kernels cannot run `call` (None: they can; any sliding window too)."""
     from diffjax.ops.pallas_gpu import unsupported
 
-    if call.window is not None:
-        return "takes no sliding window yet (use 'cudnn', or 'xla', which skips blocks outside the window)"
     return unsupported(*call.arrays()[:3])
 
 
@@ -168,18 +220,18 @@ def choose(call: AttentionCall, impl: str = "auto", device: Device | None = None
         raise ValueError(f"{call.op}: attention impl must be one of {IMPLS}, got {impl!r}")
     if call.context > 1:
         return _over_the_context_axis(call, impl, device)
-    impl, reason = _auto(call, device) if impl == "auto" else _asked_for(call, impl, device)
-    why_blockwise = _why_xla_runs_blockwise(call) if impl == "xla" else None
+    fwd, grad = _auto(call, device) if impl == "auto" else (_asked_for(call, impl, device),) * 2
+    why_blockwise = _why_xla_runs_blockwise(call) if fwd[0] == "xla" else None  # (xla is both passes' or neither's)
     if why_blockwise:
-        return Route(impl, context=False, blockwise=True, reason=f"{reason}; blockwise: {why_blockwise}")
-    return Route(impl, context=False, blockwise=False, reason=reason)
+        return Route(fwd[0], context=False, blockwise=True, reason=f"{fwd[1]}; blockwise: {why_blockwise}")
+    return Route(fwd[0], context=False, blockwise=False, reason=fwd[1], grad_impl=grad[0], grad_reason=grad[1])
 
 
 def _over_the_context_axis(call: AttentionCall, impl: str, device: Device) -> Route:
     """Over a context axis only the fused kernels take a query chunk's offset; every other impl attends blockwise in
     XLA. So "auto" takes the fused kernels wherever they run the call, with none of its single-device preferences:
-    TPU_MIN_T and CUDNN_FASTER_ON_HOPPER weigh a kernel against the XLA reference and cuDNN, and over a context
-    axis the alternative is blockwise XLA."""
+    TPU_MIN_T and HOPPER_MS weigh a kernel against the XLA reference and cuDNN, and over a context axis the
+    alternative is blockwise XLA."""
     if impl in ("pallas_tpu", "pallas_gpu"):
         reason = _asked_for(call, impl, device)[1]  # raises where the kernel cannot take the call
         return Route(impl, context=True, blockwise=False, reason=reason)
@@ -233,30 +285,49 @@ def _asked_for(call: AttentionCall, impl: str, device: Device) -> tuple[str, str
     return impl, "asked for"
 
 
-def _auto(call: AttentionCall, device: Device) -> tuple[str, str]:
+def _auto(call: AttentionCall, device: Device) -> tuple[tuple[str, str], tuple[str, str]]:
+    """((impl, why) undifferentiated, (impl, why) differentiated): the same pair but where HOPPER_MS measured
+    pallas_gpu and cuDNN apart."""
     T, d, dv = call.q_shape[1], call.q_shape[-1], call.v_shape[-1]
     if call.is_decode:
-        return "xla", "decode: one query against the KV cache (no fused decode kernel yet)"
+        return (("xla", "decode: one query against the KV cache (no fused decode kernel yet)"),) * 2
     if device.platform == "tpu":
-        return ("pallas_tpu", "fused Pallas TPU kernel") if T >= TPU_MIN_T else ("xla", f"T={T} < {TPU_MIN_T} is below one kernel block")
+        return (("pallas_tpu", "fused Pallas TPU kernel") if T >= TPU_MIN_T else
+                ("xla", f"T={T} < {TPU_MIN_T} is below one kernel block"),) * 2
     if device.platform != "gpu":
-        return "xla", f"platform {device.platform!r} has no compiled flash kernel (the Pallas impls would run interpreted)"
+        return (("xla", f"platform {device.platform!r} has no compiled flash kernel (the Pallas impls would run "
+                        "interpreted)"),) * 2
     q, k, v, segment_ids = call.arrays()
     why_not = {
         "pallas_gpu": pallas_gpu_unsupported(call) if device.is_hopper else "needs a Hopper GPU",
         "cudnn": compositions.cudnn_unsupported(q, k, v, call.causal, segment_ids, device.platform),
     }
     if why_not["pallas_gpu"] is None:
-        if why_not["cudnn"] is None and (call.op, d, dv, call.causal) in CUDNN_FASTER_ON_HOPPER:
-            return "cudnn", "cuDNN flash composition, measured faster than pallas_gpu for this shape"
-        return "pallas_gpu", "fused Mosaic GPU kernel"
+        measured = HOPPER_MS.get((call.op, d, dv, call.causal)) if why_not["cudnn"] is None else None
+        if measured:
+            return tuple(_faster(call, measured, p) for p in PASSES)
+        return (("pallas_gpu", "fused Mosaic GPU kernel"),) * 2
     if why_not["cudnn"] is None:
-        return "cudnn", "cuDNN flash composition"
+        return (("cudnn", "cuDNN flash composition"),) * 2
     why_not["triton"] = compositions.triton_unsupported(q, k, v, call.causal, segment_ids, device.platform,
                                                         window=call.window)
     if why_not["triton"] is None:
-        return "triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"
-    return "xla", "; ".join(f"{name} {why}" for name, why in why_not.items())
+        return (("triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"),) * 2
+    return (("xla", "; ".join(f"{name} {why}" for name, why in why_not.items())),) * 2
+
+
+def _faster(call: AttentionCall, measured: dict[str, dict[str, float]], pass_: str) -> tuple[str, str]:
+    """(impl, why): the one of pallas_gpu and cuDNN HOPPER_MS measured faster in this pass; differentiated, with
+    its forward once more where the backward does not find the forward's residuals saved (call.saved)."""
+    def ms(impl):
+        kept = call.saved == "all" or (call.saved == "named" and (impl, call.op) in KEPT_BY_NAME)
+        return round(measured[pass_][impl] + (measured["fwd"][impl] if pass_ == "fwd+bwd" and not kept else 0.0), 2)
+
+    impl, other = sorted(("pallas_gpu", "cudnn"), key=ms)
+    what = {"pallas_gpu": "fused Mosaic GPU kernel", "cudnn": "cuDNN flash composition"}[impl]
+    rerun = ", with the forward its backward runs again where remat saves none of it" * (pass_ == "fwd+bwd" and
+                                                                                         call.saved != "all")
+    return impl, f"{what}, measured faster {pass_} on Hopper{rerun} ({ms(impl)} vs {ms(other)} ms at T 8192)"
 
 
 def tuning_class(d: int, dv: int, single: bool, dtype) -> str:

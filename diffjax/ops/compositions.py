@@ -46,6 +46,11 @@ def cudnn_unsupported(q, k, v, causal, segment_ids, platform) -> str | None:
         return f"needs float16 or bfloat16 inputs (got {q.dtype})"
     if d % 8 or d > 256:
         return f"needs a head dim that is a multiple of 8 and at most 256 (128 before Hopper), got {d}"
+    # jax.nn.dot_product_attention takes value [B, S, K, H] with key's H only (jax/_src/nn/functions.py, 0.10.2 to
+    # today's main), so V is split into d-wide pieces. cuDNN itself takes d_qk 192 / d_v 128 on Hopper, forward and
+    # backward (its SDPA support matrix, backend 9.18.1), and jax's private cudnn path passes it for cuDNN >= 9.10
+    # (fused_attention_stablehlo.check_is_flash_attention's "mla"; check_layout wants q / k head dims equal only):
+    # not taken here, a private API; such calls (Motif 3's GDLA) run pallas_gpu on Hopper.
     if dv % d:
         return f"needs the value width ({dv}) to be a multiple of the q/k head dim ({d}) to split V"
     if segment_ids is not None:

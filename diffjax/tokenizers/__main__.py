@@ -20,13 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train-sentencepiece", help="train a SentencePiece model on a corpus")
     train.add_argument("--output", required=True, help="the .model file to write")
-    train.add_argument("--vocab-size", type=int, required=True)
+    train.add_argument("--vocab-size", type=int, required=True, help="pieces in the vocabulary (e.g. 8000)")
     train.add_argument("--source", choices=DATA_SOURCES, default="builtin", help="as data.source in the trainer config")
     train.add_argument("--paths", nargs="*", default=(), help="files or glob patterns (text, jsonl, parquet)")
     train.add_argument("--text-field", default="text", help="jsonl / parquet: the field holding a document's text")
     train.add_argument("--max-documents", type=int, default=None, help="train on the first N documents only")
-    train.add_argument("--model-type", choices=("bpe", "unigram", "char", "word"), default="bpe")
-    train.add_argument("--character-coverage", type=float, default=0.9995)
+    train.add_argument("--model-type", choices=("bpe", "unigram", "char", "word"), default="bpe",
+                       help="SentencePiece's model type (default bpe)")
+    train.add_argument("--character-coverage", type=float, default=0.9995,
+                       help="share of the corpus's characters the vocabulary covers; the rarest others become "
+                            "bytes or <unk> (default 0.9995)")
     train.add_argument("--no-byte-fallback", action="store_true", help="unknown characters become <unk> instead of bytes")
     args = parser.parse_args(argv)
 

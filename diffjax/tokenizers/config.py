@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from diffjax.config_values import one_of
+
 TOKENIZER_KINDS = ("byte", "sentencepiece", "tiktoken", "hf")
 
 
@@ -21,7 +23,7 @@ class TokenizerConfig:
 
     def __post_init__(self):
         if self.kind not in TOKENIZER_KINDS:
-            raise ValueError(f"data.tokenizer.kind must be one of {TOKENIZER_KINDS}, got {self.kind!r}")
+            raise ValueError(one_of("data.tokenizer.kind", self.kind, TOKENIZER_KINDS))
         if self.kind == "sentencepiece" and not self.path:
             raise ValueError("data.tokenizer.path must name a sentencepiece .model file when data.tokenizer.kind is 'sentencepiece'")
         if self.kind == "hf" and not self.path:

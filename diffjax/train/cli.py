@@ -8,6 +8,12 @@
 
 Rerunning a command on the same train.run_dir resumes from its newest checkpoint. SIGTERM or
 Ctrl-C saves a checkpoint of the current step before exiting. Keys: `diffjax-train --help-keys`.
+
+    diffjax-train --plan --device h100 --config paper/diff-1.4b parallel.fsdp=8   # does it fit? (trains nothing)
+
+--plan prints the run's memory per device on its mesh and a device (params, gradients, optimizer state, an
+activations estimate), tokens per step, whether it fits and the largest micro-batch that does, and on this machine's
+own kind of device (a CPU: the mesh's devices simulated) the compiled train step's memory; exit 0 fits, 1 does not.
 """
 
 from __future__ import annotations
@@ -18,16 +24,28 @@ import sys
 
 from diffjax.train.config_files import DEFAULT
 
+# --plan's devices: diffjax.train.plan.DEVICE_MEMORY's (named here so that --help loads no jax; tested equal)
+DEVICE_NAMES = ("cpu", "h100", "h200", "a100", "l4", "v5p", "v5e", "v6e")
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="diffjax-train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT, metavar="NAME_OR_PATH",
                         help=f"a shipped config's name (paper/diff-1.4b, ...) or a YAML file (default: {DEFAULT})")
     parser.add_argument("--help-keys", action="store_true",
                         help="list every config key with the value this run would use, its type, default, "
                              "allowed values and meaning, then exit")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the run's memory per device and whether it fits --device, then exit (trains nothing)")
+    parser.add_argument("--device", choices=DEVICE_NAMES,
+                        help="with --plan: the device to plan for (default cpu: this machine's memory)")
+    parser.add_argument("--devices", type=int, metavar="N",
+                        help="with --plan: devices in all, for a mesh axis of -1 (default: the other axes' product)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
+    if (args.device is not None or args.devices is not None) and not args.plan:
+        parser.error("--device and --devices go with --plan")
 
     from diffjax.log_lines import print_package_logs
     from diffjax.train import load_run_config, train
@@ -46,6 +64,8 @@ def main(argv=None) -> int:
 
         print(describe_keys(config))
         return 0
+    if args.plan:
+        return _plan(config, args.device or "cpu", args.devices)
     print_package_logs()  # (train.init_from's reader warns through logging)
     try:
         result = train(config)
@@ -67,3 +87,25 @@ def main(argv=None) -> int:
         return 128 + signal.Signals[result.interrupted].value
     return 0
 
+
+def _plan(config, device: str, devices: int | None) -> int:
+    """--plan: the plan, and the compiled step's figures where this machine can compile it; exit 0 fits, 1 not."""
+    import math
+    import os
+
+    from diffjax.train import plan
+
+    try:
+        memory = plan.plan_memory(config, device, devices)
+    except ValueError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    count = math.prod(memory.sizes.values())
+    if device == "cpu" and count > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # simulated CPU devices for the mesh: read when jax starts its backend, which nothing has done yet
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+    compiled = plan.can_compile(memory)
+    if compiled is None:
+        compiled = plan.compiled_memory(config, memory.sizes, memory.micro_batch)
+    print(plan.describe(memory, compiled))
+    return 0 if memory.fits else 1

@@ -19,7 +19,7 @@ import yaml
 
 from diffjax import attention_kinds, storage
 from diffjax.config import ModelConfig
-from diffjax.config_values import build_config, plain
+from diffjax.config_values import build_config, plain, read_yaml_mapping
 from diffjax.data.config import DataConfig
 from diffjax.lora import LoraConfig
 from diffjax.train.config_files import config_file
@@ -203,7 +203,7 @@ class RunConfig:
     def __post_init__(self):
         if self.lora.enabled and not self.train.init_from:
             raise ValueError("lora.rank > 0 fine-tunes a base model: set train.init_from to its run directory (a "
-                             "trained run, or an HF model converted with `python -m diffjax.convert hf-to-diffjax`)")
+                             "trained run, or an HF model converted with `diffjax-convert hf-to-diffjax`)")
         if self.train.batch_tokens is not None and self.train.batch_tokens % self.data.seq_len:
             raise ValueError(
                 f"train.batch_tokens ({self.train.batch_tokens}) must be a multiple of data.seq_len ({self.data.seq_len})"
@@ -279,15 +279,7 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise FileNotFoundError(f"config file {path} does not exist")
     if path in _seen:
         raise ValueError(f"config files include each other in a cycle: {' -> '.join(map(str, _seen + (path,)))}")
-    with path.open() as file:
-        try:
-            values = yaml.safe_load(file) or {}
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ValueError(f"config file {path}{where}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"config file {path} must hold a mapping of sections, got {type(values).__name__}")
+    values = read_yaml_mapping(path)
     base = values.pop("base", None)
     if base is not None:
         values = merge(read_yaml(path.parent / base, _seen + (path,)), values)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from diffjax import storage
+from diffjax.config_values import did_you_mean
 
 SHIPPED = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT = "tiny"  # what `diffjax-train` (and `python train.py`) trains without --config
@@ -26,5 +27,5 @@ def config_file(name_or_path: str | os.PathLike) -> str | os.PathLike:
     names = shipped_names()
     if name in names:
         return SHIPPED / f"{name}.yaml"
-    raise FileNotFoundError(f"config {os.fspath(name_or_path)!r} is neither a file nor a shipped config "
-                            f"(the shipped ones: {', '.join(names)})")
+    raise FileNotFoundError(f"config {os.fspath(name_or_path)!r} is neither a file nor a shipped config"
+                            f"{did_you_mean(name, names)} (the shipped ones: {', '.join(names)})")

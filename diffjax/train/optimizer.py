@@ -204,3 +204,22 @@ def scale_by_path(multipliers: list[tuple[re.Pattern, float]]) -> optax.Gradient
         return jax.tree_util.tree_map_with_path(lambda path, u: u * jnp.asarray(factor(path), u.dtype), updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def schedule_change(old: OptimizerConfig, old_steps: int, new: OptimizerConfig, new_steps: int,
+                    step: int) -> str | None:
+    """What resuming at optimizer step `step` (the next update, 0-based; the progress line's step + 1) with `new` /
+    `new_steps` instead of the run's `old` / `old_steps` does to the learning rate, as a note: the rate at that
+    step before and now, and where warm-up and decay end; None when the schedule is the same."""
+    runs = ((old, old_steps), (new, new_steps))
+    ends = [(config.warmup_steps, config.decay_steps or steps) for config, steps in runs]
+    before, after = (float(make_schedule(config, steps)(step)) for config, steps in runs)
+    if ends[0] == ends[1] and math.isclose(before, after, rel_tol=1e-6, abs_tol=1e-12):
+        return None
+    (old_warmup, old_end), (new_warmup, new_end) = ends
+    keep = (f"; optim.decay_steps={old_end} keeps the run's schedule" if new.decay_steps is None and old_end != new_end
+            and old_end < new_steps else "")
+    was = lambda old, new: "" if old == new else f" (was {old})"  # noqa: E731
+    return (f"note: the learning-rate schedule changes on resume: step {step + 1} trains at lr {after:.2e} (the run's "
+            f"schedule: {before:.2e}); warm-up ends at step {new_warmup}{was(old_warmup, new_warmup)}, the {new.decay} "
+            f"decay reaches min_lr {new.min_lr:.1e} at step {new_end}{was(old_end, new_end)}{keep}")

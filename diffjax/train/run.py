@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 
 from diffjax import lora, storage
 from diffjax.config import RUNTIME_FIELDS, ModelConfig
+from diffjax.config_values import build_config
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.ops.context_parallel import context_order
@@ -36,7 +37,7 @@ from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
 from diffjax.train.mesh import allgather_json, describe, initialize_distributed, make_mesh, process_batch_shard
 from diffjax.train.metrics import read_records, training_flops_per_token
-from diffjax.train.optimizer import lambda_scale, make_optimizer
+from diffjax.train.optimizer import OptimizerConfig, lambda_scale, make_optimizer, schedule_change
 from diffjax.train.start import Start, StartPlan, StartSettings, plan_start
 from diffjax.train.state_checkpoints import Checkpointer, Restored, abstract_like, restore_params
 from diffjax.train.step import ShardedTraining, setup_sharded_state, sharded_lora_init
@@ -225,6 +226,8 @@ def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
     plan = plan_start(dataclasses.replace(survey, final_record=final is not None), StartSettings.of(config))
     if changed and plan.kind is Start.RESUME:  # (a converted model's first training resumes nothing)
         log(f"note: resuming with changed {', '.join(changed)}")
+        if note := _schedule_change(directory, config, plan.step):
+            log(note)
     if plan.kind is Start.COMPLETE:
         log(f"the run in {directory.path} is complete (step {plan.step} of train.steps = {config.train.steps}); "
             "nothing to do")
@@ -416,6 +419,17 @@ def changed_settings(directory: RunDir, config: RunConfig) -> list[str]:
         changed += [f"{section}.{k}" for k in current[section] if k in saved_section and saved_section[k] != current[section][k]
                     and f"{section}.{k}" != "train.run_dir"]  # (this directory: another spelling of it changes nothing)
     return changed
+
+
+def _schedule_change(directory: RunDir, config: RunConfig, step: int) -> str | None:
+    """optimizer.schedule_change's note for resuming at `step` against the schedule config.yaml describes."""
+    saved = read_yaml(directory.config_file)
+    try:
+        old_optim = build_config(OptimizerConfig, saved.get("optim") or {}, prefix="optim")
+    except ValueError:  # (a config.yaml of an older diffjax: nothing to compare with)
+        return None
+    old_steps = (saved.get("train") or {}).get("steps", config.train.steps)
+    return schedule_change(old_optim, old_steps, config.optim, config.train.steps, step)
 
 
 def _check_same_model(directory: RunDir, saved: dict, current: dict, saved_path: Path) -> list[str]:

@@ -63,13 +63,14 @@ class Checkpointer:
     def __init__(self, run: RunDir | str | Path, config: CheckpointConfig):
         self.run = (run if isinstance(run, RunDir) else RunDir(run)).absolute()  # (tools and tests pass a path)
         self.directory = self.run.checkpoints
-        self._async, self._saving = config.async_save, None
+        self._async, self._saving, self._keep, self._failed = config.async_save, None, config.keep, False
+        self._continuable_below = None  # of the save in flight: see save()
         self._quiet = _OrbaxErrorsWeReport()
         logging.getLogger("absl").addFilter(self._quiet)
         drop_late_write_callbacks(TEMPORARY_MARK)  # what a failed save leaves behind besides its SaveError
         self._remove_unfinished_saves()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=config.keep,
+            max_to_keep=None,  # _rotate: never the newest checkpoint training can continue from
             # Always Orbax's async path, waited on at once when async_save is false: only it calls the digest
             # callback before the rename, so even a kill between the two never leaves a checkpoint without its digest.
             enable_async_checkpointing=True,
@@ -183,13 +184,17 @@ class Checkpointer:
                             f"{self.run.damaged_checkpoints} out of {self.run.path}, or choose another train.run_dir")
         return moved + "no checkpoint had been saved: a rerun starts over from step 0"
 
-    def save(self, step: int, state: Any, data_state: dict) -> None:
+    def save(self, step: int, state: Any, data_state: dict, *, continuable_below: int | None = None) -> None:
         """Starts saving (in the background when async); every process calls it at the same step.
-        The data item holds every process's iterator state (each reads its own shard)."""
+        The data item holds every process's iterator state (each reads its own shard).
+
+        continuable_below: the checkpoints below this step are ones training can continue from (default `step`: all
+        of them). Under train.on_nonfinite=skip, while steps are being skipped, only those before the stretch are:
+        the newest of them outlives rotation (checkpoint.keep) until a newer one is known to be good too."""
         data = {"per_process": allgather_json(data_state)}
         self.wait()  # the previous save must have succeeded; the digest callback names the step being saved
         self._check_space(step)
-        self._saving = step
+        self._saving, self._continuable_below = step, step if continuable_below is None else continuable_below
         self.manager.save(
             step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state), DATA_ITEM: ocp.args.JsonSave(data)}),
             force=True
@@ -237,22 +242,49 @@ class Checkpointer:
             )
 
     def wait(self) -> None:
-        """Waits for the save in flight; its failure becomes a SaveError (and its temporary directory goes)."""
+        """Waits for the save in flight; its failure becomes a SaveError (and its temporary directory goes), its
+        success rotates the checkpoints."""
         try:
             self.manager.wait_until_finished()
         except Exception as error:  # Orbax re-raises whatever its background thread met
-            self._remove_temporaries(str(self._saving))
-            after_a_failed_write()
-            message = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise SaveError(f"saving the checkpoint of step {self._saving} in {self.directory} failed: {message}; "
-                            f"{_newest_is_intact(self.manager.latest_step())}") from None
+            raise self._failed_save(error) from None
+        self._rotate()
+
+    def _failed_save(self, error: Exception) -> SaveError:
+        """The one line for the save that failed with `error` (its temporary directory removed)."""
+        self._failed, self._continuable_below = True, None  # (nothing new to rotate)
+        self._remove_temporaries(str(self._saving))
+        after_a_failed_write()
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return SaveError(f"saving the checkpoint of step {self._saving} in {self.directory} failed: {message}; "
+                         f"{_newest_is_intact(self.manager.latest_step())}")
+
+    def _rotate(self) -> None:
+        """After a save: deletes all but the newest checkpoint.keep checkpoints, except the newest one training can
+        continue from (below continuable_below of that save), which stays until a newer one is known to be good: a
+        checkpoint saved just before a non-finite step, or during a stretch of skipped ones, is set aside when the
+        run stops (fall_back_before), so rotation must not have deleted the one a rerun continues from."""
+        if self._continuable_below is None:
+            return
+        steps = sorted(self.manager.all_steps())
+        continuable = [step for step in steps if step < self._continuable_below]
+        kept = set(steps[-self._keep:]) | set(continuable[-1:])
+        for step in steps:
+            if step not in kept:
+                self.manager.delete(step)
+        self._continuable_below = None
 
     def close(self) -> None:
         try:
             self.wait()
         finally:
-            self.manager.close()
-            logging.getLogger("absl").removeFilter(self._quiet)
+            try:
+                self.manager.close()  # its async checkpointer can raise a failed write once more
+            except Exception as error:
+                if not self._failed:  # (a failure already said is not said again, nor chained to itself)
+                    raise self._failed_save(error) from None
+            finally:
+                logging.getLogger("absl").removeFilter(self._quiet)
 
 
 def restore_params(path: str | Path, abstract_state: Any) -> Any:

@@ -5,7 +5,8 @@ With LoRA (diffjax.lora; `sharded_lora_init`) "params" holds only what trains ({
 base params that train too}) and the state adds "base_checksums"; the frozen base is not in the state (so neither
 in the optimizer state nor in checkpoints): the steps take it as an extra argument and run the model with
 lora.model_params(params, frozen).
-A step's batch is [accum_steps, micro_batch, seq_len] per key; micro-batches are summed in a scan
+A step's batch is [accum_steps, micro_batch, seq_len] per key (without "segment_ids": one document per row, and
+the attention gets no segment ids); micro-batches are summed in a scan
 and the loss is the token-weighted mean over all of them, so accumulation equals one big batch.
 """
 
@@ -65,11 +66,11 @@ def _forward(graphdef, params, batch, loss_chunk: int, lambda_scale=None, output
     weights are stated per position first, so that under a context axis every [B, T] array can be put in the context
     layout (ops.context_parallel) together."""
     model = nnx.merge(graphdef, params)
-    targets_BT, weights_BT = next_token_targets(batch["tokens"], batch["segment_ids"], batch.get("loss_mask"))
+    targets_BT, weights_BT = next_token_targets(batch["tokens"], batch.get("segment_ids"), batch.get("loss_mask"))
     context = context_size()
     tokens_BT, positions_BT, segment_ids_BT, targets_BT, weights_BT = (
-        to_context_order(x, context)
-        for x in (batch["tokens"], batch["positions"], batch["segment_ids"], targets_BT, weights_BT))
+        None if x is None else to_context_order(x, context)
+        for x in (batch["tokens"], batch["positions"], batch.get("segment_ids"), targets_BT, weights_BT))
     hidden_BTD, _, emitted = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, lambda_scale=lambda_scale,
                                                  outputs=outputs)
     if loss_chunk:

@@ -83,13 +83,16 @@ def kinds_table(part: str) -> str:
         raise ValueError(f"<!-- generated: kinds {part} -->: the parts are {', '.join(BLOCK_PARTS)}")
     rows = BLOCK_PARTS[part].rows()
     if part == "attention":
+        from diffjax.convert import formats, unilm
+
         lines = ["| `attention` | label | maps | value width | lambda | Hugging Face | unilm | options |",
                  "|---|---|---|---|---|---|---|---|"]
         for row in rows:
             options = f"`{row.options.__name__}`" if row.options else ""
+            hf = ", ".join(f.label for f in formats.rows() if row.name in f.attention)  # the formats holding it
+            modules = ", ".join(module for module, name in unilm.MODULES.items() if name == row.name)
             lines.append(f"| `{row.name}` | {cell(row.label)} | {row.maps} | {row.value_width} | "
-                         f"{cell(row.lambda_form)} | {cell(row.hf_model_type or '')} | {cell(row.unilm_module or '')} "
-                         f"| {options} |")
+                         f"{cell(row.lambda_form)} | {cell(hf)} | {cell(modules)} | {options} |")
     else:
         lines = [f"| `{part}` | label | module | options |", "|---|---|---|---|"]
         for row in rows:

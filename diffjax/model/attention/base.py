@@ -28,13 +28,14 @@ from jax.ad_checkpoint import checkpoint_name
 from diffjax import attention_kinds, ops
 from diffjax.config import ModelConfig
 from diffjax.model.rope import WindowedRope, select_rope, softmax_scale_factor
+from diffjax.ops.names import KERNEL_RESIDUALS_NAME, OUTPUT_NAME
 from diffjax.sharding import constrain
 
 BTD = ("batch", "length", "act_embed")
 # checkpoint_name()s that remat="attention" keeps (transformer.REMAT_POLICIES): q, k, v as the attention op
-# takes them (after RoPE) and its output. The Pallas kernels' own residuals (lse; DIFF's fp32 second map)
-# are not named, so under any remat policy the kernel's forward runs again in the backward pass.
-SAVED_BY_ATTENTION_POLICY = ("attention_qkv", "attention_out")
+# takes them (after RoPE, named here), its output and the single-map kernel's residuals (named by diffjax.ops:
+# ops.names, which says why DIFF's are not kept), so that the twin's pallas_gpu backward runs no forward kernel.
+SAVED_BY_ATTENTION_POLICY = ("attention_qkv", OUTPUT_NAME, KERNEL_RESIDUALS_NAME)
 
 
 class ExplicitAttention(NamedTuple):
@@ -54,7 +55,7 @@ def masked_softmax(s, allowed):
 
 def attend(op, q, k, v, *op_args, segment_ids, impl, cache=None, window=None, windowed=True, global_scale=None):
     """`op(q, k, v, *op_args)` causal. Returns (output, cache): with a KVCache (generation), k and v are stored
-    and the op attends over the cache (kv_cache.py). q, k, v and the output carry the names remat keeps.
+    and the op attends over the cache (kv_cache.py). q, k, v carry the name remat keeps (the op names its output).
     window: the layer's sliding window (None: the whole context); windowed: whether it applies, True or a traced
     bool (a layer of a scanned stack that mixes windowed and global layers: both calls compile, one runs).
     global_scale: the softmax scale of a layer attending the whole context (YaRN's factor; None: the op's d^-0.5);
@@ -74,7 +75,7 @@ def attend(op, q, k, v, *op_args, segment_ids, impl, cache=None, window=None, wi
         out = call(True)
     else:
         out = jax.lax.cond(windowed, lambda: call(True), lambda: call(False))
-    return checkpoint_name(out, "attention_out"), cache
+    return out, cache
 
 
 class AttentionModule(nnx.Module):

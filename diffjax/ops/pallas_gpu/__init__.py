@@ -16,22 +16,48 @@ Backward (custom VJP), with G the cotangent of o (the same algebra as diffjax.op
     dS_1 = P_1 (dP - D_1),  dS_2 = -lam P_2 (dP - D_2),  dV = (P_1 - lam P_2)^T G
     dQ_m = scale dS_m K_m,  dK_m = scale dS_m^T Q_m,  dlam = -D_2
 Two kernels, each with a producer and one consumer per map. dP's contraction over dv is split in two
-halves, one per consumer, and the halves are exchanged through SMEM (no duplicated matmul):
+halves, one per consumer, and the halves are exchanged through SMEM (no duplicated matmul; dk/dv's dp_whole and
+dv_smem compute it whole):
   dk/dv   one CTA per (batch, kv head, 64-row kv block); streams (query head of the group, q block)
           tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
   dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
 
-Single-map mode (standard attention, `dot_product_attention_pallas_gpu`, dv == d; FA3's layout): the
-same kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
+dk/dv's differential consumers, Tuning.dkdv (benchmarks/pallas_gpu_sweep.py times each): a consumer holds two
+64 x 128 fp32 accumulators (dK_g, dV's half: 128 of its registers) beside the step's 64 x block_q_bwd fp32 tiles
+(32 registers each), and in this transposed layout a per-query vector (lse, D, lambda) takes 16, so the step's live
+set decides whether it spills: the first kernel ("exchange", both sums live at once in consumer 1) peaks far above
+its 232 and spills every step. ptxas (sm_90a, d 128 / dv 256, causal; spill bytes a consumer thread stores + loads
+in its step loop, consumer 0 / 1; stack frame; with segment ids, where every step is masked, the stack frame):
+  exchange  96 + 204 / 288 + 380 B, 272 B (368 B); Nsight on the H100: long-scoreboard stalls, 26% tensor pipe.
+  lean      (default) 4 + 8 / 0 + 16 B, 24 B (64 B). The same algebra, SMEM and two meetings a step, each value
+            made where it is used: per-query vectors loaded from SMEM at their use; consumer 0 writes its dP half
+            and P_1, consumer 1 adds its dP half, makes dS, issues the dK wgmma and, while it runs, adds its
+            -lam P_2 to P_1 and meets 0 again; then dV. Registers 24 (producer) / 240 / 240, FA3's split; with
+            segment ids, the causal mask only up to the diagonal.
+  dp_whole  4 + 8 / 32 + 40 B, 48 B (32 B). Each consumer computes the whole dP (both halves of dv: +25% FLOPs a
+            step), so only the P shares meet: each writes its 16-bit share to its own SMEM buffer, one meeting, each
+            adds the other's (a p_free barrier keeps a buffer until both have read it). SMEM 8 KB less than lean.
+  dv_smem   4 + 8 / 52 + 124 B, 136 B (120 B). The whole dP, and each consumer's dV takes both shares straight from
+            SMEM (two wgmmas: +50% FLOPs a step, no P sum in registers; the most exact dV).
+
+Single-map mode (standard attention, `dot_product_attention_pallas_gpu`; FA3's layout): the same
+kernels with one map (M = 1), q and k carrying a map axis of size 1. The consumers take two
 different 64-row tiles of one 128-row block and share every streamed tile: forward and dq, two query
 tiles (own online softmax / full dP, own output rows, no O_2 hand-off, no exchange); dk/dv, two kv
 tiles streaming the same q / dO tiles. Both consumers run the CTA's step range; each masks with its
-own rows (`_q_tile`), so the diagonal step may be fully masked for one of them.
+own rows (`_q_tile`), so a step at either end of the range may be fully masked for one of them.
+d and dv are each 64, 128 or 192 (SINGLE_HEAD_DIMS says why), Motif 3's GDLA's 192 / 128 among them:
+only the forward's output staging depends on the pair (the query tile when dv == d, else a V ring slot,
+free once both consumers are past their last step).
 
 Conventions: bottom-right aligned causal masking (query t sits at key S - T + t, or q_offset + t when the
 caller places the queries, as context parallelism does with each device's query chunks: then q_offset is a
-traced int32 read from a one-element gmem operand, and the step ranges and masks follow it); kv steps above the
-diagonal are never loaded; unmasked steps run without mask arithmetic. T and S are zero-padded to
+traced int32 read from a one-element gmem operand, and the step ranges and masks follow it); a static sliding
+window W (each query sees keys q_pos - W + 1 .. q_pos, HF Mistral's sliding_window=W) gives the step ranges a
+lower bound as well (`_kv_steps`; dk/dv's query range an upper bound, `_q_steps`): kv steps above the diagonal
+or wholly behind every row's window are never loaded, so a windowed call costs T x W; steps where none of a
+consumer's pairs is masked run without mask arithmetic, the rest (the diagonal, the window's lower edge,
+padded keys, any step with segment ids) mask. T and S are zero-padded to
 the block sizes outside the kernels (no copy when they divide); padded keys are masked in the
 forward and contribute nothing to the backward (their K and V rows are zero). A fully masked query
 row gives o = 0 and zero gradients, like the reference.
@@ -49,20 +75,33 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from diffjax.ops.names import DIFF_RESIDUALS_NAME, KERNEL_RESIDUALS_NAME, OUTPUT_NAME
 from diffjax.ops.pallas_gpu.common import (
+    DKDV_VARIANTS,
     SMEM_BYTES,
     SMEM_MARGIN,
     Tuning,
     _cdiv,
     _Static,
 )
-from diffjax.ops.pallas_gpu.dkdv import _dkdv
+from diffjax.ops.pallas_gpu.dkdv import _dkdv, _exchange_bytes
 from diffjax.ops.pallas_gpu.dq import _dq
 from diffjax.ops.pallas_gpu.forward import _forward
-from diffjax.ops.reference import split_segment_ids
+from diffjax.ops.reference import check_window, split_segment_ids
 
-__all__ = ["Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu", "unsupported"]
+__all__ = ["SINGLE_HEAD_DIMS", "Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu",
+           "unsupported"]
+
+
+# The single-map mode's head dims, q / k and v in any pair (Motif 3's GDLA: d 192, dv 128). Multiples of 64: 16-bit
+# tiles are 128-byte swizzled, which every wgmma contracting over d or dv needs. At most 192: a dk/dv consumer holds
+# dK and dV of its 64 kv rows in fp32 registers, d / 2 + dv / 2 a thread, beside S^T and dP^T (64 x 64 at the 64-row
+# steps the shared memory leaves at d 192: 32 each); (192, 128) needs 224, (192, 192) 256, as many as (128, 128)
+# at its default 128-row steps. Past the 232 registers a consumer gets, ptxas spills (unmeasured); d 256 would need
+# 128 for dK alone.
+SINGLE_HEAD_DIMS = (64, 128, 192)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -93,11 +132,12 @@ def unsupported(q, k, v, tuning=None) -> str | None:
     d, dk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     if not (q.dtype == k.dtype == v.dtype) or jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"needs q, k, v in one of bfloat16 / float16, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if d != dk or d not in (64, 128):
-        return f"needs the q and k head dim d in (64, 128), got {d} and {dk}"
-    if single and dv != d:
-        return f"needs dv = d for standard attention, got dv = {dv} with d = {d} ({q.dtype})"
-    if dv not in (d, 2 * d):
+    head_dims = SINGLE_HEAD_DIMS if single else (64, 128)
+    if d != dk or d not in head_dims:
+        return f"needs the q and k head dim d in {head_dims}, got {d} and {dk}"
+    if single and dv not in SINGLE_HEAD_DIMS:
+        return f"needs the value head dim dv in {SINGLE_HEAD_DIMS} for standard attention, got dv = {dv} with d = {d}"
+    if not single and dv not in (d, 2 * d):
         return f"needs dv = d or 2d, got dv = {dv} with d = {d}"
     if q.shape[2] % k.shape[2]:
         return f"needs query heads ({q.shape[2]}) to be a multiple of kv heads ({k.shape[2]})"
@@ -106,6 +146,8 @@ def unsupported(q, k, v, tuning=None) -> str | None:
         # 64: a wgmma row tile per consumer; the others are contraction sizes of 16-bit wgmmas with a
         # 128-byte swizzle, which must be multiples of 64
         return f"needs block_q = 64, block_k / block_k_dq / block_q_bwd in (64, 128) and stages >= 2, got {bs}"
+    if bs.dkdv not in DKDV_VARIANTS:
+        return f"needs dkdv in {DKDV_VARIANTS}, got {bs.dkdv!r}"
     need = _smem_bytes(d, dv, G, bs, q.dtype, single)
     over = {kernel: n for kernel, n in need.items() if n + SMEM_MARGIN > SMEM_BYTES}
     if over:
@@ -148,16 +190,17 @@ def _smem_bytes(d, dv, G, bs: Tuning, dtype, single: bool = False):
     return {
         "forward": 2 * bq * d * e + n * bk * (G * d + dv) * e + bq * d * 4 + n * bk * 4 + 3 * bq * 4,
         "dq": (2 * d + dv) * bq * e + n * bkq * (G * d + dv) * e + bq * bkq * 4 + n * bkq * 4 + 6 * bq * 4,
-        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 64 * bqb * (4 + e) + n * bqb * 24 + 64 * 4,
+        "dkdv": (2 * d + dv) * 64 * e + n * bqb * (2 * d + dv) * e + 64 * bqb * _exchange_bytes(bs.dkdv, e) + n * bqb * 24 + 64 * 4,
     }
 
 
 def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, segment_ids=None, scale=None, tuning=None,
-                              interpret=None, q_offset=None):
+                              interpret=None, q_offset=None, window=None):
     """Fused differential attention on Hopper; same contract as diffjax.ops.diff_attention.
     tuning: a Tuning (or a tuple of its fields); default `default_tuning` for the shape.
     q_offset: the key position of query 0 under the causal mask (an int or a traced int32 scalar; default
-    S - T): queries at q_offset + t, keys at 0 .. S - 1."""
+    S - T): queries at q_offset + t, keys at 0 .. S - 1.
+    window: None, or W: each query sees its W latest keys, itself included (causal only)."""
     why_not = unsupported(q_BTH2d, k_BSKGd, v_BSKv, tuning)
     if why_not:
         raise ValueError(f"diff_attention: impl='pallas_gpu' {why_not}")
@@ -165,23 +208,24 @@ def diff_attention_pallas_gpu(q_BTH2d, k_BSKGd, v_BSKv, lam, *, causal=True, seg
     # lam rounded to the value dtype like the reference, then fp32; broadcasting to [B, T, H] makes
     # autodiff sum dlam for a scalar lambda.
     lam_BTH = jnp.broadcast_to(jnp.asarray(lam).astype(v_BSKv.dtype).astype(jnp.float32), (B, T, H))
-    return _fused(q_BTH2d, k_BSKGd, v_BSKv, lam_BTH, False, causal, segment_ids, scale, tuning, interpret, q_offset)
+    return _fused(q_BTH2d, k_BSKGd, v_BSKv, lam_BTH, False, causal, segment_ids, scale, tuning, interpret, q_offset,
+                  window)
 
 
-def dot_product_attention_pallas_gpu(q_BTNd, k_BSKd, v_BSKd, *, causal=True, segment_ids=None, scale=None, tuning=None,
-                                     interpret=None, q_offset=None):
+def dot_product_attention_pallas_gpu(q_BTNd, k_BSKd, v_BSKv, *, causal=True, segment_ids=None, scale=None, tuning=None,
+                                     interpret=None, q_offset=None, window=None):
     """Fused standard attention on Hopper (the single-map mode of the same kernels: the two consumer
     warpgroups take two 64-row query tiles, or in dk/dv two 64-row kv tiles, sharing every streamed
-    tile); same contract as diffjax.ops.dot_product_attention with dv == d, segment ids included.
-    q_offset: as for diff_attention_pallas_gpu."""
-    why_not = unsupported(q_BTNd, k_BSKd, v_BSKd, tuning)
+    tile); same contract as diffjax.ops.dot_product_attention, segment ids included, with d and dv each in
+    SINGLE_HEAD_DIMS. q_offset, window: as for diff_attention_pallas_gpu."""
+    why_not = unsupported(q_BTNd, k_BSKd, v_BSKv, tuning)
     if why_not:
         raise ValueError(f"dot_product_attention: impl='pallas_gpu' {why_not}")
-    return _fused(q_BTNd[:, :, :, None], k_BSKd[:, :, :, None], v_BSKd, None, True, causal, segment_ids, scale, tuning,
-                  interpret, q_offset)
+    return _fused(q_BTNd[:, :, :, None], k_BSKd[:, :, :, None], v_BSKv, None, True, causal, segment_ids, scale, tuning,
+                  interpret, q_offset, window)
 
 
-def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale, tuning, interpret, q_offset):
+def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale, tuning, interpret, q_offset, window):
     """Pad to the block sizes, run the custom-VJP kernels, crop: q with a map axis M (2, or 1 single)."""
     B, T, H, _, d = q_BTHMd.shape
     _, S, K, G, _ = k_BSKGd.shape
@@ -197,7 +241,7 @@ def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale
         G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages, pingpong=bool(bs.pingpong),
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
         interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret), single=single,
-        traced_offset=bool(causal) and q_offset is not None,
+        traced_offset=bool(causal) and q_offset is not None, window=_window(window, causal), dkdv=bs.dkdv,
     )
     offset = jnp.full((1,), q_offset, jnp.int32) if st.traced_offset else None
     q = _pad_axis(q_BTHMd, 1, Tp)
@@ -207,6 +251,11 @@ def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale
     return o_BTHv[:, :T]
 
 
+def _window(window, causal):
+    check_window(window, causal)
+    return None if window is None else int(window)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg, offset):
     return _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=False)[0]
@@ -214,25 +263,41 @@ def _flash(st: _Static, q, k, v, lam, q_seg, kv_seg, offset):
 
 def _flash_fwd(st, q, k, v, lam, q_seg, kv_seg, offset):
     o, lse, *o2 = _forward(st, q, k, v, lam, q_seg, kv_seg, offset, save_residuals=True)
+    # XLA's dynamic-slice fusion (jax 0.11) clones a custom call whose output is both used and written into a
+    # slice (a scan's stack of saved residuals) so that the clone writes there in place: the forward kernel ran
+    # once more per layer. o has both kinds of user, so it goes behind a barrier (one copy into the stack); lse and
+    # O_2 have at most the stack, where the kernel then writes them in place.
+    o = jax.lax.optimization_barrier(o)
+    # Named here, on the values this backward reads, so that a remat policy keeping them (ops.names) saves them
+    # instead of running the forward kernel again in the backward pass.
+    o = checkpoint_name(o, OUTPUT_NAME)
+    lse, *o2 = (checkpoint_name(x, KERNEL_RESIDUALS_NAME if st.single else DIFF_RESIDUALS_NAME) for x in (lse, *o2))
     return o, (q, k, v, lam, q_seg, kv_seg, offset, o, o2[0] if o2 else None, lse)
 
 
 def _flash_bwd(st, res, do):
     q, k, v, lam, q_seg, kv_seg, offset, o, o2, lse = res
     do = do.astype(q.dtype)
-    do32 = do.astype(jnp.float32)
-    if st.single:
-        D_BHMT = jnp.einsum("bthv,bthv->bht", do32, o.astype(jnp.float32))[:, :, None]
-    else:
-        lam_BTH1 = lam.transpose(0, 2, 1)[..., None]
-        o1 = o.astype(jnp.float32) + lam_BTH1 * o2  # the un-mixed first map, from the rounded output
-        D_BHMT = jnp.stack([jnp.einsum("bthv,bthv->bht", do32, o1), jnp.einsum("bthv,bthv->bht", do32, o2)], axis=2)
+    D_BHMT = _row_dots(do, o, o2, lam)
     dq = _dq(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D_BHMT)
     dk_BSKMd, dv = _dkdv(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D_BHMT)
     # differential with keys shared by both maps (G = 1): dK is the sum of the maps' slices
     dk = dk_BSKMd if st.M == st.G else dk_BSKMd.astype(jnp.float32).sum(axis=3, keepdims=True).astype(k.dtype)
     dlam = None if st.single else -D_BHMT[:, :, 1]
     return dq, dk, dv, dlam, None, None, None
+
+
+def _row_dots(do_BTHv, o_BTHv, o2_BTHv, lam_BHT):
+    """D_m = rowsum(dO * O_m) per map, [B, H, M, T] fp32 (dO as the kernels read it, in the value dtype). DIFF's first
+    map O_1 = o + lam O_2 (from the rounded output) is never formed: D_1 = rowsum(dO * o) + lam D_2, both sums one
+    reduction over dv of dO times the pair (o, O_2), which XLA runs as one pass over dO, o and O_2."""
+    o_BTHMv = o_BTHv.astype(jnp.float32)[:, :, :, None]
+    if o2_BTHv is not None:
+        o_BTHMv = jnp.concatenate([o_BTHMv, o2_BTHv[:, :, :, None]], axis=3)
+    D_BHMT = jnp.sum(do_BTHv.astype(jnp.float32)[:, :, :, None] * o_BTHMv, axis=-1).transpose(0, 2, 3, 1)
+    if o2_BTHv is None:
+        return D_BHMT
+    return jnp.stack([D_BHMT[:, :, 0] + lam_BHT * D_BHMT[:, :, 1], D_BHMT[:, :, 1]], axis=2)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

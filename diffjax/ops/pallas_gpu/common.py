@@ -4,9 +4,11 @@ step ranges and masks, the TMA copies of streamed rows, the consumers' exchange 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -30,6 +32,13 @@ class Tuning(NamedTuple):
     block_q_bwd: int = 64  # dk/dv kernel: query rows per streamed step
     stages: int = 2  # ring slots for streamed tiles
     pingpong: bool = True  # forward: alternate the consumers' softmax and wgmmas (FA3)
+    dkdv: str = "lean"  # the differential dk/dv consumers' schedule, one of DKDV_VARIANTS (package docstring)
+
+
+# Tuning.dkdv's values, the default first (the package docstring says what each does and what ptxas makes of it):
+# "exchange" is the first kernel, kept as the sweep's baseline; "lean" its algebra with a small live set; "dp_whole"
+# and "dv_smem" compute the whole dP in each consumer, so that only the P shares meet.
+DKDV_VARIANTS = ("lean", "exchange", "dp_whole", "dv_smem")
 
 
 # ------------------------------------------------------------------------------ interpret shims
@@ -196,6 +205,8 @@ class _Static(NamedTuple):
     interpret: bool
     single: bool = False  # standard attention: one map, the consumers on different rows
     traced_offset: bool = False  # q_offset comes as a gmem operand (else the static S - T)
+    dkdv: str = "lean"  # Tuning.dkdv
+    window: int | None = None  # sliding window: each query sees its `window` latest keys (causal only)
 
     @property
     def M(self):  # maps: lse / D / dq / dk carry a map axis of this size
@@ -233,21 +244,49 @@ def _query_offset(st: _Static, offset_ref):
     return offset_ref[0] if st.traced_offset else st.offset
 
 
-def _kv_steps(st: _Static, offset, t0, rows, nk):
-    """(unmasked steps, all steps) for the query rows [t0, t0 + rows): kv blocks past the causal
-    diagonal are skipped; the first `unmasked` need no mask at all."""
+class _Steps(NamedTuple):
+    """A range of streamed blocks: [first, end) hold a pair some row sees (the rest are never loaded); of those,
+    [full_from, full_to) need no mask at all."""
+
+    first: jax.Array
+    full_from: jax.Array
+    full_to: jax.Array
+    end: jax.Array
+
+
+def _kv_steps(st: _Static, offset, t0, rows, nk) -> _Steps:
+    """The kv blocks for the query rows [t0, t0 + rows) (query t sits at key t + offset): blocks past the causal
+    diagonal, or behind every row's sliding window, are skipped."""
     if st.causal:
-        last = t0 + rows + offset  # one past the last key the block's last row sees
-        steps = jnp.clip(_cdiv_dyn(last, st.bk), 0, nk)
-        unmasked = jnp.clip(jnp.maximum(t0 + offset + 1, 0) // st.bk, 0, steps)
+        end = jnp.clip(_cdiv_dyn(t0 + rows + offset, st.bk), 0, nk)  # one past the last row's last key
+        full_to = jnp.maximum(t0 + offset + 1, 0) // st.bk  # blocks the first row sees whole
     else:
-        steps = jnp.int32(nk)
-        unmasked = steps
+        end = full_to = jnp.int32(nk)
+    if st.window is None:
+        first = full_from = jnp.int32(0)
+    else:  # query t sees keys t + offset - window + 1 .. t + offset
+        first = jnp.clip(jnp.maximum(t0 + offset - st.window + 1, 0) // st.bk, 0, end)
+        full_from = _cdiv_dyn(t0 + rows + offset - st.window, st.bk)  # blocks inside the last row's window
     if st.has_seg:
-        unmasked = jnp.int32(0)
+        full_to = full_from
     elif st.Sp != st.S:
-        unmasked = jnp.minimum(unmasked, st.S // st.bk)  # blocks from here on hold padded keys
-    return unmasked, steps
+        full_to = jnp.minimum(full_to, st.S // st.bk)  # blocks from here on hold padded keys
+    return _clipped(first, full_from, full_to, end)
+
+
+def _clipped(first, full_from, full_to, end) -> _Steps:
+    full_from = jnp.clip(full_from, first, end)
+    return _Steps(first, full_from, jnp.clip(full_to, full_from, end), end)
+
+
+def _run_steps(step_body, ring: _Steps, own: _Steps, carry, unmasked=False):
+    """step_body(step, carry, masked=...) over the ring's steps [ring.first, ring.end) (a CTA's consumers all run
+    every streamed step), with masked=`unmasked` where `own` (this consumer's rows) needs no mask, else True."""
+    lo = jnp.clip(own.full_from, ring.first, ring.end)
+    hi = jnp.clip(own.full_to, lo, ring.end)
+    carry = lax.fori_loop(ring.first, lo, functools.partial(step_body, masked=True), carry)
+    carry = lax.fori_loop(lo, hi, functools.partial(step_body, masked=unmasked), carry)
+    return lax.fori_loop(hi, ring.end, functools.partial(step_body, masked=True), carry)
 
 
 def _q_block(st: _Static, nq):
@@ -270,6 +309,8 @@ def _score_mask(ops, st: _Static, offset, shape, q0, k0, q_seg=None, kv_seg=None
     mask = None
     if st.causal:
         mask = q_pos + offset >= k_pos
+    if st.window is not None:
+        mask = mask & (q_pos + offset - k_pos < st.window)
     if st.Sp != st.S:
         valid = k_pos < st.S
         mask = valid if mask is None else mask & valid
@@ -343,19 +384,25 @@ def _query_copies(st: _Static, tiles: int):
     return 4 * tiles + (not st.single) + st.has_seg * (tiles if st.single else 1)
 
 
-def _q_steps(st: _Static, offset, k0, rows: int, nq):
-    """For the kv rows [k0, k0 + rows) of the dk/dv kernel: (first q block, first q block that needs no mask)."""
+def _q_steps(st: _Static, offset, k0, rows: int, nq) -> _Steps:
+    """The query blocks of the dk/dv kernel for the kv rows [k0, k0 + rows): blocks before the causal diagonal, or
+    whose rows' windows all lie past these keys, are skipped."""
     bqb = st.bq_bwd
     if st.causal:
         first = jnp.clip(jnp.maximum(k0 - offset, 0) // bqb, 0, nq)
-        full = jnp.clip(_cdiv_dyn(k0 + rows - 1 - offset, bqb), first, nq)
+        full_from = _cdiv_dyn(k0 + rows - 1 - offset, bqb)  # blocks whose rows all see the last key
     else:
-        first, full = jnp.int32(0), jnp.int32(0)
+        first = full_from = jnp.int32(0)
+    if st.window is None:
+        end = full_to = jnp.int32(nq)
+    else:  # key k is seen by the queries t with k - offset <= t <= k - offset + window - 1
+        end = jnp.clip(_cdiv_dyn(k0 + rows - 1 - offset + st.window, bqb), first, nq)
+        full_to = jnp.maximum(k0 - offset + st.window, 0) // bqb  # blocks whose rows all still see the first key
     if st.has_seg:
-        full = jnp.int32(nq)
+        full_to = full_from
     elif st.Sp != st.S:
-        full = jnp.where(k0 + rows > st.S, nq, full)  # these rows hold padded keys
-    return first, full
+        full_to = jnp.where(k0 + rows > st.S, full_from, full_to)  # these rows hold padded keys
+    return _clipped(first, full_from, full_to, end)
 
 
 def _args(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, *rest):

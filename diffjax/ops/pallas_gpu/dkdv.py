@@ -25,10 +25,13 @@ from diffjax.ops.pallas_gpu.common import (
     _query_copies,
     _query_offset,
     _rendezvous,
+    _run_steps,
     _score_mask,
     _set_registers,
     _Static,
     _tiled,
+    _traced_indices,
+    _transposed,
 )
 
 
@@ -45,20 +48,23 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
     nq = Tp // bqb
     ops = _Ops(st.interpret)
     bst = st._replace(bk=bk, bq=bqb)  # masks in this kernel: kv rows of 64, q columns of bqb
+    lean = not st.single and st.dkdv != "exchange"  # the differential step of the lean family (diff_step)
+    # each consumer computes the whole dP; the P shares then meet in SMEM, a buffer per consumer guarded by p_free
+    whole_dp = lean and st.dkdv in ("dp_whole", "dv_smem")
 
     def kernel(*refs):
         it = iter(refs)
         q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref, offset_ref = _in_refs(st, it)
         do_ref, lse_ref, D_ref, dk_ref, dv_ref = next(it), next(it), next(it), next(it), next(it)
         k_smem, v_smem, kvseg_smem, q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, x_dp, x_p = next(it)
-        kv_ready, q_ready, q_free, xbar = next(it)
+        kv_ready, q_ready, q_free, xbar, p_free = next(it)
 
         b, kh, j = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_blocks")
         k0 = j * st.cta_kv
         wg = lax.axis_index("wg")
         offset = _query_offset(st, offset_ref)
-        first, _ = _q_steps(st, offset, k0, st.cta_kv, nq)
-        per_rep = nq - first
+        ring = _q_steps(st, offset, k0, st.cta_kv, nq)  # per query head of the group
+        first, per_rep = ring.first, ring.end - ring.first
         steps = R * per_rep
 
         def kv_rows(g: int):  # (map, first kv row) of consumer g's K / V tiles
@@ -66,7 +72,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
 
         @pl.when(wg == 2)
         def _producer():
-            _set_registers(st, producer=True)
+            _registers(st, producer=True)
             if st.single:
                 for g in range(2):
                     keys = pl.ds(kv_rows(g)[1], bk)
@@ -90,11 +96,65 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
 
             _producer_loop(steps, stages, q_free, load)
 
+        def diff_step(g: int, kv_seg, i, carry, *, rep, masked: bool | str):
+            """One q step of differential consumer g in the lean family (st.dkdv), every value made where it is
+            used so that the step's live set stays small next to the two fp32 accumulators: S^T and dP^T (this
+            consumer's half, or whole), P^T, the dP sum (lean), dS^T; then the dK wgmma, and while it runs the
+            P shares meet (`_p_share_exchange` / `_p_share_swap`), then the dV wgmma(s); one wait for both.
+            masked: True (the whole mask), "segments" (where the positions see every pair: segment ids and padding
+            only), False."""
+            dk_acc, dv_acc = carry
+            step = rep * per_rep + i - first
+            slot = lax.rem(step, jnp.int32(stages))
+            plgpu.barrier_wait(q_ready.at[slot])
+            col = lambda ref: _cols(ops.load(ref, WGMMA.reduce(0)), (bk, bqb))  # a per-query vector, as loaded
+            q_t, do_t = q_smem.at[slot, g], do_smem.at[slot, g]
+            halves = [(v_smem.at[c], do_smem.at[slot, c]) for c in (range(2) if whole_dp else [g])]
+            sT, dpT = _scores(ops, k_smem.at[g if G == 2 else 0], q_t, halves, (bk, bqb))
+            sT = sT * st.scale2
+            if masked:
+                q_seg = ops.load(qseg_smem.at[slot, 0], WGMMA.reduce(0)) if st.has_seg else None
+                mst = bst if masked is True else bst._replace(causal=False, window=None)
+                mask = _score_mask(ops, mst, offset, (bk, bqb), i * bqb, k0, q_seg, kv_seg, transposed=True)
+                if mask is not None:
+                    sT = jnp.where(mask, sT, -jnp.inf)
+            pT = jnp.exp2(sT - col(lse_smem.at[slot, g]))
+            if not whole_dp:  # the dP halves' sum, asymmetric as `_exchange_sum`: 0 writes, 1 adds, 0 reads
+                if g == 0:
+                    x_dp[...] = dpT
+                    x_p[...] = pT.astype(dtype)  # P_1, map 1's share of P_1 - lam P_2, for g == 1 to add to
+                    _rendezvous(xbar)
+                    _rendezvous(xbar)  # consumer 1 has summed both
+                    dpT = ops.load(x_dp, WGMMA)
+                else:
+                    _rendezvous(xbar)
+                    dpT = dpT + ops.load(x_dp, WGMMA)
+                    x_dp[...] = dpT
+            dsT = pT * (dpT - col(D_smem.at[slot, g]))
+            if g == 1:
+                dsT = dsT * -col(lam_smem.at[slot])
+            dsT = dsT.astype(dtype)
+            share = pT if g == 0 else pT * -col(lam_smem.at[slot])  # this map's share of P_1 - lam P_2
+            # refs that the dK / dV run_state closes over: static indices traced outside it (`_traced_indices`)
+            trace = (lambda ref: ref) if ops.interpret else _traced_indices
+            if whole_dp:
+                buffers = (trace(x_p.at[0]), trace(x_p.at[1]))
+                p_shares = functools.partial(_p_share_swap, ops, g, share.astype(dtype), buffers, xbar, p_free, trace(do_t), st.dkdv == "dv_smem")
+            else:
+                p_shares = functools.partial(_p_share_exchange, ops, g, share, x_p, xbar, trace(do_t))
+            carry = _dk_then_dv(ops, dk_acc, dv_acc, dsT, q_t, p_shares)
+            plgpu.barrier_arrive(q_free.at[slot])
+            if st.dkdv == "dv_smem":  # both dV wgmmas have read the shares
+                plgpu.barrier_arrive(p_free)
+            return carry
+
         def consumer(g: int):
-            _set_registers(st, producer=False)
+            _registers(st, producer=False)
             plgpu.barrier_wait(kv_ready)
+            if whole_dp:
+                plgpu.barrier_arrive(p_free)  # the first shares overwrite nothing
             m, k0_g = kv_rows(g)
-            _, full = _q_steps(st, offset, k0_g, bk, nq)
+            own = _q_steps(st, offset, k0_g, bk, nq)
             k_g = k_smem.at[g if st.single or G == 2 else 0]
             t = 0 if st.single else g  # this consumer's streamed query tile
             kv_seg = ops.load(kvseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
@@ -130,11 +190,20 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk_acc, dv_acc
 
+            step = functools.partial(diff_step, g, kv_seg) if lean else step_body
+            # lean family with segment ids: the causal / window mask only where the rows' positions need it (fewer
+            # values live in the other steps, and ptxas spills fewer); segment ids and padding on every step
+            by_position = _q_steps(st._replace(has_seg=False), offset, k0_g, bk, nq) if lean and st.has_seg else own
+
             def rep_body(rep, carry):
-                carry = lax.fori_loop(first, full, functools.partial(step_body, rep=rep, masked=True), carry)
-                return lax.fori_loop(full, nq, functools.partial(step_body, rep=rep, masked=False), carry)
+                body = lambda i, carry, masked: step(i, carry, rep=rep, masked=masked)  # noqa: E731
+                if by_position is own:
+                    return _run_steps(body, ring, own, carry)
+                return _run_steps(body, ring, by_position, carry, unmasked="segments")
 
             dk_acc, dv_acc = lax.fori_loop(0, R, rep_body, (ops.full((bk, d), 0.0), ops.full((bk, dvt), 0.0)))
+            if whole_dp:
+                plgpu.barrier_wait(p_free)  # its last phase: every waiter observes every phase
             _rendezvous(xbar)  # both consumers are done with k and v: stage the results there
             k_smem.at[g][...] = (dk_acc * st.scale).astype(dtype)
             v_smem.at[g][...] = dv_acc.astype(dtype)
@@ -159,8 +228,10 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         plgpu.SMEM((stages, tiles, bqb), jnp.float32),
         None if st.single else plgpu.SMEM((stages, bqb), jnp.float32),
         plgpu.SMEM((stages, 1, bqb), jnp.int32) if st.has_seg else None,
-        None if st.single else plgpu.SMEM((bk, bqb), jnp.float32, transforms=x_tf),
-        None if st.single else plgpu.SMEM((bk, bqb), dtype, transforms=_tiled(bqb, dtype)),  # P shares: rounded for the dV wgmma anyway
+        None if st.single or whole_dp else plgpu.SMEM((bk, bqb), jnp.float32, transforms=x_tf),
+        # P shares, rounded for the dV wgmma anyway: one buffer that consumer 1 sums into, or one per consumer (whole dP;
+        # dv_smem: the dV wgmmas' lhs, whose swizzle must match dO's)
+        None if st.single else plgpu.SMEM((2, bk, bqb) if whole_dp else (bk, bqb), dtype, transforms=_tiled(min(bqb, dvt) if whole_dp else bqb, dtype)),
     )
     kv_copies = 4 + 2 * st.has_seg if st.single else G + 2 + st.has_seg
     barriers = (
@@ -168,7 +239,89 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         plgpu.Barrier(num_arrivals=_query_copies(st, tiles), num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=2) if whole_dp else None,  # p_free: both consumers are done with the last P shares
     )
     out_type = [jax.ShapeDtypeStruct((B, Sp, K, st.M, d), dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     grid = (K, Sp // st.cta_kv, B)
     return _launch(st, kernel, out_type, (smem, barriers), grid, ("kv_heads", "kv_blocks", "batch"), _name(st, "bwd_dkdv"))(*_args(st, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D))
+
+
+def _registers(st: _Static, producer: bool):
+    """setmaxnreg for the dk/dv warpgroups. The lean family gives the consumers 240 registers and the producer 24
+    (FA3's split for two consumer warpgroups; 24 + 2 x 240 = 504 of the 512 a thread of each warpgroup may hold):
+    ptxas compiles the producer's TMA loop at 24 without spilling more than at 40, and each consumer's step keeps
+    its two fp32 accumulators (128 registers) beside 64 x bqb fp32 tiles. "exchange" and single keep 40 / 232."""
+    if st.single or st.dkdv == "exchange":
+        _set_registers(st, producer)
+    elif not st.interpret:
+        plgpu.set_max_registers(24 if producer else 240, action="decrease" if producer else "increase")
+
+
+def _exchange_bytes(dkdv: str, e: int) -> int:
+    """Bytes per element of a q step's (64, block_q_bwd) tile that the differential consumers exchange through SMEM
+    (dtype size e): the fp32 dP half and one 16-bit P share buffer (exchange, lean), or a 16-bit P share buffer per
+    consumer (dp_whole, dv_smem: each consumer computes the whole dP)."""
+    return 2 * e if dkdv in ("dp_whole", "dv_smem") else 4 + e
+
+
+def _scores(ops: _Ops, k_g, q_t, halves, shape):
+    """S^T = K_g Q_t^T and dP^T = sum of V_c dO_c^T over `halves` [(V_c, dO_c)] (dv's column halves: this
+    consumer's, or both for the whole dP), issued back to back and waited for once."""
+    if ops.interpret:
+        return ops.matmul(k_g, q_t, shape, transpose_b=True), sum(ops.matmul(v, do, shape, transpose_b=True) for v, do in halves)
+
+    def body(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, k_g, _transposed(q_t))
+        for v, do in halves:
+            plgpu.wgmma(dp_ref, v, _transposed(do))
+        return s_ref[...], dp_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def _dk_then_dv(ops: _Ops, dk_acc, dv_acc, dsT, q_t, p_shares):
+    """(dk_acc + dS^T Q_t, dv_acc + sum of a @ b over p_shares()): the dK wgmma is issued first, and `p_shares`
+    (where the consumers meet over their P shares) runs while the tensor cores work on it; then the dV wgmmas,
+    and one wait for all. Refs used in here are closed over by run_state: their static indices must be traced."""
+    if ops.interpret:
+        dk_acc = ops.matmul(dsT, q_t, None, acc=dk_acc)
+        for a, b in p_shares():
+            dv_acc = ops.matmul(a, b, None, acc=dv_acc)
+        return dk_acc, dv_acc
+    q_t = _traced_indices(q_t)
+
+    def body(refs):
+        dk_ref, dv_ref = refs
+        plgpu.wgmma(dk_ref, dsT, q_t)
+        for a, b in p_shares():
+            plgpu.wgmma(dv_ref, a, b)
+
+    return pl.run_state(body)((plgpu.ACC.init(dk_acc), plgpu.ACC.init(dv_acc)))
+
+
+def _p_share_exchange(ops: _Ops, g: int, share, x_p, xbar, do_t):
+    """lean: [(P_1 - lam P_2, dO_t)], the sum made by consumer 1 in the single buffer x_p where consumer 0 put
+    P_1 before their first meeting; their second meeting (here, for consumer 1; before the dP read, for 0) hands
+    it back. `share`: consumer 1's -lam P_2 (fp32); consumer 0's was written already."""
+    if g == 0:
+        return [(ops.load(x_p, WGMMA), do_t)]
+    total = (share + ops.load(x_p, WGMMA).astype(jnp.float32)).astype(x_p.dtype)
+    x_p[...] = total
+    _rendezvous(xbar)
+    return [(total, do_t)]
+
+
+def _p_share_swap(ops: _Ops, g: int, share, buffers, xbar, p_free, do_t, from_smem: bool):
+    """dp_whole / dv_smem: each consumer writes its 16-bit P share to its own buffer, buffers[g] (once both are
+    done with the last ones: p_free), and they meet once. from_smem (dv_smem): [(buffers[0], dO_t), (buffers[1],
+    dO_t)], two dV wgmmas reading both shares from SMEM; else the other's share is loaded and added, [(sum, dO_t)]."""
+    plgpu.barrier_wait(p_free)
+    buffers[g][...] = share
+    if from_smem:
+        plgpu.commit_smem()  # visible to the wgmmas (async proxy) of both consumers
+    _rendezvous(xbar)
+    if from_smem:
+        return [(buffer, do_t) for buffer in buffers]
+    theirs = ops.load(buffers[1 - g], WGMMA)
+    plgpu.barrier_arrive(p_free)  # read: consumer 1 - g may write its next share
+    return [((share.astype(jnp.float32) + theirs.astype(jnp.float32)).astype(share.dtype), do_t)]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -27,6 +25,7 @@ from diffjax.ops.pallas_gpu.common import (
     _query_copies,
     _query_offset,
     _rows,
+    _run_steps,
     _score_mask,
     _set_registers,
     _Static,
@@ -58,7 +57,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         t0 = i * st.cta_q
         wg = lax.axis_index("wg")
         offset = _query_offset(st, offset_ref)
-        _, steps = _kv_steps(st, offset, t0, st.cta_q, nk)
+        ring = _kv_steps(st, offset, t0, st.cta_q, nk)
 
         @pl.when(wg == 2)
         def _producer():
@@ -69,22 +68,22 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             )
 
             def load(step, slot):
-                _copy_kv_rows((k_ref, v_ref, kvseg_ref), (k_smem, v_smem, kvseg_smem), slot, b, kh, pl.ds(step * bk, bk), kv_ready.at[slot])
+                keys = pl.ds((ring.first + step) * bk, bk)
+                _copy_kv_rows((k_ref, v_ref, kvseg_ref), (k_smem, v_smem, kvseg_smem), slot, b, kh, keys, kv_ready.at[slot])
 
-            _producer_loop(steps, stages, kv_free, load)
+            _producer_loop(ring.end - ring.first, stages, kv_free, load)
 
         def consumer(g: int):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(q_ready)
             m, r0 = _q_tile(st, g, t0, bq)
-            unmasked, _ = _kv_steps(st, offset, r0, bq, nk)
             lse_g = ops.load(lse_smem.at[g], WGMMA.reduce(1))
             D_g = ops.load(D_smem.at[g], WGMMA.reduce(1))
             lam_row = None if st.single else ops.load(lam_smem, WGMMA.reduce(1))
             q_seg = ops.load(qseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
 
             def step_body(step, dq_acc, *, masked: bool):
-                slot = lax.rem(step, jnp.int32(stages))
+                slot = lax.rem(step - ring.first, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
                 k_g = k_smem.at[slot, g if G == 2 else 0]
                 # S and (this consumer's part of) dP = dO V^T are independent: one wait for both wgmmas.
@@ -106,8 +105,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return dq_acc
 
-            dq_acc = lax.fori_loop(0, unmasked, functools.partial(step_body, masked=False), ops.full((bq, d), 0.0))
-            dq_acc = lax.fori_loop(unmasked, steps, functools.partial(step_body, masked=True), dq_acc)
+            dq_acc = _run_steps(step_body, ring, _kv_steps(st, offset, r0, bq, nk), ops.full((bq, d), 0.0))
             q_smem.at[g][...] = (dq_acc * st.scale).astype(dtype)  # only this consumer reads q tile g
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem.at[g], dq_ref.at[b, pl.ds(r0, bq), h, m])

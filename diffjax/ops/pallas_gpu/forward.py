@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -24,7 +22,9 @@ from diffjax.ops.pallas_gpu.common import (
     _q_block,
     _q_tile,
     _query_offset,
+    _rendezvous,
     _rows,
+    _run_steps,
     _score_mask,
     _set_registers,
     _Static,
@@ -57,7 +57,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, *, save_residuals
         t0 = i * st.cta_q
         wg = lax.axis_index("wg")
         offset = _query_offset(st, offset_ref)
-        _, steps = _kv_steps(st, offset, t0, st.cta_q, nk)  # both consumers run the CTA's steps (one ring)
+        ring = _kv_steps(st, offset, t0, st.cta_q, nk)  # both consumers run the CTA's steps (one ring)
 
         def schedule():  # pingpong: one consumer's softmax overlaps the other's wgmmas
             if st.pingpong:
@@ -77,16 +77,16 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, *, save_residuals
                     plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(_q_tile(st, g, t0, bq)[1], bq)], qseg_smem.at[g], q_ready)
 
             def load(step, slot):
-                _copy_kv_rows((k_ref, v_ref, kvseg_ref), (k_smem, v_smem, kvseg_smem), slot, b, kh, pl.ds(step * bk, bk), kv_ready.at[slot])
+                keys = pl.ds((ring.first + step) * bk, bk)
+                _copy_kv_rows((k_ref, v_ref, kvseg_ref), (k_smem, v_smem, kvseg_smem), slot, b, kh, keys, kv_ready.at[slot])
 
-            _producer_loop(steps, stages, kv_free, load)
+            _producer_loop(ring.end - ring.first, stages, kv_free, load)
 
         def consumer(g: int):
             _set_registers(st, producer=False)
             plgpu.barrier_wait(q_ready)
             q_g = q_smem.at[g]
             m, r0 = _q_tile(st, g, t0, bq)
-            unmasked, _ = _kv_steps(st, offset, r0, bq, nk)
             q_seg = ops.load(qseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
             carry = (
                 ops.full((bq,), -jnp.inf, layout=WGMMA.reduce(1)),  # running max (base 2)
@@ -96,7 +96,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, *, save_residuals
 
             def step_body(step, carry, *, masked: bool):
                 m_i, l_i, acc = carry
-                slot = lax.rem(step, jnp.int32(stages))
+                slot = lax.rem(step - ring.first, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
                 k_g = k_smem.at[slot, g if G == 2 else 0]
                 s = ops.matmul(q_g, k_g, (bq, bk), transpose_b=True, after_issue=schedule) * st.scale2
@@ -118,8 +118,7 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, *, save_residuals
 
             if g == 1:
                 schedule()  # consumer 1 starts half a step behind consumer 0
-            carry = lax.fori_loop(0, unmasked, functools.partial(step_body, masked=False), carry)
-            m_i, l_i, acc = lax.fori_loop(unmasked, steps, functools.partial(step_body, masked=True), carry)
+            m_i, l_i, acc = _run_steps(step_body, ring, _kv_steps(st, offset, r0, bq, nk), carry)
             if g == 0:
                 schedule()
 
@@ -131,10 +130,15 @@ def _forward(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, *, save_residuals
                 lse_smem.at[g][...] = jnp.where(empty, jnp.inf, m_i + jnp.log2(l_safe))
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(lse_smem.at[g], lse_ref.at[b, h, m, rows])
-            if st.single:  # dv == d: this consumer's rows leave through its own query tile
-                q_g[...] = o_g.astype(dtype)
+            if st.single:  # this consumer's rows leave through its own query tile (dv == d) or a ring slot of V
+                if dv == d:
+                    o_smem = q_g
+                else:  # every V slot is free once both consumers are past their last step
+                    _rendezvous(sched)  # (the consumers arrive on `sched` equally often)
+                    o_smem = v_smem.at[g, pl.ds(0, bq)]
+                o_smem[...] = o_g.astype(dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_g, o_ref.at[b, rows, h])
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, rows, h])
             elif g == 1:  # hand O_2 to consumer 0, d columns at a time; also the fp32 residual
                 for c in range(chunks):
                     if c:
