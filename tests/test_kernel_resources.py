@@ -33,10 +33,16 @@ ptxas info    : Function properties for k_mosaic_gpu_kernel
 ptxas info    : Used 168 registers, used 16 barriers, 272 bytes cumulative stack size, 1 bytes smem
 """
 
+SERIALIZED = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+              "insufficient register resources for the function 'k_mosaic_gpu_kernel'\n")
+
 
 def test_ptxas_figures(kr):
     assert kr.ptxas_figures(PTXAS_LOG) == {"registers": 168, "stack_frame_bytes": 272, "spill_store_bytes": 532,
-                                           "spill_load_bytes": 744, "barriers": 16, "static_smem_bytes": 1}
+                                           "spill_load_bytes": 744, "barriers": 16, "static_smem_bytes": 1,
+                                           "wgmma_serialized": None}
+    serialized = PTXAS_LOG.replace("ptxas info    : Function", SERIALIZED + "ptxas info    : Function")
+    assert kr.ptxas_figures(serialized)["wgmma_serialized"] == "insufficient register resources"
     with pytest.raises(ValueError, match="no resource usage"):
         kr.ptxas_figures("ptxas fatal   : Unsupported .version 9.0")
 

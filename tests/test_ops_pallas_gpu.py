@@ -461,7 +461,26 @@ def test_pallas_gpu_run_state_takes_no_literal_operands(G, dkdv):
     def loss(q, k, v, lam):
         return jnp.sum(diff_attention_pallas_gpu(q, k, v, lam, causal=True, tuning=tuning, interpret=False).astype(jnp.float32))
 
-    operands = list(_run_state_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lam).jaxpr))
+    _assert_no_literal_run_state_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lam).jaxpr)
+
+
+@pytest.mark.parametrize("d, dv", [(128, 128), (192, 128)])
+def test_pallas_gpu_single_run_state_takes_no_literal_operands(d, dv):
+    """The single-map dq / dk/dv sub-tiles (at d 128 the 128-row blocks' sub-tile loops; d 192 / dv 128 holds P^T in
+    float16) with packed segment ids: their accumulating wgmmas close over no literal ref index either."""
+    B, T, N, K = 1, 256, 2, 1
+    q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, T, N, d), (B, T, K, d), (B, T, K, dv)))
+    seg = jnp.zeros((B, T), jnp.int32)
+
+    def loss(q, k, v):
+        o = dot_product_attention_pallas_gpu(q, k, v, causal=True, segment_ids=seg, interpret=False)
+        return jnp.sum(o.astype(jnp.float32))
+
+    _assert_no_literal_run_state_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+
+
+def _assert_no_literal_run_state_operands(jaxpr):
+    operands = list(_run_state_operands(jaxpr))
     assert operands, "no run_state found: the test no longer sees the accumulating wgmmas"
     literals = [x for x in operands if isinstance(x, jex_core.Literal)]
     assert not literals, f"literal run_state operands: {literals}"
