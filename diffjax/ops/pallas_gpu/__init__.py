@@ -157,7 +157,8 @@ def unsupported(q, k, v, tuning=None) -> str | None:
 
 def default_tuning(d, dv, G, dtype, single: bool = False, swept: bool = True) -> Tuning:
     """The sweep's measured best for the shape class where its table has one that fits (swept; see
-    choice.swept_tuning), else the largest block of each kernel (128 or 64) whose shared memory fits, with 2 stages."""
+    choice.swept_tuning), else the largest block of each kernel (128 or 64) whose shared memory fits and whose
+    consumers ptxas compiles without spilling in their step (`_spills`), with 2 stages."""
     from diffjax.ops.choice import (
         swept_tuning,  # same layer; choice imports this module lazily too
     )
@@ -171,10 +172,18 @@ def default_tuning(d, dv, G, dtype, single: bool = False, swept: bool = True) ->
     for field, kernel in (("block_k", "forward"), ("block_k_dq", "dq"), ("block_q_bwd", "dkdv")):
         for size in (128, 64):
             bs = Tuning(**{**chosen, field: size})
-            if _smem_bytes(d, dv, G, bs, dtype, single)[kernel] + SMEM_MARGIN <= SMEM_BYTES:
+            if _smem_bytes(d, dv, G, bs, dtype, single)[kernel] + SMEM_MARGIN <= SMEM_BYTES and not _spills(kernel, dv, bs, single):
                 break
         chosen[field] = size
     return Tuning(**chosen)
+
+
+def _spills(kernel: str, dv: int, bs: Tuning, single: bool) -> bool:
+    """Whether ptxas spills in the kernel's step at these blocks (sm_90a, benchmarks/results/kernel_resources.md). The
+    single-map forward's consumer holds O (dv / 2 fp32 registers a thread), S (block_k / 2) and P (block_k / 4): at
+    block_k 128 with dv 192 (192 of its 232) it spills 24 B a step, at 64 nothing. The backward kernels' live sets do
+    not grow with their blocks (single-map: 64-row sub-tiles; differential: 64-row blocks, all that SMEM leaves)."""
+    return single and kernel == "forward" and bs.block_k == 128 and dv > 128
 
 
 def _smem_bytes(d, dv, G, bs: Tuning, dtype, single: bool = False):

@@ -24,7 +24,7 @@ SMEM_MARGIN = 2048  # barriers, alignment padding
 
 class Tuning(NamedTuple):
     """Kernel settings. block_q = 64 (one wgmma row tile per consumer); the block sizes default to
-    the larger of 128 / 64 whose tiles fit in shared memory (`default_tuning`)."""
+    the larger of 128 / 64 whose tiles fit in shared memory and whose step does not spill (`default_tuning`)."""
 
     block_q: int = 64
     block_k: int = 64  # forward: keys per streamed step
