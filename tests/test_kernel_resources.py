@@ -108,24 +108,33 @@ def test_tuning_fields(kr):
         kr.tuning_fields("blocks=64")
 
 
+# setmaxnreg (producer, consumers) per kernel: common._set_registers' 40 / 232, or 24 / 240 (dk/dv's lean schedule,
+# the single-map backward)
+SETMAXNREG = {"diffjax_mgpu_fwd": 40, "diffjax_mgpu_bwd_dq": 40, "diffjax_mgpu_bwd_dkdv": 24,
+              "diffjax_mgpu_single_fwd": 40, "diffjax_mgpu_single_bwd_dq": 24, "diffjax_mgpu_single_bwd_dkdv": 24}
+
+
 @pytest.mark.slow
 def test_script_on_a_small_shape(kr, tmp_path):
-    """The three differential kernels compile for sm_90a; their setmaxnreg is what common._set_registers asks for,
-    the launch's shared memory fits a Hopper CTA, and (with nvdisasm) the SASS's spill tags add up to ptxas's totals."""
+    """The three kernels of each mode compile for sm_90a; their setmaxnreg is what the kernels ask for, the launch's
+    shared memory fits a Hopper CTA, ptxas serializes no wgmma, and (with nvdisasm) the SASS's spill tags add up to
+    ptxas's totals."""
     from diffjax.ops.pallas_gpu.common import SMEM_BYTES
 
     if why := kr.toolchain_missing():
         pytest.skip(why)
     out = tmp_path / "k.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--B", "1", "--T", "256", "--H", "2", "--modes", "diff", "--out", str(out)],
+    done = subprocess.run([sys.executable, str(SCRIPT), "--B", "1", "--T", "256", "--H", "2", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "warning" not in done.stdout, done.stdout  # the pipeline's ptxas and ours agree
     records = json.loads(out.read_text())["kernels"]
-    assert [r["kernel"] for r in records] == ["diffjax_mgpu_fwd", "diffjax_mgpu_bwd_dq", "diffjax_mgpu_bwd_dkdv"]
+    assert [r["kernel"] for r in records] == list(SETMAXNREG)
     for r in records:
-        assert r["setmaxnreg"] == ["dec 40", "inc 232", "inc 232"]
+        producer = SETMAXNREG[r["kernel"]]
+        assert r["setmaxnreg"] == [f"dec {producer}", *[f"inc {(504 - producer) // 2}"] * 2], r["kernel"]
+        assert r["wgmma_serialized"] is None, r["kernel"]
         assert 100_000 < r["dynamic_smem_bytes"] <= SMEM_BYTES and r["block"] == [384, 1, 1]
         if "sass_regions" in r:
             assert sum(x["spill_store_bytes"] for x in r["sass_regions"]) == r["spill_store_bytes"]
