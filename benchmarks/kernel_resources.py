@@ -148,7 +148,8 @@ def lower(mode: str, args, sharding):
 
     def loss(*a, segment_ids=None):
         fn = diff_attention_pallas_gpu if mode == "diff" else dot_product_attention_pallas_gpu
-        o = fn(*a, causal=not args.non_causal, segment_ids=segment_ids, window=args.window, tuning=tuning, interpret=False)
+        o = fn(*a, causal=not args.non_causal, segment_ids=segment_ids, window=args.window, tuning=tuning,
+               interpret=False)
         return jnp.sum(o.astype(jnp.float32))
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*inputs, segment_ids=segment_ids).lower(), tuning

@@ -187,7 +187,8 @@ def test_pallas_gpu_single_interpret_128_row_steps(measured):
     """128-row steps, which the single-map dq and dk/dv consumers take as two 64-row sub-tiles in a loop: the second
     dq CTA's first kv step sees its keys whole (segment ids only), the diagonal steps mask both sub-tiles."""
     case = (1, 256, 256, 1, 1, 64, True, "same", "bfloat16")
-    _check_single_against_reference(case, measured, interpret=True, tuning=Tuning(block_k=128, block_k_dq=128, block_q_bwd=128))
+    tuning = Tuning(block_k=128, block_k_dq=128, block_q_bwd=128)
+    _check_single_against_reference(case, measured, interpret=True, tuning=tuning)
 
 
 # Motif 3's GDLA call (scores d 192, values dv 128, GQA, causal, packed): windowed and global. name: (single-map case,
@@ -446,8 +447,8 @@ def test_pallas_gpu_rejects_what_it_cannot_run():
         ops.dot_product_attention(*single(128, 256), impl="pallas_gpu")
 
 
-@pytest.mark.parametrize("d, dv, blocks", [(128, 128, (128, 128, 128)), (192, 128, (128, 64, 64)), (64, 192, (64, 128, 128)),
-                                            (192, 192, (64, 64, 64))])
+@pytest.mark.parametrize("d, dv, blocks", [(128, 128, (128, 128, 128)), (192, 128, (128, 64, 64)),
+                                            (64, 192, (64, 128, 128)), (192, 192, (64, 64, 64))])
 def test_pallas_gpu_single_default_blocks_fit_smem_and_registers(d, dv, blocks):
     """The single-map default blocks (forward, dq, dk/dv): the largest that fit shared memory, except the forward at dv
     192, whose 128-key step spills (kernel_resources.md) where a 64-key step does not."""

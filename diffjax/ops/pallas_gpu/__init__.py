@@ -111,7 +111,7 @@ __all__ = ["SINGLE_HEAD_DIMS", "Tuning", "default_tuning", "diff_attention_palla
 # The single-map mode's head dims, q / k and v in any pair (Motif 3's GDLA: d 192, dv 128). Multiples of 64: 16-bit
 # tiles are 128-byte swizzled, which every wgmma contracting over d or dv needs. At most 192: a dk/dv consumer holds
 # dK and dV of its 64 kv rows in fp32 registers, d / 2 + dv / 2 a thread, beside a 64-query sub-tile's S^T and dP^T
-# (32 each; past d + dv = 256, P^T in float16 and dP^T: 48) in the 240 it gets: (192, 128) 208, spilling 40 B of
+# (32 each; past d + dv = 256, P^T in float16 and dP^T: 48) in the 240 it gets: (192, 128) 208, 24 to 48 B of
 # stack; (192, 192) 240, more than ptxas fits beside the step's addresses (it spills and serializes the wgmmas:
 # kernel_resources.md); d 256 would need 128 for dK alone.
 SINGLE_HEAD_DIMS = (64, 128, 192)
@@ -185,7 +185,8 @@ def default_tuning(d, dv, G, dtype, single: bool = False, swept: bool = True) ->
     for field, kernel in (("block_k", "forward"), ("block_k_dq", "dq"), ("block_q_bwd", "dkdv")):
         for size in (128, 64):
             bs = Tuning(**{**chosen, field: size})
-            if _smem_bytes(d, dv, G, bs, dtype, single)[kernel] + SMEM_MARGIN <= SMEM_BYTES and not _spills(kernel, dv, bs, single):
+            fits = _smem_bytes(d, dv, G, bs, dtype, single)[kernel] + SMEM_MARGIN <= SMEM_BYTES
+            if fits and not _spills(kernel, dv, bs, single):
                 break
         chosen[field] = size
     return Tuning(**chosen)

@@ -174,7 +174,8 @@ def _set_registers(st: _Static, producer: bool, consumer: int = 232):
     """Hand the producer's registers to the consumers (setmaxnreg): `consumer` registers a consumer thread (232, or
     FA3's 240), the producer the rest of 504 (40, or 24; 2 x consumer + producer <= 512 a thread)."""
     if not st.interpret:
-        plgpu.set_max_registers(504 - 2 * consumer if producer else consumer, action="decrease" if producer else "increase")
+        registers, action = (504 - 2 * consumer, "decrease") if producer else (consumer, "increase")
+        plgpu.set_max_registers(registers, action=action)
 
 
 def _rendezvous(barrier):

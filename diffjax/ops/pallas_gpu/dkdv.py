@@ -58,7 +58,8 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         it = iter(refs)
         q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref, offset_ref = _in_refs(st, it)
         do_ref, lse_ref, D_ref, dk_ref, dv_ref = next(it), next(it), next(it), next(it), next(it)
-        k_smem, v_smem, kvseg_smem, q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, x_dp, x_p, pos_smem = next(it)
+        k_smem, v_smem, kvseg_smem, q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, x_dp, x_p, pos_smem = (
+            next(it))
         kv_ready, q_ready, q_free, xbar, p_free = next(it)
 
         b, kh, j = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_blocks")
@@ -163,8 +164,8 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 vec = lambda ref: ops.load(ref.at[slot, 0, rows], WGMMA.reduce(0))  # a per-query vector
                 mst = bst if masked is True else bst._replace(causal=False, window=None)
                 mask = lambda: _score_mask(  # made once S^T is there, from vectors loaded then
-                    ops, mst, offset, (bk, SUB), i * bqb + h * SUB, k0 + g * bk, vec(qseg_smem) if st.has_seg else None, kv_seg,
-                    transposed=True, q_iota=ops.load(pos_smem.at[g], WGMMA.reduce(0)))
+                    ops, mst, offset, (bk, SUB), i * bqb + h * SUB, k0 + g * bk, vec(qseg_smem) if st.has_seg else None,
+                    kv_seg, transposed=True, q_iota=ops.load(pos_smem.at[g], WGMMA.reduce(0)))
                 tiles = (k_smem.at[g], v_smem.at[g], q_smem.at[slot, 0, rows], do_smem.at[slot, 0, rows])
                 col = lambda ref: _cols(vec(ref), (bk, SUB))
                 return _single_sub_tile(ops, st, carry, tiles, mask if masked else None, col, lse_smem, D_smem)
@@ -303,12 +304,12 @@ def _scores(ops: _Ops, k_g, q_t, halves, shape):
 
 def _single_sub_tile(ops: _Ops, st: _Static, carry, tiles, mask, col, lse_smem, D_smem):
     """(dK, dV) + one single-map sub-tile's (dS^T Q, P^T dO) for tiles (K, V, Q, dO) in SMEM, `mask()` the tile's mask
-    (True = allowed; mask None: none), `col(ref)` a per-query vector from SMEM broadcast over the tile: S^T = K Q^T and dP^T = V dO^T,
-    P^T = exp2(S^T scale2 - lse), dS^T = P^T (dP^T - D). dK and dV hold (d + dv) / 2 registers a thread: up to 128
-    (d + dv <= 256), S^T and dP^T (32 each) live beside them, issued back to back with one wait; past that (d 192 / dv
-    128: 160) they do not fit in 240 with the step's addresses and masks (ptxas serialized every wgmma and spilled:
-    kernel_resources.md), so P^T is held in float16 (16 registers; 11 bits, finer than the 16-bit dS it makes) while
-    dP^T is computed after it."""
+    (True = allowed; mask None: none), `col(ref)` a per-query vector from SMEM broadcast over the tile: S^T = K Q^T
+    and dP^T = V dO^T, P^T = exp2(S^T scale2 - lse), dS^T = P^T (dP^T - D). dK and dV hold (d + dv) / 2 registers a
+    thread: up to 128 (d + dv <= 256), S^T and dP^T (32 each) live beside them, issued back to back with one wait;
+    past that (d 192 / dv 128: 160) they do not fit in 240 with the step's addresses and masks (ptxas serialized every
+    wgmma and spilled: kernel_resources.md), so P^T is held in float16 (16 registers; 11 bits, finer than the 16-bit
+    dS it makes) while dP^T is computed after it."""
     k_g, v_g, q_h, do_h = tiles
     shape, dtype = (k_g.shape[0], q_h.shape[0]), q_h.dtype
     joint = k_g.shape[-1] + v_g.shape[-1] <= 256

@@ -89,7 +89,8 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 plgpu.barrier_wait(kv_ready.at[slot])
                 k_g = k_smem.at[slot, g if G == 2 else 0]
                 # S and this consumer's part of dP = dO V^T are independent: one wait for both wgmmas.
-                s, dp = ops.matmuls((q_smem.at[g], k_g, (bq, bk), True), (do_smem.at[g], v_smem.at[slot, g], (bq, bk), True))
+                s, dp = ops.matmuls((q_smem.at[g], k_g, (bq, bk), True),
+                                    (do_smem.at[g], v_smem.at[slot, g], (bq, bk), True))
                 s = s * st.scale2
                 if masked:
                     kv_seg = ops.load(kvseg_smem.at[slot], WGMMA.reduce(0)) if st.has_seg else None
@@ -116,7 +117,8 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                     keys = pl.ds(h * SUB, SUB)
                     k_h = k_smem.at[slot, 0, keys]
                     # S and dP = dO V^T are independent: one wait for both wgmmas
-                    s, dp = ops.matmuls((q_smem.at[g], k_h, (bq, SUB), True), (do_smem.at[g], v_smem.at[slot, keys], (bq, SUB), True))
+                    s, dp = ops.matmuls((q_smem.at[g], k_h, (bq, SUB), True),
+                                        (do_smem.at[g], v_smem.at[slot, keys], (bq, SUB), True))
                     s = s * st.scale2
                     if masked:
                         kv_seg = ops.load(kvseg_smem.at[slot, keys], WGMMA.reduce(0)) if st.has_seg else None
@@ -139,7 +141,8 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             if not st.single:
                 dq_acc = _run_steps(diff_step, ring, own, acc)
             elif st.has_seg:  # the causal / window mask only where the positions need it, segment ids on every step
-                dq_acc = _run_steps(single_step, ring, _kv_steps(st._replace(has_seg=False), offset, r0, bq, nk), acc, unmasked="segments")
+                by_position = _kv_steps(st._replace(has_seg=False), offset, r0, bq, nk)
+                dq_acc = _run_steps(single_step, ring, by_position, acc, unmasked="segments")
             else:
                 dq_acc = _run_steps(single_step, ring, own, acc)
             q_smem.at[g][...] = (dq_acc * st.scale).astype(dtype)  # only this consumer reads q tile g
