@@ -167,6 +167,9 @@ capture() {  # (a) profile tables of the twins' train step, (b) ncu of the DIFF 
     --out "$WORK/attention_capture.json"
 }
 
+# the files of the gpu-marked tests (tests/test_capture.py collects the same)
+GPU_TEST_FILES="tests/test_ops_pallas_gpu.py tests/test_ops_gpu_paths.py tests/test_model_attention_impl.py tests/test_attention_passes.py"
+
 tests_phase() {  # the gpu tests by value, resumable, through benchmarks/gpu_tests_plugin.py
   local done=${TESTS_DONE:-.gpu/tests_done.tsv} args
   args=(-q -m gpu -p no:cacheprovider -p gpu_tests_plugin --gpu-log "$WORK/gpu_tests.tsv" --gpu-evidence "$WORK"
@@ -174,8 +177,7 @@ tests_phase() {  # the gpu tests by value, resumable, through benchmarks/gpu_tes
   if [ -f "$done" ]; then args+=(--gpu-done "$done"); echo "tests: resuming after the $(wc -l < "$done") in $done"; fi
   $PY -c "import xdist" 2>/dev/null && args+=(-n "$TESTS_WORKERS" --dist load)
   $PY -c "import pytest_timeout" 2>/dev/null && args+=(--timeout "${TEST_TIMEOUT:-150}")
-  PYTHONPATH="$PYTHONPATH:$PWD/benchmarks" timeout "$(cap "${TESTS_S:-560}")" $PY -m pytest "${args[@]}" \
-    tests/test_ops_pallas_gpu.py tests/test_ops_gpu_paths.py tests/test_model_attention_impl.py
+  PYTHONPATH="$PYTHONPATH:$PWD/benchmarks" timeout "$(cap "${TESTS_S:-560}")" $PY -m pytest "${args[@]}" $GPU_TEST_FILES
 }
 
 for phase in $phases; do

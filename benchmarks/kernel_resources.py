@@ -2,13 +2,15 @@
 (sm_90a), on a machine without a GPU.
 
     python benchmarks/kernel_resources.py [--B 2] [--T 8192] [--H 8] [--K H] [--G 2] [--d 128] [--dv 256]
-        [--dtype bfloat16] [--non-causal] [--modes diff,single] [--tuning block_q_bwd=64,stages=3]
-        [--cuda-dir DIR] [--out benchmarks/results/kernel_resources_cpu.json]
+        [--single-dv d] [--window W] [--packed] [--dtype bfloat16] [--non-causal] [--modes diff,single]
+        [--tuning block_q_bwd=64,stages=3] [--cuda-dir DIR] [--out benchmarks/results/kernel_resources_cpu.json]
 
 Defaults: the Nsight capture's shape (B 2, T 8192, H 8 query and kv heads, d 128, dv 256, bf16, causal) and each
 mode's default Tuning. Modes: `diff` (q [B, T, H, 2, d], k [B, T, K, G, d], v [B, T, K, dv]) and `single`
-(standard attention, the equal-parameter baseline: 2H heads of d, dv = d). Each mode's jitted gradient is compiled
-once, which builds its three kernels (fwd with residuals, bwd_dq, bwd_dkdv).
+(standard attention, the equal-parameter baseline: 2H query heads of d on 2K kv heads, values --single-dv wide,
+default d; Motif 3's GDLA: --H 40 --K 8 --d 192 --single-dv 128). --window W: a sliding window of W keys;
+--packed: segment ids (packed documents: every step masks). Each mode's jitted gradient is compiled once, which
+builds its three kernels (fwd with residuals, bwd_dq, bwd_dkdv).
 
 How: XLA compiles *deviceless* for a one-device CUDA topology made from an H100 target description, so the
 Mosaic GPU custom calls go through the same pipeline as on a GPU (jaxlib/mosaic/gpu/custom_call.cc: MLIR -> LLVM ->
@@ -132,8 +134,9 @@ def lower(mode: str, args, sharding):
         shapes = [(B, T, H, 2, d), (B, T, K, args.G, d), (B, T, K, args.dv)]
         tuning = default_tuning(d, args.dv, args.G, dtype)
     else:
-        shapes = [(B, T, 2 * H, d), (B, T, 2 * K, d), (B, T, 2 * K, d)]
-        tuning = default_tuning(d, d, 1, dtype, single=True)
+        dv = args.single_dv or d
+        shapes = [(B, T, 2 * H, d), (B, T, 2 * K, d), (B, T, 2 * K, dv)]
+        tuning = default_tuning(d, dv, 1, dtype, single=True)
     tuning = tuning._replace(**(args.tuning or {}))
     inputs = [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in shapes]
     why_not = unsupported(*inputs, tuning)
@@ -141,12 +144,15 @@ def lower(mode: str, args, sharding):
         raise SystemExit(f"kernel_resources.py: mode {mode}: pallas_gpu {why_not}")
     if mode == "diff":
         inputs.append(jax.ShapeDtypeStruct((B, T, H), jnp.float32, sharding=sharding))
+    segment_ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sharding) if args.packed else None
 
-    def loss(*a):
+    def loss(*a, segment_ids=None):
         fn = diff_attention_pallas_gpu if mode == "diff" else dot_product_attention_pallas_gpu
-        return jnp.sum(fn(*a, causal=not args.non_causal, tuning=tuning, interpret=False).astype(jnp.float32))
+        o = fn(*a, causal=not args.non_causal, segment_ids=segment_ids, window=args.window, tuning=tuning,
+               interpret=False)
+        return jnp.sum(o.astype(jnp.float32))
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*inputs).lower(), tuning
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*inputs, segment_ids=segment_ids).lower(), tuning
 
 
 @contextlib.contextmanager
@@ -222,14 +228,17 @@ def _constant(value):
 
 
 def ptxas_figures(log: str) -> dict:
-    """registers / stack frame / spill bytes / barriers / static shared memory from a `ptxas -v` log."""
+    """registers / stack frame / spill bytes / barriers / static shared memory from a `ptxas -v` log, and why ptxas
+    serialized the kernel's wgmmas (its C7512 note: a wait after every wgmma instruction), or None."""
     stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     used = re.search(r"Used (\d+) registers(?:, used (\d+) barriers)?.*?(\d+) bytes smem", log)
     if not (stack and used):
         raise ValueError(f"no resource usage in the ptxas log: {log[-300:]!r}")
+    serialized = re.search(r"wgmma\.mma_async instructions are serialized due to (.+?) for the function", log)
     return {"registers": int(used.group(1)), "stack_frame_bytes": int(stack.group(1)),
             "spill_store_bytes": int(stack.group(2)), "spill_load_bytes": int(stack.group(3)),
-            "barriers": int(used.group(2) or 0), "static_smem_bytes": int(used.group(3))}
+            "barriers": int(used.group(2) or 0), "static_smem_bytes": int(used.group(3)),
+            "wgmma_serialized": serialized.group(1) if serialized else None}
 
 
 def run_ptxas(tools: dict, ptx: str, workdir: Path, name: str) -> tuple[dict, Path]:
@@ -365,6 +374,8 @@ def print_table(records: list[dict]) -> None:
         print(f"{r['kernel']:28} {r['registers']:>4} {','.join(r['setmaxnreg']) or '-':>20} {r['stack_frame_bytes']:>6} "
               f"{r['spill_store_bytes']:>8} {r['spill_load_bytes']:>8} {r.get('dynamic_smem_bytes', '?'):>9}  "
               f"{r.get('grid')} x {r.get('block')}")
+        if r.get("wgmma_serialized"):
+            print(f"    wgmma serialized by ptxas: {r['wgmma_serialized']}")
         for region in r.get("sass_regions", []):
             if region["spill_store_bytes"] or region["spill_load_bytes"]:
                 loops = "; ".join(f"{x['spill_store_bytes']} B st + {x['spill_load_bytes']} B ld in a {x['instructions']}-instr loop"
@@ -390,6 +401,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in (("B", 2), ("T", 8192), ("H", 8), ("K", None), ("G", 2), ("d", 128), ("dv", 256)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--single-dv", type=int, default=None, help="single mode's value head dim (default d)")
+    parser.add_argument("--window", type=int, default=None, help="a sliding window of this many keys (causal)")
+    parser.add_argument("--packed", action="store_true", help="with segment ids (packed documents)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--non-causal", action="store_true")
     parser.add_argument("--modes", default="diff,single", help="comma-separated: diff, single")

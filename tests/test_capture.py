@@ -439,7 +439,13 @@ def test_gpu_session_dry_run(tmp_path):
     motif3 = json.loads((files / "motif3_step.json").read_text())
     assert motif3["tiny"] and motif3["choices"]["dense_first_layers"] == 2 and motif3["rows"][0]["tokens_per_s"] > 0
     tests = (out / "gpu_tests.tsv").read_text().splitlines()
-    assert len(tests) == 20 and all(line.startswith("skipped\t") for line in tests)  # no GPU: every gpu test skips
+    test_files = next(line.split('"')[1] for line in (REPO_ROOT / "benchmarks" / "gpu_session.sh").read_text().splitlines()
+                      if line.startswith("GPU_TEST_FILES="))
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                                *test_files.split()], cwd=REPO_ROOT, capture_output=True, text=True).stdout
+    gpu_tests = [line for line in collected.splitlines() if "::" in line]
+    assert len(tests) == len(gpu_tests) > 20, (tests, gpu_tests)
+    assert all(line.startswith("skipped\t") for line in tests)  # no GPU: every gpu test skips
     assert "mgpu: skipped" in result.stdout
     check_capture(files)
 

@@ -33,10 +33,16 @@ ptxas info    : Function properties for k_mosaic_gpu_kernel
 ptxas info    : Used 168 registers, used 16 barriers, 272 bytes cumulative stack size, 1 bytes smem
 """
 
+SERIALIZED = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+              "insufficient register resources for the function 'k_mosaic_gpu_kernel'\n")
+
 
 def test_ptxas_figures(kr):
     assert kr.ptxas_figures(PTXAS_LOG) == {"registers": 168, "stack_frame_bytes": 272, "spill_store_bytes": 532,
-                                           "spill_load_bytes": 744, "barriers": 16, "static_smem_bytes": 1}
+                                           "spill_load_bytes": 744, "barriers": 16, "static_smem_bytes": 1,
+                                           "wgmma_serialized": None}
+    serialized = PTXAS_LOG.replace("ptxas info    : Function", SERIALIZED + "ptxas info    : Function")
+    assert kr.ptxas_figures(serialized)["wgmma_serialized"] == "insufficient register resources"
     with pytest.raises(ValueError, match="no resource usage"):
         kr.ptxas_figures("ptxas fatal   : Unsupported .version 9.0")
 
@@ -102,24 +108,33 @@ def test_tuning_fields(kr):
         kr.tuning_fields("blocks=64")
 
 
+# setmaxnreg (producer, consumers) per kernel: common._set_registers' 40 / 232, or 24 / 240 (dk/dv's lean schedule,
+# the single-map backward)
+SETMAXNREG = {"diffjax_mgpu_fwd": 40, "diffjax_mgpu_bwd_dq": 40, "diffjax_mgpu_bwd_dkdv": 24,
+              "diffjax_mgpu_single_fwd": 40, "diffjax_mgpu_single_bwd_dq": 24, "diffjax_mgpu_single_bwd_dkdv": 24}
+
+
 @pytest.mark.slow
 def test_script_on_a_small_shape(kr, tmp_path):
-    """The three differential kernels compile for sm_90a; their setmaxnreg is what common._set_registers asks for,
-    the launch's shared memory fits a Hopper CTA, and (with nvdisasm) the SASS's spill tags add up to ptxas's totals."""
+    """The three kernels of each mode compile for sm_90a; their setmaxnreg is what the kernels ask for, the launch's
+    shared memory fits a Hopper CTA, ptxas serializes no wgmma, and (with nvdisasm) the SASS's spill tags add up to
+    ptxas's totals."""
     from diffjax.ops.pallas_gpu.common import SMEM_BYTES
 
     if why := kr.toolchain_missing():
         pytest.skip(why)
     out = tmp_path / "k.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--B", "1", "--T", "256", "--H", "2", "--modes", "diff", "--out", str(out)],
+    done = subprocess.run([sys.executable, str(SCRIPT), "--B", "1", "--T", "256", "--H", "2", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "warning" not in done.stdout, done.stdout  # the pipeline's ptxas and ours agree
     records = json.loads(out.read_text())["kernels"]
-    assert [r["kernel"] for r in records] == ["diffjax_mgpu_fwd", "diffjax_mgpu_bwd_dq", "diffjax_mgpu_bwd_dkdv"]
+    assert [r["kernel"] for r in records] == list(SETMAXNREG)
     for r in records:
-        assert r["setmaxnreg"] == ["dec 40", "inc 232", "inc 232"]
+        producer = SETMAXNREG[r["kernel"]]
+        assert r["setmaxnreg"] == [f"dec {producer}", *[f"inc {(504 - producer) // 2}"] * 2], r["kernel"]
+        assert r["wgmma_serialized"] is None, r["kernel"]
         assert 100_000 < r["dynamic_smem_bytes"] <= SMEM_BYTES and r["block"] == [384, 1, 1]
         if "sass_regions" in r:
             assert sum(x["spill_store_bytes"] for x in r["sass_regions"]) == r["spill_store_bytes"]

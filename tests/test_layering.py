@@ -46,6 +46,7 @@ ALLOWED_LONG_FUNCTIONS = {
     "diffjax/ops/pallas_gpu/forward.py:_forward",
     "diffjax/ops/pallas_gpu/forward.py:_forward.kernel",
     "diffjax/ops/pallas_gpu/dq.py:_dq",
+    "diffjax/ops/pallas_gpu/dq.py:_dq.kernel",
     "diffjax/ops/pallas_gpu/dkdv.py:_dkdv",
     "diffjax/ops/pallas_gpu/dkdv.py:_dkdv.kernel",
 }

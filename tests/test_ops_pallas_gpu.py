@@ -181,6 +181,16 @@ def test_pallas_gpu_single_interpret_forward_and_grads(name, measured):
     _check_single_against_reference(SINGLE_INTERPRET_CASES[name], measured, interpret=True, tuning=SMALL_STEPS)
 
 
+@pytest.mark.slow
+@pytest.mark.single_leg
+def test_pallas_gpu_single_interpret_128_row_steps(measured):
+    """128-row steps, which the single-map dq and dk/dv consumers take as two 64-row sub-tiles in a loop: the second
+    dq CTA's first kv step sees its keys whole (segment ids only), the diagonal steps mask both sub-tiles."""
+    case = (1, 256, 256, 1, 1, 64, True, "same", "bfloat16")
+    tuning = Tuning(block_k=128, block_k_dq=128, block_q_bwd=128)
+    _check_single_against_reference(case, measured, interpret=True, tuning=tuning)
+
+
 # Motif 3's GDLA call (scores d 192, values dv 128, GQA, causal, packed): windowed and global. name: (single-map case,
 # dv, window)
 GDLA_GPU_CASES = {
@@ -437,6 +447,17 @@ def test_pallas_gpu_rejects_what_it_cannot_run():
         ops.dot_product_attention(*single(128, 256), impl="pallas_gpu")
 
 
+@pytest.mark.parametrize("d, dv, blocks", [(128, 128, (128, 128, 128)), (192, 128, (128, 64, 64)),
+                                            (64, 192, (64, 128, 128)), (192, 192, (64, 64, 64))])
+def test_pallas_gpu_single_default_blocks_fit_smem_and_registers(d, dv, blocks):
+    """The single-map default blocks (forward, dq, dk/dv): the largest that fit shared memory, except the forward at dv
+    192, whose 128-key step spills (kernel_resources.md) where a 64-key step does not."""
+    tuning = default_tuning(d, dv, 1, jnp.bfloat16, single=True, swept=False)
+    assert (tuning.block_k, tuning.block_k_dq, tuning.block_q_bwd) == blocks
+    q, k, v = (jnp.zeros(s, jnp.bfloat16) for s in ((1, 64, 1, d), (1, 64, 1, d), (1, 64, 1, dv)))
+    assert unsupported(q, k, v, tuning) is None
+
+
 def _run_state_operands(jaxpr):
     """Every operand of every run_state equation in jaxpr and its sub-jaxprs (kernel bodies, loops)."""
     for eqn in jaxpr.eqns:
@@ -461,7 +482,26 @@ def test_pallas_gpu_run_state_takes_no_literal_operands(G, dkdv):
     def loss(q, k, v, lam):
         return jnp.sum(diff_attention_pallas_gpu(q, k, v, lam, causal=True, tuning=tuning, interpret=False).astype(jnp.float32))
 
-    operands = list(_run_state_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lam).jaxpr))
+    _assert_no_literal_run_state_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, lam).jaxpr)
+
+
+@pytest.mark.parametrize("d, dv", [(128, 128), (192, 128)])
+def test_pallas_gpu_single_run_state_takes_no_literal_operands(d, dv):
+    """The single-map dq / dk/dv sub-tiles (at d 128 the 128-row blocks' sub-tile loops; d 192 / dv 128 holds P^T in
+    float16) with packed segment ids: their accumulating wgmmas close over no literal ref index either."""
+    B, T, N, K = 1, 256, 2, 1
+    q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, T, N, d), (B, T, K, d), (B, T, K, dv)))
+    seg = jnp.zeros((B, T), jnp.int32)
+
+    def loss(q, k, v):
+        o = dot_product_attention_pallas_gpu(q, k, v, causal=True, segment_ids=seg, interpret=False)
+        return jnp.sum(o.astype(jnp.float32))
+
+    _assert_no_literal_run_state_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+
+
+def _assert_no_literal_run_state_operands(jaxpr):
+    operands = list(_run_state_operands(jaxpr))
     assert operands, "no run_state found: the test no longer sees the accumulating wgmmas"
     literals = [x for x in operands if isinstance(x, jex_core.Literal)]
     assert not literals, f"literal run_state operands: {literals}"

@@ -50,6 +50,19 @@ d and dv are each 64, 128 or 192 (SINGLE_HEAD_DIMS says why), Motif 3's GDLA's 1
 only the forward's output staging depends on the pair (the query tile when dv == d, else a V ring slot,
 free once both consumers are past their last step).
 
+The single-map backward consumers (dq.single_step, dkdv.single_step) take each streamed step in 64-row sub-tiles
+(dq: 64 keys, dk/dv: 64 queries; a loop, not unrolled, over a 128-row block's two), so the live set beside the fp32
+accumulators is one sub-tile's S and dP (32 registers each) at any block size. A 128-row step used to hold two
+64 x 128 fp32 tiles (64 registers each) beside dK and dV (128): ptxas spilled 1.8 KB a thread and serialized every
+wgmma. Besides: setmaxnreg 24 / 240 as in the differential lean schedule; with segment ids dq too masks positions
+only where they need it; dk/dv's masks read the query positions from an SMEM table where used (an iota's
+per-element values are loop invariants that LLVM hoists out of the step loop, and ptxas then spills them); and
+past d + dv = 256 (Motif 3's 192 / 128: dK and dV take 160 registers) P^T is held in float16 while dP^T is
+computed after it, instead of both fp32 tiles at once (`dkdv._single_sub_tile`). ptxas 13.0 (sm_90a, B 2, T 8192,
+causal, default blocks; stack frame a thread, before -> after): the twin (d 128, 128-row blocks) dq 144 -> 0 and
+dk/dv 584 -> 0, packed 168 -> 0 and 784 -> 0; Motif 3 (192 / 128, GQA 5:1, packed, window 129) dk/dv 560 -> 40
+with at most 8 B reloaded a step (benchmarks/results/kernel_resources.md).
+
 Conventions: bottom-right aligned causal masking (query t sits at key S - T + t, or q_offset + t when the
 caller places the queries, as context parallelism does with each device's query chunks: then q_offset is a
 traced int32 read from a one-element gmem operand, and the step ranges and masks follow it); a static sliding
@@ -97,10 +110,10 @@ __all__ = ["SINGLE_HEAD_DIMS", "Tuning", "default_tuning", "diff_attention_palla
 
 # The single-map mode's head dims, q / k and v in any pair (Motif 3's GDLA: d 192, dv 128). Multiples of 64: 16-bit
 # tiles are 128-byte swizzled, which every wgmma contracting over d or dv needs. At most 192: a dk/dv consumer holds
-# dK and dV of its 64 kv rows in fp32 registers, d / 2 + dv / 2 a thread, beside S^T and dP^T (64 x 64 at the 64-row
-# steps the shared memory leaves at d 192: 32 each); (192, 128) needs 224, (192, 192) 256, as many as (128, 128)
-# at its default 128-row steps. Past the 232 registers a consumer gets, ptxas spills (unmeasured); d 256 would need
-# 128 for dK alone.
+# dK and dV of its 64 kv rows in fp32 registers, d / 2 + dv / 2 a thread, beside a 64-query sub-tile's S^T and dP^T
+# (32 each; past d + dv = 256, P^T in float16 and dP^T: 48) in the 240 it gets: (192, 128) 208, 24 to 48 B of
+# stack; (192, 192) 240, more than ptxas fits beside the step's addresses (it spills and serializes the wgmmas:
+# kernel_resources.md); d 256 would need 128 for dK alone.
 SINGLE_HEAD_DIMS = (64, 128, 192)
 
 
@@ -157,7 +170,8 @@ def unsupported(q, k, v, tuning=None) -> str | None:
 
 def default_tuning(d, dv, G, dtype, single: bool = False, swept: bool = True) -> Tuning:
     """The sweep's measured best for the shape class where its table has one that fits (swept; see
-    choice.swept_tuning), else the largest block of each kernel (128 or 64) whose shared memory fits, with 2 stages."""
+    choice.swept_tuning), else the largest block of each kernel (128 or 64) whose shared memory fits and whose
+    consumers ptxas compiles without spilling in their step (`_spills`), with 2 stages."""
     from diffjax.ops.choice import (
         swept_tuning,  # same layer; choice imports this module lazily too
     )
@@ -171,10 +185,19 @@ def default_tuning(d, dv, G, dtype, single: bool = False, swept: bool = True) ->
     for field, kernel in (("block_k", "forward"), ("block_k_dq", "dq"), ("block_q_bwd", "dkdv")):
         for size in (128, 64):
             bs = Tuning(**{**chosen, field: size})
-            if _smem_bytes(d, dv, G, bs, dtype, single)[kernel] + SMEM_MARGIN <= SMEM_BYTES:
+            fits = _smem_bytes(d, dv, G, bs, dtype, single)[kernel] + SMEM_MARGIN <= SMEM_BYTES
+            if fits and not _spills(kernel, dv, bs, single):
                 break
         chosen[field] = size
     return Tuning(**chosen)
+
+
+def _spills(kernel: str, dv: int, bs: Tuning, single: bool) -> bool:
+    """Whether ptxas spills in the kernel's step at these blocks (sm_90a, benchmarks/results/kernel_resources.md). The
+    single-map forward's consumer holds O (dv / 2 fp32 registers a thread), S (block_k / 2) and P (block_k / 4): at
+    block_k 128 with dv 192 (192 of its 232) it spills 24 B a step, at 64 nothing. The backward kernels' live sets do
+    not grow with their blocks (single-map: 64-row sub-tiles; differential: 64-row blocks, all that SMEM leaves)."""
+    return single and kernel == "forward" and bs.block_k == 128 and dv > 128
 
 
 def _smem_bytes(d, dv, G, bs: Tuning, dtype, single: bool = False):

@@ -24,7 +24,7 @@ SMEM_MARGIN = 2048  # barriers, alignment padding
 
 class Tuning(NamedTuple):
     """Kernel settings. block_q = 64 (one wgmma row tile per consumer); the block sizes default to
-    the larger of 128 / 64 whose tiles fit in shared memory (`default_tuning`)."""
+    the larger of 128 / 64 whose tiles fit in shared memory and whose step does not spill (`default_tuning`)."""
 
     block_q: int = 64
     block_k: int = 64  # forward: keys per streamed step
@@ -60,10 +60,10 @@ class _Ops:
             return ref[...]
         return jax_compat.mosaic_gpu_load(plgpu, ref, layout)
 
-    def iota(self, shape, dim):
+    def iota(self, shape, dim, layout=None):
         if self.interpret:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
-        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout or WGMMA)
 
     def matmul(self, a, b_ref, shape, *, transpose_b=False, acc=None, after_issue=None):
         """acc + a @ b (fp32), a: an SMEM ref or a 16-bit register tile, b: an SMEM ref; b_ref^T if
@@ -170,10 +170,12 @@ def _copy_kv_rows(srcs, dsts, slot, b, kh, keys, barrier):
         plgpu.copy_gmem_to_smem(kvseg_ref.at[b, keys], kvseg_smem.at[slot], barrier)
 
 
-def _set_registers(st: _Static, producer: bool):
-    """Hand the producer's registers to the consumers (setmaxnreg; 2 x 232 + 40 per thread fits)."""
+def _set_registers(st: _Static, producer: bool, consumer: int = 232):
+    """Hand the producer's registers to the consumers (setmaxnreg): `consumer` registers a consumer thread (232, or
+    FA3's 240), the producer the rest of 504 (40, or 24; 2 x consumer + producer <= 512 a thread)."""
     if not st.interpret:
-        plgpu.set_max_registers(40 if producer else 232, action="decrease" if producer else "increase")
+        registers, action = (504 - 2 * consumer, "decrease") if producer else (consumer, "increase")
+        plgpu.set_max_registers(registers, action=action)
 
 
 def _rendezvous(barrier):
@@ -300,11 +302,13 @@ def _cdiv_dyn(a, b):
     return lax.div(jnp.maximum(a, 0) + (b - 1), jnp.int32(b))
 
 
-def _score_mask(ops, st: _Static, offset, shape, q0, k0, q_seg=None, kv_seg=None, *, transposed=False):
+def _score_mask(ops, st: _Static, offset, shape, q0, k0, q_seg=None, kv_seg=None, *, transposed=False, q_iota=None):
     """Boolean mask (True = allowed) for a tile whose rows are queries q0.. and columns keys k0..
-    (or the transpose). Segment ids are row/column vectors already in the matching layouts."""
+    (or the transpose). Segment ids are row/column vectors already in the matching layouts; so is q_iota, when
+    given: 0, 1, .. along the query axis, loaded from SMEM where used rather than made by an iota, whose per-element
+    values LLVM hoists out of the step loop as loop invariants (registers held across every step)."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
-    q_pos = ops.iota(shape, q_dim) + q0
+    q_pos = (ops.iota(shape, q_dim) if q_iota is None else lax.broadcast_in_dim(q_iota, shape, [q_dim])) + q0
     k_pos = ops.iota(shape, k_dim) + k0
     mask = None
     if st.causal:

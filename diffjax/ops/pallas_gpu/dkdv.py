@@ -34,6 +34,8 @@ from diffjax.ops.pallas_gpu.common import (
     _transposed,
 )
 
+SUB = 64  # query rows of a single-map dk/dv sub-tile (one wgmma N tile of S^T, one contraction tile of dK and dV)
+
 
 def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
     """dk [B, Sp, K, M, d] and dv [B, Sp, K, dv]: one CTA per (batch, kv head, kv block), streaming
@@ -48,15 +50,16 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
     nq = Tp // bqb
     ops = _Ops(st.interpret)
     bst = st._replace(bk=bk, bq=bqb)  # masks in this kernel: kv rows of 64, q columns of bqb
-    lean = not st.single and st.dkdv != "exchange"  # the differential step of the lean family (diff_step)
+    lean = st.single or st.dkdv != "exchange"  # single_step, or the differential lean family's diff_step
     # each consumer computes the whole dP; the P shares then meet in SMEM, a buffer per consumer guarded by p_free
-    whole_dp = lean and st.dkdv in ("dp_whole", "dv_smem")
+    whole_dp = not st.single and st.dkdv in ("dp_whole", "dv_smem")
 
     def kernel(*refs):
         it = iter(refs)
         q_ref, k_ref, v_ref, lam_ref, qseg_ref, kvseg_ref, offset_ref = _in_refs(st, it)
         do_ref, lse_ref, D_ref, dk_ref, dv_ref = next(it), next(it), next(it), next(it), next(it)
-        k_smem, v_smem, kvseg_smem, q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, x_dp, x_p = next(it)
+        k_smem, v_smem, kvseg_smem, q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem, x_dp, x_p, pos_smem = (
+            next(it))
         kv_ready, q_ready, q_free, xbar, p_free = next(it)
 
         b, kh, j = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_blocks")
@@ -148,26 +151,50 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                 plgpu.barrier_arrive(p_free)
             return carry
 
+        def single_step(g: int, kv_seg, i, carry, *, rep, masked: bool | str):
+            """One q step of single-map consumer g (its 64 kv rows) in SUB-row query sub-tiles, a loop (not unrolled)
+            when block_q_bwd is larger: whatever the block, the step's live set beside dK and dV is one sub-tile's
+            (`_single_sub_tile`). masked: as in diff_step."""
+            step = rep * per_rep + i - first
+            slot = lax.rem(step, jnp.int32(stages))
+            plgpu.barrier_wait(q_ready.at[slot])
+
+            def sub_tile(h, carry):
+                rows = pl.ds(h * SUB, SUB)
+                vec = lambda ref: ops.load(ref.at[slot, 0, rows], WGMMA.reduce(0))  # a per-query vector
+                mst = bst if masked is True else bst._replace(causal=False, window=None)
+                mask = lambda: _score_mask(  # made once S^T is there, from vectors loaded then
+                    ops, mst, offset, (bk, SUB), i * bqb + h * SUB, k0 + g * bk, vec(qseg_smem) if st.has_seg else None,
+                    kv_seg, transposed=True, q_iota=ops.load(pos_smem.at[g], WGMMA.reduce(0)))
+                tiles = (k_smem.at[g], v_smem.at[g], q_smem.at[slot, 0, rows], do_smem.at[slot, 0, rows])
+                col = lambda ref: _cols(vec(ref), (bk, SUB))
+                return _single_sub_tile(ops, st, carry, tiles, mask if masked else None, col, lse_smem, D_smem)
+
+            carry = sub_tile(0, carry) if bqb == SUB else lax.fori_loop(0, bqb // SUB, sub_tile, carry)
+            plgpu.barrier_arrive(q_free.at[slot])
+            return carry
+
         def consumer(g: int):
             _registers(st, producer=False)
             plgpu.barrier_wait(kv_ready)
             if whole_dp:
                 plgpu.barrier_arrive(p_free)  # the first shares overwrite nothing
             m, k0_g = kv_rows(g)
+            if st.single:  # the query positions of a sub-tile, for its masks (read back by the threads that wrote them)
+                pos_smem.at[g][...] = ops.iota((SUB,), 0, WGMMA.reduce(0))
             own = _q_steps(st, offset, k0_g, bk, nq)
-            k_g = k_smem.at[g if st.single or G == 2 else 0]
-            t = 0 if st.single else g  # this consumer's streamed query tile
+            k_g = k_smem.at[g if G == 2 else 0]
             kv_seg = ops.load(kvseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
 
-            def step_body(i, carry, *, rep, masked: bool):
+            def exchange_step(i, carry, *, rep, masked: bool):  # the first differential schedule, the sweep's baseline
                 dk_acc, dv_acc = carry
                 step = rep * per_rep + i - first
                 slot = lax.rem(step, jnp.int32(stages))
                 plgpu.barrier_wait(q_ready.at[slot])
                 cols = lambda ref: ops.load(ref, WGMMA.reduce(0))
-                lse_t, D_t = cols(lse_smem.at[slot, t]), cols(D_smem.at[slot, t])
-                q_t, do_t = q_smem.at[slot, t], do_smem.at[slot, t]
-                # S^T and (this consumer's part of) dP^T = V dO^T are independent: one wait for both wgmmas.
+                lse_t, D_t = cols(lse_smem.at[slot, g]), cols(D_smem.at[slot, g])
+                q_t, do_t = q_smem.at[slot, g], do_smem.at[slot, g]
+                # S^T and this consumer's part of dP^T = V dO^T are independent: one wait for both wgmmas.
                 sT, dpT = ops.matmuls((k_g, q_t, (bk, bqb), True), (v_smem.at[g], do_t, (bk, bqb), True))
                 sT = sT * st.scale2
                 if masked:
@@ -176,23 +203,20 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                     if mask is not None:
                         sT = jnp.where(mask, sT, -jnp.inf)
                 pT = jnp.exp2(sT - _cols(lse_t, (bk, bqb)))
-                if st.single:
-                    dsT, pcT = pT * (dpT - _cols(D_t, (bk, bqb))), pT
-                else:
-                    neg_lam = _cols(-cols(lam_smem.at[slot]), (bk, bqb))
-                    cpT = pT if g == 0 else pT * neg_lam  # this map's share of P_1 - lam P_2
-                    dpT, pcT = _exchange_sum(ops, g, [(x_dp, dpT), (x_p, cpT)], xbar)
-                    dsT = pT * (dpT - _cols(D_t, (bk, bqb)))
-                    if g == 1:
-                        dsT = dsT * neg_lam
+                neg_lam = _cols(-cols(lam_smem.at[slot]), (bk, bqb))
+                cpT = pT if g == 0 else pT * neg_lam  # this map's share of P_1 - lam P_2
+                dpT, pcT = _exchange_sum(ops, g, [(x_dp, dpT), (x_p, cpT)], xbar)
+                dsT = pT * (dpT - _cols(D_t, (bk, bqb)))
+                if g == 1:
+                    dsT = dsT * neg_lam
                 dk_acc = ops.matmul(dsT.astype(dtype), q_t, (bk, d), acc=dk_acc)
                 dv_acc = ops.matmul(pcT.astype(dtype), do_t, (bk, dvt), acc=dv_acc)
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk_acc, dv_acc
 
-            step = functools.partial(diff_step, g, kv_seg) if lean else step_body
-            # lean family with segment ids: the causal / window mask only where the rows' positions need it (fewer
-            # values live in the other steps, and ptxas spills fewer); segment ids and padding on every step
+            step = functools.partial(single_step if st.single else diff_step, g, kv_seg) if lean else exchange_step
+            # with segment ids: the causal / window mask only where the rows' positions need it (fewer values live in
+            # the other steps, and ptxas spills fewer); segment ids and padding on every step
             by_position = _q_steps(st._replace(has_seg=False), offset, k0_g, bk, nq) if lean and st.has_seg else own
 
             def rep_body(rep, carry):
@@ -232,6 +256,7 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
         # P shares, rounded for the dV wgmma anyway: one buffer that consumer 1 sums into, or one per consumer (whole dP;
         # dv_smem: the dV wgmmas' lhs, whose swizzle must match dO's)
         None if st.single else plgpu.SMEM((2, bk, bqb) if whole_dp else (bk, bqb), dtype, transforms=_tiled(min(bqb, dvt) if whole_dp else bqb, dtype)),
+        plgpu.SMEM((2, SUB), jnp.int32) if st.single else None,  # single: 0 .. SUB - 1, a table per consumer
     )
     kv_copies = 4 + 2 * st.has_seg if st.single else G + 2 + st.has_seg
     barriers = (
@@ -247,14 +272,12 @@ def _dkdv(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
 
 
 def _registers(st: _Static, producer: bool):
-    """setmaxnreg for the dk/dv warpgroups. The lean family gives the consumers 240 registers and the producer 24
-    (FA3's split for two consumer warpgroups; 24 + 2 x 240 = 504 of the 512 a thread of each warpgroup may hold):
-    ptxas compiles the producer's TMA loop at 24 without spilling more than at 40, and each consumer's step keeps
-    its two fp32 accumulators (128 registers) beside 64 x bqb fp32 tiles. "exchange" and single keep 40 / 232."""
-    if st.single or st.dkdv == "exchange":
-        _set_registers(st, producer)
-    elif not st.interpret:
-        plgpu.set_max_registers(24 if producer else 240, action="decrease" if producer else "increase")
+    """setmaxnreg for the dk/dv warpgroups. The lean family and the single-map step give the consumers 240 registers
+    and the producer 24 (FA3's split for two consumer warpgroups; 24 + 2 x 240 = 504 of the 512 a thread of each
+    warpgroup may hold): ptxas compiles the producer's TMA loop at 24 without spilling more than at 40, and each
+    consumer's step keeps its two fp32 accumulators (128 registers; single-map d 192 / dv 128: 160) beside 64 x 64
+    (single) or 64 x bqb (differential) fp32 tiles. The differential "exchange" keeps 40 / 232."""
+    _set_registers(st, producer, 232 if not st.single and st.dkdv == "exchange" else 240)
 
 
 def _exchange_bytes(dkdv: str, e: int) -> int:
@@ -277,6 +300,34 @@ def _scores(ops: _Ops, k_g, q_t, halves, shape):
         return s_ref[...], dp_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def _single_sub_tile(ops: _Ops, st: _Static, carry, tiles, mask, col, lse_smem, D_smem):
+    """(dK, dV) + one single-map sub-tile's (dS^T Q, P^T dO) for tiles (K, V, Q, dO) in SMEM, `mask()` the tile's mask
+    (True = allowed; mask None: none), `col(ref)` a per-query vector from SMEM broadcast over the tile: S^T = K Q^T
+    and dP^T = V dO^T, P^T = exp2(S^T scale2 - lse), dS^T = P^T (dP^T - D). dK and dV hold (d + dv) / 2 registers a
+    thread: up to 128 (d + dv <= 256), S^T and dP^T (32 each) live beside them, issued back to back with one wait;
+    past that (d 192 / dv 128: 160) they do not fit in 240 with the step's addresses and masks (ptxas serialized every
+    wgmma and spilled: kernel_resources.md), so P^T is held in float16 (16 registers; 11 bits, finer than the 16-bit
+    dS it makes) while dP^T is computed after it."""
+    k_g, v_g, q_h, do_h = tiles
+    shape, dtype = (k_g.shape[0], q_h.shape[0]), q_h.dtype
+    joint = k_g.shape[-1] + v_g.shape[-1] <= 256
+    if joint:
+        sT, dpT = _scores(ops, k_g, q_h, [(v_g, do_h)], shape)
+    else:
+        sT = ops.matmul(k_g, q_h, shape, transpose_b=True)
+    sT = sT * st.scale2
+    allowed = None if mask is None else mask()
+    if allowed is not None:
+        sT = jnp.where(allowed, sT, -jnp.inf)
+    pT = jnp.exp2(sT - col(lse_smem))
+    if not joint:
+        pT = pT.astype(jnp.float16)
+        dpT = ops.matmul(v_g, do_h, shape, transpose_b=True)
+    dsT = (pT.astype(jnp.float32) * (dpT - col(D_smem))).astype(dtype)
+    do_h = do_h if ops.interpret else _traced_indices(do_h)  # closed over by the dK / dV run_state
+    return _dk_then_dv(ops, *carry, dsT, q_h, lambda: [(pT.astype(jnp.float32).astype(dtype), do_h)])
 
 
 def _dk_then_dv(ops: _Ops, dk_acc, dv_acc, dsT, q_t, p_shares):

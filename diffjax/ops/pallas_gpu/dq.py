@@ -32,6 +32,8 @@ from diffjax.ops.pallas_gpu.common import (
     _tiled,
 )
 
+SUB = 64  # keys of a single-map dq sub-tile
+
 
 def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
     """dq [B, Tp, H, M, d]: one CTA per (batch, head, query block); differential: consumer g
@@ -61,7 +63,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
 
         @pl.when(wg == 2)
         def _producer():
-            _set_registers(st, producer=True)
+            _set_registers(st, producer=True, consumer=240 if st.single else 232)
             _copy_query_rows(
                 st, (q_ref, do_ref, lse_ref, D_ref, lam_ref, qseg_ref), (q_smem, do_smem, lse_smem, D_smem, lam_smem, qseg_smem),
                 b, h, t0, q_ready,
@@ -74,7 +76,7 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             _producer_loop(ring.end - ring.first, stages, kv_free, load)
 
         def consumer(g: int):
-            _set_registers(st, producer=False)
+            _set_registers(st, producer=False, consumer=240 if st.single else 232)
             plgpu.barrier_wait(q_ready)
             m, r0 = _q_tile(st, g, t0, bq)
             lse_g = ops.load(lse_smem.at[g], WGMMA.reduce(1))
@@ -82,13 +84,13 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
             lam_row = None if st.single else ops.load(lam_smem, WGMMA.reduce(1))
             q_seg = ops.load(qseg_smem.at[g if st.single else 0], WGMMA.reduce(1)) if st.has_seg else None
 
-            def step_body(step, dq_acc, *, masked: bool):
+            def diff_step(step, dq_acc, *, masked: bool):  # differential consumer g: dQ_g of the CTA's rows
                 slot = lax.rem(step - ring.first, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
                 k_g = k_smem.at[slot, g if G == 2 else 0]
-                # S and (this consumer's part of) dP = dO V^T are independent: one wait for both wgmmas.
+                # S and this consumer's part of dP = dO V^T are independent: one wait for both wgmmas.
                 s, dp = ops.matmuls((q_smem.at[g], k_g, (bq, bk), True),
-                                    (do_smem.at[g], v_smem.at[slot] if st.single else v_smem.at[slot, g], (bq, bk), True))
+                                    (do_smem.at[g], v_smem.at[slot, g], (bq, bk), True))
                 s = s * st.scale2
                 if masked:
                     kv_seg = ops.load(kvseg_smem.at[slot], WGMMA.reduce(0)) if st.has_seg else None
@@ -96,16 +98,53 @@ def _dq(st: _Static, q, k, v, lam, q_seg, kv_seg, offset, do, lse, D):
                     if mask is not None:
                         s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp2(s - _rows(lse_g, (bq, bk)))
-                if not st.single:
-                    (dp,) = _exchange_sum(ops, g, [(x_smem, dp)], xbar)
+                (dp,) = _exchange_sum(ops, g, [(x_smem, dp)], xbar)
                 ds = p * (dp - _rows(D_g, (bq, bk)))
-                if g == 1 and not st.single:
+                if g == 1:
                     ds = ds * _rows(-lam_row, (bq, bk))
                 dq_acc = ops.matmul(ds.astype(dtype), k_g, (bq, d), acc=dq_acc)
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return dq_acc
 
-            dq_acc = _run_steps(step_body, ring, _kv_steps(st, offset, r0, bq, nk), ops.full((bq, d), 0.0))
+            def single_step(step, dq_acc, *, masked: bool | str):
+                """One kv step of single-map consumer g in 64-key sub-tiles (the live set of a 64-key step whatever
+                block_k_dq: dQ's d / 2 registers beside S and dP, 32 each). masked: True, "segments" (segment ids and
+                padding only: the positions see every pair), False."""
+                slot = lax.rem(step - ring.first, jnp.int32(stages))
+                plgpu.barrier_wait(kv_ready.at[slot])
+
+                def sub_tile(h, dq_acc):
+                    keys = pl.ds(h * SUB, SUB)
+                    k_h = k_smem.at[slot, 0, keys]
+                    # S and dP = dO V^T are independent: one wait for both wgmmas
+                    s, dp = ops.matmuls((q_smem.at[g], k_h, (bq, SUB), True),
+                                        (do_smem.at[g], v_smem.at[slot, keys], (bq, SUB), True))
+                    s = s * st.scale2
+                    if masked:
+                        kv_seg = ops.load(kvseg_smem.at[slot, keys], WGMMA.reduce(0)) if st.has_seg else None
+                        mst = st if masked is True else st._replace(causal=False, window=None)
+                        mask = _score_mask(ops, mst, offset, (bq, SUB), r0, step * bk + h * SUB, q_seg, kv_seg)
+                        if mask is not None:
+                            s = jnp.where(mask, s, -jnp.inf)
+                    ds = jnp.exp2(s - _rows(lse_g, (bq, SUB))) * (dp - _rows(D_g, (bq, SUB)))
+                    return ops.matmul(ds.astype(dtype), k_h, (bq, d), acc=dq_acc)
+
+                if bk == SUB:
+                    dq_acc = sub_tile(0, dq_acc)
+                else:
+                    dq_acc = lax.fori_loop(0, bk // SUB, sub_tile, dq_acc)
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return dq_acc
+
+            own = _kv_steps(st, offset, r0, bq, nk)
+            acc = ops.full((bq, d), 0.0)
+            if not st.single:
+                dq_acc = _run_steps(diff_step, ring, own, acc)
+            elif st.has_seg:  # the causal / window mask only where the positions need it, segment ids on every step
+                by_position = _kv_steps(st._replace(has_seg=False), offset, r0, bq, nk)
+                dq_acc = _run_steps(single_step, ring, by_position, acc, unmasked="segments")
+            else:
+                dq_acc = _run_steps(single_step, ring, own, acc)
             q_smem.at[g][...] = (dq_acc * st.scale).astype(dtype)  # only this consumer reads q tile g
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem.at[g], dq_ref.at[b, pl.ds(r0, bq), h, m])
