@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes: the rule table, shardings of params and batches, activation constraints.
 
-Parameters and activations name their axes logically ("embed", "heads", "batch", ...); the one table
-LOGICAL_AXIS_RULES maps those names onto the mesh axes:
+Parameters and activations name their axes logically ("embed", "heads", "batch", ...); LOGICAL_AXIS_RULES maps
+those names onto the mesh axes, read from their one table (diffjax.mesh_axes.AXES):
 
   data    splits the batch; params replicated (data parallel)
   fsdp    splits the batch and every parameter's "embed" axis, optimizer state included (ZeRO-3 /
@@ -37,26 +37,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    # parameters
-    ("layers", None),
-    ("embed", ("fsdp", "context", "expert")),  # expert: not on the experts' own (it splits their first axis)
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-    ("expert", "expert"),  # routed experts [E, ...] (MoE)
-    ("rank", None),  # Shared DIFF's low-rank factors: small, split by their heads axis only
-    # activations
-    ("batch", ("data", "fsdp", "expert")),
-    ("length", "context"),
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-)
+from diffjax.mesh_axes import splitting
+
+# Every logical axis name the model uses; the mesh axes each maps to are diffjax.mesh_axes.AXES's (mesh order). The
+# routed experts' own "embed" axis stays whole over expert: logical_spec uses a mesh axis once per array, and their
+# leading "expert" axis takes it first.
+LOGICAL_AXES = ("layers", "embed", "vocab", "heads", "kv_heads", "mlp", "head_dim", "expert",
+                "rank",  # Shared DIFF's low-rank factors: small, split by their heads axis only
+                "batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")  # (activations)
+LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple((name, splitting(name)) for name in LOGICAL_AXES)
 _RULES = dict(LOGICAL_AXIS_RULES)
 
 
@@ -66,9 +55,7 @@ def _mesh_axes(logical_name: str | None, mesh: Mesh) -> tuple[str, ...]:
         return ()
     if logical_name not in _RULES:
         raise KeyError(f"no sharding rule for the logical axis {logical_name!r}; rules exist for {sorted(_RULES)}")
-    axes = _RULES[logical_name]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return tuple(axis for axis in axes if dict(mesh.shape).get(axis, 1) > 1)  # a mesh may lack an axis
+    return tuple(axis for axis in _RULES[logical_name] if dict(mesh.shape).get(axis, 1) > 1)  # a mesh may lack an axis
 
 
 def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:

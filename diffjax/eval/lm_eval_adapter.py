@@ -48,7 +48,8 @@ from tqdm import tqdm
 from diffjax import sharding, storage
 from diffjax.ops.context_parallel import context_order, context_size, to_context_order
 from diffjax.config_values import build_config
-from diffjax.train.mesh import MESH_AXES, ParallelConfig, check_model_fits_mesh, make_mesh
+from diffjax.mesh_axes import MESH_AXES, ParallelConfig
+from diffjax.train.mesh import check_model_fits_mesh, make_mesh
 
 log = logging.getLogger("diffjax.eval")
 

@@ -5,8 +5,8 @@ split over the mesh's `expert` axis (expert parallelism).
 same program whatever the routing). Also what runs when the mesh has no expert axis (XLA partitions it then).
 
 `routed_expert_parallel` (mesh axis "expert" of size S > 1, experts E = S x E_local): under jax.shard_map every
-device takes its own rows (tokens split over every mesh axis: the batch axes data, fsdp, expert, then context and
-tensor, so no device repeats another's expert work) and
+device takes its own rows (tokens split over every mesh axis: the batch axes, then the others, ROW_AXES, so no device
+repeats another's expert work) and
   1. sorts its rows by expert and packs them into a send buffer [S, C, D], slot s holding the rows for the
      experts of expert-shard s (C = n x min(top_k, E_local) for n local tokens: the most one shard can get, as a
      token's top_k experts are distinct, so no row is ever dropped and nothing needs counting);
@@ -35,8 +35,18 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from diffjax.mesh_axes import AXES, MeshAxis, splitting
+
 EXPERT_AXIS = "expert"
-ROW_AXES = ("data", "fsdp", EXPERT_AXIS, "context", "tensor")  # the batch axes first: the rows' existing split
+
+
+def row_order(axes: tuple[MeshAxis, ...] = AXES) -> tuple[str, ...]:
+    """Every mesh axis, the batch axes first (the rows' existing split), then the rest in mesh order."""
+    batch = splitting("batch", axes)
+    return batch + tuple(axis.name for axis in axes if axis.name not in batch)
+
+
+ROW_AXES = row_order()
 
 # run_experts(params, x_RD, expert_R, group_sizes_E) -> out_RD: the experts on rows sorted by expert (params: the
 # experts' arrays, leading axis E; rows past sum(group_sizes) may hold anything, they are discarded)

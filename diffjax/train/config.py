@@ -23,7 +23,7 @@ from diffjax.config_values import build_config, plain, read_yaml_mapping
 from diffjax.data.config import DataConfig
 from diffjax.lora import LoraConfig
 from diffjax.train.config_files import config_file
-from diffjax.train.mesh import ParallelConfig
+from diffjax.mesh_axes import ParallelConfig
 from diffjax.train.optimizer import OptimizerConfig
 
 PROGRESS_STYLES = ("auto", "bar", "lines")

@@ -17,7 +17,7 @@ from diffjax.data.config import DATA_SOURCES
 from diffjax.lora import target_names
 from diffjax.tokenizers.config import TOKENIZER_KINDS
 from diffjax.train import config as run_config
-from diffjax.train.mesh import DISTRIBUTED_MODES
+from diffjax.mesh_axes import DISTRIBUTED_MODES
 from diffjax.train.optimizer import DECAYS
 
 # Keys whose value is one of a fixed set (a list key: a list of them), read when asked so that a kind registered

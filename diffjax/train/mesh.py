@@ -1,10 +1,9 @@
-"""The device mesh and multi-process set-up: ParallelConfig, meshes from it, which batch rows a process
-loads, an all-gather of JSON values, and jax.distributed start-up. Which tensors each mesh axis splits:
-diffjax.sharding."""
+"""The device mesh and multi-process set-up: meshes from a ParallelConfig, which batch rows a process loads, an
+all-gather of JSON values, and jax.distributed start-up. The axes and ParallelConfig: diffjax.mesh_axes; which
+tensors each mesh axis splits: diffjax.sharding."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -17,57 +16,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from diffjax.config import BLOCK_PARTS, ModelConfig, block_rows
+from diffjax.mesh_axes import DISTRIBUTED_MODES, MESH_AXES, ParallelConfig  # (the names read from here too)
 
 log = logging.getLogger(__name__)
-
-# expert last (beside tensor): the MoE's all-to-all, like tensor's all-reduces, wants the fastest links (MaxText's
-# order); make_mesh reshapes the device grid in this order.
-MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
-DISTRIBUTED_MODES = ("auto", "on", "off")
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """The device mesh (axes data x fsdp x context x tensor x expert; one of them may be -1: what the devices leave)
-    and multi-process start-up. See diffjax/sharding.py for which tensors each axis splits."""
-
-    data: int = -1
-    """Mesh axis that splits the batch, params replicated (-1: the devices the other axes leave)."""
-    fsdp: int = 1
-    """Mesh axis that splits the batch and the params / optimizer state too (gathered per layer; ZeRO-3 style)."""
-    context: int = 1
-    """Mesh axis that splits the sequence (context parallelism); params / optimizer state split as over fsdp."""
-    tensor: int = 1
-    """Mesh axis that splits heads, kv heads, the MLP width and the vocabulary (Megatron style)."""
-    expert: int = 1
-    """Expert parallelism: the MoE's routed experts split over this many devices (model.mlp_options.num_experts must
-    be a multiple), tokens sent to their experts' devices by an all-to-all; the batch splits over it too (a data axis
-    for everything but the routed experts)."""
-    distributed: str = "auto"
-    """jax.distributed: "auto" starts it when coordinator_address is set or a cluster environment
-    (JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, a multi-host TPU slice) is detected; "on" always; "off" never."""
-    coordinator_address: str | None = None
-    """host:port of process 0 (without a cluster environment to read it from)."""
-    num_processes: int | None = None
-    """Processes in the job (with coordinator_address); None: from the cluster environment."""
-    process_id: int | None = None
-    """This process's index, 0 .. num_processes - 1 (with coordinator_address); None: from the cluster environment."""
-
-    def __post_init__(self):
-        sizes = {name: getattr(self, name) for name in MESH_AXES}
-        for name, size in sizes.items():
-            if not (isinstance(size, int) and not isinstance(size, bool) and (size >= 1 or size == -1)):
-                raise ValueError(f"parallel.{name} must be a positive integer or -1 (fill), got {size!r}")
-        if list(sizes.values()).count(-1) > 1:
-            filled = [f"parallel.{name}" for name, size in sizes.items() if size == -1]
-            raise ValueError(f"only one mesh axis may be -1 (fill the remaining devices); got {', '.join(filled)}")
-        if self.distributed not in DISTRIBUTED_MODES:
-            raise ValueError(f"parallel.distributed must be one of {DISTRIBUTED_MODES}, got {self.distributed!r}")
-        for name in ("num_processes", "process_id"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value >= (1 if name == "num_processes" else 0)):
-                raise ValueError(f"parallel.{name} must be {'>= 1' if name == 'num_processes' else '>= 0'} or None, got {value!r}")
-
 
 # --- meshes ------------------------------------------------------------------------------------
 
@@ -89,7 +40,7 @@ def mesh_shape(config: ParallelConfig, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The (data, fsdp, context, tensor, expert) mesh. With one process the mesh may use fewer devices than exist
+    """The mesh, its axes in MESH_AXES order. With one process the mesh may use fewer devices than exist
     (the first ones); across processes it must use them all (every process takes part in each step)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(config, len(devices))

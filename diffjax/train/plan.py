@@ -33,11 +33,12 @@ import os
 import numpy as np
 
 from diffjax.config import ModelConfig
+from diffjax.mesh_axes import MESH_AXES, splitting
 from diffjax.ops.choice import DEVICES, choose
-from diffjax.sharding import _RULES, logical_spec
+from diffjax.sharding import logical_spec
 from diffjax.train.batching import plan_batch
 from diffjax.train.config import RunConfig
-from diffjax.train.mesh import MESH_AXES, check_model_fits_mesh, mesh_shape
+from diffjax.train.mesh import check_model_fits_mesh, mesh_shape
 from diffjax.train.step import resolve_loss_chunk
 
 GiB = 2**30
@@ -88,9 +89,7 @@ def params_bytes(params, sizes: dict[str, int]) -> int:
 
 def split_of(logical: str, sizes: dict[str, int]) -> int:
     """How many ways the rules split an activation's logical axis on this mesh (batch, length, act_heads, ...)."""
-    axes = _RULES[logical]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(sizes.get(axis, 1) for axis in axes)
+    return math.prod(sizes.get(axis, 1) for axis in splitting(logical))
 
 
 @dataclasses.dataclass(frozen=True)
