@@ -59,3 +59,11 @@ def test_the_package_names_still_resolve():
               "'diff_attention' in dir(diffjax))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["(1,", "2)", "load_hf", "True"]
+
+
+def test_the_run_config_loads_no_jax():
+    """The run config's sections are jax-free (their code lives beside them: diffjax.lora_config / lora,
+    train.optimizer_config / optimizer, mesh_axes / train.mesh; diffjax.data's names load on use), so `--help-keys`,
+    the docs build and config checks pay for no jax, optax, grain or flax."""
+    code = "from diffjax.train.config import RunConfig, load_run_config\nload_run_config('tiny', ['model.mlp=moe'])"
+    assert not {"jax", "jaxlib", "optax", "grain", "flax", "orbax"} & loaded_packages(code)

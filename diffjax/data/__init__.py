@@ -7,15 +7,28 @@
     eval_batches = make_eval_batches(data_config, tokenizer, batch_size=B)
 """
 
-from diffjax.data.builtin import (
-    DEFAULT_CORPUS_BYTES,
-    builtin_documents,
-    builtin_held_out,
-    stdlib_source_files,
-)
-from diffjax.data.pipeline import BATCH_KEYS, make_eval_batches, make_train_dataset, pack_documents
-from diffjax.data.sources import JsonlSource, ListSource, ParquetSource, TextFileSource, expand_paths, open_documents
-from diffjax.data.split import is_eval_document, split_documents
+# The names load on first use, so that the run config's DataConfig (diffjax.data.config) loads no grain or jax.
+_EXPORTS = {
+    **dict.fromkeys(("DEFAULT_CORPUS_BYTES", "builtin_documents", "builtin_held_out", "stdlib_source_files"),
+                    "diffjax.data.builtin"),
+    **dict.fromkeys(("BATCH_KEYS", "make_eval_batches", "make_train_dataset", "pack_documents"), "diffjax.data.pipeline"),
+    **dict.fromkeys(("JsonlSource", "ListSource", "ParquetSource", "TextFileSource", "expand_paths", "open_documents"),
+                    "diffjax.data.sources"),
+    **dict.fromkeys(("is_eval_document", "split_documents"), "diffjax.data.split"),
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'diffjax.data' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "BATCH_KEYS",

@@ -11,7 +11,7 @@ _EXPORTS = {
     "Hook": "diffjax.train.hooks",
     "train": "diffjax.train.loop",
     "Run": "diffjax.train.run", "TrainResult": "diffjax.train.run", "setup_run": "diffjax.train.run",
-    "OptimizerConfig": "diffjax.train.optimizer", "make_optimizer": "diffjax.train.optimizer",
+    "OptimizerConfig": "diffjax.train.optimizer_config", "make_optimizer": "diffjax.train.optimizer",
     "make_schedule": "diffjax.train.optimizer", "weight_decay_mask": "diffjax.train.optimizer",
 }
 

@@ -47,12 +47,7 @@ def main(argv=None) -> int:
     if (args.device is not None or args.devices is not None) and not args.plan:
         parser.error("--device and --devices go with --plan")
 
-    from diffjax.log_lines import print_package_logs
-    from diffjax.train import load_run_config, train
-    from diffjax.train.guard import DivergedError
-    from diffjax.train.loop import Interrupted
-    from diffjax.train.metrics import MetricsWriteError
-    from diffjax.train.state_checkpoints import SaveError
+    from diffjax.train.config import load_run_config  # (no jax: --help-keys loads none)
 
     try:
         config = load_run_config(args.config, args.overrides)
@@ -66,6 +61,13 @@ def main(argv=None) -> int:
         return 0
     if args.plan:
         return _plan(config, args.device or "cpu", args.devices)
+    from diffjax.log_lines import print_package_logs
+    from diffjax.train import train
+    from diffjax.train.guard import DivergedError
+    from diffjax.train.loop import Interrupted
+    from diffjax.train.metrics import MetricsWriteError
+    from diffjax.train.state_checkpoints import SaveError
+
     print_package_logs()  # (train.init_from's reader warns through logging)
     try:
         result = train(config)

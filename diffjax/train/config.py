@@ -21,10 +21,10 @@ from diffjax import attention_kinds, storage
 from diffjax.config import ModelConfig
 from diffjax.config_values import build_config, plain, read_yaml_mapping
 from diffjax.data.config import DataConfig
-from diffjax.lora import LoraConfig
-from diffjax.train.config_files import config_file
+from diffjax.lora_config import LoraConfig
 from diffjax.mesh_axes import ParallelConfig
-from diffjax.train.optimizer import OptimizerConfig
+from diffjax.train.config_files import config_file
+from diffjax.train.optimizer_config import OptimizerConfig
 
 PROGRESS_STYLES = ("auto", "bar", "lines")
 NONFINITE_MODES = ("stop", "skip")

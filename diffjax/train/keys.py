@@ -14,11 +14,11 @@ from typing import Any, Callable
 
 from diffjax import attention_impls, attention_kinds, config, mlp_kinds, residual_kinds
 from diffjax.data.config import DATA_SOURCES
-from diffjax.lora import target_names
+from diffjax.lora_config import target_names
+from diffjax.mesh_axes import DISTRIBUTED_MODES
 from diffjax.tokenizers.config import TOKENIZER_KINDS
 from diffjax.train import config as run_config
-from diffjax.mesh_axes import DISTRIBUTED_MODES
-from diffjax.train.optimizer import DECAYS
+from diffjax.train.optimizer_config import DECAYS
 
 # Keys whose value is one of a fixed set (a list key: a list of them), read when asked so that a kind registered
 # later is listed. A kind's options are keyed as `<part>_options.<field>` whichever kind they belong to.
