@@ -24,6 +24,7 @@ from diffjax.log_lines import os_error_line
 from diffjax.params_checkpoint import int_keys, is_stacked
 from diffjax.run_dir import DATA_ITEM, INCOMPLETE_DIR, RunDir, RunDirInUseError, state_dir
 from diffjax.sharding import key_names
+from diffjax.state_layout import PARAMS
 
 
 class AdoptionRefused(ValueError):
@@ -81,7 +82,7 @@ def _restore_problem(step_dir: Path) -> str | None:
             restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
             restored = checkpointer.restore(state_dir(step_dir), args=ocp.args.PyTreeRestore(
                 target, restore_args=restore_args, partial_restore=True))
-            problem = _non_finite(restored) or (_never_written(restored) if key == "params" else None)
+            problem = _non_finite(restored) or (_never_written(restored) if key == PARAMS else None)
             if problem is not None:
                 return problem
             del restored

@@ -186,6 +186,9 @@ def named_class(kind: str, named: str | type, base: type) -> type:
 
 
 
+FIRST_SEGMENT = "blocks"  # the params key of a model's first (often only) segment of layers
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """A run of consecutive layers [start, stop) built alike: one scanned stack of `config`'s block (the model's
@@ -199,7 +202,16 @@ class Segment:
 
     @property
     def name(self) -> str:
-        return "blocks" if self.start == 0 else f"blocks_from_{self.start}"
+        return FIRST_SEGMENT if self.start == 0 else f"{FIRST_SEGMENT}_from_{self.start}"
+
+    @staticmethod
+    def start_of(name: str) -> int | None:
+        """The first layer of the segment whose params live under `name` (Segment.name's inverse); None when `name`
+        names no segment (the embedding, the final norm, ...)."""
+        if name == FIRST_SEGMENT:
+            return 0
+        prefix, _, start = name.partition("_from_")
+        return int(start) if prefix == FIRST_SEGMENT and start.isdigit() and start[0] != "0" else None
 
     @property
     def num_layers(self) -> int:

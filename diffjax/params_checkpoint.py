@@ -28,11 +28,12 @@ import yaml
 from diffjax import integrity, lora, storage
 from diffjax.config import ModelConfig
 from diffjax.config_values import read_yaml_mapping
+from diffjax.kinds import FIRST_SEGMENT, Segment
 from diffjax.log_lines import after_a_failed_write, drop_late_write_callbacks
 from diffjax.run_dir import DIGEST_FILE, INCOMPLETE_DIR, STATE_ITEM, TEMPORARY_MARK, RunDir, state_dir
 from diffjax.sharding import key_names
+from diffjax.state_layout import BASE_CHECKSUMS, PARAMS
 
-STACKED = "blocks"  # the params key whose leaves carry the leading layers axis
 CHUNK_BYTES = 8 * 2**20
 
 
@@ -157,14 +158,14 @@ def state_keys(step_dir: Path) -> set[str]:
 
 def is_per_layer(saved_params: Mapping) -> bool:
     """True for params saved one entry per layer ({"blocks": {"0": ..., "1": ...}}), the layout before stacking."""
-    blocks = saved_params.get(STACKED)
+    blocks = saved_params.get(FIRST_SEGMENT)
     return isinstance(blocks, Mapping) and bool(blocks) and all(str(key).isdigit() for key in blocks)
 
 
 def refuse_per_layer(step_dir: Path, what: str, saved_params: Mapping | None = None) -> None:
     """A clear error for a full train state saved per layer: its optimizer state cannot be resumed as is.
     saved_params: the checkpoint's params metadata when the caller has it (else read from step_dir)."""
-    saved = _saved_metadata(step_dir).get("params") if saved_params is None else saved_params
+    saved = _saved_metadata(step_dir).get(PARAMS) if saved_params is None else saved_params
     if saved is not None and is_per_layer(saved):
         raise ValueError(
             f"{what}: checkpoint {step_dir} stores the decoder blocks' params one entry per layer (written before "
@@ -176,9 +177,9 @@ def refuse_per_layer(step_dir: Path, what: str, saved_params: Mapping | None = N
 
 def stack_layers(params: dict) -> dict:
     """Per-layer params ({"blocks": {i: tree}}) -> stacked ({"blocks": tree of [L, ...]}), host numpy."""
-    blocks = params[STACKED]
+    blocks = params[FIRST_SEGMENT]
     layers = [blocks[key] for key in sorted(blocks, key=int)]
-    return {**params, STACKED: jax.tree.map(lambda *xs: np.stack(xs), *layers)}
+    return {**params, FIRST_SEGMENT: jax.tree.map(lambda *xs: np.stack(xs), *layers)}
 
 
 def int_keys(tree: Any) -> Any:
@@ -218,7 +219,7 @@ def load_params(path: str | Path, abstract_params: Any = None, *, what: str = "c
 
     step_dir = resolve_checkpoint(path, what)
     checkpointer = ocp.PyTreeCheckpointer()
-    saved = checkpointer.metadata(state_dir(step_dir)).item_metadata.get("params")
+    saved = checkpointer.metadata(state_dir(step_dir)).item_metadata.get(PARAMS)
     if saved is None:
         raise ValueError(f"{what}: checkpoint {step_dir} holds no params")
     per_layer = is_per_layer(saved)
@@ -232,8 +233,8 @@ def load_params(path: str | Path, abstract_params: Any = None, *, what: str = "c
     try:
         restored = checkpointer.restore(
             state_dir(step_dir),
-            args=ocp.args.PyTreeRestore({"params": target}, restore_args={"params": restore_args}, partial_restore=True),
-        )["params"]
+            args=ocp.args.PyTreeRestore({PARAMS: target}, restore_args={PARAMS: restore_args}, partial_restore=True),
+        )[PARAMS]
     except (ValueError, KeyError) as error:
         raise ValueError(f"{message} ({error})") from None
     if not per_layer:
@@ -291,7 +292,7 @@ class _LeafWriter:
     def write(self, path: tuple, index: int | None, array) -> None:
         import tensorstore as ts
 
-        name = ".".join(("params",) + path)
+        name = ".".join((PARAMS,) + path)
         if path not in self.leaves:
             raise KeyError(f"{name} is no parameter of this checkpoint")
         shape, dtype = self.leaves[path]
@@ -317,8 +318,8 @@ class _LeafWriter:
 
 
 def is_stacked(path: tuple) -> bool:
-    """Under "blocks", or a model of several segments' "blocks_from_<start>" (diffjax.kinds.Segment)."""
-    return path[0] == STACKED or path[0].startswith(f"{STACKED}_from_")
+    """Under a layer segment's stack: "blocks", or a model of several segments' "blocks_from_<start>"."""
+    return Segment.start_of(path[0]) is not None
 
 
 def nested(flat: Mapping[tuple, Any]) -> dict:
@@ -367,8 +368,8 @@ def _write_state(run: RunDir, step: int, params: Any) -> None:
         if is_stacked((name,)):
             save_args[name] = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,)), params[name])
     try:
-        manager.save(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave({"params": params},
-                                                                                        save_args={"params": save_args})}),
+        manager.save(step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave({PARAMS: params},
+                                                                                        save_args={PARAMS: save_args})}),
                      force=True)
         manager.wait_until_finished()
     except Exception as error:  # Orbax raises tensorstore's write errors as ValueError
@@ -426,9 +427,6 @@ def load_model(path: str | Path, *, what: str = "checkpoint"):
 
 # --- LoRA runs: a checkpoint holds the adapters; the model is its base (train.init_from) with them merged ----------
 
-LORA_CHECKSUMS = "base_checksums"  # the trainer's state key (diffjax.train.step.sharded_lora_init)
-
-
 def _read_state_items(step_dir: Path, keys: tuple[str, ...]) -> dict:
     """Items of a trainer checkpoint's state as host numpy arrays (nothing else is read)."""
     import orbax.checkpoint as ocp
@@ -459,7 +457,7 @@ class LoraRun:
 
     def check_base(self, base_checksums: dict) -> None:
         """Refuse a base whose checksums (lora.checksums) differ from those the checkpoint was saved with."""
-        lora.check_same_base(self.saved[LORA_CHECKSUMS], base_checksums, self.step_dir, self.init_from,
+        lora.check_same_base(self.saved[BASE_CHECKSUMS], base_checksums, self.step_dir, self.init_from,
                              "the adapters fit the base they were trained on only")
 
 
@@ -483,7 +481,7 @@ def lora_run(path: str | Path, *, what: str = "checkpoint") -> LoraRun | None:
     if differing:
         raise ValueError(f"the LoRA run {run.path} and its base {base_step} (train.init_from) are different models "
                          f"(model.{', model.'.join(differing)} differ)")
-    saved = _read_state_items(step_dir, ("params", LORA_CHECKSUMS))
+    saved = _read_state_items(step_dir, (PARAMS, BASE_CHECKSUMS))
     return LoraRun(config, model_config, step_dir, init_from, base_step, base_what, saved)
 
 
@@ -499,7 +497,7 @@ def merged_lora_params(path: str | Path, *, what: str = "checkpoint") -> tuple[d
     nested_run = merged_lora_params(run.base_step, what=run.base_what)
     base = nested_run[0] if nested_run is not None else load_params(run.base_step, what=run.base_what)
     run.check_base(jax.device_get(jax.jit(lora.checksums)(base)))
-    merged = lora.model_params(run.saved["params"], base, run.config)
+    merged = lora.model_params(run.saved[PARAMS], base, run.config)
     root_step = nested_run[2] if nested_run is not None else run.base_step  # (whose hf/ files an export keeps)
     return jax.tree.map(np.asarray, merged), run.model_config, root_step
 
@@ -526,7 +524,7 @@ class CheckpointParams(Mapping):
 
         self._directory = state_dir(step_dir)
         self._checkpointer = ocp.PyTreeCheckpointer()
-        saved = self._checkpointer.metadata(self._directory).item_metadata.get("params")
+        saved = self._checkpointer.metadata(self._directory).item_metadata.get(PARAMS)
         if saved is None:
             raise ValueError(f"checkpoint {step_dir} holds no params")
         per_layer = is_per_layer(saved)
@@ -534,13 +532,13 @@ class CheckpointParams(Mapping):
         for key_path, meta in jax.tree_util.tree_leaves_with_path(saved):
             stored = tuple(str(getattr(k, "key", k)) for k in key_path)
             path, shape = stored, tuple(meta.shape)
-            if per_layer and stored[0] == STACKED:
-                path = (STACKED,) + stored[2:]
-                shape = (len(saved[STACKED]),) + shape
+            if per_layer and stored[0] == FIRST_SEGMENT:
+                path = (FIRST_SEGMENT,) + stored[2:]
+                shape = (len(saved[FIRST_SEGMENT]),) + shape
             self._stored.setdefault(path, []).append(stored)
             self.shapes[path], self.dtypes[path] = shape, np.dtype(meta.dtype)
         for stored in self._stored.values():
-            stored.sort(key=lambda keys: int(keys[1]) if per_layer and keys[0] == STACKED else 0)
+            stored.sort(key=lambda keys: int(keys[1]) if per_layer and keys[0] == FIRST_SEGMENT else 0)
 
     def _read(self, stored: tuple[str, ...], shape, dtype) -> np.ndarray:
         import orbax.checkpoint as ocp
@@ -548,10 +546,10 @@ class CheckpointParams(Mapping):
         item = np.empty(shape, dtype)
         for key in reversed(stored):
             item = {key: item}
-        restore_args = {"params": _map_leaves(item, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))}
+        restore_args = {PARAMS: _map_leaves(item, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))}
         restored = self._checkpointer.restore(
-            self._directory, args=ocp.args.PyTreeRestore({"params": item}, restore_args=restore_args, partial_restore=True)
-        )["params"]
+            self._directory, args=ocp.args.PyTreeRestore({PARAMS: item}, restore_args=restore_args, partial_restore=True)
+        )[PARAMS]
         for key in stored:
             restored = restored[key]
         return restored
@@ -576,7 +574,7 @@ class CheckpointParams(Mapping):
         stored = self._stored[path]
         if self._per_layer(path):
             return self._read(stored[depth], self.shapes[path][1:], self.dtypes[path])
-        name = ".".join(("params",) + stored[0])
+        name = ".".join((PARAMS,) + stored[0])
         if (self._directory / "manifest.ocdbt").exists():
             kvstore = {"driver": "ocdbt", "base": f"file://{self._directory}", "path": name}
         else:

@@ -23,7 +23,7 @@ LAYERS = (
     ("ops", ("diffjax.ops",)),
     ("model", ("diffjax.model", "diffjax.losses", "diffjax.lora", "diffjax.generate")),  # and decoding with it
     ("checkpoint", ("diffjax.params_checkpoint", "diffjax.checkpoint", "diffjax.adoption", "diffjax.integrity",
-                    "diffjax.run_dir", "diffjax.storage")),
+                    "diffjax.run_dir", "diffjax.storage", "diffjax.state_layout")),
     ("convert", ("diffjax.convert",)),
     ("tokenizers", ("diffjax.tokenizers",)),
     ("data", ("diffjax.data",)),  # a DataConfig names its tokenizer

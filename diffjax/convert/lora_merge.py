@@ -20,8 +20,9 @@ import numpy as np
 
 from diffjax import lora
 from diffjax.convert.common import refuse_overlap
-from diffjax.params_checkpoint import STACKED, CheckpointParams, lora_run, save_params_streamed
+from diffjax.params_checkpoint import CheckpointParams, is_stacked, lora_run, save_params_streamed
 from diffjax.run_dir import RunDir
+from diffjax.state_layout import PARAMS
 
 
 def merge_lora_directory(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> Path:
@@ -39,7 +40,7 @@ def merge_lora_directory(src: str | Path, dst: str | Path, *, overwrite: bool = 
 
     def fill(write):
         for path, (shape, _) in leaves.items():
-            if path[0].startswith(STACKED):  # "blocks", "blocks_from_<start>": one layer at a time
+            if is_stacked(path):  # a layer segment's stack: one layer at a time
                 for depth in range(shape[0]):
                     write(path, depth, params.layer(path, depth))
             else:
@@ -63,8 +64,8 @@ class LazyMergedParams(Mapping):
         self.root_step = run.base_step if nested_base is None else self.base.root_step
         self.model_config, self.config = run.model_config, run.config
         self.shapes, self.dtypes = self.base.shapes, self.base.dtypes
-        self._trained = dict(lora._flat(run.saved["params"].get(lora.BASE, {})))
-        self._adapters = dict(lora._adapter_pairs(run.saved["params"][lora.ADAPTERS]))
+        self._trained = dict(lora._flat(run.saved[PARAMS].get(lora.BASE, {})))
+        self._adapters = dict(lora._adapter_pairs(run.saved[PARAMS][lora.ADAPTERS]))
         run.check_base({".".join(path): lora.host_checksum(self.base[path]) for path in self.base})
 
     @classmethod

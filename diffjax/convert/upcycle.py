@@ -32,6 +32,7 @@ from flax import nnx
 
 from diffjax.config import ModelConfig
 from diffjax.convert.common import ConversionError, build_module, refuse_overlap
+from diffjax.kinds import FIRST_SEGMENT
 from diffjax.model.transformer import TransformerLM
 
 KINDS = ("diff", "diff_v2")
@@ -62,7 +63,7 @@ def upcycle(model: TransformerLM, kind: str = "diff", second_map: str = "mirror"
         raise ConversionError(f"upcycle: second_map must be one of {SECOND_MAPS}, got {second_map!r}")
     config = upcycled_config(model.config, kind, lambda_init=lambda_init)
     params = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    attn = ("blocks", "attn")
+    attn = (FIRST_SEGMENT, "attn")  # (a model of one segment)
     q_LDHd, o_LHdD = params.pop(attn + ("q_kernel",)), params.pop(attn + ("o_kernel",))
     dtype, (L, D, H, d) = q_LDHd.dtype, q_LDHd.shape
     second_q = q_LDHd if second_map == "mirror" else np.zeros_like(q_LDHd)

@@ -32,6 +32,7 @@ from diffjax.ops.context_parallel import context_order
 from diffjax.params_checkpoint import load_params
 from diffjax.run_dir import RunDir, RunDirInUseError, TrainerLock
 from diffjax.sharding import batch_shards
+from diffjax.state_layout import BASE_CHECKSUMS, PARAMS, RNG
 from diffjax.tokenizers import make_tokenizer
 from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
@@ -100,8 +101,8 @@ class Run:
     def model_params(self) -> dict:
         """The params the model runs with now: state["params"], or with LoRA the base merged with the adapters."""
         if self.frozen is None:
-            return self.state["params"]
-        return lora.model_params(self.state["params"], self.frozen, self.config.lora)
+            return self.state[PARAMS]
+        return lora.model_params(self.state[PARAMS], self.frozen, self.config.lora)
 
     def close(self) -> None:
         """Waits for the last save, then gives up the run directory (train() calls it as the run ends)."""
@@ -138,14 +139,14 @@ class Run:
         scale = lambda_scale(self.config.optim, self.step)  # the next step's: what the model computes now
         scale = jnp.float32(1) if scale is None else scale
         for batch in self.eval_batches:
-            loss_sum, tokens = self.eval_step(self.state["params"], batch, scale)
+            loss_sum, tokens = self.eval_step(self.state[PARAMS], batch, scale)
             total, count = total + float(loss_sum), count + float(tokens)
         return total / max(count, 1.0)
 
     def sample_text(self) -> str:
         train = self.config.train
         model = nnx.merge(self.training.graphdef, self.model_params())
-        key = jax.random.fold_in(jax.random.wrap_key_data(self.state["rng"]), 0)
+        key = jax.random.fold_in(jax.random.wrap_key_data(self.state[RNG]), 0)
         prompt = self.tokenizer.encode(train.sample_prompt)
         # The prompt and the sample share the model's context (max_seq_len): a longer sample is cut there.
         num_tokens = min(train.sample_tokens, self.config.model.max_seq_len - len(prompt))
@@ -283,10 +284,10 @@ def _start_from(plan: StartPlan, checkpointer: Checkpointer, state: dict, data_i
         plan = plan_start(restored, StartSettings.of(config))
     if plan.kind is Start.CONVERTED:  # a converted / exported model: train on from its params
         step_dir = checkpointer.run.step_dir(plan.step)
-        state["params"] = load_params(step_dir, abstract_like(state["params"]))
+        state[PARAMS] = load_params(step_dir, abstract_like(state[PARAMS]))
         log(f"initialized the params from the params-only checkpoint {step_dir}; training starts at step 0")
     elif plan.kind is Start.INIT_FROM:
-        state["params"] = restore_params(plan.init_from, abstract_like(state))
+        state[PARAMS] = restore_params(plan.init_from, abstract_like(state))
         log(f"initialized the params from {plan.init_from}")
     return state, 0, plan.step
 
@@ -295,7 +296,7 @@ def _resumed(restored: Restored, state: dict, data_iter, plan: StartPlan, checkp
              log) -> tuple[dict, int, int]:
     step_dir = checkpointer.run.step_dir(restored.step)
     if plan.lora_base:  # the adapters fit the base they were trained on only
-        lora.check_same_base(jax.device_get(restored.state["base_checksums"]), jax.device_get(state["base_checksums"]),
+        lora.check_same_base(jax.device_get(restored.state[BASE_CHECKSUMS]), jax.device_get(state[BASE_CHECKSUMS]),
                              step_dir, plan.lora_base, "resume with the base it was trained on (or choose another "
                              "train.run_dir)")
     if restored.data_state is None:
@@ -386,13 +387,13 @@ def _lora_state(config: RunConfig, base_path: str, tx, mesh, log) -> tuple[Shard
     train.init_from (at every start: checkpoints hold only the trainable part), split into the params that train
     too (lora.trainable) and the frozen rest."""
     training, base_target, init = sharded_lora_init(config.model, config.lora, tx, mesh)
-    base = restore_params(base_path, {"params": base_target})
+    base = restore_params(base_path, {PARAMS: base_target})
     checksums = jax.jit(lora.checksums)(base)
     chosen, frozen = lora.split_base(base, config.lora)
     state = init(jax.random.key(config.train.seed), chosen, checksums)
     del base
     sizes = {name: sum(x.size for x in jax.tree.leaves(tree)) for name, tree in
-             (("adapters", state["params"][lora.ADAPTERS]), ("base", chosen), ("frozen", frozen))}
+             (("adapters", state[PARAMS][lora.ADAPTERS]), ("base", chosen), ("frozen", frozen))}
     kernels = sorted({path[-1] for path in lora.kernel_specs(config.model, config.lora)})
     log(f"LoRA: rank {config.lora.rank}, alpha {config.lora.alpha:g} on {', '.join(kernels)}; training "
         f"{sizes['adapters']:,} adapter params + {sizes['base']:,} base params "

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from diffjax.log_lines import after_a_failed_write, drop_late_write_callbacks
 from diffjax.params_checkpoint import check_same_params, load_model_params, refuse_per_layer
 from diffjax.run_dir import COMMIT_FILE, DATA_ITEM, STATE_ITEM, TEMPORARY_MARK, RunDir
+from diffjax.state_layout import PARAMS
 from diffjax import integrity, storage
 from diffjax.train.config import CheckpointConfig
 from diffjax.train.mesh import allgather_json
@@ -115,7 +116,7 @@ class Checkpointer:
         return set(self.manager.item_metadata(step)[STATE_ITEM].keys())
 
     def holds_params_only(self, step: int) -> bool:
-        return self.state_keys(step) == {"params"}
+        return self.state_keys(step) == {PARAMS}
 
     def survey(self, log) -> RunDirState:
         """What the run directory holds, for start.plan_start: its newest intact checkpoint (each damaged newer one
@@ -206,10 +207,10 @@ class Checkpointer:
         """(state, this process's data-iterator state) of checkpoint `step`. `abstract_state` gives structure,
         shapes, dtypes and the shardings to restore onto (any mesh). The data state is None when the
         checkpoint was written by a different number of processes (their positions do not map)."""
-        saved_params = self.manager.item_metadata(step)[STATE_ITEM]["params"]
+        saved_params = self.manager.item_metadata(step)[STATE_ITEM][PARAMS]
         refuse_per_layer(self.run.step_dir(step), "resume", saved_params)
         check_same_params(
-            saved_params, abstract_state["params"],
+            saved_params, abstract_state[PARAMS],
             f"checkpoint {self.run.step_dir(step)} holds a different model than this run's (resume it with the "
             "model it was trained with, or choose another train.run_dir)",
         )
@@ -290,7 +291,7 @@ class Checkpointer:
 def restore_params(path: str | Path, abstract_state: Any) -> Any:
     """train.init_from: the params of a run directory / checkpoint (a LoRA run's merged), shaped and placed like
     this run's."""
-    return load_model_params(path, abstract_state["params"], what="train.init_from")
+    return load_model_params(path, abstract_state[PARAMS], what="train.init_from")
 
 
 def abstract_like(tree):

@@ -1,8 +1,8 @@
 """The train state, created already sharded, and the train and eval steps jitted with explicit shardings.
 
-State: {"params": pure dict, "opt_state": optax state, "step": int32, "rng": uint32 key data}.
-With LoRA (diffjax.lora; `sharded_lora_init`) "params" holds only what trains ({"lora": adapters, "base": the
-base params that train too}) and the state adds "base_checksums"; the frozen base is not in the state (so neither
+State: {PARAMS: pure dict, OPT_STATE: optax state, STEP: int32, RNG: uint32 key data} (diffjax.state_layout).
+With LoRA (diffjax.lora; `sharded_lora_init`) PARAMS holds only what trains ({"lora": adapters, "base": the
+base params that train too}) and the state adds BASE_CHECKSUMS; the frozen base is not in the state (so neither
 in the optimizer state nor in checkpoints): the steps take it as an extra argument and run the model with
 lora.model_params(params, frozen).
 A step's batch is [accum_steps, micro_batch, seq_len] per key (without "segment_ids": one document per row, and
@@ -28,18 +28,18 @@ from diffjax.losses import chunked_loss_sum_and_count, loss_sum_and_count, next_
 from diffjax.model import TransformerLM, layer_outputs
 from diffjax.model.facets import model_facets, output_names
 from diffjax.ops.context_parallel import context_size, to_context_order
+from diffjax.state_layout import BASE_CHECKSUMS, OPT_STATE, PARAMS, RNG, STEP
 from diffjax.train import guard
 from diffjax.train.mesh import check_model_fits_mesh
 
 
 def init_state(model, tx: optax.GradientTransformation, key: jax.Array) -> dict:
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return {
-        "params": params,
-        "opt_state": tx.init(params),
-        "step": jnp.zeros((), jnp.int32),
-        "rng": jax.random.key_data(key),
-    }
+    return fresh_state(nnx.to_pure_dict(nnx.state(model, nnx.Param)), tx, key)
+
+
+def fresh_state(params: dict, tx: optax.GradientTransformation, key: jax.Array) -> dict:
+    """The train state at step 0 (diffjax.state_layout) of `params` (with LoRA: what trains)."""
+    return {PARAMS: params, OPT_STATE: tx.init(params), STEP: jnp.zeros((), jnp.int32), RNG: jax.random.key_data(key)}
 
 
 # train.loss_chunk None ("auto"): the loss runs in chunks of this many tokens when the vocabulary has at least
@@ -107,8 +107,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             return _train_step(state, batch, frozen)
 
     def _train_step(state, batch, frozen):
-        params = state["params"]
-        scale = None if lambda_schedule is None else lambda_schedule(state["step"])
+        params = state[PARAMS]
+        scale = None if lambda_schedule is None else lambda_schedule(state[STEP])
 
         def loss_and_aux(p, micro):
             loss_sum, count, outputs = _forward(graphdef, _model_params(p, frozen, lora_config), micro, loss_chunk,
@@ -128,7 +128,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         outputs = layer_outputs.combine(outputs)  # the step's micro-batches together
         denominator = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads_sum, params)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        updates, opt_state = tx.update(grads, state[OPT_STATE], params)
         new_params = optax.apply_updates(params, updates)
         if lora_config is None:  # (with LoRA the base is frozen)
             for facet in facets:
@@ -139,12 +139,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             facet_ok = facet.step_ok(outputs)
             ok = ok if facet_ok is None else ok & facet_ok
         if on_nonfinite == "skip":
-            new_params, opt_state = guard.keep_old_if_bad(ok, (new_params, opt_state), (params, state["opt_state"]))
+            new_params, opt_state = guard.keep_old_if_bad(ok, (new_params, opt_state), (params, state[OPT_STATE]))
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
             "ok": ok,
-            "lr": schedule(state["step"]),
+            "lr": schedule(state[STEP]),
             "loss_tokens": count,
         }
         for facet in facets:
@@ -152,8 +152,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                                                                                            lora_config))))
         if scale is not None:
             metrics["lambda_scale"] = scale
-        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
-        new_state = {**state, "params": new_params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}
+        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state[RNG]))[0])
+        new_state = {**state, PARAMS: new_params, OPT_STATE: opt_state, STEP: state[STEP] + 1, RNG: rng}
         return new_state, metrics
 
     return train_step
@@ -202,7 +202,7 @@ class ShardedTraining:
         loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
         frozen = (self.frozen_shardings,) if self.lora is not None else ()
         return jax.jit(make_eval_step(self.graphdef, self.mesh, loss_chunk, self.lora),
-                       in_shardings=(self.state_shardings["params"], self.eval_batch_sharding, self.replicated, *frozen),
+                       in_shardings=(self.state_shardings[PARAMS], self.eval_batch_sharding, self.replicated, *frozen),
                        out_shardings=self.replicated)
 
 
@@ -231,8 +231,8 @@ def _sharded_training(mesh: Mesh, abstract_model, abstract_state: dict, params_s
     rest (step, rng, LoRA's base checksums) replicated."""
     replicated = NamedSharding(mesh, P())
     state_shardings = {key: jax.tree.map(lambda _: replicated, value) for key, value in abstract_state.items()}
-    state_shardings["params"] = params_shardings
-    state_shardings["opt_state"] = sharding.shardings_like(abstract_state["opt_state"], abstract_state["params"],
+    state_shardings[PARAMS] = params_shardings
+    state_shardings[OPT_STATE] = sharding.shardings_like(abstract_state[OPT_STATE], abstract_state[PARAMS],
                                                            params_shardings, mesh)
     return ShardedTraining(
         mesh=mesh,
@@ -266,8 +266,7 @@ def sharded_lora_init(model_config: ModelConfig, lora_config: lora.LoraConfig, t
 
     def make_state(key, chosen, checksums):
         trainable = lora.trainable_params(lora.init_adapters(specs, lora_config, jax.random.fold_in(key, 1)), chosen)
-        return {"params": trainable, "opt_state": tx.init(trainable), "step": jnp.zeros((), jnp.int32),
-                "rng": jax.random.key_data(key), "base_checksums": checksums}
+        return {**fresh_state(trainable, tx, key), BASE_CHECKSUMS: checksums}
 
     abstract_state = jax.eval_shape(make_state, jax.random.key(0), chosen_target, jax.eval_shape(lora.checksums, base_target))
     training = _sharded_training(mesh, abstract_model, abstract_state, params_shardings, lora=lora_config,
