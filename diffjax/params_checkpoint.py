@@ -253,7 +253,7 @@ def save_params(run_dir: str | Path, params: Any, model_config: ModelConfig, *, 
     `train.py train.run_dir=<run_dir>` continues training from it (a fresh optimizer), `train.init_from`
     fine-tunes from it and `load_model` loads it. Refuses a directory that already holds checkpoints.
     """
-    run = _new_params_run(run_dir)
+    run = RunDir.for_params(run_dir)
     _write_state(run, step, jax.tree.map(np.asarray, params))  # jax arrays to host numpy (numpy arrays: no copy)
     return _complete(run, step, model_config, data, optim)
 
@@ -268,7 +268,7 @@ def save_params_streamed(run_dir: str | Path, leaves: Mapping[tuple, tuple[tuple
     incomplete-checkpoint/ (run_dir.INCOMPLETE_DIR); the step moves into checkpoints/ with its digest, and config.yaml
     follows, only when every piece was written: a killed or failed fill never looks like a checkpoint (a failure
     removes what it wrote)."""
-    run = _new_params_run(run_dir)
+    run = RunDir.for_params(run_dir)
     placeholders = nested({path: np.broadcast_to(np.zeros((), dtype), shape) for path, (shape, dtype) in leaves.items()})
     _write_state(run, step, placeholders)
     writer = _LeafWriter(state_dir(run.incomplete / str(step)), leaves)
@@ -331,17 +331,6 @@ def nested(flat: Mapping[tuple, Any]) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return tree
-
-
-def _new_params_run(run_dir: str | Path) -> RunDir:
-    run = RunDir(storage.absolute(run_dir))
-    if run.has_checkpoints():
-        raise FileExistsError(f"{run.checkpoints} already holds checkpoints; choose an empty directory")
-    if run.incomplete.exists():
-        raise FileExistsError(f"{run.incomplete} holds a checkpoint that was never completed (a conversion that did not "
-                              "finish): remove it (a conversion's --overwrite does) or choose an empty directory")
-    run.path.mkdir(parents=True, exist_ok=True)
-    return run
 
 
 def _write_state(run: RunDir, step: int, params: Any) -> None:

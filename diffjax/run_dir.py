@@ -18,12 +18,13 @@ A run directory is a local path or a gs:// URL (diffjax.storage: pathlib.Path or
 here works on both, except the conversion's (a local directory: transformers writes hf/) and the lock (on gs://
 a record, not an flock: TrainerLock).
 
-Opened four ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; then
+Opened five ways: `RunDir.for_training(path)` (a new run or a resume: created if absent; then
 `lock_for_training()` makes it one trainer's, which holds this RunDir: diffjax.train.run's Run.directory),
 `RunDir.for_reading(path, what)` (a run directory, its checkpoints/ or one step: the step to load, with one-line
 errors naming `what`), `RunDir.for_conversion(path, overwrite=)`
 (an empty directory the converter fills, once it holds the lock: `lock_for_writing(command)`, which adopt takes
-too), and `RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
+too), `RunDir.for_params(path)` (where save_params writes a params-only checkpoint: no checkpoints there yet), and
+`RunDir.of_step(step_dir)` (the run a checkpoint belongs to).
 Who writes what: diffjax.params_checkpoint (params-only checkpoints and config.yaml), diffjax.train.state_checkpoints
 (the trainer's Orbax checkpoints, digests via diffjax.integrity), diffjax.train.metrics (metrics.jsonl,
 TensorBoard), diffjax.convert.hf_directories (hf/), diffjax.train.wandb_log (wandb-run.json; W&B writes wandb/).
@@ -119,6 +120,19 @@ class RunDir:
                                   "directory the conversion can write")
         path.mkdir(parents=True, exist_ok=True)
         return cls(path)
+
+    @classmethod
+    def for_params(cls, path: str | Path) -> "RunDir":
+        """A directory a params-only checkpoint is written into (save_params: a conversion's, a merge's, a user's),
+        created; refused if it holds checkpoints or one never completed."""
+        run = cls(storage.absolute(path))
+        if run.has_checkpoints():
+            raise FileExistsError(f"{run.checkpoints} already holds checkpoints; choose an empty directory")
+        if run.incomplete.exists():
+            raise FileExistsError(f"{run.incomplete} holds a checkpoint that was never completed (a conversion that did "
+                                  "not finish): remove it (a conversion's --overwrite does) or choose an empty directory")
+        run.path.mkdir(parents=True, exist_ok=True)
+        return run
 
     def remove_conversion_outputs(self) -> None:
         """Removes what a conversion writes (its --overwrite), nothing else; call it holding lock_for_writing()."""

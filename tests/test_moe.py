@@ -302,6 +302,20 @@ def test_dense_first_layers_are_a_segment_of_their_own():
     assert [s.name for s in plain.segments()] == ["blocks"] and not hasattr(plain, "blocks_from_2")
 
 
+def test_the_checkpoint_readers_find_the_segments_from_their_names():
+    """The params keys that is_stacked (checkpoints, LoRA merge, adoption) takes for stacks are the segments'."""
+    from diffjax.kinds import Segment, layer_segments
+    from diffjax.params_checkpoint import is_stacked
+
+    config = ModelConfig(**STACK)
+    params = nnx.to_pure_dict(nnx.eval_shape(lambda: nnx.state(TransformerLM(config, rngs=nnx.Rngs(0)), nnx.Param)))
+    segments = layer_segments(config)
+    assert [s.name for s in segments] == ["blocks", "blocks_from_2"]  # (the names on disk)
+    assert {name for name in params if is_stacked((name,))} == {s.name for s in segments}
+    assert [Segment.start_of(s.name) for s in segments] == [0, 2]
+    assert [Segment.start_of(name) for name in ("blocks_from_", "blocks_from_02", "blocksy_from_2")] == [None] * 3
+
+
 @pytest.mark.parametrize("dense, step", [(0, 1), (2, 1), (1, 2), (0, 3), (7, 1)])
 def test_the_moe_layers_are_the_references(dense, step):
     from motif3_published import is_moe_layer

@@ -75,6 +75,24 @@ def test_no_other_module_spells_the_layout():
     assert not offenders, "\n".join(offenders)
 
 
+def _lines_matching(pattern: re.Pattern, owner: str) -> list[str]:
+    return [f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}"
+            for path in sorted((REPO_ROOT / "diffjax").rglob("*.py")) if path.relative_to(REPO_ROOT).as_posix() != owner
+            for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+
+
+def test_a_run_dir_is_opened_by_its_owner_only():
+    """Outside run_dir.py a RunDir comes from one of its openers (for_training, for_reading, for_conversion,
+    for_params, of_step), each with its checks, never from a bare RunDir(path)."""
+    assert not _lines_matching(re.compile(r"(?<![\w.])RunDir\("), "diffjax/run_dir.py")
+
+
+def test_the_train_state_keys_are_spelled_by_state_layout_only():
+    """The state's keys are diffjax.state_layout's names ("params", "step" and "rng" are common words elsewhere:
+    its distinctive keys are searched)."""
+    assert not _lines_matching(re.compile(r"[\"'](opt_state|base_checksums)[\"']"), "diffjax/state_layout.py")
+
+
 def test_the_trainer_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
     import subprocess
     import sys

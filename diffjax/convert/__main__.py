@@ -127,7 +127,7 @@ def main(argv=None) -> int:
             step_dir = hf_to_diffjax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=_progress,
                                      revision=args.revision, trust_remote_code=args.trust_remote_code)
             print(f"wrote {step_dir} (run directory {args.dst}; "
-                  f"{_fine_tune_hint(RunDir(args.dst).config_file, args.dst)})")
+                  f"{_fine_tune_hint(RunDir.of_step(step_dir).config_file, args.dst)})")
         elif args.command == "diffjax-to-hf":
             from diffjax.convert.hf_directories import diffjax_to_hf
             out = diffjax_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_size=args.shard_size,
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                                          lambda_init=args.lambda_init, seed=args.seed,
                                          lambda_warmup_steps=args.lambda_warmup, overwrite=args.overwrite,
                                          revision=args.revision)
-            print(f"wrote {step_dir} ({_fine_tune_hint(RunDir(args.dst).config_file, args.dst)})")
+            print(f"wrote {step_dir} ({_fine_tune_hint(RunDir.of_step(step_dir).config_file, args.dst)})")
         elif args.command == "merge-lora":
             from diffjax.convert.lora_merge import merge_lora_directory
             step_dir = merge_lora_directory(args.src, args.dst, overwrite=args.overwrite)

@@ -103,13 +103,13 @@ def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", o
     read (diffjax.convert.lora_merge.LazyMergedParams)."""
     from diffjax.convert.lora_merge import LazyMergedParams
 
-    run_dir, step_dir, config = read_run_config(src)
+    _, step_dir, config = read_run_config(src)
     params = LazyMergedParams.of(step_dir)
     if params is not None:  # a LoRA run: its adapters merged into the base (train.init_from), whose hf/ files it has
-        config, run_dir = params.model_config, RunDir.of_step(params.root_step).path
+        config, step_dir = params.model_config, params.root_step
     else:
         params = CheckpointParams(step_dir)
-    side = RunDir(run_dir).hf
+    side = RunDir.of_step(step_dir).hf
     base = read_hf_config(side) if (side / "config.json").exists() else None
     extra = [f for f in sorted(side.iterdir()) if f.is_file()] if side.is_dir() else []
     return save_hf(params, dst, config, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,

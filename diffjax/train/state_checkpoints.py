@@ -62,7 +62,7 @@ class _OrbaxErrorsWeReport(logging.Filter):
 
 class Checkpointer:
     def __init__(self, run: RunDir | str | Path, config: CheckpointConfig):
-        self.run = (run if isinstance(run, RunDir) else RunDir(run)).absolute()  # (tools and tests pass a path)
+        self.run = (run if isinstance(run, RunDir) else RunDir.for_training(run)).absolute()  # (tests pass a path)
         self.directory = self.run.checkpoints
         self._async, self._saving, self._keep, self._failed = config.async_save, None, config.keep, False
         self._continuable_below = None  # of the save in flight: see save()
