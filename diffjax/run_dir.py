@@ -129,8 +129,9 @@ class RunDir:
         if run.has_checkpoints():
             raise FileExistsError(f"{run.checkpoints} already holds checkpoints; choose an empty directory")
         if run.incomplete.exists():
-            raise FileExistsError(f"{run.incomplete} holds a checkpoint that was never completed (a conversion that did "
-                                  "not finish): remove it (a conversion's --overwrite does) or choose an empty directory")
+            raise FileExistsError(f"{run.incomplete} holds a checkpoint that was never completed (a conversion that "
+                                  "did not finish): remove it (a conversion's --overwrite does) or choose an empty "
+                                  "directory")
         run.path.mkdir(parents=True, exist_ok=True)
         return run
 

@@ -11,7 +11,8 @@
 _EXPORTS = {
     **dict.fromkeys(("DEFAULT_CORPUS_BYTES", "builtin_documents", "builtin_held_out", "stdlib_source_files"),
                     "diffjax.data.builtin"),
-    **dict.fromkeys(("BATCH_KEYS", "make_eval_batches", "make_train_dataset", "pack_documents"), "diffjax.data.pipeline"),
+    **dict.fromkeys(("BATCH_KEYS", "make_eval_batches", "make_train_dataset", "pack_documents"),
+                    "diffjax.data.pipeline"),
     **dict.fromkeys(("JsonlSource", "ListSource", "ParquetSource", "TextFileSource", "expand_paths", "open_documents"),
                     "diffjax.data.sources"),
     **dict.fromkeys(("is_eval_document", "split_documents"), "diffjax.data.split"),
