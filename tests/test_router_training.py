@@ -229,14 +229,16 @@ class _SetParams(Hook):
 @pytest.mark.slow
 def test_guard_names_the_layer_whose_router_collapsed(tmp_path):
     """Layer 2's bias sends every token to experts 0 and 1 (layer 1 routes normally): with collapse_steps=2 the run
-    stops at step 2 on one line naming layer 2, its experts and entropy."""
+    stops at step 2 on one line naming layer 2, its experts and their margin (the bias's 1, give or take the
+    scores')."""
     config = _moe_config(tmp_path / "run", "train.steps=4", "model.mlp_options.collapse_steps=2")
     with pytest.raises(DivergedError) as error:
         train(config, log=lambda _: None, hooks=[_SetParams("expert_bias", 1, jnp.asarray([1.0, 1.0, 0.0, 0.0]))])
     message = str(error.value)
     assert message.startswith("the router of layer 2 collapsed: in steps 1-2 every token went to experts [0, 1] "
-                              "(the other 2 got none; router entropy "), message
-    assert "\n" not in message and "layer 1" not in message
+                              "(the other 2 got none), chosen by a mean score margin of "), message
+    margin = float(re.search(r"margin of ([\d.e-]+) over the best idle expert \(a decided choice", message)[1])
+    assert abs(margin - 1) < 0.05 and "\n" not in message and "layer 1" not in message, message
 
 
 @pytest.mark.slow

@@ -176,9 +176,9 @@ class RouterTraining(Facet):
                 return (f"the router of layer {layer} collapsed: in {steps} every token went to experts {list(used)} "
                         f"(the other {o.num_experts - len(used)} got none), chosen by a mean score margin of "
                         f"{float(router['margin'][row]):.3g} over the best idle expert (a decided choice, not a tie). "
-                        "The expert bias did not keep up: set or raise model.mlp_options.load_balance_coeff (with "
-                        "expert_bias: true), or lower optim.lr; model.mlp_options.collapse_steps=null turns this check "
-                        "off")
+                        "Set or raise model.mlp_options.load_balance_coeff (with expert_bias: true; the bias must move "
+                        "about as fast as optim.lr moves the scores), or lower optim.lr; "
+                        "model.mlp_options.collapse_steps=null turns this check off")
         return None
 
     def mesh_problems(self, mesh_shape):
