@@ -116,10 +116,13 @@ class MoEOptions(kinds.Options):
     load_balance_coeff: float | None = None
     """The selection bias's step per training step (Motif 3's and torchtitan's load_balance_coeff; needs expert_bias):
     after each step every MoE layer's expert_bias moves by +-coeff toward balanced loads, centred
-    (diffjax.model.mlp.router.balanced_expert_bias); None: the bias stays as it is."""
+    (diffjax.model.mlp.router.balanced_expert_bias); None: the bias stays as it is. The step must keep pace with how
+    fast training moves the router's scores (Adam: about optim.lr a step): DeepSeek-V3 moves it 1e-3 at lr 2.2e-4,
+    motif3/small 1e-2 at 3e-3; too small, and a layer's load can settle on top_k experts (collapse_steps)."""
     collapse_steps: int | None = 10
-    """The trainer stops, naming the layer, when an MoE layer has sent every token of the global batch to the same
-    top_k experts (the others idle) this many steps in a row; None: never."""
+    """The trainer stops, naming the layer, when an MoE layer's router has chosen the same top_k experts for every
+    token of the global batch (the others idle) this many steps in a row, by a margin (equal scores, as an untrained
+    router's, are a tie-break, not a collapse); None: never."""
 
     def defaults(self, config) -> dict:
         inner = self.expert_inner or config.mlp_dim

@@ -120,7 +120,8 @@ PUBLISHED_TOTAL_PARAMS = 314e9
 PUBLISHED_ACTIVE_PARAMS = 13.2e9
 
 # A small Motif 3 with every feature on: 4 layers (dense, then MoE; global on 0 and 2, a 3-key window on 1 and 3),
-# groups of 4 signal + 1 noise heads over 2 KV heads as published, v narrower than q/k, YaRN on the global layers.
+# groups of 4 signal + 1 noise heads over 2 KV heads as published, v narrower than q/k, YaRN on the global layers;
+# load_balance_coeff 1e-2 (published 1e-4) keeps pace with diffjax/configs/motif3/small.yaml's learning rate.
 SMALL = {
     "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
     "num_hidden_layers": 4, "num_attention_heads": 10, "num_key_value_heads": 2, "num_noise_heads": 2,
@@ -133,7 +134,7 @@ SMALL = {
     "swa_rope_theta": 500.0, "use_sliding_window": True, "sliding_window": 3, "sliding_window_pattern": "interleave",
     "sliding_window_period": 2, "num_experts": 6, "experts_top_k": 2, "num_shared_experts": 1,
     "n_dense_first_layers": 1, "interleave_moe_layer_step": 1, "score_func": "sigmoid", "route_norm": True,
-    "route_scale": 2.0, "load_balance_coeff": 1e-4, "mhc_enabled": True, "mhc_expansion_rate": 4,
+    "route_scale": 2.0, "load_balance_coeff": 1e-2, "mhc_enabled": True, "mhc_expansion_rate": 4,
     "mhc_sinkhorn_iters": 20, "mhc_h_post_alpha_end": 0.0, "polynorm_output_scale": 0.5,
     "polynorm_bias_clamp": 0.5, "polynorm_sigmoid_weight": True, "hidden_clamp": 1e6,
     "tie_word_embeddings": False,

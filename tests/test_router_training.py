@@ -16,7 +16,8 @@ import pytest
 
 from diffjax.config import ModelConfig
 from diffjax.model.facets import model_facets
-from diffjax.model.mlp.router import balanced_expert_bias
+from diffjax.model.mlp.moe import route
+from diffjax.model.mlp.router import balanced_expert_bias, router_metrics, routing_stats
 from diffjax.train import Hook, train
 from diffjax.train.guard import DivergedError
 from diffjax.train.mesh import ParallelConfig, make_mesh
@@ -76,6 +77,52 @@ def test_bias_update_is_torchtitans_rule_layer_by_layer():
 def test_router_training_options_are_checked(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         dataclasses.replace(MODEL, mlp_options={**MOE_OPTIONS, **options})
+
+
+def _router_step(logits_NE):
+    """metrics["router"] of a step in which both MoE layers of MODEL routed these logits (no bias), as the step
+    builds it from the summed routing_stats."""
+    return jax.device_get(_jit_router_step(jnp.asarray(logits_NE, jnp.float32)))
+
+
+@jax.jit
+def _jit_router_step(logits_NE):
+    o = MODEL.mlp_options
+    experts_NK, _ = route(logits_NE, None, K, o.score_func, o.route_norm, o.route_scale)
+    stats = routing_stats(logits_NE, None, experts_NK, E, o.score_func)
+    return router_metrics(jax.tree.map(lambda a: jnp.stack([a, a]), stats), K)
+
+
+def test_collapse_guard_stops_a_decided_collapse_not_a_tie_break():
+    """Every token to experts 0 and 1 in both MoE layers, three ways: equal scores (zero logits: an untrained router;
+    top_k's tie-break picks the lowest indices) never stop the run; a router preferring experts 0 and 1 by a margin
+    stops it after collapse_steps (10) steps, naming the first layer and the margin (the softmax scores' 2nd minus
+    3rd largest, restated in NumPy); the same preference alternating with one for experts 2 and 3 does not (other
+    experts each step: no stretch)."""
+    rng = np.random.default_rng(0)
+    tied = _router_step(np.zeros((64, E)))
+    logits = np.array([2.0, 1.5, 0.0, 0.0]) + rng.normal(0, 0.1, (64, E))
+    decided, other = _router_step(logits), _router_step(logits[:, ::-1])
+    for router in (tied, decided):
+        np.testing.assert_array_equal(router["load"], [[2, 2, 0, 0]] * 2)
+    np.testing.assert_array_equal(other["load"], [[0, 0, 2, 2]] * 2)
+    np.testing.assert_array_equal(tied["ties"], [1, 1])
+    np.testing.assert_array_equal(decided["ties"], [0, 0])
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    margin = np.mean(np.sort(probs, -1)[:, -2] - np.sort(probs, -1)[:, -3])
+    np.testing.assert_allclose(decided["margin"], [margin] * 2, rtol=1e-5)
+
+    def stops(routers):
+        [facet] = [facet for facet in model_facets(MODEL) if "router" in facet.outputs]
+        return [facet.stop(step, {"router": router}) for step, router in enumerate(routers, 1)]
+
+    assert stops([tied] * 30) == [None] * 30
+    assert stops([decided, other] * 15) == [None] * 30
+    *before, message = stops([decided] * 10)
+    assert before == [None] * 9
+    assert message.startswith("the router of layer 1 collapsed: in steps 1-10 every token went to experts [0, 1] (the "
+                              f"other 2 got none), chosen by a mean score margin of {margin:.3g} over the best idle "
+                              "expert (a decided choice, not a tie)."), message
 
 
 def _batch(rows: int = 8, length: int = 16, seed: int = 0) -> dict[str, np.ndarray]:
@@ -182,14 +229,16 @@ class _SetParams(Hook):
 @pytest.mark.slow
 def test_guard_names_the_layer_whose_router_collapsed(tmp_path):
     """Layer 2's bias sends every token to experts 0 and 1 (layer 1 routes normally): with collapse_steps=2 the run
-    stops at step 2 on one line naming layer 2, its experts and entropy."""
+    stops at step 2 on one line naming layer 2, its experts and their margin (the bias's 1, give or take the
+    scores')."""
     config = _moe_config(tmp_path / "run", "train.steps=4", "model.mlp_options.collapse_steps=2")
     with pytest.raises(DivergedError) as error:
         train(config, log=lambda _: None, hooks=[_SetParams("expert_bias", 1, jnp.asarray([1.0, 1.0, 0.0, 0.0]))])
     message = str(error.value)
     assert message.startswith("the router of layer 2 collapsed: in steps 1-2 every token went to experts [0, 1] "
-                              "(the other 2 got none; router entropy "), message
-    assert "\n" not in message and "layer 1" not in message
+                              "(the other 2 got none), chosen by a mean score margin of "), message
+    margin = float(re.search(r"margin of ([\d.e-]+) over the best idle expert \(a decided choice", message)[1])
+    assert abs(margin - 1) < 0.05 and "\n" not in message and "layer 1" not in message, message
 
 
 @pytest.mark.slow

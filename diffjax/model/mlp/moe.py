@@ -71,8 +71,8 @@ class MoEMLP(MLPModule):
         logits_NE = x_ND.astype(jnp.float32) @ self.router_kernel[...].astype(jnp.float32)
         bias_E = self.expert_bias[...].astype(jnp.float32) if o.expert_bias else None
         experts_NK, weights_NK = route(logits_NE, bias_E, o.top_k, o.score_func, o.route_norm, o.route_scale)
-        layer_outputs.emit(router.OUTPUT, lambda: router.routing_stats(logits_NE, experts_NK, o.num_experts, o.score_func),
-                           "sum")
+        layer_outputs.emit(router.OUTPUT, lambda: router.routing_stats(logits_NE, bias_E, experts_NK, o.num_experts,
+                                                                       o.score_func), "sum")
         out_BTD = self.routed(x_ND, experts_NK, weights_NK).reshape(B, T, D)
         if o.num_shared_experts:
             out_BTD = out_BTD + self.shared_expert(x_BTD)

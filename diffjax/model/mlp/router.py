@@ -19,20 +19,35 @@ from diffjax.model.facets import Facet
 OUTPUT = "router"  # the name of routing_stats on the layer output channel
 
 
-def routing_stats(logits_NE, experts_NK, num_experts: int, score_func: str) -> dict:
+TIE = 1e-6  # choice values (scores in [0, 1] plus the bias) this close are a tie: float32 rounding at 1 is 6e-8
+
+
+def routing_stats(logits_NE, bias_E, experts_NK, num_experts: int, score_func: str) -> dict:
     """One call's routing, summed over its N tokens: "tokens" [E] int32, how many (token, choice) pairs chose each
     expert (torchtitan's tokens_per_expert: every token position counts, padding too); "entropy" float32, the sum
     over tokens of the router distribution's entropy in nats (softmax's probabilities; sigmoid scores divided by
-    their sum; log E when uniform); "nonfinite" int32, the tokens with a non-finite router logit."""
+    their sum; log E when uniform); "margin" float32, the sum over tokens of how far the last chosen expert's choice
+    value (score + bias) is above the best unchosen one's (0 with top_k = num_experts); "ties" int32, the tokens whose
+    margin is within TIE (the choice between them was top_k's tie-break: the lower index); "nonfinite" int32, the
+    tokens with a non-finite router logit."""
     logits_NE = jax.lax.stop_gradient(logits_NE)
     if score_func == "sigmoid":
         scores_NE = jax.nn.sigmoid(logits_NE)
         probs_NE = scores_NE / jnp.sum(scores_NE, axis=-1, keepdims=True)
     else:
-        probs_NE = jax.nn.softmax(logits_NE, axis=-1)
+        probs_NE = scores_NE = jax.nn.softmax(logits_NE, axis=-1)
+    choice_NE = scores_NE if bias_E is None else scores_NE + bias_E
+    top_k, N = experts_NK.shape[-1], choice_NE.shape[0]
+    margin_N, tied_N = jnp.zeros(N), jnp.zeros(N, bool)  # top_k = num_experts: no expert is left out
+    if top_k < num_experts:
+        values_NK = jax.lax.top_k(choice_NE, top_k + 1)[0]
+        margin_N = values_NK[:, top_k - 1] - values_NK[:, top_k]
+        tied_N = margin_N <= TIE
     return {
         "tokens": jnp.bincount(experts_NK.reshape(-1), length=num_experts).astype(jnp.int32),
         "entropy": jnp.sum(jax.scipy.special.entr(probs_NE)),
+        "margin": jnp.sum(margin_N),
+        "ties": jnp.sum(tied_N).astype(jnp.int32),
         "nonfinite": jnp.sum(~jnp.all(jnp.isfinite(logits_NE), axis=-1)).astype(jnp.int32),
     }
 
@@ -71,10 +86,11 @@ def rebalance_expert_biases(params: dict, tokens_LE, config, layers: tuple[int, 
 
 # ---- metrics["router"] (on device, per MoE layer): "load" [L_moe, E], each expert's share of the step's routed
 # (token, choice) pairs over the mean share (1: balanced; DeepSeek's MaxVio is load max - 1), "entropy" [L_moe], the
-# mean per-token entropy of the router's distribution in nats (log E: uniform; routing_stats), and "nonfinite"
-# [L_moe], the tokens with a non-finite router logit. metrics.jsonl keeps per layer d (the model's layer index)
-# router/layer_d/load_max, load_min, load_cv (std / mean over experts) and entropy; TensorBoard also gets the whole
-# load vector of each layer as a histogram.
+# mean per-token entropy of the router's distribution in nats (log E: uniform; routing_stats), "margin" [L_moe], the
+# mean per-token margin of the last chosen expert over the best unchosen one, "ties" [L_moe], the share of tokens
+# whose choice was a tie-break (margin within TIE), and "nonfinite" [L_moe], the tokens with a non-finite router
+# logit. metrics.jsonl keeps per layer d (the model's layer index) router/layer_d/load_max, load_min, load_cv (std /
+# mean over experts), entropy and margin; TensorBoard also gets the whole load vector of each layer as a histogram.
 
 
 def router_metrics(router_stats: dict, top_k: int) -> dict:
@@ -83,6 +99,8 @@ def router_metrics(router_stats: dict, top_k: int) -> dict:
     routed_L = jnp.sum(tokens_LE, axis=-1)  # tokens x top_k
     return {"load": tokens_LE * tokens_LE.shape[-1] / routed_L[:, None],
             "entropy": router_stats["entropy"] * top_k / routed_L,
+            "margin": router_stats["margin"] * top_k / routed_L,
+            "ties": router_stats["ties"] * top_k / routed_L,
             "nonfinite": router_stats["nonfinite"]}
 
 
@@ -93,7 +111,8 @@ def router_values(router: dict, layers: tuple[int, ...]) -> dict[str, float]:
         load_E = np.asarray(router["load"][row], np.float64)
         values.update({f"router/layer_{layer}/load_max": load_E.max(), f"router/layer_{layer}/load_min": load_E.min(),
                        f"router/layer_{layer}/load_cv": load_E.std() / load_E.mean(),
-                       f"router/layer_{layer}/entropy": float(router["entropy"][row])})
+                       f"router/layer_{layer}/entropy": float(router["entropy"][row]),
+                       f"router/layer_{layer}/margin": float(router["margin"][row])})
     return values
 
 
@@ -108,7 +127,7 @@ class RouterTraining(Facet):
     def __init__(self, config, layers):
         super().__init__(config, layers)
         self.options = config.mlp_options
-        self.collapsed_since: dict[int, int] = {}  # layer -> the first step of its current collapsed stretch
+        self.collapsed_since: dict[int, tuple] = {}  # layer -> (first step, experts) of its collapsed stretch
 
     def step_ok(self, outputs):
         return jnp.all(outputs[OUTPUT].value["nonfinite"] == 0)
@@ -134,24 +153,31 @@ class RouterTraining(Facet):
                        for layer, count in zip(self.layers, np.asarray(metrics["router"]["nonfinite"])) if count)
 
     def stop(self, step, metrics):
-        """A collapsed router: one that sent every token of the global batch to the same top_k experts (all others
-        idle: the layer is a dense MLP of top_k experts) for options.collapse_steps steps in a row (None: never). The
-        state is not spoiled (no checkpoint is set aside); the message names the layer and what it saw."""
+        """A collapsed router: one that decided to send every token of the global batch to the same top_k experts (all
+        others idle: the layer is a dense MLP of top_k experts) for options.collapse_steps steps in a row (None:
+        never). Decided: most tokens' last chosen expert beat the best idle one by more than TIE. A router whose
+        choice values tie (an untrained one: equal scores, no bias to part them) is not a collapse, whatever its load:
+        top_k's tie-break, not the router, picked the lowest indices, and its first gradient steps part the scores.
+        The state is not spoiled (no checkpoint is set aside); the message names the layer and what it saw."""
         o, router = self.options, metrics["router"]
         if o.collapse_steps is None or o.top_k >= o.num_experts:
             return None
         for row, layer in enumerate(self.layers):
-            used = np.flatnonzero(np.asarray(router["load"][row]) > 0)
-            if len(used) > o.top_k:
+            used = tuple(np.flatnonzero(np.asarray(router["load"][row]) > 0).tolist())
+            if len(used) > o.top_k or float(router["ties"][row]) > 0.5:
                 self.collapsed_since.pop(layer, None)
                 continue
-            since = self.collapsed_since.setdefault(layer, step)
+            since, experts = self.collapsed_since.get(layer, (step, used))
+            if experts != used:  # other experts: a new stretch
+                since = step
+            self.collapsed_since[layer] = since, used
             if step - since + 1 >= o.collapse_steps:
                 steps = f"step {step}" if since == step else f"steps {since}-{step}"
-                return (f"the router of layer {layer} collapsed: in {steps} every token went to experts {used.tolist()} "
-                        f"(the other {o.num_experts - len(used)} got none; router entropy "
-                        f"{float(router['entropy'][row]):.3g} nats, uniform {np.log(o.num_experts):.3g}). Set or raise "
-                        "model.mlp_options.load_balance_coeff (with expert_bias: true), or lower optim.lr; "
+                return (f"the router of layer {layer} collapsed: in {steps} every token went to experts {list(used)} "
+                        f"(the other {o.num_experts - len(used)} got none), chosen by a mean score margin of "
+                        f"{float(router['margin'][row]):.3g} over the best idle expert (a decided choice, not a tie). "
+                        "Set or raise model.mlp_options.load_balance_coeff (with expert_bias: true; the bias must move "
+                        "about as fast as optim.lr moves the scores), or lower optim.lr; "
                         "model.mlp_options.collapse_steps=null turns this check off")
         return None
 
