@@ -317,8 +317,9 @@ class _LeafWriter:
 
 
 def is_stacked(path: tuple) -> bool:
-    """Under "blocks", or a model of several segments' "blocks_from_<start>" (diffjax.kinds.Segment)."""
-    return path[0] == STACKED or path[0].startswith(f"{STACKED}_from_")
+    """Under "blocks", a model of several segments' "blocks_from_<start>" or the MTP blocks' "blocks_mtp"
+    (diffjax.kinds.Segment, param_stacks)."""
+    return path[0] == STACKED or path[0].startswith(f"{STACKED}_")
 
 
 def nested(flat: Mapping[tuple, Any]) -> dict:
