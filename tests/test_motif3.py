@@ -151,11 +151,13 @@ def _saved(tmp_path, variant, name="hf"):
     return reference, directory
 
 
-def _grads_by_name(model, tokens):
-    """Gradients of the next-token loss, as the checkpoint names them (the plan's inverse)."""
+def _grads_by_name(model, tokens, loss_of=None):
+    """Gradients of the next-token loss (or of loss_of(model)), as the checkpoint names them (the plan's inverse)."""
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss(params):
+        if loss_of is not None:
+            return loss_of(nnx.merge(graphdef, params))
         return diffjax.next_token_loss(nnx.merge(graphdef, params)(tokens), tokens)
 
     flat = {path: np.asarray(g[...]) for path, g in nnx.to_flat_state(jax.grad(loss)(params))}
