@@ -29,8 +29,8 @@ dim), B that of the first output axis; "rank" is never split (`adapter_shardings
 
 A model whose layers are not all built alike (Motif 3: dense first layers, then MoE layers; diffjax.kinds.
 layer_segments) stacks each segment apart ("blocks", "blocks_from_<start>"; the MTP depths are "blocks_mtp"): every
-stack gets its own adapters,
-on the targeted kernels it has (the dense MLP's gate / up / down in one, the MoE's shared expert's in the other).
+stack gets its own adapters, on the targeted kernels it has (the dense MLP's gate / up / down in one, the MoE's
+shared expert's in the other).
 Routed experts (target "experts": W [L, E, in, out]) get one adapter pair per expert, A [L, E, in, r] and
 B [L, E, r, out]: E times a dense projection's adapter, and the merged W' is a transient copy of all of them
 (for a large E, adapt the shared expert and attention only). GDLA's output gate (attn.gate_kernel) is no target.
