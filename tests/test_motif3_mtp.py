@@ -256,7 +256,7 @@ def _run(*command) -> str:
 def _train(base: Path, run_dir: Path, steps: int) -> str:
     return _run("train.py", "--config", base / "config.yaml", f"train.init_from={base}", f"train.run_dir={run_dir}",
                 f"train.steps={steps}", "checkpoint.every=1", "train.eval_every=0", "train.sample_tokens=0",
-                "data.source=builtin", "data.seq_len=32", "train.batch_size=4", "train.log_every=1", "optim.lr=1e-2",
+                "data.source=builtin", "data.seq_len=32", "train.batch_size=8", "train.log_every=1", "optim.lr=1e-2",
                 "optim.warmup_steps=0", "optim.decay_steps=2")
 
 
