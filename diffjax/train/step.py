@@ -128,18 +128,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         scale = None if lambda_schedule is None else lambda_schedule(state["step"])
 
         def loss_and_aux(p, micro):
-            loss_sum, count, outputs, depths = _forward(graphdef, _model_params(p, frozen, lora_config), micro,
-                                                        loss_chunk, scale, request, predictions=True)
-            objective = loss_sum if depths is None else loss_sum + mtp_weight * jnp.sum(depths[0])
-            return objective, (loss_sum, count, outputs, depths)
+            loss_sum, count, outputs, predicted = _forward(graphdef, _model_params(p, frozen, lora_config), micro,
+                                                           loss_chunk, scale, request, predictions=True)
+            objective = loss_sum if predicted is None else loss_sum + mtp_weight * jnp.sum(predicted[0])
+            return objective, (loss_sum, count, outputs, predicted)
 
         grad_fn = jax.value_and_grad(loss_and_aux, has_aux=True)
 
         def accumulate(carry, micro):
             grads_sum, loss_sum, count, depth_sums = carry
-            (_, (micro_loss, micro_count, outputs, depths)), grads = grad_fn(params, micro)
+            (_, (micro_loss, micro_count, outputs, predicted)), grads = grad_fn(params, micro)
             grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
-            depth_sums = depth_sums if depths is None else jax.tree.map(jnp.add, depth_sums, depths)
+            depth_sums = depth_sums if predicted is None else jax.tree.map(jnp.add, depth_sums, predicted)
             return (grads_sum, loss_sum + micro_loss, count + micro_count, depth_sums), outputs
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -161,13 +161,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             ok = ok if facet_ok is None else ok & facet_ok
         if on_nonfinite == "skip":
             new_params, opt_state = guard.keep_old_if_bad(ok, (new_params, opt_state), (params, state["opt_state"]))
-        metrics = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "ok": ok,
-            "lr": schedule(state["step"]),
-            "loss_tokens": count,
-        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "ok": ok, "lr": schedule(state["step"]), "loss_tokens": count}
         for facet in facets:
             metrics.update(facet.metrics(outputs, lambda: nnx.merge(graphdef, _model_params(new_params, frozen,
                                                                                            lora_config))))
