@@ -142,6 +142,33 @@ def _step_once(config: ModelConfig, params: dict) -> tuple[dict, dict]:
     return state["params"], metrics
 
 
+def test_analytic_flops_count_the_mtp_depths_as_xla_does(measured):
+    """The forward of a model with 2 MTP depths (main logits and each depth's) against XLA's count of its compiled
+    forward, as tests/test_train_config.py checks the layers: the depths' layers, input projections and LM heads."""
+    from diffjax.train.metrics import matmul_params, training_flops_per_token
+
+    config = ModelConfig(vocab_size=512, d_model=256, num_layers=1, num_heads=2, max_seq_len=256, mtp_depths=2)
+    graphdef, params = nnx.split(TransformerLM(config, rngs=nnx.Rngs(0)))
+    B, T = 2, 256
+    tokens = jnp.zeros((B, T), jnp.int32)
+
+    def forward(params, tokens):
+        model = nnx.merge(graphdef, params)
+        positions = jnp.broadcast_to(jnp.arange(T), tokens.shape)
+        hidden = model.hidden_states(tokens, positions).hidden_BTD
+        inputs = jnp.stack([tokens, tokens])
+        return [model.logits(h) for h in [hidden, *model.mtp_hidden_states(hidden, inputs, positions)]]
+
+    cost = jax.jit(forward).lower(params, tokens).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    full_square_forward = (training_flops_per_token(config, 2 * T) - 6 * matmul_params(config)) / 3 + 2 * matmul_params(config)
+    without = config.replace(mtp_depths=0)
+    assert matmul_params(config) - matmul_params(without) > 2 * 512 * 256  # (the two LM heads at least)
+    ratio = cost["flops"] / (full_square_forward * B * T)
+    measured("XLA / analytic forward FLOPs (2 MTP depths)", ratio - 1, 0.02)
+    assert abs(ratio - 1) < 0.02
+
+
 @pytest.mark.slow  # (three train steps compiled: ~10 s on 2 idle cores)
 def test_the_mtp_loss_joins_the_main_loss_by_its_weight():
     """One train step of a model with 2 MTP depths (a tiny DIFF model: the step names no kind, and a Motif 3's three
