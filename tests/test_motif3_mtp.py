@@ -91,6 +91,23 @@ def test_depth_targets_stay_inside_a_document_and_the_loss_mask():
 # ------------------------------------------------------------------------------ Hugging Face names
 
 
+def test_a_published_config_export_keeps_every_source_key_and_reads_back():
+    """config.json of the published model converted from the published config.json (with the keys issue 56 found
+    dropped: attention_dropout, output_router_logits, rope_scaling's rope_theta and apply_yarn_scaling): every key of
+    the source, num_nextn_predict_layers 1, and it reads back as the same ModelConfig, MTP layer included."""
+    from diffjax.convert import motif3
+    from diffjax.convert.formats import config_json
+
+    source = {**PUBLISHED, "attention_dropout": 0.0,
+              "rope_scaling": {**PUBLISHED["rope_scaling"], "rope_theta": 10000.0, "apply_yarn_scaling": False}}
+    config = config_from_hf(source)
+    written = config_json(motif3.FORMAT, config, dtype="bfloat16", source=source)
+    assert not set(source) - set(written) and not set(source["rope_scaling"]) - set(written["rope_scaling"])
+    assert (written["num_nextn_predict_layers"], written["rope_scaling"]["apply_yarn_scaling"]) == (1, False)
+    assert config_from_hf(written) == config and config.mtp_depths == 1
+    assert config_json(motif3.FORMAT, config, dtype="bfloat16")["num_nextn_predict_layers"] == 1  # (no source)
+
+
 @pytest.mark.slow
 def test_save_hf_then_load_hf_keeps_the_mtp_depths_bit_exact(tmp_path):
     """A random diffjax Motif 3 with 2 MTP depths through the Hugging Face format: model.mtp_layers.{0,1}.* written
