@@ -321,6 +321,8 @@ class TransformerLM(nnx.Module):
         `logits` projects them): depth k reads depth k - 1's (depth 0: hidden_BTD, the model's) and the embeddings of
         inputs_KBT[k - 1] (token t + k at position t; diffjax.losses.mtp_targets). Every depth attends with the
         model's positions and segment ids."""
+        if not self.config.mtp_depths:
+            raise ValueError("this model has no multi-token-prediction depths (ModelConfig.mtp_depths is 0)")
         segment = param_stacks(self.config)[-1]
         config, dtype = segment.config, hidden_BTD.dtype
         graphdef, params = nnx.split(self.stack(segment))
