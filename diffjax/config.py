@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from diffjax import attention_kinds, kinds, mlp_kinds, residual_kinds
 from diffjax.attention_impls import config_problems
-from diffjax.config_values import did_you_mean, one_of
+from diffjax.config_values import build_config, did_you_mean, one_of
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (diffjax.model.layers.polynorm)
 ROPE_STYLES = ("interleaved", "rotate_half")
@@ -34,7 +34,7 @@ ROPE_TYPES = ("default", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "minimal", "attention", "full")  # what a decoder block keeps for the backward pass
 # Fields that change how the model computes, not what it computes: a run may resume with others.
-RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers")
+RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "mtp_loss_weight")
 # The parts a decoder block is built from: ModelConfig field naming the part's kind -> its table of kinds.
 BLOCK_PARTS = {"attention": attention_kinds.TABLE, "mlp": mlp_kinds.TABLE, "residual": residual_kinds.TABLE}
 MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
@@ -43,6 +43,28 @@ MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple 
 def lambda_init_for_depth(depth: int, offset: int = 0) -> float:
     """The paper's schedule, with depth counted from 0 (first layer: 0.2); offset shifts the depth (Motif's -1)."""
     return 0.8 - 0.6 * math.exp(-0.3 * (depth + offset))
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPLayer:
+    """ModelConfig.mtp_layer: the fields of the MTP blocks' decoder layer that differ from the model's first layer
+    (None: the model's). Motif 3's (diffjax.convert.motif3): a dense PolyNorm MLP, no mHC, windowed everywhere."""
+
+    mlp: str | None = None
+    """Its MLP kind."""
+    mlp_options: Any = None
+    """Its MLP kind's options (a mapping in YAML)."""
+    mlp_dim: int | None = None
+    """Its MLP's hidden width."""
+    residual: str | None = None
+    """Its residual form."""
+    attention_window: int | None = None
+    """Its sliding window (keys per query)."""
+    window_rope_theta: float | None = None
+    """Its RoPE theta when windowed."""
+
+    def changes(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +168,16 @@ class ModelConfig:
     scan_layers: bool = False
     """Scan one block's program over the depth-stacked params (compile time independent of depth); false: a Python
     loop over the layer slices (for debugging)."""
+    mtp_depths: int = 0
+    """Multi-token-prediction depths (DeepSeek-V3's MTP modules; Motif 3's num_nextn_predict_layers): depth k's block
+    predicts token t + 1 + k from depth k - 1's hidden state (depth 0: the model's final one) and the embedding of
+    token t + k (diffjax.model.transformer.PredictionBlock); trained with mtp_loss_weight; 0: none."""
+    mtp_layer: Any = None
+    """The MTP blocks' decoder layer where it differs from the model's first layer (an MTPLayer; a mapping in YAML);
+    None: as that layer. It is windowed at every position when it has an attention_window."""
+    mtp_loss_weight: float = 0.2
+    """Training only: the MTP depths' mean loss joins the main loss times this (DeepSeek-V3's lambda: 0.3, then 0.1;
+    Motif 3's pretraining used 0.2, by a secondary source). The logged and evaluated loss stays the main one."""
     # Names of the fields above that were None and derived in __post_init__ (re-derived by replace()); a kind's
     # option as "attention_options.num_noise_heads".
     derived: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
@@ -155,7 +187,7 @@ class ModelConfig:
             object.__setattr__(self, "global_layers", tuple(self.global_layers))
         rows = {part: _row(table, getattr(self, part)) for part, table in BLOCK_PARTS.items()}
         errors = [row for row in rows.values() if isinstance(row, str)]
-        errors += self._size_errors() + self._window_errors() + self._numerics_errors()
+        errors += self._size_errors() + self._window_errors() + self._numerics_errors() + self._mtp_errors()
         if errors:
             raise ValueError("invalid ModelConfig: " + "; ".join(errors))
         derived = self._derive_sizes(rows["attention"])
@@ -168,6 +200,42 @@ class ModelConfig:
             object.__setattr__(self, f"{part}_options", options)
             derived += tuple(f"{part}_options.{name}" for name in derived_options)
         object.__setattr__(self, "derived", derived)
+        if self.mtp_depths:
+            self._resolve_mtp_layer()
+
+    def _mtp_errors(self) -> list[str]:
+        errors = []
+        if not _is_int(self.mtp_depths) or self.mtp_depths < 0:
+            errors.append(f"mtp_depths must be an integer >= 0, got {self.mtp_depths!r}")
+        if isinstance(self.mtp_loss_weight, bool) or not isinstance(self.mtp_loss_weight, (int, float)) \
+                or self.mtp_loss_weight < 0:
+            errors.append(f"mtp_loss_weight must be a number >= 0, got {self.mtp_loss_weight!r}")
+        if isinstance(self.mtp_layer, Mapping):
+            try:
+                object.__setattr__(self, "mtp_layer", build_config(MTPLayer, dict(self.mtp_layer), prefix="mtp_layer"))
+            except ValueError as error:
+                errors.append(str(error))
+        elif self.mtp_layer is not None and not isinstance(self.mtp_layer, MTPLayer):
+            errors.append(f"mtp_layer must be None or a mapping of MTPLayer fields, got {self.mtp_layer!r}")
+        return errors
+
+    def _resolve_mtp_layer(self) -> None:
+        """Builds the MTP layer's config once (its errors are this config's) and keeps its resolved MLP options."""
+        try:
+            layer = self.mtp_layer_config()
+        except ValueError as error:
+            raise ValueError(f"invalid ModelConfig: mtp_layer: {error}") from None
+        if mlp_kinds.get(layer.mlp).training.facet is not None:
+            raise ValueError(f"invalid ModelConfig: mtp_layer: mlp {layer.mlp!r} trains with a facet that sees the "
+                             "model's layers only; give the MTP layer another MLP kind (mtp_layer.mlp)")
+        if self.mtp_layer is not None and self.mtp_layer.mlp_options is not None:
+            object.__setattr__(self, "mtp_layer", dataclasses.replace(self.mtp_layer, mlp_options=layer.mlp_options))
+
+    def mtp_layer_config(self) -> "ModelConfig":
+        """The config the MTP blocks' decoder layer is built from: the first layer's with mtp_layer's changes, every
+        position windowed when there is a window (no global_layers), and no MTP depths of its own."""
+        changes = self.mtp_layer.changes() if self.mtp_layer is not None else {}
+        return kinds.layer_segments(self)[0].config.replace(global_layers=(), mtp_depths=0, mtp_layer=None, **changes)
 
     def _size_errors(self) -> list[str]:
         errors = []
@@ -313,6 +381,9 @@ class ModelConfig:
         kind without options has no `*_options` entry."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         values.update({name: None for name in self.derived if "." not in name}, global_layers=list(self.global_layers))
+        if self.mtp_layer is not None:
+            values["mtp_layer"] = {name: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+                                   for name, value in self.mtp_layer.changes().items()}
         for part in BLOCK_PARTS:
             options = self._given_options(part)
             if options is None:
@@ -377,6 +448,9 @@ class ModelConfig:
                           for segment in kinds.layer_segments(self)),
             "final_norm": D,
             "lm_head": 0 if self.tie_embeddings else D * self.vocab_size,
+            # each depth: its layer, embed_norm, input_proj [2D, D] and final_norm
+            "mtp": self.mtp_depths and self.mtp_depths * (_layer_params(self.mtp_layer_config(), active)
+                                                          + 2 * D * D + 2 * D),
         }
 
     def param_count(self, *, include_lm_head: bool = True, active: bool = False) -> int:

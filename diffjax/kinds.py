@@ -194,20 +194,23 @@ class Segment:
     """A run of consecutive layers [start, stop) built alike: one scanned stack of `config`'s block (the model's
     config with the layers' `Options.layer_changes` applied; its num_layers and depth-indexed fields stay the
     model's). Its params live under `name`: "blocks" for the first (a model of one segment is stored as before
-    segments existed), "blocks_from_<start>" for the others."""
+    segments existed), "blocks_from_<start>" for the others; `stack_name` names another stack (MTP_STACK)."""
 
     start: int
     stop: int
     config: Any
+    stack_name: str | None = None
 
     @property
     def name(self) -> str:
+        if self.stack_name is not None:
+            return self.stack_name
         return FIRST_SEGMENT if self.start == 0 else f"{FIRST_SEGMENT}_from_{self.start}"
 
     @staticmethod
     def start_of(name: str) -> int | None:
-        """The first layer of the segment whose params live under `name` (Segment.name's inverse); None when `name`
-        names no segment (the embedding, the final norm, ...)."""
+        """The first layer of the segment whose params live under `name` (Segment.name's inverse for the layer
+        segments); None when `name` names no layer segment (the embedding, the final norm, the MTP stack, ...)."""
         if name == FIRST_SEGMENT:
             return 0
         prefix, _, start = name.partition("_from_")
@@ -230,3 +233,18 @@ def layer_segments(config) -> tuple[Segment, ...]:
             segments.append(Segment(start, depth, config.replace(**changes[start]) if changes[start] else config))
             start = depth
     return tuple(segments)
+
+
+# The multi-token-prediction blocks' stack (ModelConfig.mtp_depths): a name under "blocks" so that what walks the
+# stacked params by that prefix (checkpoints, LoRA merges) takes it as a stack.
+MTP_STACK = "blocks_mtp"
+
+
+def param_stacks(config) -> tuple[Segment, ...]:
+    """Every stack of block params: the layer segments, then the MTP depths' (one Segment of `mtp_depths` blocks
+    named MTP_STACK, depths counted on from num_layers, built with ModelConfig.mtp_layer_config)."""
+    segments = layer_segments(config)
+    if not config.mtp_depths:
+        return segments
+    L = config.num_layers
+    return segments + (Segment(L, L + config.mtp_depths, config.mtp_layer_config(), MTP_STACK),)

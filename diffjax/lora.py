@@ -28,8 +28,9 @@ when it comes first (q, k, v, gate, up; GDLA's q_down / q_up / kv_down / kv_up),
 dim), B that of the first output axis; "rank" is never split (`adapter_shardings`).
 
 A model whose layers are not all built alike (Motif 3: dense first layers, then MoE layers; diffjax.kinds.
-layer_segments) stacks each segment apart ("blocks", "blocks_from_<start>"): every stack gets its own adapters,
-on the targeted kernels it has (the dense MLP's gate / up / down in one, the MoE's shared expert's in the other).
+layer_segments) stacks each segment apart ("blocks", "blocks_from_<start>"; the MTP depths are "blocks_mtp"): every
+stack gets its own adapters, on the targeted kernels it has (the dense MLP's gate / up / down in one, the MoE's
+shared expert's in the other).
 Routed experts (target "experts": W [L, E, in, out]) get one adapter pair per expert, A [L, E, in, r] and
 B [L, E, r, out]: E times a dense projection's adapter, and the merged W' is a transient copy of all of them
 (for a large E, adapt the shared expert and attention only). GDLA's output gate (attn.gate_kernel) is no target.
@@ -56,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffjax.config_values import build_config, read_yaml_mapping
-from diffjax.kinds import layer_segments
+from diffjax.kinds import param_stacks
 from diffjax.lora_config import (  # noqa: F401 (lora.LoraConfig: the users' path)
     PART_MODULES, LoraConfig, target_groups, target_kernels, target_names,
 )
@@ -115,7 +116,7 @@ def kernel_specs(model_config, config: LoraConfig) -> dict[tuple[str, ...], Kern
 
     from diffjax.model import TransformerLM
 
-    stacks = {segment.name for segment in layer_segments(model_config)}
+    stacks = {segment.name for segment in param_stacks(model_config)}  # (the MTP depths' too)
     targets, groups = target_kernels(), target_groups()
     modules_of = {kernel: modules for modules, kernels in targets.values() for kernel in kernels}
     abstract = nnx.eval_shape(lambda: TransformerLM(model_config, rngs=nnx.Rngs(0)))

@@ -28,7 +28,7 @@ import yaml
 from diffjax import integrity, lora, storage
 from diffjax.config import ModelConfig
 from diffjax.config_values import read_yaml_mapping
-from diffjax.kinds import FIRST_SEGMENT, Segment
+from diffjax.kinds import FIRST_SEGMENT, MTP_STACK, Segment
 from diffjax.log_lines import after_a_failed_write, drop_late_write_callbacks
 from diffjax.run_dir import DIGEST_FILE, INCOMPLETE_DIR, STATE_ITEM, TEMPORARY_MARK, RunDir, state_dir
 from diffjax.sharding import key_names
@@ -318,8 +318,9 @@ class _LeafWriter:
 
 
 def is_stacked(path: tuple) -> bool:
-    """Under a layer segment's stack: "blocks", or a model of several segments' "blocks_from_<start>"."""
-    return Segment.start_of(path[0]) is not None
+    """Under a layer segment's stack ("blocks", a model of several segments' "blocks_from_<start>") or the MTP
+    depths' ("blocks_mtp"): diffjax.kinds.Segment, param_stacks."""
+    return Segment.start_of(path[0]) is not None or path[0] == MTP_STACK
 
 
 def nested(flat: Mapping[tuple, Any]) -> dict:

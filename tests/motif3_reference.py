@@ -48,8 +48,15 @@ Choices, where the sources disagree or leave room (all follow vLLM's model file)
    it without hidden_clamp). PolyNorm weights pass through a sigmoid when polynorm_sigmoid_weight (default True);
    PolyNorm eps is 1e-6. polynorm_output_scale_per_layer overrides the scale per layer.
 8. hidden_clamp defaults to 1000 when a config omits it (vLLM's getattr default); None switches the clamps off.
-9. The checkpoint's multi-token-prediction block (model.mtp_layers.0.*, num_nextn_predict_layers = 1) is never built
-   by the modeling code and is not built here; tests/motif3_published.py lists its tensor names.
+9. The multi-token-prediction block (model.mtp_layers.<k>.*, num_nextn_predict_layers of them; vLLM motif_mtp.py,
+   which says it mirrors the training code): depth k's layer is a MotifDecoderLayer (layer_idx num_hidden_layers +
+   k) of the config with interleave_moe_layer_step 0 (dense), mhc_enabled false and sliding_window_pattern "all"
+   (windowed everywhere, so swa_rope_theta and no YaRN factor; without a window in the config it attends the whole
+   context). h' = input_proj(cat[previous hidden, embed_norm(embed(next token))]); h'' = the layer (pre-norm,
+   residuals added, as vLLM's fused-residual form sums them); out = final_layernorm(h''); logits by the model's
+   lm_head. Depth 1's previous hidden is the model's final (normed) hidden state, depth k's the output of depth k - 1.
+   Trained in DeepSeek-V3's form (`mtp_hidden_states`): depth k runs on positions 0..T-1-k, reads token t + k at t
+   and predicts token t + 1 + k.
 
 Attention is eager (scores, masks, fp32 softmax). Computations vLLM does in fp32 run in fp32, or in float64 when the
 model is float64. transformers 5 rewrites a config's `rope_scaling` into `rope_parameters` (also written to
@@ -85,7 +92,7 @@ class Motif3Config(PretrainedConfig):
                  polynorm_bias_clamp=None, polynorm_sigmoid_weight=True, hidden_clamp=1000.0, mhc_enabled=False,
                  mhc_expansion_rate=4, mhc_sinkhorn_iters=20, mhc_h_post_alpha_end=0.0, q_lora_rank=0,
                  kv_lora_rank=0, qk_rope_head_dim=None, v_head_dim=None, original_seq_len=32768, rope_factor=1.0,
-                 mscale=1.0, elementwise_attn_output_gate=False, **kwargs):
+                 mscale=1.0, elementwise_attn_output_gate=False, num_nextn_predict_layers=0, **kwargs):
         for name, value in dict(locals()).items():
             if name not in ("self", "kwargs", "__class__", "tie_word_embeddings", "rope_scaling"):
                 setattr(self, name, value)
@@ -479,6 +486,35 @@ class MotifModel(nn.Module):
         return self.norm(x)
 
 
+def mtp_layer_config(config):
+    """vLLM motif_mtp.py's _make_mtp_hf_config: the model's config, dense, without mHC, windowed everywhere."""
+    import copy
+
+    mtp = copy.copy(config)
+    mtp.interleave_moe_layer_step, mtp.mhc_enabled = 0, False
+    mtp.use_sliding_window, mtp.sliding_window_pattern = True, "all"
+    return mtp
+
+
+class MotifMTPLayer(nn.Module):
+    """One MTP depth (choice 9), parameter names as the checkpoint's model.mtp_layers.<k>.*."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        D = config.hidden_size
+        self.embed_norm = RMSNorm(D, config.rms_norm_eps)
+        self.input_proj = nn.Linear(2 * D, D, bias=False)
+        block = MotifDecoderLayer(mtp_layer_config(config), layer_idx)
+        for name, module in block.named_children():  # the block's parts under the checkpoint's names
+            setattr(self, name, module)
+        self.block = [block]  # (a list: not registered twice)
+        self.final_layernorm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(self, hidden, next_embedded, positions):
+        x = self.input_proj(torch.cat([hidden, self.embed_norm(next_embedded)], dim=-1))
+        return self.final_layernorm(self.block[0](x, positions))
+
+
 class Motif3ForCausalLM(PreTrainedModel):
     config_class = Motif3Config
     base_model_prefix = "model"
@@ -486,6 +522,8 @@ class Motif3ForCausalLM(PreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.model = MotifModel(config)
+        self.model.mtp_layers = nn.ModuleList(MotifMTPLayer(config, config.num_hidden_layers + k)
+                                              for k in range(config.num_nextn_predict_layers or 0))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -496,6 +534,14 @@ class Motif3ForCausalLM(PreTrainedModel):
 
     def forward(self, input_ids, **kwargs):
         return CausalLMOutput(logits=self.lm_head(self.model(input_ids)))
+
+    def mtp_hidden_states(self, input_ids):
+        """The MTP depths' final hidden states in DeepSeek-V3's training form (choice 9): depth k's [B, T - k, D]."""
+        T, hidden, out = input_ids.shape[1], self.model(input_ids), []
+        for k, layer in enumerate(self.model.mtp_layers, start=1):
+            hidden = layer(hidden[:, :T - k], self.model.embed_tokens(input_ids[:, k:]), torch.arange(T - k))
+            out.append(hidden)
+        return out
 
 
 @torch.no_grad()

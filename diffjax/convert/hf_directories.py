@@ -53,6 +53,21 @@ def conversion_run_dir(dst, *, overwrite: bool, command: str):
         raise
 
 
+def _hf_side(run: RunDir) -> Path:
+    """RUN/hf/: the run's own, or for a run trained from another (train.init_from) without one, the first of its
+    bases' (a fine-tuned conversion exports with the source's config.json keys and tokenizer files)."""
+    from diffjax.config_values import read_yaml_mapping
+
+    seen = set()
+    while not run.hf.is_dir() and run.config_file.exists() and run.path not in seen:
+        seen.add(run.path)
+        init_from = (read_yaml_mapping(run.config_file).get("train") or {}).get("init_from")
+        if not init_from:
+            break
+        run = RunDir.of_step(resolve_checkpoint(init_from, f"{run.config_file}'s train.init_from"))
+    return run.hf
+
+
 def keep_hf_files(src, run: RunDir) -> dict | None:
     """Copy the HF directory `src`'s files but its weights (config.json, tokenizer, generation config) into RUN/hf/;
     returns the data section naming its tokenizer.json (None without one), so that training on and generating
@@ -109,7 +124,7 @@ def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", o
         config, step_dir = params.model_config, params.root_step
     else:
         params = CheckpointParams(step_dir)
-    side = RunDir.of_step(step_dir).hf
+    side = _hf_side(RunDir.of_step(step_dir))
     base = read_hf_config(side) if (side / "config.json").exists() else None
     extra = [f for f in sorted(side.iterdir()) if f.is_file()] if side.is_dir() else []
     return save_hf(params, dst, config, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,

@@ -11,6 +11,12 @@ What each field becomes (tests/motif3_reference.py states what the model compute
   rope_scaling yarn    rope_type "yarn"; rope_mscale = mscale when max_position_embeddings > original_seq_len
   mhc_*                residual "mhc" (streams, sinkhorn_iters, h_post_alpha, identity_init)
   num_experts, ...     mlp "moe" (dense first layers as its options say); no experts: mlp "polynorm"
+  num_nextn_predict_layers
+      mtp_depths; mtp_layer as Motif's vLLM motif_mtp.py builds the MTP block's layer (_make_mtp_hf_config: the
+      model's config with interleave_moe_layer_step 0, mhc_enabled false, sliding_window_pattern "all"): a dense
+      PolyNorm MLP of intermediate_size without clamps (motif.py's dense MLP), no mHC, the model's window on every
+      position with swa_rope_theta (plain RoPE, no YaRN factor on the softmax scale). The checkpoint's shapes
+      (tests/motif3_published.py: mlp 12,288 wide, no mhc_* tensors) agree.
 """
 
 from __future__ import annotations
@@ -136,7 +142,21 @@ def config_fields(hf: dict) -> dict:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         **({"init_std": float(hf["initializer_range"])} if hf.get("initializer_range") is not None else {}),
-        **_rope_fields(hf), **_window_fields(hf), **_mlp_fields(hf), **_residual_fields(hf))
+        **_rope_fields(hf), **_window_fields(hf), **_mlp_fields(hf), **_residual_fields(hf), **_mtp_fields(hf))
+
+
+def _mtp_fields(hf: dict) -> dict:
+    """mtp_depths and the MTP block's layer (module docstring) of a Motif 3 config.json."""
+    depths = int(hf.get("num_nextn_predict_layers") or 0)
+    if not depths:
+        return {}
+    layer = dict(mlp="polynorm", mlp_dim=hf["intermediate_size"], residual="plain",
+                 mlp_options=dict(output_scale=float(hf.get("polynorm_output_scale", 1.0)), hidden_clamp=None,
+                                  sigmoid_weight=bool(hf.get("polynorm_sigmoid_weight", True))))
+    window = _window_fields(hf)
+    if window:  # (without a window vLLM's MTP layer attends the whole context, as the global layers)
+        layer.update(attention_window=window["attention_window"], window_rope_theta=window["window_rope_theta"])
+    return dict(mtp_depths=depths, mtp_layer=layer)
 
 
 # ------------------------------------------------------------------------------ ModelConfig -> config.json
@@ -161,11 +181,23 @@ def export_problems(config: ModelConfig) -> list[str]:
     if config.rope_mscale is not None and config.max_seq_len <= config.rope_original_max_len:
         problems.append(f"rope_mscale={config.rope_mscale} with max_seq_len <= rope_original_max_len: Motif 3 applies "
                         "mscale only to a stretched context")
+    if config.mtp_depths and config.mtp_layer_config() != _published_mtp_layer(config):
+        problems.append("mtp_layer: Motif 3's MTP layer is a dense PolyNorm MLP of mlp_dim (no clamp, the model's "
+                        "output_scale and sigmoid_weight), no mHC and the model's window with window_rope_theta")
     if config.attention_window is not None and config.global_layers:
         period = config.global_layers[1] if len(config.global_layers) > 1 else config.num_layers
         if list(config.global_layers) != list(range(0, config.num_layers, period)):
             problems.append(f"global_layers={list(config.global_layers)}: Motif 3's are the multiples of a period")
     return problems
+
+
+def _published_mtp_layer(config: ModelConfig) -> ModelConfig:
+    """The MTP layer config Motif 3's config.json says for `config` (what config_fields would read back)."""
+    o = config.mlp_options
+    return config.replace(mtp_layer=dict(
+        mlp="polynorm", mlp_dim=config.mlp_dim, residual="plain",
+        mlp_options=dict(output_scale=o.output_scale, sigmoid_weight=o.sigmoid_weight, hidden_clamp=None))
+    ).mtp_layer_config()
 
 
 def _window_export(config: ModelConfig) -> dict:
@@ -224,7 +256,7 @@ def export_fields(config: ModelConfig) -> dict:
         headwise_attn_output_gate=False, hidden_act="poly_norm", rms_norm_eps=float(config.norm_eps),
         initializer_range=float(config.init_std), max_position_embeddings=config.max_seq_len,
         tie_word_embeddings=bool(config.tie_embeddings), score_before_experts=False,
-        polynorm_output_scale_per_layer={}, num_nextn_predict_layers=0, mhc_enabled=mhc,  # no MTP block exported
+        polynorm_output_scale_per_layer={}, num_nextn_predict_layers=config.mtp_depths, mhc_enabled=mhc,
         **(dict(mhc_expansion_rate=r.streams, mhc_sinkhorn_iters=r.sinkhorn_iters,
                 mhc_h_post_alpha_end=r.h_post_alpha, mhc_identity_init=r.identity_init) if mhc else {}),
         **_window_export(config), **_rope_export(config), **_mlp_export(config))
@@ -234,5 +266,4 @@ FORMAT = formats.register(formats.CheckpointFormat(
     name="motif3", label="Motif 3", model_type="motif", architecture=ARCHITECTURE, attention=("gdla",),
     detect=is_motif3, config_in=config_fields, config_out=export_fields, weight_plan=motif3_weights.plan,
     export_problems=export_problems, spelling=PUBLISHED_MODEL_TYPE, remote_code=True,
-    skipped={motif3_weights.MTP_PREFIX: "the multi-token-prediction block, which Motif 3's modeling code never builds"},
 ))

@@ -2,8 +2,10 @@
 checkpoint name (tests/motif3_published.py's checkpoint_shapes lists them): transposes, reshapes and one split only
 (experts.gate_up_proj is the gate and up kernels). Layers after the dense first ones are their own stack
 ("blocks_from_<start>": diffjax.kinds.layer_segments). The names inside a layer follow the modules' docstrings
-(diffjax.model.attention.gdla, .residual.mhc, .mlp.moe, .mlp.polynorm). The multi-token-prediction block
-(model.mtp_layers.*) is skipped with one note: the modeling code never builds it.
+(diffjax.model.attention.gdla, .residual.mhc, .mlp.moe, .mlp.polynorm). The multi-token-prediction depths
+(model.mtp_layers.<k>.*, as Motif's vLLM motif_mtp.py reads them) are the "blocks_mtp" stack
+(diffjax.model.transformer.PredictionBlock): embed_norm, input_proj (its input is [hidden, normed embedding]),
+final_layernorm, and a decoder layer's names (the MTP layer's config: dense MLP, no mHC).
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ import numpy as np
 
 from diffjax.config import ModelConfig
 from diffjax.convert.weight_plan import COPY, TRANSPOSED, Row, causal_lm_plan, linear, out_projection, rope_perm
-
-MTP_PREFIX = "model.mtp_layers."
+from diffjax.kinds import param_stacks
 
 
 def _attention_rows(config: ModelConfig, hf: str, leaf: Callable) -> list[Row]:
@@ -96,6 +97,23 @@ def _layer_rows(config: ModelConfig, hf: str, leaf: Callable) -> list[Row]:
     return rows
 
 
+def _mtp_rows(config: ModelConfig) -> list[Row]:
+    """The MTP depths' tensors (model.mtp_layers.<k>.*), each depth a slice of the "blocks_mtp" stack."""
+    if not config.mtp_depths:
+        return []
+    stack, D, rows = param_stacks(config)[-1], config.d_model, []
+    for k in range(config.mtp_depths):
+        def leaf(*path, k=k):
+            return (stack.name,) + path, k
+        hf = f"model.mtp_layers.{k}."
+        rows += [Row(hf + "embed_norm.weight", (D,), (leaf("embed_norm", "scale"),), *COPY),
+                 Row(hf + "input_proj.weight", (D, 2 * D), (leaf("input_proj_kernel"),), *TRANSPOSED),
+                 Row(hf + "final_layernorm.weight", (D,), (leaf("final_norm", "scale"),), *COPY)]
+        rows += _layer_rows(stack.config, hf, leaf)
+    return rows
+
+
 def plan(config: ModelConfig) -> list[Row]:
-    """Every checkpoint tensor of `config`'s Motif 3 (but the MTP block's), in the checkpoint's order."""
-    return causal_lm_plan(config, lambda segment_config, depth, hf, leaf: _layer_rows(segment_config, hf, leaf))
+    """Every checkpoint tensor of `config`'s Motif 3, in the checkpoint's order, the MTP depths' last."""
+    return causal_lm_plan(config, lambda segment_config, depth, hf, leaf: _layer_rows(segment_config, hf, leaf)) + \
+        _mtp_rows(config)

@@ -19,7 +19,7 @@ import numpy as np
 
 from diffjax.config import ModelConfig
 from diffjax.convert.common import ConversionError, name_and_shape_problems, to_numpy
-from diffjax.kinds import layer_segments
+from diffjax.kinds import layer_segments, param_stacks
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def causal_lm_plan(config: ModelConfig, layer_rows: Callable) -> list[Row]:
 
 
 def stack_sizes(config: ModelConfig) -> dict[str, int]:
-    return {segment.name: segment.stop - segment.start for segment in layer_segments(config)}
+    return {segment.name: segment.num_layers for segment in param_stacks(config)}
 
 
 def canonical_names(names) -> dict[str, str]:

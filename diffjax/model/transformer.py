@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import attention_kinds, ops
 from diffjax.config import ModelConfig
-from diffjax.kinds import Segment, layer_segments
+from diffjax.kinds import MTP_STACK, Segment, layer_segments, param_stacks
 from diffjax.model import layer_outputs, mlp, residual
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache
@@ -83,6 +83,26 @@ class DecoderBlock(nnx.Module):
         return stream, aux
 
 
+class PredictionBlock(DecoderBlock):
+    """One multi-token-prediction depth (DeepSeek-V3's MTP module; Motif 3's model.mtp_layers.<k>, as Motif's vLLM
+    motif_mtp.py computes it): h' = [h, embed_norm(embedding of the next input token)] @ input_proj, then the decoder
+    block (the MTP layer's config: ModelConfig.mtp_layer_config), then final_norm; the model's head gives its logits.
+    Its params are a decoder block's plus these three, so LoRA, the sharding rules and checkpoints take it as a layer."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        D = config.d_model
+        self.embed_norm = RMSNorm(D, config.norm_eps, config.param_dtype)
+        self.input_proj_kernel = normal_param(rngs, (2 * D, D), config.init_std, config.param_dtype, (None, "embed"))
+        self.final_norm = RMSNorm(D, config.norm_eps, config.param_dtype)
+
+    def predict(self, hidden_BTD, embedded_BTD, rope_cos_sin, segment_ids, constants):
+        """The depth's final hidden states [B, T, D] from the previous depth's and the next tokens' embeddings."""
+        x_BTE = jnp.concatenate([hidden_BTD, self.embed_norm(embedded_BTD)], axis=-1)
+        x_BTD = jnp.einsum("bte,ed->btd", x_BTE, self.input_proj_kernel[...].astype(x_BTE.dtype))
+        return self.final_norm(self(constrain(x_BTD, BTD), rope_cos_sin, segment_ids, constants))
+
+
 class HiddenStates(NamedTuple):
     """TransformerLM.hidden_states' result."""
 
@@ -111,7 +131,7 @@ class TransformerLM(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed = Embedding(config.vocab_size, config.d_model, config.init_std, config.param_dtype, rngs=rngs)
-        for segment in self.segments():
+        for segment in param_stacks(config):
             setattr(self, segment.name, _init_stack(segment, rngs))
         self.final_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         if not config.tie_embeddings:
@@ -296,6 +316,32 @@ class TransformerLM(nnx.Module):
         kv = None if cache is None else tuple(zip(*layers_kv))
         return stream, kv, layer_outputs.stacked(emitted, segment.start)
 
+    def mtp_hidden_states(self, hidden_BTD, inputs_KBT, positions_BT, segment_ids_BT=None) -> list[jax.Array]:
+        """The MTP depths' final hidden states, one [B, T, D] per depth k = 1..K (they predict token t + 1 + k:
+        `logits` projects them): depth k reads depth k - 1's (depth 0: hidden_BTD, the model's) and the embeddings of
+        inputs_KBT[k - 1] (token t + k at position t; diffjax.losses.mtp_targets). Every depth attends with the
+        model's positions and segment ids."""
+        if not self.config.mtp_depths:
+            raise ValueError("this model has no multi-token-prediction depths (ModelConfig.mtp_depths is 0)")
+        segment = param_stacks(self.config)[-1]
+        config, dtype = segment.config, hidden_BTD.dtype
+        graphdef, params = nnx.split(self.stack(segment))
+        constants = module_class(config).depth_constants(config, range(segment.start, segment.stop), dtype)
+        rope_cos_sin = layer_rope_tables(config, positions_BT, dtype)
+
+        def depth_call(hidden_BTD, depth_params, depth_constants, inputs_BT):
+            block = nnx.merge(graphdef, depth_params)
+            return block.predict(hidden_BTD, self.embed(inputs_BT, dtype), rope_cos_sin, segment_ids_BT, depth_constants)
+
+        if self.config.remat != "none":
+            depth_call = jax.checkpoint(depth_call, policy=REMAT_POLICIES[self.config.remat])
+        hiddens = []
+        for k in range(segment.num_layers):
+            pick = functools.partial(lambda x, k: x[k], k=k)
+            hidden_BTD = depth_call(hidden_BTD, jax.tree.map(pick, params), jax.tree.map(pick, constants), inputs_KBT[k])
+            hiddens.append(hidden_BTD)
+        return hiddens
+
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
 
@@ -303,10 +349,12 @@ class TransformerLM(nnx.Module):
 def _init_stack(segment: Segment, rngs: nnx.Rngs) -> DecoderBlock:
     """The segment's layers initialized by one vmapped layer init: a DecoderBlock with [layers, ...] params."""
 
+    block = PredictionBlock if segment.name == MTP_STACK else DecoderBlock
+
     @nnx.split_rngs(splits=segment.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def init_blocks(rngs):
-        return DecoderBlock(segment.config, rngs=rngs)
+        return block(segment.config, rngs=rngs)
 
     blocks = init_blocks(rngs)
     prepend_axis(blocks, "layers")

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from diffjax.config import BLOCK_PARTS, ModelConfig, block_rows
-from diffjax.mesh_axes import DISTRIBUTED_MODES, MESH_AXES, ParallelConfig  # (the names read from here too)
+from diffjax.mesh_axes import DISTRIBUTED_MODES, MESH_AXES, ParallelConfig  # noqa: F401 (read from here too)
 
 log = logging.getLogger(__name__)
 

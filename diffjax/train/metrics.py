@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from diffjax import attention_kinds, mlp_kinds, residual_kinds, storage
-from diffjax.kinds import layer_segments
+from diffjax.kinds import param_stacks
 from diffjax.config import ModelConfig
 from diffjax.run_dir import RunDir
 
@@ -47,14 +47,16 @@ PEAK_FLOPS = (
 
 def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the LM head counts even when tied; a mixture of experts
-    counts the experts a token is routed to: the MLP kind's matmul_params)."""
+    counts the experts a token is routed to: the MLP kind's matmul_params). Each multi-token-prediction depth adds its
+    layer, its input projection [2D, D] and the LM head once more."""
     def per_layer(c: ModelConfig) -> int:
         attention = attention_kinds.get(c.attention)
         return (attention.attention_params(c) - attention.vector_params(c) + mlp_kinds.get(c.mlp).matmul_params(c)
                 + residual_kinds.get(c.residual).matmul_params(c))
 
-    layers = sum(segment.num_layers * per_layer(segment.config) for segment in layer_segments(config))
-    return layers + config.d_model * config.vocab_size
+    layers = sum(segment.num_layers * per_layer(segment.config) for segment in param_stacks(config))
+    D, depths = config.d_model, config.mtp_depths
+    return layers + (1 + depths) * D * config.vocab_size + depths * 2 * D * D
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -62,6 +64,9 @@ def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     kind = attention_kinds.get(config.attention)
     attention_forward = sum(kind.attention_flops(config, config.mean_context(depth, seq_len))
                             for depth in range(config.num_layers))
+    if config.mtp_depths:  # (every MTP depth's layer is windowed when the model has a window)
+        mtp = config.mtp_layer_config()
+        attention_forward += config.mtp_depths * kind.attention_flops(mtp, mtp.mean_context(0, seq_len))
     return 6 * matmul_params(config) + 3 * attention_forward
 
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from diffjax import lora, sharding
 from diffjax.config import ModelConfig
-from diffjax.losses import chunked_loss_sum_and_count, loss_sum_and_count, next_token_targets
+from diffjax.losses import chunked_loss_sum_and_count, loss_sum_and_count, mtp_targets, next_token_targets
 from diffjax.model import TransformerLM, layer_outputs
 from diffjax.model.facets import model_facets, output_names
 from diffjax.ops.context_parallel import context_size, to_context_order
@@ -61,10 +61,12 @@ def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int, lambda_scale=N
     return _forward(graphdef, params, batch, loss_chunk, lambda_scale)[:2]
 
 
-def _forward(graphdef, params, batch, loss_chunk: int, lambda_scale=None, outputs=layer_outputs.NOTHING):
-    """(loss sum, target count, the layers' outputs `outputs` asks for: diffjax.model.layer_outputs). Targets and
-    weights are stated per position first, so that under a context axis every [B, T] array can be put in the context
-    layout (ops.context_parallel) together."""
+def _forward(graphdef, params, batch, loss_chunk: int, lambda_scale=None, outputs=layer_outputs.NOTHING,
+             predictions: bool = False):
+    """(loss sum, target count, the layers' outputs `outputs` asks for: diffjax.model.layer_outputs, and with
+    `predictions` the multi-token-prediction depths' loss sums and target counts, [K] each: None without). Targets
+    and weights are stated per position first, so that under a context axis every [B, T] array can be put in the
+    context layout (ops.context_parallel) together."""
     model = nnx.merge(graphdef, params)
     targets_BT, weights_BT = next_token_targets(batch["tokens"], batch.get("segment_ids"), batch.get("loss_mask"))
     context = context_size()
@@ -73,12 +75,23 @@ def _forward(graphdef, params, batch, loss_chunk: int, lambda_scale=None, output
         for x in (batch["tokens"], batch["positions"], batch.get("segment_ids"), targets_BT, weights_BT))
     hidden_BTD, _, emitted = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, lambda_scale=lambda_scale,
                                                  outputs=outputs)
+    loss_sum, count = _loss(model, hidden_BTD, targets_BT, weights_BT, loss_chunk)
+    if not (predictions and model.config.mtp_depths):
+        return loss_sum, count, emitted, None
+    inputs_KBT, targets_KBT, weights_KBT = (
+        jax.vmap(lambda x: to_context_order(x, context))(x)
+        for x in mtp_targets(batch["tokens"], batch.get("segment_ids"), batch.get("loss_mask"), model.config.mtp_depths))
+    hiddens = model.mtp_hidden_states(hidden_BTD, inputs_KBT, positions_BT, segment_ids_BT)
+    depths = [_loss(model, h_BTD, t_BT, w_BT, loss_chunk) for h_BTD, t_BT, w_BT in zip(hiddens, targets_KBT, weights_KBT)]
+    return loss_sum, count, emitted, tuple(jnp.stack(values) for values in zip(*depths))
+
+
+def _loss(model, hidden_BTD, targets_BT, weights_BT, loss_chunk: int):
+    """(loss sum, target count) of the head's logits of final hidden states, in chunks of loss_chunk tokens (0: at
+    once)."""
     if loss_chunk:
-        loss_sum, count = chunked_loss_sum_and_count(hidden_BTD, model.head(hidden_BTD.dtype), targets_BT, weights_BT,
-                                                     loss_chunk)
-    else:
-        loss_sum, count = loss_sum_and_count(model.logits(hidden_BTD), targets_BT, weights_BT)
-    return loss_sum, count, emitted
+        return chunked_loss_sum_and_count(hidden_BTD, model.head(hidden_BTD.dtype), targets_BT, weights_BT, loss_chunk)
+    return loss_sum_and_count(model.logits(hidden_BTD), targets_BT, weights_BT)
 
 
 def _model_params(params, frozen, lora_config: lora.LoraConfig | None):
@@ -100,6 +113,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     metrics run."""
     loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
     facets = model_facets(model_config)
+    # The MTP depths' mean loss joins the main loss times mtp_loss_weight; both are sums over the step's targets
+    # divided by its main target count (depth k counts k fewer per document), so accumulation stays one big batch.
+    depths = model_config.mtp_depths
+    mtp_weight = model_config.mtp_loss_weight / max(depths, 1)
     request = layer_outputs.Request(output_names(facets))
 
     def train_step(state, batch, frozen=None):
@@ -111,20 +128,24 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         scale = None if lambda_schedule is None else lambda_schedule(state[STEP])
 
         def loss_and_aux(p, micro):
-            loss_sum, count, outputs = _forward(graphdef, _model_params(p, frozen, lora_config), micro, loss_chunk,
-                                                scale, request)
-            return loss_sum, (count, outputs)
+            loss_sum, count, outputs, predicted = _forward(graphdef, _model_params(p, frozen, lora_config), micro,
+                                                           loss_chunk, scale, request, predictions=True)
+            objective = loss_sum if predicted is None else loss_sum + mtp_weight * jnp.sum(predicted[0])
+            return objective, (loss_sum, count, outputs, predicted)
 
         grad_fn = jax.value_and_grad(loss_and_aux, has_aux=True)
 
         def accumulate(carry, micro):
-            grads_sum, loss_sum, count = carry
-            (micro_loss, (micro_count, outputs)), grads = grad_fn(params, micro)
+            grads_sum, loss_sum, count, depth_sums = carry
+            (_, (micro_loss, micro_count, outputs, predicted)), grads = grad_fn(params, micro)
             grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
-            return (grads_sum, loss_sum + micro_loss, count + micro_count), outputs
+            depth_sums = depth_sums if predicted is None else jax.tree.map(jnp.add, depth_sums, predicted)
+            return (grads_sum, loss_sum + micro_loss, count + micro_count, depth_sums), outputs
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (grads_sum, loss_sum, count), outputs = jax.lax.scan(accumulate, (zeros, jnp.float32(0), jnp.float32(0)), batch)
+        no_depths = (jnp.zeros(depths, jnp.float32),) * 2
+        (grads_sum, loss_sum, count, depth_sums), outputs = jax.lax.scan(
+            accumulate, (zeros, jnp.float32(0), jnp.float32(0), no_depths), batch)
         outputs = layer_outputs.combine(outputs)  # the step's micro-batches together
         denominator = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads_sum, params)
@@ -140,16 +161,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             ok = ok if facet_ok is None else ok & facet_ok
         if on_nonfinite == "skip":
             new_params, opt_state = guard.keep_old_if_bad(ok, (new_params, opt_state), (params, state[OPT_STATE]))
-        metrics = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "ok": ok,
-            "lr": schedule(state[STEP]),
-            "loss_tokens": count,
-        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "ok": ok, "lr": schedule(state[STEP]), "loss_tokens": count}
         for facet in facets:
             metrics.update(facet.metrics(outputs, lambda: nnx.merge(graphdef, _model_params(new_params, frozen,
                                                                                            lora_config))))
+        for k in range(depths):  # each depth's mean loss
+            metrics[f"mtp_loss/depth_{k + 1}"] = depth_sums[0][k] / jnp.maximum(depth_sums[1][k], 1.0)
         if scale is not None:
             metrics["lambda_scale"] = scale
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state[RNG]))[0])
