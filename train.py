@@ -1,9 +1,7 @@
 """`python train.py [--config NAME_OR_PATH] [key=value ...]`: the trainer's command line from a repository checkout,
 the same as the `diffjax-train` console script (diffjax/train/cli.py; `--help` and `--help-keys` say more)."""
 
-import sys
-
-from diffjax.train.cli import main
+from diffjax.train.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -97,3 +97,18 @@ def test_recall_writes_training_documents_the_trainer_reads(tmp_path, monkeypatc
     for line in lines:  # the trainer's jsonl source reads each, and each has answers to learn
         segments = parse_segments(json.loads(line)["segments"], fail=pytest.fail)
         assert any(label for _, label in segments) and not all(label for _, label in segments)
+
+
+def test_the_trainer_ends_its_process_with_main_s_exit_status(monkeypatch, capsys):
+    """diffjax-train / train.py end with os._exit (no interpreter teardown, where a native thread wanting the GIL
+    could abort a finished run) carrying main's status, after the output is flushed."""
+    from diffjax.train import cli
+
+    ended = []
+    monkeypatch.setattr(cli.os, "_exit", ended.append)
+    monkeypatch.setattr(cli.logging, "shutdown", lambda: None)  # (it would close pytest's own log handlers)
+    cli.run(["--help-keys", "model.d_model=48"])
+    cli.run(["model.no_such_key=1"])
+    assert ended == [0, 2]
+    out, err = capsys.readouterr()
+    assert "model.d_model" in out and "48" in out and "no_such_key" in err

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from diffjax.train.cli import main
+from diffjax.train.cli import main, run
 from diffjax.train.config_files import SHIPPED, config_file, shipped_names
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -65,8 +65,8 @@ def test_console_scripts_name_the_command_lines():
     for script, target in scripts.items():
         module, _, function = target.partition(":")
         assert callable(getattr(importlib.import_module(module), function)), script
-    assert scripts["diffjax-train"] == "diffjax.train.cli:main"
-    assert runpy.run_path(str(REPO_ROOT / "train.py"))["main"] is main  # python train.py runs the same function
+    assert scripts["diffjax-train"] == "diffjax.train.cli:run"
+    assert runpy.run_path(str(REPO_ROOT / "train.py"))["run"] is run  # python train.py runs the same function
 
 
 def test_one_version_source():
