@@ -7,6 +7,8 @@ import os
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A subprocess that dies of a signal (an abort in native code) prints every thread's Python stack.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # One persistent compilation cache for the session, shared with the trainer subprocesses: the same
 # small models are compiled again and again (a 2-layer model's random init alone takes ~8 s to
 # compile on 2 cores, ~0.5 s from the cache).
