@@ -169,7 +169,8 @@ def test_pallas_gpu_interpret_forward_and_grads(name, measured):
 DKDV_CASE = (1, 192, 64, 1, 1, 2, 64, 128, False, True, "pair", "bfloat16")
 
 
-@pytest.mark.parametrize("dkdv", OTHER_DKDV)
+# (the old "exchange" kernel, the sweep's baseline, runs interpreted in the GPU session's dry run: test_capture)
+@pytest.mark.parametrize("dkdv", [name for name in OTHER_DKDV if name != "exchange"])
 @pytest.mark.slow
 @pytest.mark.single_leg
 def test_pallas_gpu_interpret_dkdv_variants(dkdv, measured):
