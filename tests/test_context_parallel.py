@@ -256,6 +256,7 @@ def test_loss_and_every_gradient_with_a_context_axis_equal_one_device(kind, meas
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_windowed_and_global_layers_with_a_context_axis_equal_one_device(measured):
     """A sliding window (5 keys) on layers 0 and 2 around a global layer 1, scanned (lax.cond picks per layer)."""
     config = MODEL.replace(attention="diff_v2", num_layers=3, attention_window=5, global_layers=(1,), scan_layers=True)

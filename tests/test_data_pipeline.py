@@ -213,6 +213,7 @@ def test_bad_arguments_are_rejected():
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_worker_processes_resume_exactly():
     """worker_count > 0: grain's multiprocess prefetch, whose state also restores exactly."""
     ds = make_train_dataset(

@@ -39,6 +39,7 @@ def _train_losses(metrics_file) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_a_run_on_gcs_is_killed_resumes_exactly_and_falls_back_past_a_damaged_checkpoint(gcs, tmp_path):
     url = gcs.url("run")
     run = RunDir(url)

@@ -93,6 +93,7 @@ TOY = ["model.mlp=toy_shifted_relu", "model.num_layers=2", "train.sample_tokens=
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_a_toy_kind_s_facet_collects_updates_logs_and_resumes_bitwise(toy_kind, tmp_path):
     """The statistic is summed over the step's micro-batches and devices (tokens = the global batch's), the shift
     moves by exactly step each step (every unit fires; no gradient, no weight decay: only the facet moves it), the

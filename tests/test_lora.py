@@ -198,6 +198,7 @@ def lora_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_lora_training_state_checkpoints_and_exact_resume(lora_runs):
     from diffjax.train.config import CheckpointConfig
     from diffjax.train.state_checkpoints import Checkpointer

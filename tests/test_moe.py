@@ -405,6 +405,7 @@ MOE_RUN = ["model.mlp=moe", "model.mlp_dim=48", "model.num_layers=3", "model.mlp
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_dense_first_then_moe_trains_through_train_py_and_resumes_bitwise(tmp_path):
     """Two steps by `python train.py` (the real CLI), resumed in train() for two more, equal four straight steps bit
     for bit; the run samples, its set-up line names the active parameters."""

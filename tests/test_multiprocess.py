@@ -76,6 +76,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_two_processes_train_save_and_resume_together(tmp_path):
     straight = _train_two_processes(tmp_path / "straight", 4)
     assert "mesh: data=2 x fsdp=2 x context=1 x tensor=1 x expert=1 (4 devices) over 2 process(es)" in straight[0], straight[0]

@@ -85,6 +85,7 @@ def _damage(step_dir, how):
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_damaged_checkpoints_are_skipped_for_the_newest_intact_one(tmp_path):
     run_dir = tmp_path / "run"
     every = ["checkpoint.every=2", "checkpoint.keep=3"]
@@ -508,6 +509,7 @@ def test_a_read_only_run_dir_and_a_still_full_disk_are_one_line(tmp_path, monkey
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_a_real_full_disk_is_one_line_and_the_checkpoints_stay_intact(tmp_path):
     """A 1.5 MB tmpfs as the run directory's disk (needs root; skipped where mounting is not allowed)."""
     from diffjax.integrity import find_damage

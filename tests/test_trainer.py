@@ -167,6 +167,7 @@ def _checkpoint_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_kill_9_then_rerun_continues_from_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # Metrics are flushed to the log only every 100 steps: the records must still survive the kill.
@@ -195,6 +196,7 @@ def test_kill_9_then_rerun_continues_from_the_last_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_sigterm_saves_the_current_step(tmp_path):
     run_dir = tmp_path / "run"
     command = _command(run_dir, "train.steps=500", "checkpoint.every=1000")
@@ -263,6 +265,7 @@ def test_init_from_takes_the_params_of_another_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_params_only_checkpoint_loads_trains_on_and_initializes(tmp_path):
     """save_params (what the converter writes): load_model gives the same logits, train.py in that
     run directory trains on from those params, and train.init_from takes them."""

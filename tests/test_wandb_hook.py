@@ -87,6 +87,7 @@ def _assert_same_as_metrics_jsonl(run: dict, records: list[dict]):
 
 
 @pytest.mark.slow
+@pytest.mark.both_legs
 def test_offline_run_logs_metrics_lambda_eval_and_config_and_a_resume_continues_it(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
