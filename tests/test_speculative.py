@@ -6,6 +6,8 @@ refusals."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,3 +105,19 @@ def test_speculative_refusals_are_one_line(model_changes, options, message):
     with pytest.raises(ValueError, match=message) as error:
         diffjax.generate(model, PROMPTS, 4, **{"draft": "mtp", **options})
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_cli_draft_mtp_prints_the_greedy_tokens_and_the_acceptance(tmp_path, capsys):
+    from diffjax.checkpoint import save_params
+    from diffjax.generate.__main__ import main
+
+    model = _diff_model(1, layers=1)
+    save_params(tmp_path / "run", nnx.to_pure_dict(nnx.state(model, nnx.Param)), model.config)
+    command = ["--checkpoint", str(tmp_path / "run"), "--prompt-ids", "5,9,2", "--max-new-tokens", "6", "--draft", "mtp"]
+    assert main(command) == 0
+    out, err = capsys.readouterr()
+    assert [int(x) for x in out.split()] == [5, 9, 2] + diffjax.generate(model, [[5, 9, 2]], 6)[0].tolist()
+    assert re.search(r"6 tokens in [\d.]+ s \(compilation included\): \d+ verify steps, \d+ of \d+ drafts accepted", err)
+    assert main(command + ["--temperature", "0.5"]) == 2
+    assert "error: draft='mtp' decodes greedily: temperature must be 0, got 0.5" in capsys.readouterr().err
