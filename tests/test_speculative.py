@@ -63,7 +63,8 @@ def test_speculative_tokens_are_greedy_tokens_on_a_motif3_like_model(depths):
     model = TransformerLM(config, rngs=nnx.Rngs(depths))
     prompts = [list(np.random.RandomState(0).randint(0, config.vocab_size, n)) for n in (11, 3, 7)]
     plain, _ = _same_as_greedy(model, prompts, 16)
-    _same_as_greedy(model, prompts, 16, stop_tokens=[int(plain[1, 5])])
+    if depths == 1:  # (a compile each: one stop-token case, on every leg)
+        _same_as_greedy(model, prompts, 16, stop_tokens=[int(plain[1, 5])])
 
 
 def _drafting(model: TransformerLM, sign: float) -> TransformerLM:

@@ -51,8 +51,7 @@ class Choice:
 
 
 def compute_cast(dtype):
-    """x -> x as the decode loop reads it: matrices (and stacked vectors' slices' matrices) in the compute dtype, vectors
-    as they are."""
+    """x -> x as the decode loop reads it: floating arrays of 2 or more axes in the compute dtype, vectors as they are."""
     def cast(x):
         return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
 

@@ -1,7 +1,8 @@
 """Self-speculative greedy decoding: the model's MTP depths (ModelConfig.mtp_depths = K) draft K tokens, the model
 verifies them in one step of K + 1 tokens, and each row keeps the longest prefix the model agrees with plus the
 model's own next token. The tokens are plain greedy decoding's (diffjax.generate.decode); a step emits 1 to K + 1
-tokens per row for about one step's weight traffic.
+tokens per row for one read of the weights plus a layer and an LM head per depth (where a decode step is bound by
+reading the weights, about one step; not on a CPU: benchmarks/results/speculative_cpu.md).
 
 One jitted program per call shape, as plain decoding: the prefill, then a lax.while_loop of verify steps. A verify
 step feeds each row's last token and its K drafts at positions n..n + K through the KV cache (kv_cache.py: a decode

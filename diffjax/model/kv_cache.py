@@ -24,6 +24,11 @@ so it needs the rows' real lengths when they differ (`empty(..., prompt_lengths_
 shorter row would otherwise overwrite its real tokens' slots. A scanned stack keeps S slots on every layer (one
 shape for the stack) and masks the window instead.
 
+Speculative decoding (diffjax.generate.speculative) feeds up to 1 + `draft` tokens per row in one decode step, at
+positions lengths_B .. lengths_B + draft, each query seeing the slots up to its own position (kv ids [B, T, S]), then
+rolls a row back by setting its length (`rolled_back`): slot = position, so the rejected slots are masked until
+overwritten; a ring keeps W + draft slots, so that those writes never evict a key still in any query's window.
+
 What a module stores is its own choice: GDLA (attention/gdla.py) stores its compressed kv latent as the "values"
 and its shared RoPE key as the "keys", one kv head each, and attends them itself.
 """
