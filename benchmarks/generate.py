@@ -28,6 +28,15 @@ of a prefill: no memory used) and prints bytes of cache per token and per sequen
 the cache generation keeps (the kv latent and the RoPE key, windowed layers in rings), the latent without rings, and
 the expanded-head cache GDLA kept before (every kv head's keys and values, every slot), then writes the table to
 benchmarks/results/cache_sizes.md (--out).
+
+    python benchmarks/generate.py --speculative
+
+--speculative: self-speculative decoding (diffjax.generate(..., draft="mtp")) beside plain greedy decoding on a small
+DIFF model with --mtp-depths MTP depths, trained here for --train-steps steps with the MTP loss on a synthetic
+low-entropy source (a random Markov chain: each token's successor fixed with probability 0.9), so that the drafts
+are sometimes right; for --batches (default 1,8): tokens/s of each (batch x new tokens / the call, prefill included,
+median of --repeats after a compiling run), the ratio, the acceptance rate (accepted / drafted drafts) and whether
+the tokens equal plain greedy's. Writes benchmarks/results/speculative_<platform>.md (--out).
 """
 
 from __future__ import annotations
@@ -267,6 +276,73 @@ def make_model(size: str, directory: Path, device: str) -> Path:
     return directory
 
 
+def markov_tokens(successor: np.ndarray, rows: int, length: int, seed: int) -> np.ndarray:
+    """[rows, length] tokens of the chain: each token's successor[token] with probability 0.9, else a random one."""
+    draws = np.random.RandomState(seed)
+    tokens = np.zeros((rows, length), np.int32)
+    tokens[:, 0] = draws.randint(0, successor.size, rows)
+    for t in range(1, length):
+        keep = draws.rand(rows) < 0.9
+        tokens[:, t] = np.where(keep, successor[tokens[:, t - 1]], draws.randint(0, successor.size, rows))
+    return tokens
+
+
+def trained_mtp_model(depths: int, steps: int):
+    """A small DIFF model with `depths` MTP depths trained `steps` steps (adam 3e-3, 16 x 128 tokens) on the chain."""
+    import optax
+    from flax import nnx
+
+    from diffjax.config import ModelConfig
+    from diffjax.model import TransformerLM
+    from diffjax.train.step import init_state, make_train_step
+
+    config = ModelConfig(vocab_size=256, d_model=128, num_layers=4, num_heads=4, max_seq_len=512, attention="diff",
+                         mtp_depths=depths)
+    model = TransformerLM(config, rngs=nnx.Rngs(0))
+    successor = np.random.RandomState(1).permutation(config.vocab_size)
+    tx = optax.adam(3e-3)
+    step = jax.jit(make_train_step(nnx.graphdef(model), tx, optax.constant_schedule(3e-3), config), donate_argnums=0)
+    state = init_state(model, tx, jax.random.key(0))
+    for i in range(steps):
+        tokens = markov_tokens(successor, 16, 128, seed=i)[None]
+        state, metrics = step(state, {"tokens": tokens, "positions": np.broadcast_to(np.arange(128), tokens.shape),
+                                      "segment_ids": np.ones_like(tokens)})
+    print(f"trained {steps} steps: loss {float(metrics['loss']):.3f}", flush=True)
+    nnx.update(model, state["params"])
+    return model, successor
+
+
+def speculative(args) -> None:
+    """--speculative: plain against speculative greedy decoding, per batch (module docstring)."""
+    device = jax.devices()[0]
+    model, successor = trained_mtp_model(args.mtp_depths, args.train_steps)
+    prompt_len = int(args.prompts.split(",")[0]) if args.prompts != "64,512" else 32
+    lines = ["| batch | plain tok/s | speculative tok/s | speculative / plain | acceptance | verify steps | "
+             "tokens equal |", "|---|---|---|---|---|---|---|"]
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts_BP = markov_tokens(successor, batch, prompt_len, seed=10_000 + batch)
+        acceptance = []
+        plain = diffjax.generate(model, prompts_BP, args.new_tokens)
+        ours = diffjax.generate(model, prompts_BP, args.new_tokens, draft="mtp", acceptance=acceptance)
+        plain_s = median_seconds(lambda: diffjax.generate(model, prompts_BP, args.new_tokens), args.repeats)
+        ours_s = median_seconds(lambda: diffjax.generate(model, prompts_BP, args.new_tokens, draft="mtp"), args.repeats)
+        tokens = batch * args.new_tokens
+        lines.append(f"| {batch} | {tokens / plain_s:.1f} | {tokens / ours_s:.1f} | **{plain_s / ours_s:.2f}x** | "
+                     f"{acceptance[0].rate:.2f} | {acceptance[0].steps} | {bool((plain == ours).all())} |")
+        print(lines[-1], flush=True)
+    command = " ".join(["python benchmarks/generate.py"] + sys.argv[1:])
+    out = args.out or Path(__file__).resolve().parent / "results" / f"speculative_{device.platform}.md"
+    out.write_text(
+        f"# Self-speculative decoding (MTP drafts) against plain greedy decoding\n\n`{command}` on "
+        f"{datetime.date.today().isoformat()}: {device.platform} ({device.device_kind}, {os.cpu_count()} cores), jax "
+        f"{jax.__version__}. A DIFF model (d_model 128, 4 layers, vocab 256) with {args.mtp_depths} MTP depth(s), "
+        f"trained {args.train_steps} steps with the MTP loss on a random Markov chain (successor fixed with p 0.9); "
+        f"prompts of {prompt_len} tokens from the chain, {args.new_tokens} new tokens, greedy, no stop token; tokens/s "
+        f"= batch x new tokens / the call (prefill included), median of {args.repeats}. Acceptance: accepted / drafted "
+        f"drafts (K per verify step and row).\n\n" + "\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", type=Path, help="a transformers model directory (default: make a random DiffLlama, --model)")
@@ -283,6 +359,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--torch-device", default=None, help="where transformers runs (default: cuda when JAX runs on "
                         "a GPU and torch sees one, else cpu)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--speculative", action="store_true", help="self-speculative decoding beside plain greedy on "
+                        "a small model trained here with the MTP loss (module docstring)")
+    parser.add_argument("--mtp-depths", type=int, default=2, help="--speculative: the model's MTP depths (default 2)")
+    parser.add_argument("--train-steps", type=int, default=300, help="--speculative: training steps (default 300)")
     parser.add_argument("--cache-sizes", help="comma-separated GDLA run configs (shipped names or files): only print and write the KV cache's "
                         "bytes per token, latent beside expanded heads (benchmarks/results/cache_sizes.md)")
     return parser.parse_args()
@@ -290,6 +370,8 @@ def arguments() -> argparse.Namespace:
 
 def main() -> None:
     args = arguments()
+    if args.speculative:
+        return speculative(args)
     if args.cache_sizes:
         cache_sizes(args.cache_sizes.split(","), args.out or Path(__file__).resolve().parent / "results" / "cache_sizes.md")
         return

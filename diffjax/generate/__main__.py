@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, help="sample from the most likely tokens whose probability reaches p")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's eos token")
+    parser.add_argument("--draft", choices=["mtp"], help="mtp: self-speculative decoding, the model's MTP depths "
+                        "draft and the model verifies (greedy only, the same tokens; prints when done)")
     return parser
 
 
@@ -96,13 +98,15 @@ def main(argv=None) -> int:
         _check_lengths(prompts, args.max_new_tokens, model.config.max_seq_len, flag)
         eos = None if tokenizer is None or args.ignore_eos else tokenizer.eos_id
         # One text prompt streams as it is generated; a batch (or ids) prints when done.
-        printer = _StreamPrinter(tokenizer, eos, args.prompt[0]) if tokenizer is not None and len(prompts) == 1 else None
-        clock = _Clock(printer)
+        streams = tokenizer is not None and len(prompts) == 1 and args.draft is None
+        printer = _StreamPrinter(tokenizer, eos, args.prompt[0]) if streams else None
+        clock, acceptance = _Clock(printer), []
         new_tokens = generate(
             model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed), on_tokens=clock,
+            stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed),
+            on_tokens=clock if args.draft is None else None,
             allowed_vocab_size=None if tokenizer is None else tokenizer.vocab_size,
-            blocked_ids=() if tokenizer is None else tokenizer.undecodable_ids())
+            blocked_ids=() if tokenizer is None else tokenizer.undecodable_ids(), draft=args.draft, acceptance=acceptance)
         clock.stop()
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
             print(" ".join(map(str, list(prompt) + list(row))))
         else:
             print(("" if i == 0 else SEPARATOR + "\n") + args.prompt[i] + tokenizer.decode(row))
-    print(clock.report(count, len(prompts)), file=sys.stderr)
+    print(clock.report(count, len(prompts), acceptance[0] if acceptance else None), file=sys.stderr)
     return 0
 
 
@@ -138,8 +142,12 @@ class _Clock:
     def stop(self):
         self.end = time.perf_counter()
 
-    def report(self, tokens: int, rows: int) -> str:
-        """One line: the tokens, the wall time, the first token's time and the decode rate after it."""
+    def report(self, tokens: int, rows: int, acceptance=None) -> str:
+        """One line: the tokens, the wall time, the first token's time and the decode rate after it; a speculative
+        call's (nothing streamed): the wall time (compilation included) and its acceptance."""
+        if acceptance is not None:
+            return (f"{tokens} tokens in {self.end - self.start:.1f} s (compilation included): {acceptance.steps} verify "
+                    f"steps, {acceptance.accepted} of {acceptance.drafted} drafts accepted ({acceptance.rate:.0%})")
         line = f"{tokens} tokens in {self.end - self.start:.1f} s: first token after {self.first - self.start:.2f} s " \
                f"(compilation + prefill)"
         if self.steps > 1 and self.last > self.first:

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from diffjax import sharding
 from diffjax.generate.sampling import Sampling, next_tokens
-from diffjax.kinds import layer_segments
+from diffjax.kinds import param_stacks
 from diffjax.model.kv_cache import KVCache
 
 
@@ -50,15 +50,21 @@ class Choice:
     pad_id: int
 
 
+def compute_cast(dtype):
+    """x -> x as the decode loop reads it: floating arrays of 2 or more axes in the compute dtype, vectors as they are."""
+    def cast(x):
+        return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return cast
+
+
 def decoding_model(graphdef, params):
     """(The model, its blocks' params per layer) as the decode loop reads them: the per-layer copies and the embedding
     and head in the compute dtype, made once (the modules cast each matrix to it before its matmul: the same
     arithmetic), so that a step reads every weight without slicing or converting it. Vectors keep their dtype."""
-    dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
-    def cast(x):
-        return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    stacks = {segment.name for segment in layer_segments(nnx.merge(graphdef, params).config)}
+    config = nnx.merge(graphdef, params).config
+    cast = compute_cast(jnp.dtype(config.dtype))
+    stacks = {segment.name for segment in param_stacks(config)}  # (the MTP depths': speculative.mtp_params)
     model = nnx.merge(graphdef, {name: tree if name in stacks else jax.tree.map(cast, tree) for name, tree in params.items()})
     return model, tuple(jax.tree.map(cast, layer) for layer in model.unstacked_blocks())
 
@@ -184,7 +190,8 @@ def _gather(array: jax.Array) -> np.ndarray:
 def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop_tokens: Sequence[int] = (), pad_id: int | None = None, key=None,
              mesh: Mesh | None = None, on_tokens: Callable[[int, np.ndarray], bool | None] | None = None,
-             allowed_vocab_size: int | None = None, blocked_ids: Sequence[int] = ()) -> np.ndarray:
+             allowed_vocab_size: int | None = None, blocked_ids: Sequence[int] = (), draft: str | None = None,
+             acceptance: list | None = None) -> np.ndarray:
     """`max_new_tokens` new tokens per prompt, int32 [B, max_new_tokens].
 
     tokens: an int array [B, P] (with `lengths` [B]: row b's prompt is tokens[b, :lengths[b]], the rest
@@ -199,6 +206,9 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
     allowed_vocab_size: only ids below it are generated (pass the tokenizer's vocab_size when the model's
     vocabulary is padded past it); None: any id of the model's vocabulary. blocked_ids: ids never generated either
     (the tokenizer's undecodable_ids()).
+    draft "mtp": self-speculative decoding (diffjax.generate.speculative): the model's MTP depths draft, the model
+    verifies; the same tokens as greedy decoding (greedy only; no on_tokens). acceptance: a list that gets the call's
+    speculative.Acceptance appended (drafted, accepted, verify steps).
     Prompt + new tokens must fit the model's max_seq_len. While it runs, generation holds a per-layer copy of
     the blocks' params (TransformerLM.unstacked_blocks: what makes a decode step read each weight once).
     """
@@ -224,6 +234,7 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
         if not 0 <= token < config.vocab_size:
             raise ValueError(f"stop / pad token {token} is outside the model's vocabulary [0, {config.vocab_size})")
     choice = Choice(sampling, stop_tokens, stop_tokens[0] if pad_id is None and stop_tokens else int(pad_id or 0))
+    _check_draft(draft, config, sampling, on_tokens)
 
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
@@ -232,8 +243,31 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
         params = jax.device_put(params, sharding.param_shardings(nnx.state(model, nnx.Param), mesh))
         prompts = jax.device_put(prompts_BP, NamedSharding(mesh, sharding.logical_spec(("batch", None), prompts_BP.shape, mesh)))
         row_lengths = jax.device_put(lengths_B, NamedSharding(mesh, sharding.logical_spec(("batch",), lengths_B.shape, mesh)))
+    if draft is not None:
+        from diffjax.generate import speculative
+
+        tokens_BN, accepted = speculative.run(graphdef, params, prompts, row_lengths, max_len=max_len,
+                                              max_new_tokens=max_new_tokens, choice=choice, mesh=mesh,
+                                              depths=config.mtp_depths)
+        if acceptance is not None:
+            acceptance.append(accepted)
+        return tokens_BN
     return run(graphdef, params, prompts, row_lengths, key, max_len=max_len, max_new_tokens=max_new_tokens, choice=choice,
                mesh=mesh, on_tokens=on_tokens)[0]
+
+
+def _check_draft(draft, config, sampling: Sampling, on_tokens) -> None:
+    """One-line refusals of a speculative call decoding cannot make."""
+    if draft is None:
+        return
+    if draft != "mtp":
+        raise ValueError(f"draft must be None or 'mtp' (the model's MTP depths draft), got {draft!r}")
+    if not config.mtp_depths:
+        raise ValueError("draft='mtp' needs a model with MTP depths (ModelConfig.mtp_depths is 0)")
+    if not sampling.greedy:
+        raise ValueError(f"draft='mtp' decodes greedily: temperature must be 0, got {sampling.temperature}")
+    if on_tokens is not None:
+        raise ValueError("draft='mtp' does not stream: pass no on_tokens")
 
 
 def run(graphdef, params, prompts_BP, lengths_B, key, *, max_len: int, max_new_tokens: int, choice: Choice,

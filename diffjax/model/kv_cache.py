@@ -24,6 +24,11 @@ so it needs the rows' real lengths when they differ (`empty(..., prompt_lengths_
 shorter row would otherwise overwrite its real tokens' slots. A scanned stack keeps S slots on every layer (one
 shape for the stack) and masks the window instead.
 
+Speculative decoding (diffjax.generate.speculative) feeds up to 1 + `draft` tokens per row in one decode step, at
+positions lengths_B .. lengths_B + draft, each query seeing the slots up to its own position (kv ids [B, T, S]), then
+rolls a row back by setting its length (`rolled_back`): slot = position, so the rejected slots are masked until
+overwritten; a ring keeps W + draft slots, so that those writes never evict a key still in any query's window.
+
 What a module stores is its own choice: GDLA (attention/gdla.py) stores its compressed kv latent as the "values"
 and its shared RoPE key as the "keys", one kv head each, and attends them itself.
 """
@@ -40,7 +45,7 @@ from diffjax.sharding import constrain
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "lengths_B", "prompt_lengths_B"),
-                   meta_fields=("max_len", "window"))
+                   meta_fields=("max_len", "window", "draft"))
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """k, v: one layer's buffers ([B, K, ..., d, S] and [B, K, ..., S, dv]: the module's [B, S, K, ...] with the slot
@@ -48,7 +53,9 @@ class KVCache:
     loop); None before the prefill, which allocates them. lengths_B: tokens stored per row before this call, i.e.
     the position of the row's next token. max_len: S, the positions per row. prompt_lengths_B: the prefill's real
     prompt lengths (None: every row's whole T), for the rings. window: one layer's static sliding window (`layer`;
-    None: no ring), a ring of `slots` when it is shorter than max_len."""
+    None: no ring), a ring of `slots` when it is shorter than max_len. draft: the tokens past the next one that a
+    multi-token step may write and then roll back (speculative decoding): a ring keeps W + draft slots, so that a
+    rejected write never evicts a key still inside the window."""
 
     k: jax.Array | None
     v: jax.Array | None
@@ -56,18 +63,25 @@ class KVCache:
     max_len: int
     prompt_lengths_B: jax.Array | None = None
     window: int | None = None
+    draft: int = 0
 
     @classmethod
-    def empty(cls, batch: int, max_len: int, prompt_lengths_B=None) -> "KVCache":
+    def empty(cls, batch: int, max_len: int, prompt_lengths_B=None, draft: int = 0) -> "KVCache":
         """The cache a prefill starts from: nothing stored, buffers allocated by the first call. prompt_lengths_B
-        [B]: the right-padded prompts' real lengths (needed by the windowed layers' rings when they differ)."""
+        [B]: the right-padded prompts' real lengths (needed by the windowed layers' rings when they differ). draft:
+        as the class says (0: one token per decode step)."""
         lengths = None if prompt_lengths_B is None else jnp.asarray(prompt_lengths_B, jnp.int32)
-        return cls(None, None, jnp.zeros((batch,), jnp.int32), max_len, lengths)
+        return cls(None, None, jnp.zeros((batch,), jnp.int32), max_len, lengths, draft=draft)
 
     @property
     def slots(self) -> int:
-        """Slots per row of this layer's buffers: the window when it is a ring, else max_len."""
-        return self.max_len if self.window is None else min(self.window, self.max_len)
+        """Slots per row of this layer's buffers: the window (+ draft) when it is a ring, else max_len."""
+        return self.max_len if self.window is None else min(self.window + self.draft, self.max_len)
+
+    def rolled_back(self, lengths_B) -> "KVCache":
+        """This cache holding only each row's first lengths_B positions (speculative decoding's rollback): the slots
+        past them are masked until a later step overwrites them."""
+        return dataclasses.replace(self, lengths_B=jnp.asarray(lengths_B, jnp.int32))
 
     def positions(self, num_new: int) -> jax.Array:
         """Positions [B, T] of the T tokens this call adds (for RoPE)."""
@@ -79,11 +93,12 @@ class KVCache:
         attention op is to use.
 
         Prefill (buffers None): the T prompt tokens go to slots [0, T) and attend one another as without a
-        cache (the caller's `attend`). Decode (T must be 1): the token goes to slot lengths_B[b] of row b and
-        attends slots 0..lengths_B[b] of the whole buffer (segment ids mark the slots), by the impl
-        diffjax.ops.choose picks for a decode call (xla today); under a sliding window W (attend["window"], where
-        `windowed`, a bool or a traced one) only slots lengths_B[b] - W + 1 .. lengths_B[b]. A ring (`window`) stores
-        the prompt's last W real tokens and writes slot lengths_B[b] mod W (module docstring).
+        cache (the caller's `attend`). Decode (T = 1, or up to 1 + draft): token t goes to slot lengths_B[b] + t of
+        row b and attends slots 0..lengths_B[b] + t of the whole buffer (segment ids mark the slots; several tokens
+        get one row of kv ids each, run by the xla op), by the impl diffjax.ops.choose picks for a decode call (xla
+        today); under a sliding window W (attend["window"], where `windowed`, a bool or a traced one) only the W
+        latest of them. A ring (`window`) stores the prompt's last W (+ draft) real tokens and writes slot position
+        mod its slots (module docstring).
         """
         B, T = k_new.shape[:2]
         if self.k is None:
@@ -98,29 +113,45 @@ class KVCache:
 
             k, v = allocated(k_new, K_SLOT_AXIS), allocated(v_new, V_SLOT_AXIS)
             return self._stored(k, v), k_new, v_new, attend
-        if T != 1:
-            raise ValueError(f"a decode step takes one new token per row, got {T} (a prompt goes through the prefill)")
-        # Each row writes its one slot (a scatter batched over rows: it partitions like the buffer and updates it in
-        # place); a select over the whole buffer would rewrite every slot each step.
-        def written(buffer, x_B1K, slot_axis):
+        if T > 1 + self.draft:
+            raise ValueError(f"a decode step takes 1 + draft = {1 + self.draft} new tokens per row at most, got {T} (a "
+                             f"prompt goes through the prefill)")
+        # Each row writes its slots one token at a time (a scatter batched over rows: it partitions like the buffer and
+        # updates it in place; a ring's slots may wrap); a select over the whole buffer would rewrite every slot.
+        def written(buffer, x_BTK, slot_axis):
             write = jax.vmap(lambda buf, x, slot: jax.lax.dynamic_update_slice_in_dim(buf, x, slot, axis=slot_axis))
-            return write(buffer, _to_buffer(x_B1K, slot_axis), self.lengths_B % self.slots)
+            x_BTK = _to_buffer(x_BTK, slot_axis)
+            for t in range(T):
+                x_B1K = jax.lax.slice_in_dim(x_BTK, t, t + 1, axis=slot_axis % x_BTK.ndim)
+                buffer = write(buffer, x_B1K, (self.lengths_B + t) % self.slots)
+            return buffer
 
         k, v = written(self.k, k_new, K_SLOT_AXIS), written(self.v, v_new, V_SLOT_AXIS)
-        slots_BS, position_B1 = jnp.arange(self.slots, dtype=jnp.int32)[None, :], self.lengths_B[:, None]
-        if self.slots < self.max_len:  # a ring: slot s holds position p - ((p - s) mod W), inside the window
-            visible_BS = (position_B1 - slots_BS) % self.slots <= position_B1
-        else:
-            visible_BS = slots_BS <= position_B1
-            if attend.get("window") is not None:  # the window is a mask over slots, like the stored ones
-                visible_BS = visible_BS & ((position_B1 - slots_BS < attend["window"]) | jnp.logical_not(windowed))
-        kv_ids_BS = visible_BS.astype(jnp.int32)  # 1: a slot the token sees, 0: not
-        q_ids_B1 = jnp.ones((B, 1), jnp.int32)
-        # impl "auto": diffjax.ops.choose picks the decode path (xla: no fused decode kernel yet), whatever the
-        # model's impl for full sequences.
-        attend = dict(attend, causal=False, segment_ids=(q_ids_B1, kv_ids_BS), impl="auto", window=None)
+        visible_BTS = self._visible(T, attend.get("window"), windowed)
+        q_ids_BT = jnp.ones((B, T), jnp.int32)
+        # 1: a slot the token sees, 0: not. One token: kv ids [B, S]; several: one row of kv ids per token, [B, T, S]
+        # (the XLA op's per-query mask). impl "auto": diffjax.ops.choose picks the decode path (xla: no fused decode
+        # kernel yet), whatever the model's impl for full sequences.
+        kv_ids = visible_BTS[:, 0] if T == 1 else visible_BTS
+        attend = dict(attend, causal=False, segment_ids=(q_ids_BT, kv_ids.astype(jnp.int32)),
+                      impl="auto" if T == 1 else "xla", window=None)
         cache = self._stored(k, v)
         return cache, _from_buffer(cache.k, K_SLOT_AXIS), _from_buffer(cache.v, V_SLOT_AXIS), attend
+
+    def _visible(self, T: int, window, windowed):
+        """[B, T, S] bool: the slots the step's token t (at position lengths_B + t) attends, once the step's T tokens
+        are written. A ring's slot s holds the position h = last - ((last - s) mod slots), last the step's latest;
+        a slot is seen when 0 <= h <= the token's position, and inside the window."""
+        slots_11S = jnp.arange(self.slots, dtype=jnp.int32)[None, None, :]
+        position_BT1 = self.positions(T)[:, :, None]
+        if self.slots < self.max_len:  # a ring
+            last_B11 = position_BT1[:, -1:]
+            held_BTS = last_B11 - (last_B11 - slots_11S) % self.slots
+            return (held_BTS >= 0) & (held_BTS <= position_BT1) & (position_BT1 - held_BTS < self.window)
+        visible_BTS = slots_11S <= position_BT1
+        if window is not None:  # the window is a mask over slots, like the stored ones
+            visible_BTS = visible_BTS & ((position_BT1 - slots_11S < window) | jnp.logical_not(windowed))
+        return visible_BTS
 
     def _stored(self, k, v) -> "KVCache":
         def axes(buffer, slot_axis):

@@ -96,11 +96,13 @@ class PredictionBlock(DecoderBlock):
         self.input_proj_kernel = normal_param(rngs, (2 * D, D), config.init_std, config.param_dtype, (None, "embed"))
         self.final_norm = RMSNorm(D, config.norm_eps, config.param_dtype)
 
-    def predict(self, hidden_BTD, embedded_BTD, rope_cos_sin, segment_ids, constants):
-        """The depth's final hidden states [B, T, D] from the previous depth's and the next tokens' embeddings."""
+    def predict(self, hidden_BTD, embedded_BTD, rope_cos_sin, segment_ids, constants, cache=None):
+        """The depth's final hidden states [B, T, D] from the previous depth's and the next tokens' embeddings; with a
+        KVCache (speculative decoding's drafter: diffjax.generate.speculative), (hidden states, the updated cache)."""
         x_BTE = jnp.concatenate([hidden_BTD, self.embed_norm(embedded_BTD)], axis=-1)
         x_BTD = jnp.einsum("bte,ed->btd", x_BTE, self.input_proj_kernel[...].astype(x_BTE.dtype))
-        return self.final_norm(self(constrain(x_BTD, BTD), rope_cos_sin, segment_ids, constants))
+        stream, updated = self.call_with_cache(constrain(x_BTD, BTD), rope_cos_sin, segment_ids, constants, cache)
+        return self.final_norm(stream) if cache is None else (self.final_norm(stream), updated)
 
 
 class HiddenStates(NamedTuple):
@@ -341,6 +343,20 @@ class TransformerLM(nnx.Module):
             hidden_BTD = depth_call(hidden_BTD, jax.tree.map(pick, params), jax.tree.map(pick, constants), inputs_KBT[k])
             hiddens.append(hidden_BTD)
         return hiddens
+
+    def mtp_depth_with_cache(self, depth: int, hidden_BTD, inputs_BT, cache: KVCache, depth_params):
+        """MTP depth `depth` (1..mtp_depths) over T tokens with its own KVCache, at the cache's positions (speculative
+        decoding's drafter): (its final hidden states [B, T, D], the updated cache). depth_params: the depth's params
+        (a copy of the stack's slice, as unstacked_blocks makes them)."""
+        segment = param_stacks(self.config)[-1]
+        config, dtype = segment.config, hidden_BTD.dtype
+        constants = module_class(config).depth_constants(config, [segment.start + depth - 1], dtype)
+        block = nnx.merge(nnx.graphdef(self.stack(segment)), depth_params)
+        rope_cos_sin = layer_rope_tables(config, cache.positions(inputs_BT.shape[1]), dtype)
+        hidden_BTD, cache = block.predict(hidden_BTD, self.embed(inputs_BT, dtype), rope_cos_sin, None,
+                                          jax.tree.map(lambda x: x[0], constants),
+                                          cache.layer(cache.k, cache.v, window=config.window_at(0)))
+        return hidden_BTD, dataclasses.replace(cache, lengths_B=cache.lengths_B + inputs_BT.shape[1])
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))

@@ -30,7 +30,8 @@ def attention_mask(T: int, S: int, *, causal: bool, segment_ids=None, window: in
     """Boolean mask [B or 1, T, S]; True where query t may attend key s.
 
     Causal alignment is bottom-right: query t sits at position S - T + t.
-    segment_ids: None, an int array [B, T] (self-attention, T == S), or a pair (q [B, T], kv [B, S]).
+    segment_ids: None, an int array [B, T] (self-attention, T == S), or a pair (q [B, T], kv [B, S]); the kv ids may
+    also be [B, T, S], one row per query (a multi-token decode step over a KV cache: diffjax.model.kv_cache).
     window: None, or W: query t sees only the W keys at positions S - T + t - W + 1 .. S - T + t (a sliding
     window, flash-attn's window_size=(W - 1, 0); causal only).
     """
@@ -49,7 +50,8 @@ def attention_mask(T: int, S: int, *, causal: bool, segment_ids=None, window: in
                 f"segment_ids shapes {q_seg_BT.shape} / {kv_seg_BS.shape} do not match query length {T} "
                 f"and key length {S}"
             )
-        mask_BTS = mask_BTS & (q_seg_BT[:, :, None] == kv_seg_BS[:, None, :])
+        kv_seg_BTS = kv_seg_BS if kv_seg_BS.ndim == 3 else kv_seg_BS[:, None, :]
+        mask_BTS = mask_BTS & (q_seg_BT[:, :, None] == kv_seg_BTS)
     return mask_BTS
 
 

@@ -126,8 +126,9 @@ class GroupedDiffLatentAttention(AttentionModule):
         if cache is not None and cache.k is not None:  # decode: one kv "head", RoPE key as keys, latent as values
             cache, k_rope_BS1r, latent_BS1r, op_kwargs = cache.update(
                 k_rope_BTr[:, :, None], latent_BTr[:, :, None], {"window": window}, windowed)
-            visible_BS = op_kwargs["segment_ids"][1] > 0
-            o_BTHv = self.absorbed_attention(q_BTHd, latent_BS1r[:, :, 0], k_rope_BS1r[:, :, 0], visible_BS,
+            visible = op_kwargs["segment_ids"][1] > 0  # [B, S], or [B, T, S] for several tokens (kv_cache.py)
+            visible_BTS = visible if visible.ndim == 3 else visible[:, None, :]
+            o_BTHv = self.absorbed_attention(q_BTHd, latent_BS1r[:, :, 0], k_rope_BS1r[:, :, 0], visible_BTS,
                                              self.softmax_scale(q_BTHd.shape[-1], constants))
         else:
             if cache is not None:  # prefill: store the latents, attend the prompt's expanded heads
@@ -139,7 +140,7 @@ class GroupedDiffLatentAttention(AttentionModule):
         (lam_BTS,) = self.lambdas(x_BTD, constants)
         return self.gated_output(signal_BTSv - lam_BTS[..., None] * noise_BTSv, x_BTD), cache
 
-    def absorbed_attention(self, q_BTHd, latent_BSr, k_rope_BSr, visible_BS, scale):
+    def absorbed_attention(self, q_BTHd, latent_BSr, k_rope_BSr, visible_BTS, scale):
         """o [B, T, H, dv] of the queries over the cached latents without expanding them (DeepSeek-V2's absorbed MLA):
         q_nope W_uk^T is each head's query in latent space, so q . k = (q_nope W_uk^T) . latent + q_rope . k_rope, and
         the values' up-projection W_uv applies once to each head's output instead of to every slot. The same
@@ -153,7 +154,7 @@ class GroupedDiffLatentAttention(AttentionModule):
                                     preferred_element_type=jnp.float32).astype(dtype)
         s_BKgTS = (jnp.einsum("btkgr,bsr->bkgts", q_latent_BTKgr, latent_BSr, preferred_element_type=jnp.float32)
                    + jnp.einsum("btkgn,bsn->bkgts", q_BTKgd[..., dn:], k_rope_BSr, preferred_element_type=jnp.float32))
-        p_BKgTS = masked_softmax(s_BKgTS * scale, visible_BS[:, None, None, None, :]).astype(dtype)
+        p_BKgTS = masked_softmax(s_BKgTS * scale, visible_BTS[:, None, None]).astype(dtype)
         o_BTKgr = jnp.einsum("bkgts,bsr->btkgr", p_BKgTS, latent_BSr, preferred_element_type=jnp.float32).astype(dtype)
         o_BTKgv = jnp.einsum("btkgr,rkv->btkgv", o_BTKgr, up_rKc[..., dn:], preferred_element_type=jnp.float32)
         return o_BTKgv.astype(dtype).reshape(B, T, H, -1)
