@@ -41,6 +41,10 @@ def run(argv=None):
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
+    coverage = sys.modules.get("coverage")  # `coverage run` (README, Testing) saves at exit: save it here
+    if coverage is not None and (measuring := coverage.Coverage.current()) is not None:
+        measuring.stop()
+        measuring.save()
     if "jax" in sys.modules:  # (--help-keys loads no jax)
         import jax
 
