@@ -50,10 +50,21 @@ def pytest_runtest_logreport(report):
         _FIGURES.extend((name, *figure) for key, figure in report.user_properties if key == "measured")
 
 
+# The files that take longest, longest first (CPU seconds of the whole suite, 2026-11-27). `--dist loadfile` hands
+# out whole files in collection order; started last, one of these kept one worker busy for minutes after the other
+# had finished. Every other file keeps its place after them.
+LONGEST_FILES = ("test_readme_recipes.py", "test_motif3.py", "test_motif3_lora.py", "test_expert_parallel.py",
+                 "test_ops_pallas_gpu.py", "test_capture.py", "test_attention_kinds.py", "test_trainer.py",
+                 "test_context_parallel.py", "test_robustness.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests run only where JAX's default backend is a GPU (JAX_PLATFORMS=cuda pytest -m gpu)."""
+    """The longest files first (LONGEST_FILES; a stable sort, the same in every xdist worker); `gpu` tests run only
+    where JAX's default backend is a GPU (JAX_PLATFORMS=cuda pytest -m gpu)."""
     import jax
 
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda)")
