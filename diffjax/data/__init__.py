@@ -7,6 +7,8 @@
     eval_batches = make_eval_batches(data_config, tokenizer, batch_size=B)
 """
 
+from diffjax.lazy_exports import lazy_exports
+
 # The names load on first use, so that the run config's DataConfig (diffjax.data.config) loads no grain or jax.
 _EXPORTS = {
     **dict.fromkeys(("DEFAULT_CORPUS_BYTES", "builtin_documents", "builtin_held_out", "stdlib_source_files"),
@@ -19,16 +21,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    import importlib
-
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'diffjax.data' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __all__ = [

@@ -4,6 +4,8 @@ The names below are imported on first use (as the package face does), so that a 
 no jax (start.py, the plan of where a run starts) can be imported without the trainer.
 """
 
+from diffjax.lazy_exports import lazy_exports
+
 _EXPORTS = {
     "BatchPlan": "diffjax.train.batching", "plan_batch": "diffjax.train.batching",
     "CheckpointConfig": "diffjax.train.config", "RunConfig": "diffjax.train.config",
@@ -16,16 +18,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    import importlib
-
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'diffjax.train' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __all__ = sorted(_EXPORTS)
