@@ -14,6 +14,12 @@ Ctrl-C saves a checkpoint of the current step before exiting. Keys: `diffjax-tra
 --plan prints the run's memory per device on its mesh and a device (params, gradients, optimizer state, an
 activations estimate), tokens per step, whether it fits and the largest micro-batch that does, and on this machine's
 own kind of device (a CPU: the mesh's devices simulated) the compiled train step's memory; exit 0 fits, 1 does not.
+
+    diffjax-train --plan --compile --topology v5p-8 --config paper/diff-1.4b   # compiled for a TPU, here
+
+--plan --compile --topology compiles the real train step for that hardware on this machine (libtpu for TPUs, JAX's
+CUDA plugin for GPUs: nothing runs, nothing is allocated) and prints XLA's memory per device beside the plan, the
+collectives and FLOPs of a step, and where it does not fit, a change that does, checked by compiling it.
 """
 
 from __future__ import annotations
@@ -67,10 +73,20 @@ def main(argv=None) -> int:
                         help="with --plan: the device to plan for (default cpu: this machine's memory)")
     parser.add_argument("--devices", type=int, metavar="N",
                         help="with --plan: devices in all, for a mesh axis of -1 (default: the other axes' product)")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --plan --topology: compile the real train step for that hardware on this machine "
+                             "and print XLA's memory, collectives and FLOPs per device beside the plan")
+    parser.add_argument("--topology", metavar="NAME",
+                        help="with --plan --compile: the hardware, as its vendor names it: v5e-8, v5p-128, v6e-256, "
+                             "v4-32, 2xv5p-256 (2 slices), h100x8, h100x64, h200x8")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
     if (args.device is not None or args.devices is not None) and not args.plan:
         parser.error("--device and --devices go with --plan")
+    if (args.compile or args.topology) and not (args.plan and args.compile and args.topology):
+        parser.error("--compile and --topology go together, with --plan")
+    if args.topology and (args.device or args.devices):
+        parser.error("--topology names the device and the device count: drop --device / --devices")
 
     from diffjax.train.config import load_run_config  # (no jax: --help-keys loads none)
 
@@ -84,6 +100,18 @@ def main(argv=None) -> int:
 
         print(describe_keys(config))
         return 0
+    if args.plan and args.topology:
+        from diffjax.train.topologies import parse_topology
+
+        try:
+            topology = parse_topology(args.topology)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (before jax starts: a compile for a topology runs nothing)
+        from diffjax.train.aot_plan import plan_compiled
+
+        return plan_compiled(config, topology, lambda more: load_run_config(args.config, args.overrides + more))
     if args.plan:
         return _plan(config, args.device or "cpu", args.devices)
     from diffjax.log_lines import print_package_logs

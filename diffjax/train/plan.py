@@ -226,29 +226,53 @@ def plan_memory(run: RunConfig, device: str, num_devices: int | None = None) -> 
                       activation_bytes(config, w, sizes, mb, seq_len, loss_chunk), largest, w.route)
 
 
-def compiled_memory(run: RunConfig, sizes: dict[str, int], micro_batch: int) -> dict[str, int]:
-    """XLA's memory analysis of the real train step compiled for the mesh `sizes` of this machine's devices, one
-    micro-batch of `micro_batch` sequences per batch shard: {arguments, batch, outputs, aliased, temporaries,
-    code} in bytes per device (batch: the arguments' token arrays)."""
+def abstract_train_step(run: RunConfig, sizes: dict[str, int], micro_batch: int, devices=None, accum_steps: int = 1):
+    """(the jitted real train step, its arguments) for the mesh `sizes` of `devices` (default this machine's), the
+    arguments abstract (nothing allocated): the state, `accum_steps` micro-batches of `micro_batch` sequences per batch
+    shard, LoRA's frozen base. `step.lower(*arguments).compile()` compiles it."""
     import jax
 
     from diffjax.train.mesh import ParallelConfig, make_mesh
     from diffjax.train.optimizer import make_optimizer
-    from diffjax.train.step import sharded_init
+    from diffjax.train.step import sharded_init, sharded_lora_init
 
-    mesh = make_mesh(ParallelConfig(**sizes), jax.devices()[:math.prod(sizes.values())])
+    count = math.prod(sizes.values())
+    mesh = make_mesh(ParallelConfig(**sizes), list(jax.devices() if devices is None else devices)[:count])
     tx, schedule = make_optimizer(run.optim, run.train.steps)
-    training, init = sharded_init(run.model, tx, mesh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         jax.eval_shape(init, jax.random.key(0)), training.state_shardings)
-    shape = (1, micro_batch * split_of("batch", sizes), run.data.seq_len)
+    key = jax.random.key(0)  # (eager, on this machine's default device: a target's devices run nothing)
+    if run.lora.enabled:
+        from diffjax import lora
+
+        training, base, init = sharded_lora_init(run.model, run.lora, tx, mesh)
+        chosen, frozen = lora.split_base(base, run.lora)
+        abstract = jax.eval_shape(init, key, chosen, jax.eval_shape(lora.checksums, base))
+        extra = (frozen,)
+    else:
+        training, init = sharded_init(run.model, tx, mesh)
+        abstract, extra = jax.eval_shape(init, key), ()
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                         training.state_shardings)
+    shape = (accum_steps, micro_batch * split_of("batch", sizes), run.data.seq_len)
     tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=training.step_batch_sharding)
     step = training.jit_train_step(tx, schedule, run.model, loss_chunk=run.train.loss_chunk)
-    batch = {"tokens": tokens, "segment_ids": tokens, "positions": tokens}
-    memory = step.lower(state, batch).compile().memory_analysis()
-    return {"arguments": memory.argument_size_in_bytes, "batch": 3 * math.prod(shape) * 4 // split_of("batch", sizes),
-            "outputs": memory.output_size_in_bytes, "aliased": memory.alias_size_in_bytes,
-            "temporaries": memory.temp_size_in_bytes, "code": memory.generated_code_size_in_bytes}
+    return step, (state, {"tokens": tokens, "segment_ids": tokens, "positions": tokens}, *extra)
+
+
+def memory_figures(compiled, batch_bytes: int) -> dict[str, int]:
+    """XLA's memory analysis of a compiled step: {arguments, batch, outputs, aliased, temporaries, code} in bytes per
+    device (batch: the arguments' token arrays, `batch_bytes`)."""
+    memory = compiled.memory_analysis()
+    return {"arguments": memory.argument_size_in_bytes, "batch": batch_bytes, "outputs": memory.output_size_in_bytes,
+            "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
+            "code": memory.generated_code_size_in_bytes}
+
+
+def compiled_memory(run: RunConfig, sizes: dict[str, int], micro_batch: int) -> dict[str, int]:
+    """XLA's memory analysis (memory_figures) of the real train step compiled for the mesh `sizes` of this machine's
+    devices, one micro-batch of `micro_batch` sequences per batch shard."""
+    step, arguments = abstract_train_step(run, sizes, micro_batch)
+    compiled = step.lower(*arguments).compile()
+    return memory_figures(compiled, 3 * micro_batch * run.data.seq_len * 4)
 
 
 def can_compile(plan: MemoryPlan) -> str | None:

@@ -1,0 +1,284 @@
+"""Compile a run's real train step ahead of time for hardware this machine does not have, and set what XLA assigns
+beside the formula plan: `diffjax-train --plan --compile --topology v5p-128 --config ...` (diffjax/train/cli.py).
+
+The step is the trainer's own (diffjax.train.plan.abstract_train_step: the config's mesh, micro-batch and accumulation,
+LoRA or full), its state and batch abstract (nothing is allocated), compiled for the topology's devices (TPU: libtpu's
+topology, no TPU needed; GPU: XLA's deviceless CUDA target, with JAX's CUDA plugin) with the kernels `auto` picks on
+that chip (diffjax.ops.aot). Per device it reports XLA's memory analysis (arguments, outputs, temporaries, generated
+code) against the plan and the device's budget (plan.device_budget), the collective bytes of one step by kind
+(hlo_collectives), XLA's FLOP count against the plan's (train.metrics, which does not count remat's recompute), the
+compile time and the kernels' custom calls. A step that does not fit (libtpu refuses one over its HBM) gets
+proposals: smaller micro-batches, a stronger remat, a smaller loss chunk, more devices, each predicted by scaling the
+compiled figures with the plan, and the first predicted to fit is compiled to check it.
+
+What a compile proves: the program builds for that chip and how much memory XLA assigns per device. What it does
+not: speed (only a timing on the hardware says that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+
+from diffjax.train import plan as planning
+from diffjax.train.batching import plan_batch
+from diffjax.train.config import RunConfig
+from diffjax.train.hlo_collectives import KINDS, collective_bytes, custom_call_targets
+from diffjax.train.topologies import TPU_GENERATIONS, Topology, chip_grid
+
+GiB = 2**30
+KERNEL_CALLS = ("tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton", "cudnn")  # fused kernels
+REMAT_ORDER = ("none", "minimal", "attention", "full")  # each keeps less for the backward than the one before
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """One compile of a run's train step for a topology (per device; memory None where the compiler refused it)."""
+
+    run: RunConfig
+    topology: Topology
+    sizes: dict[str, int]
+    memory: dict[str, int] | None  # plan.memory_figures
+    refused: str | None  # the compiler's out-of-memory line
+    required: float | None  # bytes the refusal says the program needs
+    flops: float | None  # XLA's cost analysis
+    collectives: dict[str, float]
+    notes: list[str]
+    kernels: dict[str, int]  # custom-call targets of the fused kernels: count
+    seconds: float
+
+    @property
+    def total(self) -> float:
+        """Bytes per device: arguments, temporaries, outputs that do not reuse an argument's buffer, code."""
+        if self.memory is None:
+            return self.required or math.inf
+        m = self.memory
+        return m["arguments"] + m["temporaries"] + m["outputs"] - m["aliased"] + m["code"]
+
+
+def _devices(topology: Topology):
+    from diffjax.ops import aot
+
+    if topology.platform == "tpu":
+        return aot.topology_devices(topology.chip, topology.grid, num_slices=topology.num_slices)
+    return aot.gpu_devices(topology.chip, hosts=topology.grid[0], per_host=topology.grid[1])
+
+
+def compile_step(run: RunConfig, topology: Topology) -> CompiledStep:
+    """The run's train step compiled for `topology` (its mesh: parallel.*, an axis of -1 filling the topology)."""
+    from diffjax.ops import aot
+
+    memory = planning.plan_memory(run, topology.chip, topology.devices)
+    sizes, batch = memory.sizes, _batch(run, memory.sizes)
+    devices = _devices(topology)
+    step, arguments = planning.abstract_train_step(run, sizes, batch.micro_batch_per_device, devices,
+                                                   batch.accum_steps)
+    start = time.perf_counter()
+    try:
+        with aot.compile_for(devices):
+            compiled = step.lower(*arguments).compile()
+    except Exception as error:  # (XlaRuntimeError: its type is jaxlib's, its message the compiler's)
+        refusal = _out_of_memory(str(error))
+        if refusal is None:
+            raise
+        return CompiledStep(run, topology, sizes, None, refusal[0], refusal[1], None, dict.fromkeys(KINDS, 0.0), [],
+                            {}, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    text = compiled.as_text()
+    collectives, notes = collective_bytes(text)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    kernels = {target: n for target, n in custom_call_targets(text).items()
+               if any(name in target for name in KERNEL_CALLS)}
+    batch_bytes = 3 * batch.accum_steps * batch.micro_batch_per_device * run.data.seq_len * 4
+    return CompiledStep(run, topology, sizes, planning.memory_figures(compiled, batch_bytes), None, None,
+                        (cost or {}).get("flops"), collectives, notes, kernels, seconds)
+
+
+def _batch(run: RunConfig, sizes: dict[str, int]):
+    return plan_batch(run.global_batch_size, batch_shards=planning.split_of("batch", sizes),
+                      micro_batch_per_device=run.train.micro_batch_per_device)
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _out_of_memory(message: str) -> tuple[str, float | None] | None:
+    """(the compiler's out-of-memory line, the bytes it says the program needs) of a refusal, None for other
+    errors. libtpu: "... HLO temporaries (2.15T) exceeds available HBM (95.74G)" (G: 2^30 bytes, measured)."""
+    if "RESOURCE_EXHAUSTED" not in message and "Ran out of memory" not in message:
+        return None
+    line = next((text for text in message.splitlines() if "memory" in text.lower()), message.splitlines()[0])
+    needed = re.search(r"\(([\d.]+)([KMGT]?)\) exceeds", line)
+    return line.strip(), float(needed[1]) * _UNITS[needed[2]] if needed else None
+
+
+def planned_flops(run: RunConfig, sizes: dict[str, int]) -> float:
+    """The plan's FLOPs per device per step (train.metrics: forward + backward, no recompute)."""
+    from diffjax.train.metrics import training_flops_per_token
+
+    tokens = run.global_batch_size * run.data.seq_len
+    return training_flops_per_token(run.model, run.data.seq_len) * tokens / math.prod(sizes.values())
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / GiB:.2f} GiB" if num_bytes >= GiB / 10 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def describe(step: CompiledStep, plan: planning.MemoryPlan) -> str:
+    """The compiled figures beside the plan's, as lines (what --plan --compile prints after the plan)."""
+    budget = plan.budget
+    lines = [f"compiled for {step.topology.describe()} in {step.seconds:.0f} s:"]
+    if step.memory is None:
+        lines.append(f"  DOES NOT FIT: the compiler refused it: {step.refused}")
+        return "\n".join(lines)
+    m, a = step.memory, plan.activations
+    state = m["arguments"] - m["batch"]
+    lines += [
+        "  memory per device   compiled      plan",
+        f"  arguments        {_size(m['arguments']):>11} {_size(plan.params + plan.optimizer + m['batch']):>11}"
+        f"  the state {_size(state)} (planned params + moments {_size(plan.params + plan.optimizer)}) and the batch",
+        f"  temporaries      {_size(m['temporaries']):>11} {_size(plan.gradients + sum(a.values())):>11}"
+        "  planned: gradients + activations",
+        f"  outputs          {_size(m['outputs'] - m['aliased']):>11}            not written over an argument",
+        f"  generated code   {_size(m['code']):>11}",
+        f"  total            {_size(step.total):>11} {_size(plan.total):>11}  of {_size(budget.bytes)} "
+        f"({budget.why}): {'fits' if step.total <= budget.bytes else 'DOES NOT FIT'}",
+        "collectives per step and device: " + ", ".join(f"{kind} {_size(step.collectives[kind])}" for kind in KINDS)
+        + (f" ({'; '.join(step.notes)})" if step.notes else ""),
+    ]
+    planned = planned_flops(step.run, step.sizes)
+    if step.flops:
+        lines.append(f"FLOPs per step and device: XLA {step.flops:.3g}, plan {planned:.3g} "
+                     f"({step.flops / planned:.2f}x; the plan counts no recompute, XLA's cost analysis counts loop "
+                     "bodies as the compiler reports them)")
+    kernels = ", ".join(f"{n} {target}" for target, n in step.kernels.items()) or "none (XLA's attention)"
+    lines.append(f"fused kernel calls in the program: {kernels}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ proposals
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    overrides: tuple[str, ...]  # key=value over the run's
+    topology: Topology
+    predicted: float  # bytes per device
+
+    def describe(self) -> str:
+        return " ".join(self.overrides + (f"--topology {self.topology.name}",))
+
+
+def _plan_parts(run: RunConfig, topology: Topology) -> tuple[float, float]:
+    plan = planning.plan_memory(run, topology.chip, topology.devices)
+    return plan.params + plan.optimizer, plan.gradients + sum(plan.activations.values())
+
+
+def predict(step: CompiledStep, run: RunConfig, topology: Topology) -> float:
+    """Bytes per device of `run` on `topology`, from the compiled step scaled part by part by the plan: the state
+    like the plan's params + moments, the rest like its gradients + activations."""
+    state, rest = _plan_parts(step.run, step.topology)
+    new_state, new_rest = _plan_parts(run, topology)
+    if step.memory is None:
+        return step.total * (new_state + new_rest) / (state + rest)
+    other = step.total - (step.memory["arguments"] - step.memory["batch"])
+    return (step.memory["arguments"] - step.memory["batch"]) * new_state / state + other * new_rest / rest
+
+
+def bigger(topology: Topology) -> Topology | None:
+    """The same hardware with twice the devices (None past the largest slice this parser takes)."""
+    if topology.platform == "gpu":
+        count = 2 * topology.devices
+        hosts = max(1, count // 8)
+        return Topology(f"{topology.chip}x{count}", "gpu", topology.chip, (hosts, count // hosts))
+    gen = TPU_GENERATIONS[topology.chip]
+    chips = 2 * topology.devices_per_slice
+    if chips not in gen.chip_counts:
+        return None
+    name = f"{topology.chip}-{chips * (2 if gen.cores_in_name else 1)}"
+    slices = f"{topology.num_slices}x" if topology.num_slices > 1 else ""
+    return Topology(slices + name, "tpu", topology.chip, chip_grid(chips, gen.grid_dims), topology.num_slices)
+
+
+def proposals(step: CompiledStep, budget: float, load):
+    """Changes that make the run fit, each on top of the ones before, ending with the first predicted to fit: halve
+    the micro-batch (more accumulation steps), remat one step stronger, halve the loss chunk, double the devices (the
+    -1 mesh axis fills them, else fsdp doubles). `load(overrides)`: the run with key=value overrides over its own."""
+    run, topology = step.run, step.topology
+    levers = []
+    micro = _batch(run, step.sizes).micro_batch_per_device
+    while micro > 1:
+        micro //= 2
+        levers.append(f"train.micro_batch_per_device={micro}")
+    levers += [f"model.remat={name}" for name in REMAT_ORDER[REMAT_ORDER.index(run.model.remat) + 1:]]
+    if (chunk := planning.resolve_loss_chunk(run.train.loss_chunk, run.model.vocab_size)) > 512:
+        levers.append(f"train.loss_chunk={chunk // 2}")
+    fills = any(getattr(run.parallel, axis) == -1 for axis in ("data", "fsdp", "context", "tensor", "expert"))
+    fsdp, overrides = run.parallel.fsdp, {}
+    for lever in levers + [None] * 4:
+        if lever is None:  # more devices
+            topology = bigger(topology)
+            if topology is None:
+                return
+            if not fills:
+                fsdp *= 2
+                overrides["parallel.fsdp"] = str(fsdp)
+        else:
+            key, value = lever.split("=")
+            overrides[key] = value
+        try:
+            changed = load([f"{k}={v}" for k, v in overrides.items()])
+            made = Proposal(tuple(f"{k}={v}" for k, v in overrides.items()), topology, predict(step, changed, topology))
+        except ValueError:  # (a mesh the model does not divide, a batch the shards do not)
+            continue
+        yield made, changed
+        if made.predicted <= budget:
+            return
+
+
+def missing_compiler(topology: Topology) -> str | None:
+    """Why this machine cannot compile for `topology` (the package to install, in one line), None when it can."""
+    import importlib.util
+
+    import jax
+
+    if topology.platform == "tpu" and importlib.util.find_spec("libtpu") is None:
+        return f'compiling for {topology.name} needs libtpu: pip install "jax[tpu]=={jax.__version__}"'
+    if topology.platform == "gpu" and not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+        return (f"compiling for {topology.name} needs JAX's CUDA plugin (no GPU needed): pip install "
+                f'"jax-cuda12-plugin=={jax.__version__}" "jax-cuda12-pjrt=={jax.__version__}" nvidia-cuda-nvcc-cu12')
+    return None
+
+
+def plan_compiled(run: RunConfig, topology: Topology, load, checks: int = 1) -> int:
+    """--plan --compile --topology NAME: the plan, the compiled step beside it, and where it does not fit the
+    proposals, the first predicted to fit compiled to check it (at most `checks` compiles). `load(overrides)`: the
+    run with more key=value overrides. Exit status 0 fits, 1 does not, 2 bad input."""
+    import sys
+
+    try:
+        plan = planning.plan_memory(run, topology.chip, topology.devices)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(planning.describe(plan))
+    if why := missing_compiler(topology):
+        print(f"not compiled: {why}")
+        return 0 if plan.fits else 1
+    step = compile_step(run, topology)
+    print(describe(step, plan))
+    if step.total <= plan.budget.bytes:
+        return 0
+    for proposal, changed in proposals(step, plan.budget.bytes, load):
+        print(f"proposal: {proposal.describe()}: predicted {_size(proposal.predicted)} per device")
+        if proposal.predicted > plan.budget.bytes or checks == 0:
+            continue
+        checks -= 1
+        checked = compile_step(changed, proposal.topology)
+        fits = checked.total <= planning.device_budget(proposal.topology.chip, proposal.topology.devices).bytes
+        print(f"  compiled for {proposal.topology.name} in {checked.seconds:.0f} s: {_size(checked.total)} per device: "
+              + ("fits" if fits else "does not fit either"))
+    return 1

@@ -1,0 +1,176 @@
+"""`diffjax-train --plan --compile --topology NAME`: hardware names, the collectives read from a compiled program,
+and a whole train step compiled for a TPU on this CPU (diffjax.train.topologies / hlo_collectives / aot_plan)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diffjax.train.hlo_collectives import collective_bytes, group_size
+from diffjax.train.topologies import parse_topology
+
+
+@pytest.mark.parametrize("name, platform, chip, grid, slices, devices", [
+    ("v5e-8", "tpu", "v5e", (2, 4), 1, 8),  # v5e / v6e: chips in the name
+    ("v5e-1", "tpu", "v5e", (1, 1), 1, 1),
+    ("v5litepod-16", "tpu", "v5e", (4, 4), 1, 16),  # the Cloud TPU API's spelling
+    ("v6e-256", "tpu", "v6e", (16, 16), 1, 256),
+    ("v5p-8", "tpu", "v5p", (2, 2, 1), 1, 4),  # v4 / v5p: TensorCores in the name, 2 a chip
+    ("v5p-64", "tpu", "v5p", (2, 4, 4), 1, 32),
+    ("v5p-128", "tpu", "v5p", (4, 4, 4), 1, 64),
+    ("v5p-256", "tpu", "v5p", (4, 4, 8), 1, 128),
+    ("v4-32", "tpu", "v4", (2, 2, 4), 1, 16),
+    ("V4-8", "tpu", "v4", (2, 2, 1), 1, 4),
+    ("2xv5p-256", "tpu", "v5p", (4, 4, 8), 2, 256),  # two slices over DCN
+    ("4xv6e-256", "tpu", "v6e", (16, 16), 4, 1024),
+    ("h100x8", "gpu", "h100", (1, 8), 1, 8),  # hosts x GPUs a host
+    ("h100x4", "gpu", "h100", (1, 4), 1, 4),
+    ("h100x64", "gpu", "h100", (8, 8), 1, 64),
+    ("h200x8", "gpu", "h200", (1, 8), 1, 8),
+])
+def test_topology_names_as_vendors_spell_them(name, platform, chip, grid, slices, devices):
+    topology = parse_topology(name)
+    assert (topology.platform, topology.chip, topology.grid, topology.num_slices, topology.devices) == (
+        platform, chip, grid, slices, devices)
+
+
+@pytest.mark.parametrize("name, says", [
+    ("v5p8", "did you mean v5p-8?"),
+    ("v5e8", "did you mean v5e-8?"),
+    ("h100-8", "did you mean h100x8"),
+    ("v5p-7", "v5p-N with N TensorCores, 2 a chip, one of 8, 16, 32"),
+    ("v5p-12", "one of 8, 16, 32"),  # 6 chips: no such slice
+    ("v5e-2", "v5e-N with N chips, one of 1, 4, 8"),
+    ("h100x12", "h100xN and h200xN (N GPUs: up to 8, or a multiple of 8)"),
+    ("a100x8", "v4-N and v5p-N (N TensorCores"),
+])
+def test_bad_topology_names_get_one_line_with_the_accepted_forms(name, says):
+    with pytest.raises(ValueError) as error:
+        parse_topology(name)
+    assert says in str(error.value) and "\n" not in str(error.value) and repr(name) in str(error.value)
+
+
+def test_collective_bytes_of_a_program_counted_by_hand():
+    """Each collective once per turn of a 3-step loop, on 8 devices as a 2 x 4 mesh, per device: an all-reduce of
+    f32[16] (64 B), an all-gather to f32[16] (64 B), a reduce-scatter of f32[16] (64 B in), an all-to-all of f32[16]
+    (64 B) and a collective-permute of f32[8] (32 B)."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+
+    def body(x_16):
+        def step(i, acc):
+            summed = jax.lax.psum(acc, "b")
+            gathered = jax.lax.all_gather(acc[:4], "b", tiled=True)
+            scattered = jax.lax.psum_scatter(acc * 2, "b", tiled=True)
+            exchanged = jax.lax.all_to_all(acc.reshape(4, 4), "b", 0, 0).reshape(16)
+            permuted = jax.lax.ppermute(acc[:8], "a", [(0, 1), (1, 0)])
+            return summed + gathered + jnp.tile(scattered, 4) + exchanged + jnp.tile(permuted, 2) + i
+        return jax.lax.fori_loop(0, 3, step, x_16)
+
+    spec = NamedSharding(mesh, P(("a", "b")))
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b"))))
+    text = program.lower(jax.ShapeDtypeStruct((128,), jnp.float32, sharding=spec)).compile().as_text()
+    totals, notes = collective_bytes(text)
+    assert totals == {"all-gather": 3 * 64, "reduce-scatter": 3 * 64, "all-reduce": 3 * 64, "all-to-all": 3 * 64,
+                      "collective-permute": 3 * 32}
+    assert notes == []
+
+
+# TPU's compiled form of one asynchronous all-gather (shortened from a v5e program): its start fusion, a fusion it
+# overlaps and its done fusion each hold a copy with the same channel; the loop runs 4 times by its condition.
+TPU_STYLE = """HloModule jit_step, is_scheduled=true
+
+%start_computation (param_0: bf16[1,16,320]) -> (bf16[1,16,320], bf16[1,128,320]) {
+  %param_0 = bf16[1,16,320]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %all-gather.1 = bf16[1,128,320]{2,1,0:T(8,128)(2,1)} all-gather(%param_0), channel_id=7, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={1}
+  ROOT %tuple = (bf16[1,16,320]{2,1,0}, bf16[1,128,320]{2,1,0}) tuple(%param_0, %all-gather.1)
+}
+
+%overlapped_computation (param_0.1: bf16[1,16,320]) -> bf16[1,128,320] {
+  %param_0.1 = bf16[1,16,320]{2,1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %all-gather.2 = bf16[1,128,320]{2,1,0:T(8,128)(2,1)S(1)} all-gather(%param_0.1), channel_id=7, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={1}
+}
+
+%done_computation (param_0.2: bf16[1,16,320]) -> bf16[1,128,320] {
+  %param_0.2 = bf16[1,16,320]{2,1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %all-gather.3 = bf16[1,128,320]{2,1,0:T(8,128)(2,1)} all-gather(%param_0.2), channel_id=7, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={1}
+}
+
+%body (p: (s32[], bf16[1,16,320])) -> (s32[], bf16[1,16,320]) {
+  %p = (s32[], bf16[1,16,320]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[1,16,320]{2,1,0} get-tuple-element(%p), index=1
+  %start = (bf16[1,16,320]{2,1,0}, bf16[1,128,320]{2,1,0}) fusion(%x), kind=kCustom, calls=%start_computation
+  %overlap = bf16[1,128,320]{2,1,0} fusion(%x), kind=kCustom, calls=%overlapped_computation
+  %done = bf16[1,128,320]{2,1,0} fusion(%x), kind=kCustom, calls=%done_computation
+  %scattered = bf16[1,16,320]{2,1,0} reduce-scatter(%done), channel_id=8, replica_groups=[1,8]<=[8], dimensions={1}, to_apply=%add
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[1,16,320]{2,1,0}) tuple(%next, %scattered)
+}
+
+%condition (q: (s32[], bf16[1,16,320])) -> pred[] {
+  %q = (s32[], bf16[1,16,320]{2,1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (a: bf16[1,16,320]) -> bf16[1,16,320] {
+  %a = bf16[1,16,320]{2,1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[1,16,320]{2,1,0}) tuple(%zero, %a)
+  %loop = (s32[], bf16[1,16,320]{2,1,0}) while(%init), condition=%condition, body=%body
+  ROOT %out = bf16[1,16,320]{2,1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_a_tpu_collective_split_over_fusions_counts_once_per_turn():
+    totals, notes = collective_bytes(TPU_STYLE)
+    gathered = 128 * 320 * 2
+    assert totals["all-gather"] == 4 * gathered  # not 3 copies x 4
+    assert totals["reduce-scatter"] == 4 * 8 * 16 * 320 * 2  # its input: the result times the group of 8
+    assert notes == []
+
+
+@pytest.mark.parametrize("attributes, size", [
+    ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4), ("replica_groups=[2,4]<=[8]", 4),
+    ("replica_groups=mesh['axis_0'=8,'axis_1'=2] {'axis_0','axis_1'}", 16),
+    ("replica_groups=mesh['axis_0'=8,'axis_1'=2] {'axis_1'}", 2),
+])
+def test_replica_group_sizes_in_xlas_three_spellings(attributes, size):
+    assert group_size(f"%x), channel_id=1, {attributes}, dimensions={{0}}") == size
+
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason=f'needs libtpu: pip install "jax[tpu]=={jax.__version__}"')
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_plan_compile_topology_v5e_8_compiles_the_mosaic_kernels_on_this_cpu(capsys):
+    from diffjax.train.cli import main
+
+    code = main(["--plan", "--compile", "--topology", "v5e-8", "--config", "tiny", "model.num_layers=1",
+                 "data.seq_len=256", "parallel.data=1", "parallel.fsdp=8", "train.batch_size=8"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "compiled for v5e-8: 2x4 chips, 8 v5e device(s)" in out
+    assert "tpu_custom_call" in out  # the fused kernels, not their interpreted form
+    for line in ("arguments", "temporaries", "generated code", "collectives per step and device: all-gather",
+                 "FLOPs per step and device: XLA"):
+        assert line in out
+
+
+def test_plan_compile_refuses_a_bad_topology_in_one_line(capsys):
+    from diffjax.train.cli import main
+
+    assert main(["--plan", "--compile", "--topology", "v5p8", "--config", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean v5p-8?" in err
