@@ -48,6 +48,7 @@ class CompiledStep:
     notes: list[str]
     kernels: dict[str, int]  # custom-call targets of the fused kernels: count
     seconds: float
+    hlo: str = ""  # the compiled program's text
 
     @property
     def total(self) -> float:
@@ -94,7 +95,7 @@ def compile_step(run: RunConfig, topology: Topology) -> CompiledStep:
                if any(name in target for name in KERNEL_CALLS)}
     batch_bytes = 3 * batch.accum_steps * batch.micro_batch_per_device * run.data.seq_len * 4
     return CompiledStep(run, topology, sizes, planning.memory_figures(compiled, batch_bytes), None, None,
-                        (cost or {}).get("flops"), collectives, notes, kernels, seconds)
+                        (cost or {}).get("flops"), collectives, notes, kernels, seconds, text)
 
 
 def _batch(run: RunConfig, sizes: dict[str, int]):

@@ -33,7 +33,7 @@ import sys
 from diffjax.train.config_files import DEFAULT
 
 # --plan's devices: diffjax.train.plan.DEVICE_MEMORY's (named here so that --help loads no jax; tested equal)
-DEVICE_NAMES = ("cpu", "h100", "h200", "a100", "l4", "v5p", "v5e", "v6e")
+DEVICE_NAMES = ("cpu", "h100", "h200", "a100", "l4", "v4", "v5p", "v5e", "v6e")
 
 
 def run(argv=None):

@@ -14,8 +14,9 @@ whole), so a plan for 512 devices needs none of them:
                gradients), the attention's T x S scores where the route the trainer takes on that device
                (diffjax.ops.choose) materialises them (XLA, not blockwise), and the loss's float32 logits and their
                gradient (train.loss_chunk tokens at a time)
-A device's budget: on a GPU XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (JAX's default 0.75); elsewhere 90% (a
-margin for what the estimate leaves out); a CPU's memory is the host's, shared by its (simulated) devices. The
+A device's budget is what XLA may allocate on it: on a GPU XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (JAX's
+default 0.75: it preallocates that much); on a TPU all of the HBM libtpu gives a program (v5p 95.74 GiB: its compiler
+refuses a program over it); on a CPU 90% of the host's memory, shared by its (simulated) devices. The
 largest micro-batch that fits is where the estimate, linear in the micro-batch, meets the budget.
 
 Where the running backend is the named device's (a CPU: the mesh's devices simulated, set before jax starts), the
@@ -43,11 +44,13 @@ from diffjax.train.step import resolve_loss_chunk
 
 GiB = 2**30
 # Memory per device: the H100's as JAX reports it (bytes_limit 63,763,906,560 at the default fraction 0.75,
-# benchmarks/results/train_step_gpu_4096_attention.json), the others from their specifications.
-DEVICE_MEMORY = {"h100": 85_018_542_080, "h200": 141e9, "a100": 85_018_542_080, "l4": 24e9, "v5p": 95 * GiB,
-                 "v5e": 16 * GiB, "v6e": 32 * GiB, "cpu": None}  # cpu: the host's
+# benchmarks/results/train_step_gpu_4096_attention.json); a TPU's the HBM libtpu lets a program have (its
+# out-of-memory error's "available HBM", libtpu 0.0.42.1: v5p 95.74G, G = 2^30 bytes); the others' specifications.
+DEVICE_MEMORY = {"h100": 85_018_542_080, "h200": 141e9, "a100": 85_018_542_080, "l4": 24e9, "v4": 30.75 * GiB,
+                 "v5p": 95.74 * GiB, "v5e": 15.75 * GiB, "v6e": 31.25 * GiB, "cpu": None}  # cpu: the host's
 DEFAULT_GPU_FRACTION = 0.75  # JAX's preallocation default (XLA_PYTHON_CLIENT_MEM_FRACTION)
-OTHER_FRACTION = 0.9
+TPU_FRACTION = 1.0  # libtpu's figure is already what a program may use: the compiler refuses one over it
+CPU_FRACTION = 0.9  # a margin for the host's other work
 MAX_MICRO_BATCH = 4096  # the search for the largest micro-batch stops here
 
 
@@ -112,14 +115,15 @@ def device_budget(device: str, num_devices: int) -> Budget:
         raise ValueError(one_of("--device", device, tuple(DEVICE_MEMORY)))
     if device == "cpu":
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return Budget(device, host / num_devices, OTHER_FRACTION,
+        return Budget(device, host / num_devices, CPU_FRACTION,
                       f"90% of the host's {host / GiB:.1f} GiB shared by {num_devices} device(s)")
     if DEVICES[device].platform == "gpu":
         given = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
         fraction = float(given or DEFAULT_GPU_FRACTION)
         return Budget(device, DEVICE_MEMORY[device], fraction, f"{fraction:.0%} of {DEVICE_MEMORY[device] / GiB:.1f} "
                       f"GiB: XLA_PYTHON_CLIENT_MEM_FRACTION{'' if given else ', JAX default'}")
-    return Budget(device, DEVICE_MEMORY[device], OTHER_FRACTION, f"90% of {DEVICE_MEMORY[device] / GiB:.1f} GiB")
+    return Budget(device, DEVICE_MEMORY[device], TPU_FRACTION,
+                  f"the {DEVICE_MEMORY[device] / GiB:.2f} GiB of HBM libtpu gives a program")
 
 
 @dataclasses.dataclass(frozen=True)
