@@ -162,7 +162,8 @@ def test_plan_compile_topology_v5e_8_compiles_the_mosaic_kernels_on_this_cpu(cap
     out = capsys.readouterr().out
     assert code == 0, out
     assert "compiled for v5e-8: 2x4 chips, 8 v5e device(s)" in out
-    assert "tpu_custom_call" in out  # the fused kernels, not their interpreted form
+    kernels = next(line for line in out.splitlines() if line.startswith("Pallas kernels in the program"))
+    assert "Mosaic TPU custom calls" in kernels and "none" not in kernels  # the kernels, not their interpreted form
     for line in ("arguments", "temporaries", "generated code", "collectives per step and device: all-gather",
                  "FLOPs per step and device: XLA"):
         assert line in out

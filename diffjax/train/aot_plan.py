@@ -25,11 +25,11 @@ import time
 from diffjax.train import plan as planning
 from diffjax.train.batching import plan_batch
 from diffjax.train.config import RunConfig
-from diffjax.train.hlo_collectives import KINDS, collective_bytes, custom_call_targets
+from diffjax.train.hlo_collectives import KINDS, collective_bytes
 from diffjax.train.topologies import TPU_GENERATIONS, Topology, chip_grid
 
 GiB = 2**30
-KERNEL_CALLS = ("tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton", "cudnn")  # fused kernels
+_KERNEL_CALL = {"tpu": "Mosaic TPU custom calls", "gpu": "Mosaic GPU custom calls"}
 REMAT_ORDER = ("none", "minimal", "attention", "full")  # each keeps less for the backward than the one before
 
 
@@ -46,7 +46,7 @@ class CompiledStep:
     flops: float | None  # XLA's cost analysis
     collectives: dict[str, float]
     notes: list[str]
-    kernels: dict[str, int]  # custom-call targets of the fused kernels: count
+    kernels: dict[str, int]  # the Pallas kernels in the program: calls (diffjax.ops.aot.kernel_calls)
     seconds: float
     hlo: str = ""  # the compiled program's text
 
@@ -59,12 +59,13 @@ class CompiledStep:
         return m["arguments"] + m["temporaries"] + m["outputs"] - m["aliased"] + m["code"]
 
 
-def _devices(topology: Topology):
+def target(topology: Topology):
+    """The diffjax.ops.aot Target of a topology (its devices compile, never run)."""
     from diffjax.ops import aot
 
     if topology.platform == "tpu":
-        return aot.topology_devices(topology.chip, topology.grid, num_slices=topology.num_slices)
-    return aot.gpu_devices(topology.chip, hosts=topology.grid[0], per_host=topology.grid[1])
+        return aot.tpu_target(topology.chip, topology.grid_name, topology.num_slices)
+    return aot.gpu_target(topology.devices, topology.chip)
 
 
 def compile_step(run: RunConfig, topology: Topology) -> CompiledStep:
@@ -73,12 +74,12 @@ def compile_step(run: RunConfig, topology: Topology) -> CompiledStep:
 
     memory = planning.plan_memory(run, topology.chip, topology.devices)
     sizes, batch = memory.sizes, _batch(run, memory.sizes)
-    devices = _devices(topology)
-    step, arguments = planning.abstract_train_step(run, sizes, batch.micro_batch_per_device, devices,
+    hardware = target(topology)
+    step, arguments = planning.abstract_train_step(run, sizes, batch.micro_batch_per_device, hardware.devices,
                                                    batch.accum_steps)
     start = time.perf_counter()
     try:
-        with aot.compile_for(devices):
+        with aot.compile_for(hardware):
             compiled = step.lower(*arguments).compile()
     except Exception as error:  # (XlaRuntimeError: its type is jaxlib's, its message the compiler's)
         refusal = _out_of_memory(str(error))
@@ -91,8 +92,7 @@ def compile_step(run: RunConfig, topology: Topology) -> CompiledStep:
     collectives, notes = collective_bytes(text)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    kernels = {target: n for target, n in custom_call_targets(text).items()
-               if any(name in target for name in KERNEL_CALLS)}
+    kernels = dict(aot.kernel_calls(text))
     batch_bytes = 3 * batch.accum_steps * batch.micro_batch_per_device * run.data.seq_len * 4
     return CompiledStep(run, topology, sizes, planning.memory_figures(compiled, batch_bytes), None, None,
                         (cost or {}).get("flops"), collectives, notes, kernels, seconds, text)
@@ -155,8 +155,8 @@ def describe(step: CompiledStep, plan: planning.MemoryPlan) -> str:
         lines.append(f"FLOPs per step and device: XLA {step.flops:.3g}, plan {planned:.3g} "
                      f"({step.flops / planned:.2f}x; the plan counts no recompute, XLA's cost analysis counts loop "
                      "bodies as the compiler reports them)")
-    kernels = ", ".join(f"{n} {target}" for target, n in step.kernels.items()) or "none (XLA's attention)"
-    lines.append(f"fused kernel calls in the program: {kernels}")
+    kernels = ", ".join(f"{name} x {n}" for name, n in step.kernels.items()) or "none (XLA's attention)"
+    lines.append(f"Pallas kernels in the program ({_KERNEL_CALL[step.topology.platform]}): {kernels}")
     return "\n".join(lines)
 
 
@@ -241,17 +241,10 @@ def proposals(step: CompiledStep, budget: float, load):
 
 
 def missing_compiler(topology: Topology) -> str | None:
-    """Why this machine cannot compile for `topology` (the package to install, in one line), None when it can."""
-    import importlib.util
+    """What to install to compile for `topology` here, in one line (diffjax.ops.aot.missing); None: nothing."""
+    from diffjax.ops import aot
 
-    import jax
-
-    if topology.platform == "tpu" and importlib.util.find_spec("libtpu") is None:
-        return f'compiling for {topology.name} needs libtpu: pip install "jax[tpu]=={jax.__version__}"'
-    if topology.platform == "gpu" and not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
-        return (f"compiling for {topology.name} needs JAX's CUDA plugin (no GPU needed): pip install "
-                f'"jax-cuda12-plugin=={jax.__version__}" "jax-cuda12-pjrt=={jax.__version__}" nvidia-cuda-nvcc-cu12')
-    return None
+    return aot.missing(topology.platform)
 
 
 def plan_compiled(run: RunConfig, topology: Topology, load, checks: int = 1) -> int:

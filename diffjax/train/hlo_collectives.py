@@ -12,7 +12,6 @@ Bytes: what one device's share of the collective holds: an all-gather's gathered
 
 from __future__ import annotations
 
-import collections
 import math
 import re
 
@@ -139,7 +138,3 @@ def collective_bytes(text: str) -> tuple[dict[str, float], list[str]]:
     visit(entry, 1.0, set())
     return totals, notes
 
-
-def custom_call_targets(text: str) -> dict[str, int]:
-    """{custom_call_target: instructions} of a compiled program (Mosaic TPU kernels: tpu_custom_call)."""
-    return dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text)))
