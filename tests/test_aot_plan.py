@@ -82,7 +82,9 @@ def test_collective_bytes_of_a_program_counted_by_hand():
 
 
 # TPU's compiled form of one asynchronous all-gather (shortened from a v5e program): its start fusion, a fusion it
-# overlaps and its done fusion each hold a copy with the same channel; the loop runs 4 times by its condition.
+# overlaps and its done fusion each hold a copy with the same channel; a reduce-scatter as TPU fuses one (an
+# all-reduce, same channel number as the all-gather, in an AllReduceScatterFusion); the loop runs 4 times by its
+# condition.
 TPU_STYLE = """HloModule jit_step, is_scheduled=true
 
 %start_computation (param_0: bf16[1,16,320]) -> (bf16[1,16,320], bf16[1,128,320]) {
@@ -101,6 +103,12 @@ TPU_STYLE = """HloModule jit_step, is_scheduled=true
   ROOT %all-gather.3 = bf16[1,128,320]{2,1,0:T(8,128)(2,1)} all-gather(%param_0.2), channel_id=7, replica_groups=mesh['axis_0'=8,'axis_1'=1] {'axis_0'}, dimensions={1}
 }
 
+%all-reduce-scatter.1 (input: f32[128,320]) -> f32[16,320] {
+  %input = f32[128,320]{1,0} parameter(0)
+  %all-reduce.1 = f32[128,320]{1,0} all-reduce(%input), channel_id=7, replica_groups=mesh['axis_0'=8] {'axis_0'}, to_apply=%add
+  ROOT %slice = f32[16,320]{1,0} slice(%all-reduce.1), slice={[0:16], [0:320]}
+}
+
 %body (p: (s32[], bf16[1,16,320])) -> (s32[], bf16[1,16,320]) {
   %p = (s32[], bf16[1,16,320]{2,1,0}) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
@@ -109,6 +117,7 @@ TPU_STYLE = """HloModule jit_step, is_scheduled=true
   %overlap = bf16[1,128,320]{2,1,0} fusion(%x), kind=kCustom, calls=%overlapped_computation
   %done = bf16[1,128,320]{2,1,0} fusion(%x), kind=kCustom, calls=%done_computation
   %scattered = bf16[1,16,320]{2,1,0} reduce-scatter(%done), channel_id=8, replica_groups=[1,8]<=[8], dimensions={1}, to_apply=%add
+  %grads = f32[16,320]{1,0} fusion(%wide), kind=kCustom, calls=%all-reduce-scatter.1, backend_config={"collective_algorithm_config":{"emitter":"AllReduceScatterFusion"}}
   %one = s32[] constant(1)
   %next = s32[] add(%i, %one)
   ROOT %t = (s32[], bf16[1,16,320]{2,1,0}) tuple(%next, %scattered)
@@ -135,7 +144,9 @@ def test_a_tpu_collective_split_over_fusions_counts_once_per_turn():
     totals, notes = collective_bytes(TPU_STYLE)
     gathered = 128 * 320 * 2
     assert totals["all-gather"] == 4 * gathered  # not 3 copies x 4
-    assert totals["reduce-scatter"] == 4 * 8 * 16 * 320 * 2  # its input: the result times the group of 8
+    # the reduce-scatter's input (its result times the group of 8) and the fused one's f32[128, 320]
+    assert totals["reduce-scatter"] == 4 * (8 * 16 * 320 * 2 + 128 * 320 * 4)
+    assert totals["all-reduce"] == 0
     assert notes == []
 
 

@@ -155,7 +155,7 @@ def describe(step: CompiledStep, plan: planning.MemoryPlan) -> str:
         lines.append(f"FLOPs per step and device: XLA {step.flops:.3g}, plan {planned:.3g} "
                      f"({step.flops / planned:.2f}x; the plan counts no recompute, XLA's cost analysis counts loop "
                      "bodies as the compiler reports them)")
-    kernels = ", ".join(f"{name} x {n}" for name, n in step.kernels.items()) or "none (XLA's attention)"
+    kernels = ", ".join(f"{name} x {n}" for name, n in step.kernels.items()) or "none"
     lines.append(f"Pallas kernels in the program ({_KERNEL_CALL[step.topology.platform]}): {kernels}")
     return "\n".join(lines)
 

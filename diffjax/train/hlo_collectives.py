@@ -3,9 +3,10 @@ run of the program, by kind. Pure (no jax).
 
 A collective counts once per execution: its computation's executions (a while body's by its trip count: XLA's
 `known_trip_count`, else the loop condition's `i < N` bound; a conditional's branches as the largest one) times one.
-Inside fusions, instructions that share a `channel_id` in one turn of their caller are one collective: TPU's compiled
-programs split an asynchronous collective over a start fusion, the fusions it overlaps and a done fusion, each holding
-a copy (outside fusions every instruction counts: XLA:CPU numbers every channel 1).
+Inside fusions, instructions of one kind that share a `channel_id` in one turn of their caller are one collective:
+TPU's compiled programs split an asynchronous collective over a start fusion, the fusions it overlaps and a done
+fusion, each holding a copy (outside fusions every instruction counts: XLA:CPU numbers every channel 1). A TPU
+reduce-scatter is an all-reduce inside a fusion whose emitter is "AllReduceScatterFusion": counted as one.
 Bytes: what one device's share of the collective holds: an all-gather's gathered result, a reduce-scatter's input
 (its result times the group), an all-reduce's, all-to-all's and collective-permute's result.
 """
@@ -16,11 +17,8 @@ import math
 import re
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_OPCODES = {"all-gather": "all-gather", "all-gather-start": "all-gather", "reduce-scatter": "reduce-scatter",
-            "all-reduce": "all-reduce", "all-reduce-start": "all-reduce", "all-to-all": "all-to-all",
-            "ragged-all-to-all": "all-to-all", "collective-permute": "collective-permute",
-            "collective-permute-start": "collective-permute"}
-_STARTS = {"all-gather-start", "all-reduce-start", "collective-permute-start"}
+_OPCODES = {**{opcode: kind for kind in KINDS for opcode in (kind, f"{kind}-start")},
+            "ragged-all-to-all": "all-to-all"}  # (an asynchronous collective counts at its start, not its done)
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 
@@ -77,11 +75,31 @@ def group_size(rest: str) -> int:
     raise ValueError(f"no replica_groups in {rest[:120]!r}")
 
 
+def tuple_elements(type_text: str) -> list[str]:
+    """The top-level elements of an HLO tuple type ("(f32[4], (f32[8], s32[]))" -> ["f32[4]", "(f32[8], s32[])"]);
+    an array type is its own one element."""
+    text = re.sub(r"/\*.*?\*/", "", type_text.strip())
+    if not text.startswith("("):
+        return [text]
+    elements, depth, start = [], 0, 1
+    for i, char in enumerate(text):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        if (char == "," and depth == 1) or (char == ")" and depth == 0):
+            elements.append(text[start:i].strip())
+            start = i + 1
+    return [element for element in elements if element]
+
+
 def _collective_bytes(instruction: Instruction, kind: str) -> float:
-    arrays = array_bytes(instruction.type)
-    if instruction.opcode in _STARTS:  # (operands..., results..., [sync flags]): the results
-        arrays = arrays[: 2 * (len(arrays) // 2)][len(arrays) // 2:] if kind != "collective-permute" else arrays[1:2]
-    total = sum(arrays)
+    if kind == "all-reduce":  # its result is its input
+        return sum(array_bytes(instruction.type))
+    if instruction.opcode.endswith("-start"):  # async: (its operands, its results, [flags])
+        operands, results = tuple_elements(instruction.type)[:2]
+        return sum(array_bytes(operands if kind == "reduce-scatter" else results))
+    total = sum(array_bytes(instruction.type))
     return total * group_size(instruction.rest) if kind == "reduce-scatter" else total
 
 
@@ -104,14 +122,18 @@ def collective_bytes(text: str) -> tuple[dict[str, float], list[str]]:
     computations, entry = parse_computations(text)
     totals, notes = dict.fromkeys(KINDS, 0.0), []
 
-    def visit(name: str, times: float, seen_channels: set, fused: bool = False) -> None:
+    def visit(name: str, times: float, seen_channels: set, fused: bool = False, scatter: bool = False) -> None:
         for instruction in computations.get(name, []):
             if (kind := _OPCODES.get(instruction.opcode)) is not None:
+                if scatter and kind == "all-reduce":  # TPU's reduce-scatter: an all-reduce in a scattering fusion
+                    kind = "reduce-scatter"
                 channel = re.search(r"channel_id=(\d+)", instruction.rest)
-                if not (fused and channel is not None and channel[1] in seen_channels):
-                    totals[kind] += times * _collective_bytes(instruction, kind)
+                key = (kind, channel and channel[1])
+                if not (fused and channel is not None and key in seen_channels):
+                    totals[kind] += times * (sum(array_bytes(instruction.type)) if scatter else
+                                             _collective_bytes(instruction, kind))
                 if channel is not None:
-                    seen_channels.add(channel[1])
+                    seen_channels.add(key)
             if instruction.opcode == "while":
                 trips = trip_count(instruction, computations)
                 if trips is None:
@@ -131,7 +153,7 @@ def collective_bytes(text: str) -> tuple[dict[str, float], list[str]]:
             else:  # fusions, calls and async wrappers run in their caller's turn (one channel: one collective)
                 for attribute, called in _CALLED.findall(instruction.rest):
                     if attribute == "calls":
-                        visit(called, times, seen_channels, fused=True)
+                        visit(called, times, seen_channels, True, scatter or '"AllReduceScatterFusion"' in instruction.rest)
                     elif attribute == "to_apply" and instruction.opcode == "call":
                         visit(called, times, seen_channels, fused)
 
