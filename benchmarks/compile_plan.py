@@ -38,6 +38,7 @@ ROWS = {  # name: (config, topology, overrides)
     "motif3-full-v5p-128": ("motif3/published", "v5p-128", MOTIF3 + ["parallel.fsdp=4", "train.batch_size=64"]),
     "motif3-lora-v5p-128": ("motif3/published", "v5p-128", MOTIF3 + LORA + ["parallel.fsdp=4",
                                                                             "train.batch_size=64"]),
+    "motif3-published-v5p-256": ("motif3/published", "v5p-256", []),  # the shipped settings as they are
     "motif3-full-h100x64": ("motif3/published", "h100x64", MOTIF3 + ["parallel.fsdp=4", "train.batch_size=64"]),
     "motif3-lora-h100x64": ("motif3/published", "h100x64", MOTIF3 + LORA + ["parallel.fsdp=4",
                                                                             "train.batch_size=64"]),
@@ -48,7 +49,7 @@ ROWS = {  # name: (config, topology, overrides)
 GiB = 2**30
 
 
-def measure(name: str) -> dict:
+def measure(name: str, hlo_dir: Path | None = None) -> dict:
     import jax
 
     from diffjax.train import aot_plan, plan
@@ -69,6 +70,12 @@ def measure(name: str) -> dict:
     if why := aot_plan.missing_compiler(topology):
         return {**record, "skipped": why}
     step = aot_plan.compile_step(run, topology)
+    if hlo_dir is not None and step.hlo:
+        import gzip
+
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        with gzip.open(hlo_dir / f"{name}.hlo.gz", "wt") as out:
+            out.write(step.hlo)
     return {**record, "compiled": step.memory, "refused": step.refused, "required": step.required,
             "total": step.total, "flops": step.flops, "collectives": step.collectives, "notes": step.notes,
             "kernels": step.kernels, "seconds": round(step.seconds, 1)}
@@ -114,6 +121,7 @@ def main(argv=None) -> None:
     parser.add_argument("--again", action="store_true", help="compile rows already in the JSON again")
     parser.add_argument("--table", action="store_true", help="only rewrite the .md from the JSON")
     parser.add_argument("--json", type=Path, default=RESULTS / "compile_plan.json")
+    parser.add_argument("--hlo-dir", type=Path, help="also write each compiled program's text there (gzip)")
     args = parser.parse_args(argv)
     rows = args.rows.split(",")
     if unknown := [row for row in rows if row not in ROWS]:
@@ -124,7 +132,7 @@ def main(argv=None) -> None:
             if not args.again and any(r["row"] == row and "skipped" not in r for r in records):
                 continue
             print(f"{row}: compiling", flush=True)
-            record = measure(row)
+            record = measure(row, args.hlo_dir)
             records = [r for r in records if r["row"] != row] + [record]
             records.sort(key=lambda r: list(ROWS).index(r["row"]))
             args.json.write_text(json.dumps(records, indent=1) + "\n")

@@ -284,8 +284,6 @@ def can_compile(plan: MemoryPlan) -> str | None:
     import jax
 
     platform, count = DEVICES[plan.budget.device].platform, math.prod(plan.sizes.values())
-    if plan.run.lora.enabled:
-        return "a LoRA step needs its base's checkpoint"
     if jax.default_backend() != platform:
         return f"this machine runs {jax.default_backend()}, not {platform}"
     if jax.device_count() < count:
