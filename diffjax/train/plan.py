@@ -12,8 +12,12 @@ whole), so a plan for 512 devices needs none of them:
                model.remat (full: its input; attention: q, k, v, the attention output and the residual; minimal:
                also the MLP's gate and up; none: everything), one layer's working set while it runs (values and
                gradients), the attention's T x S scores where the route the trainer takes on that device
-               (diffjax.ops.choose) materialises them (XLA, not blockwise), and the loss's float32 logits and their
-               gradient (train.loss_chunk tokens at a time)
+               (diffjax.ops.choose) materialises them (XLA, not blockwise), the loss's float32 logits and their
+               gradient (train.loss_chunk tokens at a time), where the mesh splits the embedding table the table
+               gathered whole and its float32 gradient (head_bytes), and over an expert axis the experts' dispatch
+               buffers (dispatch_bytes); remat none's and these terms are read from steps compiled for TPUs
+               (benchmarks/results/compile_plan.md)
+The total is the state and the gradients, and then the larger of the activations and the optimizer's update (peak).
 A device's budget is what XLA may allocate on it: on a GPU XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (JAX's
 default 0.75: it preallocates that much); on a TPU all of the HBM libtpu gives a program (v5p 95.74 GiB: its compiler
 refuses a program over it); on a CPU 90% of the host's memory, shared by its (simulated) devices. The
@@ -165,15 +169,58 @@ def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micr
     heads, mlp, D = split_of("act_heads", sizes), split_of("act_mlp", sizes), config.d_model
     attention = (w.q + w.k + w.v + w.o) / heads
     working = w.stream + 4 * D + attention + 3 * w.mlp / mlp  # norms, attention out, residual, MLP out; its hidden
+    # remat none keeps what XLA keeps (the 1.4B DIFF's layer scan compiled for TPUs, compile_plan.md): six MLP-hidden
+    # arrays, the stream and three more D-wide arrays in bf16 and four in float32, q, k, v, the output and three
+    # float32 head-output-wide kernel residuals (DIFF's O_2 and its products)
     saved = {"full": w.stream, "attention": w.stream + attention + D,
-             "minimal": w.stream + attention + 2 * D + 2 * w.mlp / mlp, "none": working}[config.remat]
+             "minimal": w.stream + attention + 2 * D + 2 * w.mlp / mlp,
+             "none": w.stream + 11 * D + (w.q + w.k + w.v + 7 * w.o) / heads + 6 * w.mlp / mlp}[config.remat]
     score_bytes = (micro_batch * w.maps_x_heads / heads * seq_len / split_of("length", sizes) * seq_len * 4 * 2
                    if w.scores else 0.0)  # float32 scores and probabilities, per layer
     chunk = tokens if not loss_chunk else min(loss_chunk, tokens)
     return {"saved": config.num_layers * tokens * saved * act,
             "working": 2 * tokens * working * act,
             "scores": score_bytes * (config.num_layers if config.remat == "none" else 2),
-            "logits": 2 * chunk * config.vocab_size / split_of("act_vocab", sizes) * 4}
+            "logits": 2 * chunk * config.vocab_size / split_of("act_vocab", sizes) * 4,
+            "head": head_bytes(config, sizes),
+            "dispatch": dispatch_bytes(config, sizes, micro_batch, seq_len)}
+
+
+def head_bytes(config: ModelConfig, sizes: dict[str, int]) -> float:
+    """The vocabulary-sized arrays a step holds whole where the embedding table is split at rest (fsdp, context,
+    expert): the table gathered in the compute dtype and its float32 gradient, all-reduced whole (two float32
+    copies: the 1.4B DIFF's and Motif 3's steps compiled for TPUs, compile_plan.md)."""
+    if split_of("embed", sizes) == 1:
+        return 0.0
+    return config.vocab_size * config.d_model / split_of("vocab", sizes) * (np.dtype(config.dtype).itemsize + 8)
+
+
+# Expert parallelism's dense dropless all-to-all (ops/expert_parallel.py) moves [S, C, D] buffers, C = n min(top_k,
+# E / S) rows for a device's n tokens: S times the rows it sends on average. While a MoE layer's backward runs, XLA
+# holds about DISPATCH_BUFFERS arrays of that size (the send, received, sorted and combined rows and their
+# cotangents in bf16, and the scatters' and gathers' uint32 index arrays of the same shape, twice the bytes): fitted
+# to Motif 3's step compiled for v5p x 64 at seq 4096 (70.10 GiB of temporaries, benchmarks/results/compile_plan.md).
+DISPATCH_BUFFERS = 8.8
+
+
+def dispatch_bytes(config: ModelConfig, sizes: dict[str, int], micro_batch: int, seq_len: int) -> float:
+    """The expert-parallel dispatch buffers of one MoE layer per device (every MoE layer's under remat none), 0 without
+    an expert axis."""
+    shards, m = sizes.get("expert", 1), config.mlp_options
+    if shards == 1 or not getattr(m, "num_experts", None):
+        return 0.0
+    tokens = micro_batch * seq_len * split_of("batch", sizes) / math.prod(sizes.values())  # the rows split every axis
+    rows = shards * tokens * min(m.top_k, m.num_experts // shards)
+    layers = config.num_layers - m.dense_first_layers if config.remat == "none" else 1
+    return layers * DISPATCH_BUFFERS * rows * config.d_model * np.dtype(config.dtype).itemsize
+
+
+def peak(params: float, gradients: float, optimizer: float, activations: float) -> float:
+    """The most a step holds at once: the state and the gradients, and then either the activations (the backward)
+    or the update the optimizer makes of the gradients (one more gradient-sized buffer: where a step's activations are
+    small, as Motif 3's at seq 512 on v5p x 64, 24.24 GiB of temporaries for 11.76 GiB of gradients, this is its
+    peak)."""
+    return params + gradients + optimizer + max(activations, optimizer / 2)
 
 
 @dataclasses.dataclass
@@ -194,7 +241,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> float:
-        return self.params + self.gradients + self.optimizer + sum(self.activations.values())
+        return peak(self.params, self.gradients, self.optimizer, sum(self.activations.values()))
 
     @property
     def fits(self) -> bool:
@@ -219,8 +266,8 @@ def plan_memory(run: RunConfig, device: str, num_devices: int | None = None) -> 
     budget, gradients = device_budget(device, count), trained * (2 if batch.accum_steps > 1 else 1)
 
     def total(micro_batch: int) -> float:
-        return shard + gradients + 2 * trained + sum(activation_bytes(config, w, sizes, micro_batch, seq_len,
-                                                                      loss_chunk).values())
+        return peak(shard, gradients, 2 * trained, sum(activation_bytes(config, w, sizes, micro_batch, seq_len,
+                                                                        loss_chunk).values()))
 
     largest = 0
     while largest < MAX_MICRO_BATCH and total(largest + 1) <= budget.bytes:
@@ -317,7 +364,9 @@ def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> 
              f"  optimizer state  {_size(plan.optimizer):>11}  AdamW's two moments, {dtype}",
              f"  activations      {_size(sum(a.values())):>11}  estimate, remat {run.model.remat}, micro-batch "
              f"{plan.micro_batch}: kept for the backward {_size(a['saved'])}, one layer's working set "
-             f"{_size(a['working'])}, attention scores {_size(a['scores'])}, logits {_size(a['logits'])}",
+             f"{_size(a['working'])}, attention scores {_size(a['scores'])}, logits {_size(a['logits'])}, the "
+             f"gathered vocabulary table and its gradient {_size(a['head'])}"
+             + (f", expert dispatch buffers {_size(a['dispatch'])}" if a["dispatch"] else ""),
              f"  total            {_size(plan.total):>11}  of {_size(budget.bytes)} ({budget.why}): "
              + ("fits" if plan.fits else "DOES NOT FIT"),
              f"largest micro-batch that fits: {plan.largest_micro_batch} sequences per device "
