@@ -49,9 +49,8 @@ ROWS = {  # name: (config, topology, overrides)
 GiB = 2**30
 
 
-def measure(name: str, hlo_dir: Path | None = None) -> dict:
-    import jax
-
+def planned(name: str) -> dict:
+    """The row's plan by diffjax.train.plan's formula as it is now."""
     from diffjax.train import aot_plan, plan
     from diffjax.train.config import load_run_config
     from diffjax.train.topologies import parse_topology
@@ -59,12 +58,24 @@ def measure(name: str, hlo_dir: Path | None = None) -> dict:
     config, topology_name, overrides = ROWS[name]
     run, topology = load_run_config(config, overrides), parse_topology(topology_name)
     memory = plan.plan_memory(run, topology.chip, topology.devices)
-    record = {"row": name, "config": config, "topology": topology_name, "overrides": overrides,
-              "mesh": {k: v for k, v in memory.sizes.items() if v > 1}, "route": memory.route,
-              "budget": memory.budget.bytes, "budget_why": memory.budget.why,
-              "plan": {"params": memory.params, "gradients": memory.gradients, "optimizer": memory.optimizer,
-                       **{f"activations_{k}": v for k, v in memory.activations.items()}, "total": memory.total},
-              "plan_flops": aot_plan.planned_flops(run, memory.sizes),
+    return {"mesh": {k: v for k, v in memory.sizes.items() if v > 1}, "route": memory.route,
+            "budget": memory.budget.bytes, "budget_why": memory.budget.why,
+            "plan": {"params": memory.params, "gradients": memory.gradients, "optimizer": memory.optimizer,
+                     **{f"activations_{k}": v for k, v in memory.activations.items()}, "total": memory.total},
+            "plan_flops": aot_plan.planned_flops(run, memory.sizes),
+            "plan_flops_per_body": aot_plan.planned_flops(run, memory.sizes) / aot_plan.loop_turns(run, memory.sizes)}
+
+
+def measure(name: str, hlo_dir: Path | None = None) -> dict:
+    import jax
+
+    from diffjax.train import aot_plan
+    from diffjax.train.config import load_run_config
+    from diffjax.train.topologies import parse_topology
+
+    config, topology_name, overrides = ROWS[name]
+    run, topology = load_run_config(config, overrides), parse_topology(topology_name)
+    record = {"row": name, "config": config, "topology": topology_name, "overrides": overrides, **planned(name),
               "jax": jax.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "date": datetime.date.today().isoformat()}
     if why := aot_plan.missing_compiler(topology):
@@ -86,15 +97,16 @@ def _gib(value) -> str:
 
 
 def table(records: list[dict]) -> str:
-    head = ("| row | mesh | plan: state / grads + activations / total GiB | compiled: arguments / temporaries / "
-            "outputs + code / total GiB | compiled / plan | budget GiB | fits | collectives GiB (AG / RS / AR / A2A / "
-            "CP) | FLOPs XLA / plan | kernels | compile s |")
+    head = ("| row | mesh | plan: state / grads + activations / total GiB | plan before this issue, total | compiled: "
+            "arguments / temporaries / outputs + code / total GiB | compiled / plan | budget GiB | fits | collectives "
+            "GiB (AG / RS / AR / A2A / CP) | FLOPs: XLA / plan per layer and micro-batch | kernels | compile s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         p = r["plan"]
         planned = (f"{_gib(p['params'] + p['optimizer'])} / "
                    f"{_gib(p['total'] - p['params'] - p['optimizer'])} / {_gib(p['total'])}")
         mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items())
+        planned += f" | {_gib(r.get('plan_before', p)['total'])}"
         if "skipped" in r:
             lines.append(f"| {r['row']} | {mesh} | {planned} | not compiled: {r['skipped']} | | | | | | | |")
             continue
@@ -107,7 +119,7 @@ def table(records: list[dict]) -> str:
                     f"{_gib(c['outputs'] - c['aliased'] + c['code'])} / {_gib(r['total'])}")
         collectives = " / ".join(f"{r['collectives'][k] / GiB:.1f}" for k in
                                  ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"))
-        flops = f"{r['flops'] / r['plan_flops']:.2f}x" if r["flops"] else "-"
+        flops = f"{r['flops'] / r['plan_flops_per_body']:.2f}" if r["flops"] and r.get("plan_flops_per_body") else "-"
         kernels = ", ".join(f"{n} {k}" for k, n in r["kernels"].items()) or "none"
         lines.append(f"| {r['row']} | {mesh} | {planned} | {compiled} | {r['total'] / p['total']:.2f} | "
                      f"{_gib(r['budget'])} | {'yes' if r['total'] <= r['budget'] else 'NO'} | {collectives} | "
@@ -120,6 +132,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
     parser.add_argument("--again", action="store_true", help="compile rows already in the JSON again")
     parser.add_argument("--table", action="store_true", help="only rewrite the .md from the JSON")
+    parser.add_argument("--replan", action="store_true",
+                        help="only recompute the JSON's plans by the formula as it is now (the first kept as plan_before)")
     parser.add_argument("--json", type=Path, default=RESULTS / "compile_plan.json")
     parser.add_argument("--hlo-dir", type=Path, help="also write each compiled program's text there (gzip)")
     args = parser.parse_args(argv)
@@ -127,7 +141,12 @@ def main(argv=None) -> None:
     if unknown := [row for row in rows if row not in ROWS]:
         parser.error(f"--rows: {unknown} not among {list(ROWS)}")
     records = json.loads(args.json.read_text()) if args.json.exists() else []
-    if not args.table:
+    if args.replan:
+        for record in records:
+            record.setdefault("plan_before", record["plan"])
+            record.update(planned(record["row"]))
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    elif not args.table:
         for row in rows:
             if not args.again and any(r["row"] == row and "skipped" not in r for r in records):
                 continue

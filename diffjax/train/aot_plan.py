@@ -124,6 +124,12 @@ def planned_flops(run: RunConfig, sizes: dict[str, int]) -> float:
     return training_flops_per_token(run.model, run.data.seq_len) * tokens / math.prod(sizes.values())
 
 
+def loop_turns(run: RunConfig, sizes: dict[str, int]) -> int:
+    """Turns of the step's nested loops, micro-batches x layers: what XLA's cost analysis, counting a loop's body
+    once, divides the step's FLOPs by."""
+    return _batch(run, sizes).accum_steps * run.model.num_layers
+
+
 def _size(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.2f} GiB" if num_bytes >= GiB / 10 else f"{num_bytes / 2**20:.1f} MiB"
 
@@ -150,11 +156,11 @@ def describe(step: CompiledStep, plan: planning.MemoryPlan) -> str:
         "collectives per step and device: " + ", ".join(f"{kind} {_size(step.collectives[kind])}" for kind in KINDS)
         + (f" ({'; '.join(step.notes)})" if step.notes else ""),
     ]
-    planned = planned_flops(step.run, step.sizes)
     if step.flops:
-        lines.append(f"FLOPs per step and device: XLA {step.flops:.3g}, plan {planned:.3g} "
-                     f"({step.flops / planned:.2f}x; the plan counts no recompute, XLA's cost analysis counts loop "
-                     "bodies as the compiler reports them)")
+        planned, body = planned_flops(step.run, step.sizes), loop_turns(step.run, step.sizes)
+        lines.append(f"FLOPs per device: XLA {step.flops:.3g}, counting each loop's body once and nothing inside "
+                     f"the Pallas kernels; the plan {planned:.3g} per step, {planned / body:.3g} per layer and "
+                     f"micro-batch ({body} turns; it counts no recompute)")
     kernels = ", ".join(f"{name} x {n}" for name, n in step.kernels.items()) or "none"
     lines.append(f"Pallas kernels in the program ({_KERNEL_CALL[step.topology.platform]}): {kernels}")
     return "\n".join(lines)
