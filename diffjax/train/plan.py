@@ -161,9 +161,9 @@ def widths(config: ModelConfig, seq_len: int, device: str, context: int) -> Widt
 
 
 def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micro_batch: int, seq_len: int,
-                     loss_chunk: int) -> dict[str, float]:
+                     loss_chunk: int, frozen_head: bool = False) -> dict[str, float]:
     """The activations estimate of one micro-batch per device (the module docstring): {saved, working, scores,
-    logits} in bytes."""
+    logits, head, dispatch} in bytes; frozen_head: LoRA's (no gradient for the vocabulary table)."""
     act = np.dtype(config.dtype).itemsize
     tokens = micro_batch * seq_len / split_of("length", sizes)
     heads, mlp, D = split_of("act_heads", sizes), split_of("act_mlp", sizes), config.d_model
@@ -182,17 +182,18 @@ def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micr
             "working": 2 * tokens * working * act,
             "scores": score_bytes * (config.num_layers if config.remat == "none" else 2),
             "logits": 2 * chunk * config.vocab_size / split_of("act_vocab", sizes) * 4,
-            "head": head_bytes(config, sizes),
+            "head": head_bytes(config, sizes, frozen_head),
             "dispatch": dispatch_bytes(config, sizes, micro_batch, seq_len)}
 
 
-def head_bytes(config: ModelConfig, sizes: dict[str, int]) -> float:
+def head_bytes(config: ModelConfig, sizes: dict[str, int], frozen: bool = False) -> float:
     """The vocabulary-sized arrays a step holds whole where the embedding table is split at rest (fsdp, context,
-    expert): the table gathered in the compute dtype and its float32 gradient, all-reduced whole (two float32
-    copies: the 1.4B DIFF's and Motif 3's steps compiled for TPUs, compile_plan.md)."""
+    expert): the table gathered in the compute dtype and, unless frozen, its float32 gradient, all-reduced whole (two
+    float32 copies: the 1.4B DIFF's and Motif 3's steps compiled for TPUs, compile_plan.md)."""
     if split_of("embed", sizes) == 1:
         return 0.0
-    return config.vocab_size * config.d_model / split_of("vocab", sizes) * (np.dtype(config.dtype).itemsize + 8)
+    per_entry = np.dtype(config.dtype).itemsize + (0 if frozen else 8)
+    return config.vocab_size * config.d_model / split_of("vocab", sizes) * per_entry
 
 
 # Expert parallelism's dense dropless all-to-all (ops/expert_parallel.py) moves [S, C, D] buffers, C = n min(top_k,
@@ -267,14 +268,14 @@ def plan_memory(run: RunConfig, device: str, num_devices: int | None = None) -> 
 
     def total(micro_batch: int) -> float:
         return peak(shard, gradients, 2 * trained, sum(activation_bytes(config, w, sizes, micro_batch, seq_len,
-                                                                        loss_chunk).values()))
+                                                                        loss_chunk, run.lora.enabled).values()))
 
     largest = 0
     while largest < MAX_MICRO_BATCH and total(largest + 1) <= budget.bytes:
         largest += 1
     mb = batch.micro_batch_per_device
     return MemoryPlan(run, sizes, budget, mb, batch.accum_steps, shard, gradients, 2 * trained,
-                      activation_bytes(config, w, sizes, mb, seq_len, loss_chunk), largest, w.route)
+                      activation_bytes(config, w, sizes, mb, seq_len, loss_chunk, run.lora.enabled), largest, w.route)
 
 
 def abstract_train_step(run: RunConfig, sizes: dict[str, int], micro_batch: int, devices=None, accum_steps: int = 1):
