@@ -101,17 +101,7 @@ def main(argv=None) -> int:
         print(describe_keys(config))
         return 0
     if args.plan and args.topology:
-        from diffjax.train.topologies import parse_topology
-
-        try:
-            topology = parse_topology(args.topology)
-        except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (before jax starts: a compile for a topology runs nothing)
-        from diffjax.train.aot_plan import plan_compiled
-
-        return plan_compiled(config, topology, lambda more: load_run_config(args.config, args.overrides + more))
+        return _plan_compiled(args, config)
     if args.plan:
         return _plan(config, args.device or "cpu", args.devices)
     from diffjax.log_lines import print_package_logs
@@ -141,6 +131,22 @@ def main(argv=None) -> int:
     if result.interrupted:
         return 128 + signal.Signals[result.interrupted].value
     return 0
+
+
+def _plan_compiled(args, config) -> int:
+    """--plan --compile --topology: diffjax.train.aot_plan; exit 0 fits, 1 not, 2 bad input."""
+    from diffjax.train.config import load_run_config
+    from diffjax.train.topologies import parse_topology
+
+    try:
+        topology = parse_topology(args.topology)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (before jax starts: a compile for a topology runs nothing)
+    from diffjax.train.aot_plan import plan_compiled
+
+    return plan_compiled(config, topology, lambda more: load_run_config(args.config, args.overrides + more))
 
 
 def _plan(config, device: str, devices: int | None) -> int:
