@@ -37,7 +37,7 @@ except ImportError:
     torch = None
 needs_torch = pytest.mark.skipif(torch is None, reason="the PyTorch re-statement needs torch and transformers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = REPO_ROOT / "diffjax" / "configs" / "motif3"
+CONFIGS = REPO_ROOT / "configs" / "motif3"
 VARIANTS = ("all_on", "mhc_off", "window_off", "dense_only", "gate_off", "yarn_off")
 
 
@@ -59,7 +59,7 @@ def test_the_published_config_maps_to_gdla_mhc_and_moe():
 
 
 def test_the_published_size_counts_314b_total_and_13b_active(capsys):
-    """diffjax.model.sizes counts diffjax/configs/motif3/published.yaml, its multi-token-prediction block included:
+    """diffjax.model.sizes counts configs/motif3/published.yaml, its multi-token-prediction block included:
     314.84B total, 13.23B active, the checkpoint's tensors to the parameter (the model card's 13.2B counts that block:
     tests/motif3_published.py's note); ModelConfig.param_count's formula agrees."""
     from diffjax.train.config import load_run_config
@@ -73,7 +73,7 @@ def test_the_published_size_counts_314b_total_and_13b_active(capsys):
     assert parameter_counts(config.replace(mtp_depths=0))[0] == sum(
         math.prod(shape) for shape in checkpoint_shapes(PUBLISHED).values())
     with capsys.disabled():
-        print(f"\nMotif 3 published (diffjax/configs/motif3/published.yaml): {describe_parameter_counts(config)}")
+        print(f"\nMotif 3 published (configs/motif3/published.yaml): {describe_parameter_counts(config)}")
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -307,7 +307,7 @@ def test_a_many_shard_checkpoint_converts_within_a_shard_and_a_layer(tmp_path, m
     assert all(np.array_equal(exported[k], original[k]) for k in original)
 
 
-# ------------------------------------------------------------------------------ diffjax/configs/motif3/
+# -------------------------------------------------------------------------------------- configs/motif3/
 
 
 def _switches(path: Path) -> dict[str, list[str]]:
@@ -318,7 +318,7 @@ def _switches(path: Path) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("name,hf", [("published", PUBLISHED), ("small", {"model_type": "Motif", **small_config()})])
 def test_the_configs_are_the_published_and_small_config_json(name, hf):
-    """diffjax/configs/motif3/*.yaml are what the converter reads from the config.json (scan_layers and the attention route
+    """configs/motif3/*.yaml are what the converter reads from the config.json (scan_layers and the attention route
     aside), and each documented switch turns its feature off alone in a config that builds."""
     from diffjax.train.config import load_run_config
 

@@ -2,8 +2,8 @@
 in the pages of mkdocs.yml's nav (docs/) is either a recipe (`<!-- recipe: NAME -->` on a line above it, optionally
 `; needs: module, ...`) or says why it is not run here (`<!-- not run by tests/test_readme_recipes.py: REASON -->`:
 CI's own command, a cluster, a download). The recipes run in order (README's, then the site's pages in nav order),
-one after another as a user would type them, in a scratch directory holding copies of train.py and the package
-(diffjax/, on PYTHONPATH: its shipped configs are the ones the recipes train, shortened there). Only sizes change,
+one after another as a user would type them, in a scratch directory holding copies of train.py, the package
+(diffjax/, on PYTHONPATH) and its shipped configs (configs/: the ones the recipes train, shortened there). Only sizes change,
 through SIZES below, and what the docs ask users to bring (a Hugging Face directory at path/to/DiffLlama, ...) is
 made by `user_files`. A recipe fails on a non-zero exit or a line saying it did nothing useful (FAILURE_MARKERS)."""
 
@@ -32,7 +32,7 @@ NOT_RUN = "not run by tests/test_readme_recipes.py:"
 # (recipe, or a file copied from the repository; as printed; as run here): sizes only, so CI runs the same commands
 # with fewer steps and tokens. Every printed text must occur where it is named (checked), so the table cannot rot.
 SIZES = [
-    ("diffjax/configs/tiny.yaml", "steps: 400", "steps: 12"),  # the quickstart and every run on tiny.yaml
+    ("configs/tiny.yaml", "steps: 400", "steps: 12"),  # the quickstart and every run on tiny.yaml
     ("quickstart", 'pip install -e ".[train]" && ', ""),  # the test's environment is installed already
     ("hooks", "train.steps=200", "train.steps=12"),
     ("lora", "train.steps=1000", "train.steps=6"),
@@ -44,7 +44,7 @@ SIZES = [
 ]
 # A recipe that prints one of these did not do what it says, whatever its exit status.
 FAILURE_MARKERS = re.compile(r"^FAIL\b|nothing to do", re.MULTILINE)
-COPIED = ("train.py", "diffjax")
+COPIED = ("train.py", "diffjax", "configs")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
