@@ -1,7 +1,7 @@
 """The package's shape, read from the source with ast (nothing is imported): its layers import only downwards (command
 lines too), no modules import each other in a circle, no module imports the compatibility shim diffjax.parallel, and no
-function outside the Pallas kernel bodies is longer than 80 lines. Each exception is listed here with its reason; the lists must match the code exactly, so that a new
-exception fails here and a removed one is struck off."""
+function outside the Pallas kernel bodies is longer than 80 lines. Each exception is listed here with its reason; the
+lists must match the code exactly, so that a new exception fails here and a removed one is struck off."""
 
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ class Step:
         """The step's own weights, made once before the loop (None: it reads the model's blocks only)."""
         return None
 
-    def start(self, model, weights, state: DecodeState, hidden_BPD, prompts_BP, lengths_B, choice: Choice) -> DecodeState:
+    def start(self, model, weights, state: DecodeState, hidden_BPD, prompts_BP, lengths_B,
+              choice: Choice) -> DecodeState:
         """The state the loop starts from, given the prefill's (each row's first token chosen, its cache filled) and the
         prompts' final hidden states."""
         return state

@@ -5,11 +5,12 @@ tokens per row for one read of the weights plus a layer and an LM head per depth
 reading the weights, about one step; not on a CPU: benchmarks/results/speculative_cpu.md).
 
 `MTPDraft` is a step of the decode loop (diffjax.generate.decode): the loop's prefill, then a verify step per loop
-iteration, in one jitted program per call shape as plain decoding. A verify step feeds each row's last token and its K drafts at positions n..n + K through the KV cache (kv_cache.py: a decode
-step of up to 1 + draft tokens; windowed layers' rings keep W + K slots so that a rejected write evicts nothing still
-in the window), then rolls each row's cache back to its accepted length n + a + 1 (slot = position: the rejected
-slots are masked until overwritten). Rows advance by their own counts; stop tokens and max_new_tokens cut a row's
-accepted tokens exactly where plain decoding would stop.
+iteration, in one jitted program per call shape as plain decoding. A verify step feeds each row's last token and its
+K drafts at positions n..n + K through the KV cache (kv_cache.py: a decode step of up to 1 + draft tokens; windowed
+layers' rings keep W + K slots so that a rejected write evicts nothing still in the window), then rolls each row's
+cache back to its accepted length n + a + 1 (slot = position: the rejected slots are masked until overwritten). Rows
+advance by their own counts; stop tokens and max_new_tokens cut a row's accepted tokens exactly where plain decoding
+would stop.
 
 The drafter: depth k at position t reads depth k - 1's hidden state at t (depth 0: the model's) and token t + k,
 and predicts token t + k + 1 (DeepSeek-V3's MTP, as trained: diffjax.losses.mtp_targets). Each depth keeps its own
