@@ -39,7 +39,7 @@ from diffjax.model.kv_cache import KVCache
 class DecodeState:
     cache: KVCache  # the model's
     tokens_BN: jax.Array  # the new tokens; pad_id where not generated (yet, or after the row's stop token)
-    done_B: jax.Array  # the row has produced a stop token
+    done_B: jax.Array  # the row has stopped: a stop token (or, for a step emitting several, max_new_tokens)
     step: jax.Array  # prefill and loop steps run (plain decoding: tokens generated, the next one at tokens_BN[:, step])
     go_on: jax.Array  # False once a streaming receiver asked to stop
     own: Any = None  # the step's own state (Step.start)
