@@ -95,8 +95,8 @@ def test_unsupported_values_are_named_in_one_line(changes, message):
 
 def test_the_export_refuses_what_motif_3_cannot_hold(tmp_path):
     config = config_from_hf({"model_type": "Motif", **small_config()}).replace(mlp="gated", mlp_options=None)
-    with pytest.raises(ConversionError, match=r"^cannot export to Hugging Face \(Motif 3\): mlp='gated': Motif 3's "
-                                              r"MLPs are 'moe' or 'polynorm'$"):
+    with pytest.raises(ConversionError, match=r"^cannot export to Hugging Face \(Motif 3\): mlp='gated': Motif 3 "
+                                              r"holds mlp 'moe', 'polynorm' only$"):
         diffjax.save_hf(TransformerLM(config, rngs=nnx.Rngs(0)), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 

@@ -206,11 +206,11 @@ def test_sentencepiece_missing_and_invalid_files(tmp_path):
 
 
 def test_train_sentencepiece_command(tmp_path, corpus, capsys):
-    """`python -m diffjax.tokenizers train-sentencepiece` on text files (one file = one document)."""
+    """`python -m diffjax.data train-sentencepiece` on text files (one file = one document)."""
     for index, document in enumerate(corpus[:4]):
         (tmp_path / f"doc{index}.txt").write_text(document, encoding="utf-8")
     output = tmp_path / "out" / "cli.model"
-    command = [sys.executable, "-m", "diffjax.tokenizers", "train-sentencepiece", "--output", str(output),
+    command = [sys.executable, "-m", "diffjax.data", "train-sentencepiece", "--output", str(output),
                "--vocab-size", "380", "--source", "text", "--paths", str(tmp_path / "*.txt"), "--max-documents", "3"]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -220,7 +220,7 @@ def test_train_sentencepiece_command(tmp_path, corpus, capsys):
     assert tokenizer.decode(tokenizer.encode(corpus[0])) == corpus[0]
     # A vocabulary too small for the corpus: a one-line error, exit status 1, no model written
     # (in process: a second interpreter start costs seconds).
-    from diffjax.tokenizers.__main__ import main
+    from diffjax.data.__main__ import main
 
     arguments = command[command.index("train-sentencepiece"):]
     arguments[arguments.index("--vocab-size") + 1] = "50"

@@ -15,42 +15,17 @@ about one shard, not the model (tests/test_convert_streaming.py measures it).
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 from pathlib import Path
 
 from diffjax.config import ModelConfig
 from diffjax.convert import formats, hub
 from diffjax.convert.common import np_dtype, refuse_overlap
+from diffjax.convert.conversion_dir import conversion_run_dir, keep_hf_files
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import checked_weights, convert_files, read_hf_config
 from diffjax.convert.weight_plan import Converter, leaf_shapes
 from diffjax.params_checkpoint import CheckpointParams, resolve_checkpoint, save_params_streamed, saved_model_config
 from diffjax.run_dir import RunDir
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
-
-
-@contextlib.contextmanager
-def conversion_run_dir(dst, *, overwrite: bool, command: str):
-    """The RunDir `command` (hf-to-diffjax, upcycle, merge-lora) writes into `dst`, held (its trainer.lock) from
-    before --overwrite removes anything until the conversion ends: a trainer, or another conversion, running there
-    refuses it. A new `dst` is removed again if the conversion fails, so no half-written directory is left behind."""
-    dst = Path(dst)
-    hub.refuse_the_cache(dst)
-    created = not dst.exists()
-    try:
-        run = RunDir.for_conversion(dst, overwrite=overwrite)
-        lock = run.lock_for_writing(command)
-        try:
-            run.remove_conversion_outputs()
-            yield run
-        finally:
-            lock.release()
-    except BaseException:
-        if created:
-            shutil.rmtree(dst, ignore_errors=True)
-        raise
 
 
 def _hf_side(run: RunDir) -> Path:
@@ -66,17 +41,6 @@ def _hf_side(run: RunDir) -> Path:
             break
         run = RunDir.of_step(resolve_checkpoint(init_from, f"{run.config_file}'s train.init_from"))
     return run.hf
-
-
-def keep_hf_files(src, run: RunDir) -> dict | None:
-    """Copy the HF directory `src`'s files but its weights (config.json, tokenizer, generation config) into RUN/hf/;
-    returns the data section naming its tokenizer.json (None without one), so that training on and generating
-    from the conversion use the checkpoint's own tokenizer."""
-    run.hf.mkdir()
-    for file in sorted(Path(src).iterdir()):
-        if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(file, run.hf / file.name)
-    return {"tokenizer": {"kind": "hf", "path": str(run.hf.absolute())}} if (run.hf / "tokenizer.json").exists() else None
 
 
 def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False, progress=None,

@@ -1,7 +1,7 @@
 """Tokenizers behind one interface (`Tokenizer`): byte-level, SentencePiece, tiktoken, Hugging Face tokenizer.json.
 
 `make_tokenizer(config.data.tokenizer)` builds the one a config names. Train a SentencePiece model
-with `python -m diffjax.tokenizers train-sentencepiece --output tok.model --vocab-size 8000`.
+with `python -m diffjax.data train-sentencepiece --output tok.model --vocab-size 8000`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""`python -m diffjax.tokenizers train-sentencepiece --output tok.model --vocab-size 8000 [--source ...]`"""
-
-# This command reads its corpus through diffjax.data, which sits above the tokenizers (a DataConfig names its
-# tokenizer): it imports data when it runs, so that the tokenizers package never imports it.
+"""`python -m diffjax.data train-sentencepiece --output tok.model --vocab-size 8000 [--source ...]`: a tokenizer
+trained on a corpus as data.source reads it (the data layer stands above the tokenizers: a DataConfig names its
+tokenizer)."""
 
 from __future__ import annotations
 
@@ -9,14 +8,13 @@ import argparse
 import sys
 import time
 
+from diffjax.data.config import DATA_SOURCES, DataConfig
+from diffjax.data.sources import open_documents
 from diffjax.tokenizers.sentencepiece_tokenizer import train_sentencepiece
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffjax.data.config import DATA_SOURCES, DataConfig
-    from diffjax.data.sources import open_documents
-
-    parser = argparse.ArgumentParser(prog="python -m diffjax.tokenizers", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m diffjax.data", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train-sentencepiece", help="train a SentencePiece model on a corpus")
     train.add_argument("--output", required=True, help="the .model file to write")
