@@ -22,7 +22,8 @@ dv_smem compute it whole):
           tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
   dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
 
-dk/dv's differential consumers, Tuning.dkdv (benchmarks/pallas_gpu_sweep.py times each): a consumer holds two
+dk/dv's differential consumers, Tuning.dkdv (benchmarks/pallas_gpu_sweep.py times each; a step function each in
+dkdv.py, `_SCHEDULES`, the kernel body runs the one named): a consumer holds two
 64 x 128 fp32 accumulators (dK_g, dV's half: 128 of its registers) beside the step's 64 x block_q_bwd fp32 tiles
 (32 registers each), and in this transposed layout a per-query vector (lse, D, lambda) takes 16, so the step's live
 set decides whether it spills: the first kernel ("exchange", both sums live at once in consumer 1) peaks far above
@@ -50,7 +51,7 @@ d and dv are each 64, 128 or 192 (SINGLE_HEAD_DIMS says why), Motif 3's GDLA's 1
 only the forward's output staging depends on the pair (the query tile when dv == d, else a V ring slot,
 free once both consumers are past their last step).
 
-The single-map backward consumers (dq.single_step, dkdv.single_step) take each streamed step in 64-row sub-tiles
+The single-map backward consumers (dq.single_step, dkdv._single_step) take each streamed step in 64-row sub-tiles
 (dq: 64 keys, dk/dv: 64 queries; a loop, not unrolled, over a 128-row block's two), so the live set beside the fp32
 accumulators is one sub-tile's S and dP (32 registers each) at any block size. A 128-row step used to hold two
 64 x 128 fp32 tiles (64 registers each) beside dK and dV (128): ptxas spilled 1.8 KB a thread and serialized every
