@@ -22,8 +22,7 @@ dv_smem compute it whole):
           tiles; consumer g accumulates dK_g and the g-th column half of dV (exchanging P_m tiles).
   dq      one CTA per (batch, head, 64-row q block); streams K/V tiles; consumer g accumulates dQ_g.
 
-dk/dv's differential consumers, Tuning.dkdv (benchmarks/pallas_gpu_sweep.py times each; a step function each in
-dkdv.py, `_SCHEDULES`, the kernel body runs the one named): a consumer holds two
+dk/dv's differential consumers, Tuning.dkdv (benchmarks/pallas_gpu_sweep.py times each): a consumer holds two
 64 x 128 fp32 accumulators (dK_g, dV's half: 128 of its registers) beside the step's 64 x block_q_bwd fp32 tiles
 (32 registers each), and in this transposed layout a per-query vector (lse, D, lambda) takes 16, so the step's live
 set decides whether it spills: the first kernel ("exchange", both sums live at once in consumer 1) peaks far above
