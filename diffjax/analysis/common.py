@@ -151,6 +151,18 @@ def positive_int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def make_parent(path: Path, option: str) -> bool:
+    """Make the directory a file named by `option` goes into, as a user expects of `--output out/x.json` on a fresh
+    checkout; False (one line on stderr said why) when it cannot be made."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"error: {option} {path}: cannot make its directory {path.parent} ({error.strerror or error})",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callable[[Sequence[str], Sequence], str],
             prepare: Callable[[Sequence[Checkpoint]], None] | None = None, *, record: Callable[[object], dict],
             draw: Callable[[Sequence[dict], Path], None]) -> int:
@@ -163,13 +175,8 @@ def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callabl
         return 2
     labels = args.label or [None] * len(args.checkpoint)
     print_package_logs()
-    if args.output:  # before the analysis: where its results go must exist when it ends
-        try:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            print(f"error: --output {args.output}: cannot make its directory {args.output.parent} "
-                  f"({error.strerror or error})", file=sys.stderr)
-            return 2
+    if args.output and not make_parent(args.output, "--output"):  # before the analysis: where its results go
+        return 2
     try:
         checkpoints = [load_checkpoint(path, label) for path, label in zip(args.checkpoint, labels)]
         if prepare is not None:
