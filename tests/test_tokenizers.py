@@ -335,8 +335,8 @@ def online(monkeypatch):
     """Offline mode off (the network itself is what each test makes of tiktoken.load.read_file)."""
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(variable, raising=False)
-    huggingface_hub = pytest.importorskip("huggingface_hub")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
 
 def test_tiktoken_named_encoding_absent_offline(tmp_path, monkeypatch, no_network):
@@ -492,7 +492,7 @@ def test_hf_tokenizer_errors_name_the_file(tmp_path, hf_dir):
 def offline_hub(tmp_path, monkeypatch, hf_dir):
     """A Hugging Face cache (tests/hub_cache.py) holding the tokenizer of hf_dir as NAME at main, and at the branch
     v2 one whose tokenizer_config.json names another eos; read offline. Returns NAME."""
-    huggingface_hub = pytest.importorskip("huggingface_hub")
+    constants = pytest.importorskip("huggingface_hub.constants")
     import json
     import shutil
 
@@ -504,8 +504,8 @@ def offline_hub(tmp_path, monkeypatch, hf_dir):
     (v2 / "model.safetensors").write_bytes(b"weights the tokenizer never needs")
     write_cached_repo(tmp_path / "hub", "diffjax-tests/tokenizer", {"main": hf_dir, "v2": v2})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return "diffjax-tests/tokenizer"
 
 
