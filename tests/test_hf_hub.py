@@ -145,7 +145,7 @@ def test_only_the_files_diffjax_reads_are_fetched():
 
     wanted = {"config.json", "generation_config.json", "model-00001-of-00002.safetensors", "tokenizer.json",
               "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer_config.json",
-              "special_tokens_map.json"}
+              "special_tokens_map.json", "README.md"}
     assert fetched(hub.CONFIG_AND_TOKENIZER + hub.SAFETENSORS) == wanted
     assert fetched(hub.CONFIG_AND_TOKENIZER + hub.SAFETENSORS + hub.REMOTE_CODE) == wanted | {"modeling_motif.py"}
     assert fetched(hub.PYTORCH_BIN) == {"pytorch_model.bin"}

@@ -19,7 +19,8 @@ import re
 from pathlib import Path
 
 CONFIG_AND_TOKENIZER = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                        "added_tokens.json", "vocab.json", "merges.txt", "chat_template*")
+                        "added_tokens.json", "vocab.json", "merges.txt", "chat_template*",
+                        "README.md")  # the model card: its license and terms go on with an export
 SAFETENSORS = ("*.safetensors", "model.safetensors.index.json")
 PYTORCH_BIN = ("pytorch_model*.bin", "pytorch_model.bin.index.json")  # read only where there are no safetensors
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what HFTokenizer reads
@@ -103,17 +104,28 @@ def is_offline() -> bool:
         v.strip().lower() in ("1", "on", "yes", "true") for v in values)
 
 
-def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
-         commit_message: str = "Upload with diffjax") -> str:
-    """Upload every file of `folder` (an export) to the Hub model repository `repo_id`, created if absent (private
-    if asked): huggingface_hub's create_repo + upload_folder, HF_TOKEN or `hf auth login`'s token. Returns the
-    commit's URL; every failure is one line (ValueError, or FileNotFoundError for a missing huggingface_hub)."""
+class PushError(RuntimeError):
+    """An upload that failed after its export was written (the network, the token, the Hub's answer): one line."""
+
+
+def check_pushable(repo_id: str):
+    """huggingface_hub, where `repo_id` is a Hub id and offline mode is off (checked before an export is written);
+    else ValueError / FileNotFoundError, one line."""
     if not is_hub_name(repo_id):
         raise ValueError(f"--push-to-hub {repo_id!r} is not a Hub repository id (org/name)")
     if is_offline():
         raise ValueError(f"--push-to-hub {repo_id}: {offline_because(('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE'))}; "
                          "unset it to upload")
-    huggingface_hub = _huggingface_hub(repo_id)
+    return _huggingface_hub(repo_id)
+
+
+def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
+         commit_message: str = "Upload with diffjax") -> str:
+    """Upload every file of `folder` (an export) to the Hub model repository `repo_id`, created if absent (private
+    if asked): huggingface_hub's create_repo + upload_folder, HF_TOKEN or `hf auth login`'s token. Returns the
+    commit's URL. A bad repository id or offline mode is a ValueError, a missing huggingface_hub a
+    FileNotFoundError, a failed upload a PushError: one line each."""
+    huggingface_hub = check_pushable(repo_id)
     from huggingface_hub import errors
 
     api = huggingface_hub.HfApi()
@@ -132,8 +144,8 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
         problem = f"{type(error).__name__}: {_first_line(error)}"
     else:
         return str(getattr(commit, "commit_url", commit))
-    raise ValueError(f"--push-to-hub {repo_id}: the upload of {folder} failed: {problem} (the export is complete: "
-                     f"upload it again with `hf upload {repo_id} {folder}`)")
+    raise PushError(f"--push-to-hub {repo_id}: the upload of {folder} failed: {problem} (the export is complete: "
+                    f"upload it again with `hf upload {repo_id} {folder}`)")
 
 
 def refuse_the_cache(destination: str | os.PathLike) -> None:
