@@ -7,6 +7,7 @@ license and follows below, so that its terms travel with the weights."""
 from __future__ import annotations
 
 import re
+import sys
 
 import yaml
 
@@ -44,8 +45,7 @@ def model_card(config: ModelConfig, fmt: CheckpointFormat, *, parameters: int, d
     """README.md for the export of `config` (in format `fmt`, `parameters` weights of `dtype`) from `source` (a
     phrase), loaded as `name` (its directory or Hub id). license_id: the Hub's license identifier (None: the source
     card's, else "unknown")."""
-    from diffjax import __version__
-
+    version = sys.modules[__name__.partition(".")[0]].__version__  # the package's, loaded first (no upward import)
     source_metadata, source_body = split_card(source_card) if source_card else ({}, "")
     licensing = {key: source_metadata[key] for key in LICENSE_KEYS if key in source_metadata}
     if license_id is not None:
@@ -60,7 +60,7 @@ def model_card(config: ModelConfig, fmt: CheckpointFormat, *, parameters: int, d
         "---", yaml.safe_dump(metadata, sort_keys=False).rstrip("\n"), "---", "",
         f"# {name.rstrip('/').split('/')[-1]}", "",
         f"A {fmt.label} causal language model in the Hugging Face format (`model_type: {model_type}`, "
-        f"`{fmt.architecture}`), written by [diffjax]({REPOSITORY}) {__version__} from {source}.", "",
+        f"`{fmt.architecture}`), written by [diffjax]({REPOSITORY}) {version} from {source}.", "",
         "| | |", "|---|---|",
         f"| parameters | {parameters:,} ({dtype}) |",
         f"| layers | {config.num_layers} |",
