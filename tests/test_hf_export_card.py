@@ -68,6 +68,8 @@ def test_save_hf_writes_a_model_card_the_hub_reads(model, tmp_path):
         assert row in text, row
     assert f'AutoModelForCausalLM.from_pretrained("{out}")' in text
     assert diffjax.load_hf(out).num_params() == model.num_params()  # the card changes nothing that loads
+    unlicensed = card_of(diffjax.save_hf(model, tmp_path / "unlicensed"))
+    assert unlicensed.data.license == "unknown" and "Not recorded: set it before publishing" in unlicensed.text
     with pytest.raises(ValueError, match="--license 'Apache 2' is not a Hub license identifier"):
         diffjax.save_hf(model, tmp_path / "refused", license="Apache 2")
     assert not (tmp_path / "refused").exists()

@@ -14,7 +14,7 @@ import numpy as np
 from diffjax import attention_kinds
 from diffjax.analysis import figures
 from diffjax.config_values import build_config, read_yaml_mapping
-from diffjax.data.config import HF_KEYS, DataConfig
+from diffjax.data.config import HF_DEFAULTS, DataConfig
 from diffjax.log_lines import print_package_logs
 from diffjax.run_dir import RunDir
 from diffjax.tokenizers import Tokenizer
@@ -92,7 +92,7 @@ def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = N
             raise ValueError(f"the data of {checkpoint.label} ({data.source}) has no held-out documents to sample tokens from")
         return batches
     data = dataclasses.replace(data, source="jsonl" if str(paths[0]).endswith(".jsonl") else "text", paths=tuple(paths),
-                               **{key: DataConfig.__dataclass_fields__[key].default for key in HF_KEYS})
+                               **HF_DEFAULTS)
     source = open_documents(data)
     packed = pack_documents(source, range(len(source)), checkpoint.tokenizer, data, num_bins=batch_size)
     batches = [batch for batch, _ in zip(packed.batch(batch_size, drop_remainder=True), range(count))]

@@ -21,7 +21,7 @@ from diffjax.config import ModelConfig
 from diffjax.convert import formats
 from diffjax.convert.common import ConversionError, flatten, np_dtype, path_name, prepare_output_dir
 from diffjax.convert.formats import CheckpointFormat, check_exportable
-from diffjax.convert.model_card import CARD_FILE, check_license, model_card
+from diffjax.convert.model_card import CARD_FILE, model_card
 from diffjax.convert.safetensors_io import write_safetensors
 from diffjax.convert.weight_plan import export_plan
 from diffjax.params_checkpoint import CheckpointWriteError
@@ -147,7 +147,7 @@ def save_hf(
     source_card = next((file.read_text(encoding="utf-8") for file in extra_files if file.name == CARD_FILE), None)
     card = model_card(config, fmt, parameters=sum(int(np.prod(shape)) for _, shape, _, _ in plan),
                       dtype=str(plan[0][2]), source=source, name=card_name or str(directory),
-                      license_id=None if license is None else check_license(license), source_card=source_card)
+                      license_id=license, source_card=source_card)
     created = not Path(directory).exists()
     directory = prepare_output_dir(directory, overwrite=overwrite, owned=HF_OUTPUT_FILES)
     written: list[Path] = []

@@ -29,6 +29,7 @@ _TOP_LEVEL_ONLY = ("*/*",)  # the files diffjax reads sit at a repository's top 
 # Set beside HF_HUB_OFFLINE where diffjax itself switched offline mode on (diffjax-eval, when the Hub does not
 # answer): why, so that messages tell that apart from the user's own setting.
 OFFLINE_REASON = "DIFFJAX_OFFLINE_REASON"
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 # org/name as the Hub spells repository ids (no "..", no "--", no leading or trailing "." / "-" in a part).
 _HUB_NAME = re.compile(r"^(?!.*(?:\.\.|--))[A-Za-z0-9_](?:[\w.-]*[\w])?/[A-Za-z0-9_](?:[\w.-]*[\w])?$")
 
@@ -94,14 +95,8 @@ def cached_snapshot(name: str, *, revision: str | None = None, repo_type: str = 
 
 
 def is_offline() -> bool:
-    """Whether huggingface_hub (and so datasets) is in offline mode (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set)."""
-    try:
-        from huggingface_hub import constants
-    except ImportError:
-        constants = None
-    values = [os.environ.get(v, "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")]
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False)) or any(
-        v.strip().lower() in ("1", "on", "yes", "true") for v in values)
+    """Whether the environment switches huggingface_hub or datasets to offline mode (OFFLINE_VARIABLES)."""
+    return any(os.environ.get(v, "").strip().lower() in ("1", "on", "yes", "true") for v in OFFLINE_VARIABLES)
 
 
 class PushError(RuntimeError):
@@ -114,7 +109,7 @@ def check_pushable(repo_id: str):
     if not is_hub_name(repo_id):
         raise ValueError(f"--push-to-hub {repo_id!r} is not a Hub repository id (org/name)")
     if is_offline():
-        raise ValueError(f"--push-to-hub {repo_id}: {offline_because(('HF_HUB_OFFLINE', 'HF_DATASETS_OFFLINE'))}; "
+        raise ValueError(f"--push-to-hub {repo_id}: {offline_because(OFFLINE_VARIABLES)}; "
                          "unset it to upload")
     return _huggingface_hub(repo_id)
 

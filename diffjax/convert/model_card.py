@@ -78,13 +78,16 @@ def model_card(config: ModelConfig, fmt: CheckpointFormat, *, parameters: int, d
         "```", "",
         f'With diffjax (JAX): `diffjax.load_hf("{name}")`; `diffjax-convert hf-to-diffjax {name} RUN_DIR` makes a run '
         "directory to train on.", "",
-        "## License", "",
-        (f"`{licensing['license']}`" + (f" ({licensing['license_name']})" if "license_name" in licensing else "")
-         + (", from the source's model card" if license_id is None and source_metadata.get("license") else "")
-         + "." if licensing["license"] != "unknown" else
-         "Not recorded: set it before publishing (`diffjax-convert diffjax-to-hf ... --license ID`, the source's "
-         "terms permitting)."),
+        "## License", "", _license_line(licensing, inherited=license_id is None and "license" in source_metadata),
     ]
     if source_body.strip():
         lines += ["", "## The source's model card", "", source_body.strip()]
     return "\n".join(lines) + "\n"
+
+
+def _license_line(licensing: dict, *, inherited: bool) -> str:
+    if licensing["license"] == "unknown":
+        return ("Not recorded: set it before publishing (`diffjax-convert diffjax-to-hf ... --license ID`, the "
+                "source's terms permitting).")
+    named = f" ({licensing['license_name']})" if "license_name" in licensing else ""
+    return f"`{licensing['license']}`{named}" + (", from the source's model card." if inherited else ".")

@@ -8,7 +8,6 @@ from diffjax.config_values import one_of
 from diffjax.tokenizers.config import TokenizerConfig
 
 DATA_SOURCES = ("builtin", "text", "jsonl", "parquet", "hf")
-HF_KEYS = ("hf_dataset", "hf_config", "hf_split", "hf_revision", "hf_streaming")  # data.source "hf"'s own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +74,7 @@ class DataConfig:
 
     def _check_source(self):
         """The keys of data.source: files for text / jsonl / parquet, a dataset for hf, and no key of another."""
-        hf_set = [key for key in HF_KEYS if getattr(self, key) != DataConfig.__dataclass_fields__[key].default]
+        hf_set = [key for key, default in HF_DEFAULTS.items() if getattr(self, key) != default]
         if self.source == "hf":
             if not self.hf_dataset:
                 raise ValueError("data.source 'hf' needs data.hf_dataset: a Hub dataset name (org/name) or a local "
@@ -94,3 +93,7 @@ class DataConfig:
     def streams(self) -> bool:
         """Whether the documents come as a stream (no random access, no len)."""
         return self.source == "hf" and self.hf_streaming
+
+
+# data.source "hf"'s own keys and their defaults (a config of another source leaves them so)
+HF_DEFAULTS = {field.name: field.default for field in dataclasses.fields(DataConfig) if field.name.startswith("hf_")}

@@ -19,7 +19,6 @@ from diffjax.convert import hub
 from diffjax.data.config import DataConfig
 
 SHUFFLE_BUFFER = 1000  # documents in datasets' shuffle buffer of a stream (with its shards' order, per epoch)
-OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
 def load(config: DataConfig):
@@ -44,7 +43,7 @@ def load(config: DataConfig):
             return _load(name, config, revision=revision)  # offline: datasets' own cache of an earlier load
         except ConnectionError:
             pass
-    why = (hub.offline_because(OFFLINE_VARIABLES) if unreachable is None else
+    why = (hub.offline_because(hub.OFFLINE_VARIABLES) if unreachable is None else
            f"the Hub could not be reached ({_first_line(unreachable)})")
     described = name if revision is None else f"{name} at revision {revision!r}"
     raise FileNotFoundError(f"data.hf_dataset {described} is not a local directory and is not in the Hugging Face "

@@ -27,9 +27,9 @@ from __future__ import annotations
 import grain
 import numpy as np
 
+from diffjax.data import stream
 from diffjax.data.config import DataConfig
 from diffjax.data.segments import tokenize_document
-from diffjax.data import stream
 from diffjax.data.sources import open_documents
 from diffjax.data.split import split_documents
 
