@@ -31,8 +31,8 @@ class TokenizerConfig:
         if self.kind == "sentencepiece" and not self.path:
             raise ValueError("data.tokenizer.path must name a sentencepiece .model file when data.tokenizer.kind is 'sentencepiece'")
         if self.kind == "hf" and not self.path:
-            raise ValueError("data.tokenizer.path must name a tokenizer.json (or the directory holding it) when "
-                             "data.tokenizer.kind is 'hf'")
+            raise ValueError("data.tokenizer.path must name a tokenizer.json, the directory holding it or a Hub "
+                             "model name (org/name) when data.tokenizer.kind is 'hf'")
         if self.revision is not None and self.kind != "hf":
             raise ValueError(f"data.tokenizer.revision is for data.tokenizer.kind 'hf' (a Hub name), not {self.kind!r}")
         if self.kind == "tiktoken" and bool(self.path) == bool(self.encoding):
