@@ -76,20 +76,26 @@ def read_run_config(src) -> tuple[Path, Path, ModelConfig]:
 
 
 def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", overwrite: bool = False,
-                  progress=None) -> Path:
-    """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory,
-    reading and writing one tensor at a time. A LoRA run's adapters are merged into its base as each base tensor is
-    read (diffjax.convert.lora_merge.LazyMergedParams)."""
+                  progress=None, license: str | None = None, card_name: str | None = None) -> Path:
+    """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory with its model
+    card (license: the Hub's license identifier, else the source's card's; card_name: the name it loads by, a Hub id
+    it is pushed to), reading and writing one tensor at a time. A LoRA run's adapters are merged into its base as
+    each base tensor is read (diffjax.convert.lora_merge.LazyMergedParams)."""
     from diffjax.convert.lora_merge import LazyMergedParams
 
     _, step_dir, config = read_run_config(src)
+    source = f"the diffjax checkpoint `{step_dir}`"
     params = LazyMergedParams.of(step_dir)
     if params is not None:  # a LoRA run: its adapters merged into the base (train.init_from), whose hf/ files it has
-        config, step_dir = params.model_config, params.root_step
+        adapters_step, (config, step_dir) = step_dir, (params.model_config, params.root_step)
+        source = f"the LoRA adapters of `{adapters_step}` merged into their base `{step_dir}`"
     else:
         params = CheckpointParams(step_dir)
     side = _hf_side(RunDir.of_step(step_dir))
     base = read_hf_config(side) if (side / "config.json").exists() else None
     extra = [f for f in sorted(side.iterdir()) if f.is_file()] if side.is_dir() else []
+    if base is not None:
+        source += " (converted from a Hugging Face checkpoint, whose config.json keys and files it keeps)"
     return save_hf(params, dst, config, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                   base_config=base, extra_files=extra, progress=progress)
+                   base_config=base, extra_files=extra, progress=progress, source=source, license=license,
+                   card_name=card_name)

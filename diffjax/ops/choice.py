@@ -68,6 +68,7 @@ DEVICES = {  # short names for the command line and tests
     "h100": Device("gpu", "NVIDIA H100 80GB HBM3"),
     "h200": Device("gpu", "NVIDIA H200"),
     "a100": Device("gpu", "NVIDIA A100-SXM4-80GB"),
+    "a100-40": Device("gpu", "NVIDIA A100-SXM4-40GB"),
     "l4": Device("gpu", "NVIDIA L4"),
     "v5e": Device("tpu", "TPU v5 lite"),
     "v5p": Device("tpu", "TPU v5p"),

@@ -15,6 +15,7 @@ from diffjax.tokenizers.tiktoken_tokenizer import (
     TiktokenNotCachedError,
     TiktokenTokenizer,
     load_cached_encoding,
+    load_encoding,
     tiktoken_cache_dir,
 )
 
@@ -28,7 +29,7 @@ def make_tokenizer(config: TokenizerConfig) -> Tokenizer:
     if config.kind == "tiktoken":
         return TiktokenTokenizer(path=config.path) if config.path else TiktokenTokenizer(config.encoding)
     if config.kind == "hf":
-        return HFTokenizer(config.path)
+        return HFTokenizer(config.path, revision=config.revision)
     raise ValueError(f"unknown tokenizer kind {config.kind!r}")
 
 
@@ -40,6 +41,7 @@ __all__ = [
     "TiktokenTokenizer",
     "Tokenizer",
     "load_cached_encoding",
+    "load_encoding",
     "make_tokenizer",
     "tiktoken_cache_dir",
     "train_sentencepiece",
