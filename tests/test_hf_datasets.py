@@ -181,3 +181,15 @@ def test_the_trainer_trains_from_a_dataset_in_the_hub_cache(hub_home, tmp_path):
     assert "done at step 3" in result.stdout
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert f"hf_dataset: {NAME}" in saved and "source: hf" in saved
+
+
+def test_a_tokenizer_trains_on_a_dataset_in_the_hub_cache(offline, tmp_path, capsys):
+    """`python -m diffjax.data train-sentencepiece --source hf --hf-dataset NAME` reads the split as the trainer does."""
+    from diffjax.data.__main__ import main
+    from diffjax.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    output = tmp_path / "hf.model"
+    assert main(["train-sentencepiece", "--output", str(output), "--vocab-size", "400", "--source", "hf",
+                 "--hf-dataset", NAME, "--hf-split", "train"]) == 0
+    assert f"{len(corpus())} documents" in capsys.readouterr().out
+    assert SentencePieceTokenizer(output).decode(SentencePieceTokenizer(output).encode(corpus()[1])) == corpus()[1]

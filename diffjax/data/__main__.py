@@ -21,7 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--vocab-size", type=int, required=True, help="pieces in the vocabulary (e.g. 8000)")
     train.add_argument("--source", choices=DATA_SOURCES, default="builtin", help="as data.source in the trainer config")
     train.add_argument("--paths", nargs="*", default=(), help="files or glob patterns (text, jsonl, parquet)")
-    train.add_argument("--text-field", default="text", help="jsonl / parquet: the field holding a document's text")
+    train.add_argument("--text-field", default="text", help="jsonl / parquet / hf: the field holding a document's text")
+    train.add_argument("--hf-dataset", help="--source hf: a Hub dataset name (org/name) or a local dataset directory")
+    train.add_argument("--hf-config", help="--source hf: the dataset's configuration (subset), if it has several")
+    train.add_argument("--hf-split", default="train", help="--source hf: the split to read (default train)")
     train.add_argument("--max-documents", type=int, default=None, help="train on the first N documents only")
     train.add_argument("--model-type", choices=("bpe", "unigram", "char", "word"), default="bpe",
                        help="SentencePiece's model type (default bpe)")
@@ -32,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        config = DataConfig(source=args.source, paths=tuple(args.paths), text_field=args.text_field)
+        hf = dict(hf_dataset=args.hf_dataset, hf_config=args.hf_config, hf_split=args.hf_split) if args.source == "hf" else {}
+        config = DataConfig(source=args.source, paths=tuple(args.paths), text_field=args.text_field, **hf)
     except ValueError as e:
         parser.error(str(e))
     try:
