@@ -108,7 +108,9 @@ def test_the_cli_says_whether_it_fits(capsys):
     assert main(["--plan", "--device", "h100", "--config", "paper/diff-1.4b", "parallel.fsdp=8",
                  "model.remat=attention"]) == 0  # (at remat none, 8 sequences of 2048 do not fit: compile_plan.md)
     out = capsys.readouterr().out
-    assert "mesh: data=1 x fsdp=8 x context=1 x tensor=1 x expert=1 (8 h100 device(s))" in out
+    assert ("mesh: data=1 x fsdp=8 x context=1 x tensor=1 x expert=1 (8 h100 device(s): NVIDIA H100 80GB HBM3, "
+            "79.18 GiB each)") in out
+    assert "float32, the one copy AdamW updates (no fp32 master weights" in out
     assert "262,144 tokens per step" in out and ": fits\n" in out
     assert "compiled train step: not compiled (this machine runs cpu, not gpu)" in out
     assert main(["--plan", "--device", "v5e", "--config", "paper/diff-13.1b"]) == 1  # 13.1B on one 16 GiB chip
@@ -119,6 +121,20 @@ def test_the_cli_says_whether_it_fits(capsys):
     assert "--device and --devices go with --plan" in capsys.readouterr().err
     assert main(["--plan", "--config", "tiny", "parallel.tensor=3", "parallel.data=1"]) == 2
     assert "parallel.tensor (3) must divide model.num_heads (4)" in capsys.readouterr().err
-    from diffjax.train.cli import DEVICE_NAMES
+    from diffjax.train.cli import DEVICE_GB, DEVICE_NAMES
 
     assert set(DEVICE_NAMES) == set(plan.DEVICE_MEMORY)
+    for name, gb in DEVICE_GB.items():  # --help's sizes are the plan's, to the vendors' GB-or-GiB
+        assert abs(plan.DEVICE_MEMORY[name] / plan.GiB / gb - 1) < 0.1, name
+
+
+def test_each_device_name_says_its_memory(capsys):
+    """`--device a100` is the 80 GB A100 and says so; the 40 GB one is `a100-40`, half the budget."""
+    run = load_run_config("paper/diff-1.4b", ["parallel.fsdp=8"])
+    a100, a100_40 = plan.plan_memory(run, "a100"), plan.plan_memory(run, "a100-40")
+    assert "(8 a100 device(s): NVIDIA A100-SXM4-80GB, 79.18 GiB each)" in plan.describe(a100)
+    assert "(8 a100-40 device(s): NVIDIA A100-SXM4-40GB, 39.59 GiB each)" in plan.describe(a100_40)
+    assert a100_40.budget.bytes / a100.budget.bytes == pytest.approx(0.5, abs=0.01)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "a100 80 GB, a100-40 40 GB" in " ".join(capsys.readouterr().out.split())

@@ -250,7 +250,7 @@ def test_auto_logs_its_choice_once_and_warns_for_xla_on_an_accelerator(caplog):
 def test_the_command_prints_each_calls_choice(capsys):
     from diffjax.ops.__main__ import main
 
-    configs = Path(__file__).resolve().parents[1] / "diffjax" / "configs"
+    configs = Path(__file__).resolve().parents[1] / "configs"
     assert main(["--config", str(configs / "paper" / "diff-1.4b.yaml"), "--device", "h100"]) == 0
     out = capsys.readouterr().out
     assert "train step (packed rows): diff_attention q [1, 2048, 8, 2, 128]" in out
@@ -267,7 +267,7 @@ def test_the_command_prints_each_calls_choice(capsys):
 def test_the_command_previews_the_context_and_blockwise_routes(capsys):
     """--context 2 --window 256 (layer 0 global), 4096 tokens, on an H100, a TPU v5p and a CPU: the train step's
     route over the context axis (fused kernels with a query offset, or blockwise XLA), the prefill's without one."""
-    config = str(Path(__file__).resolve().parents[1] / "diffjax" / "configs" / "paper" / "diff-1.4b.yaml")
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "paper" / "diff-1.4b.yaml")
 
     def routes(device):
         assert main(["--config", config, "--device", device, "--context", "2", "--window", "256",

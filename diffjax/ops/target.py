@@ -51,6 +51,7 @@ DEVICES = {
     "h100": Device("gpu", "NVIDIA H100 80GB HBM3"),
     "h200": Device("gpu", "NVIDIA H200"),
     "a100": Device("gpu", "NVIDIA A100-SXM4-80GB"),
+    "a100-40": Device("gpu", "NVIDIA A100-SXM4-40GB"),
     "l4": Device("gpu", "NVIDIA L4"),
     "v4": Device("tpu", "TPU v4"),
     "v5e": Device("tpu", "TPU v5 lite"),

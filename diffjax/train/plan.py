@@ -48,10 +48,13 @@ from diffjax.train.step import resolve_loss_chunk
 
 GiB = 2**30
 # Memory per device: the H100's as JAX reports it (bytes_limit 63,763,906,560 at the default fraction 0.75,
-# benchmarks/results/train_step_gpu_4096_attention.json); a TPU's the HBM libtpu lets a program have (its
-# out-of-memory error's "available HBM", libtpu 0.0.42.1: v5p 95.74G, G = 2^30 bytes); the others' specifications.
-DEVICE_MEMORY = {"h100": 85_018_542_080, "h200": 141e9, "a100": 85_018_542_080, "l4": 24e9, "v4": 30.75 * GiB,
-                 "v5p": 95.74 * GiB, "v5e": 15.75 * GiB, "v6e": 31.25 * GiB, "cpu": None}  # cpu: the host's
+# benchmarks/results/train_step_gpu_4096_attention.json), the A100 40 GB's as nvidia-smi does (40,536 MiB); a TPU's
+# the HBM libtpu lets a program have (its out-of-memory error's "available HBM", libtpu 0.0.42.1: v5p 95.74G, G =
+# 2^30 bytes); the others from their specifications. Each name is one memory size (a100: the 80 GB A100); describe()
+# says which.
+DEVICE_MEMORY = {"h100": 85_018_542_080, "h200": 141e9, "a100": 85_018_542_080, "a100-40": 42_505_273_344, "l4": 24e9,
+                 "v4": 30.75 * GiB, "v5p": 95.74 * GiB, "v5e": 15.75 * GiB, "v6e": 31.25 * GiB,
+                 "cpu": None}  # cpu: the host's
 DEFAULT_GPU_FRACTION = 0.75  # JAX's preallocation default (XLA_PYTHON_CLIENT_MEM_FRACTION)
 TPU_FRACTION = 1.0  # libtpu's figure is already what a program may use: the compiler refuses one over it
 CPU_FRACTION = 0.9  # a margin for the host's other work
@@ -355,11 +358,13 @@ def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> 
     lines = [f"plan: {run.model.attention} attention, {total:,} parameters" + (f" ({active:,} active per token)"
                                                                                  if active != total else ""),
              f"mesh: {' x '.join(f'{k}={v}' for k, v in sizes.items())} ({math.prod(sizes.values())} {budget.device} "
-             f"device(s))", f"batch: {batch.describe(run.data.seq_len)}",
+             f"device(s): {DEVICES[budget.device].kind}, {_size(budget.memory_bytes)} each)",
+             f"batch: {batch.describe(run.data.seq_len)}",
              f"attention in the train step: {plan.route}" + (" (materialises T x S scores)" if a["scores"] else ""),
              "memory per device:",
              f"  params           {_size(plan.params):>11}  {dtype}"
-             + (", the frozen LoRA base" if run.lora.enabled else ""),
+             + (", the frozen LoRA base" if run.lora.enabled else ", the one copy AdamW updates (no fp32 master "
+                "weights: diffjax keeps none)"),
              f"  gradients        {_size(plan.gradients):>11}"
              + (", and their accumulator" if plan.accum_steps > 1 else ""),
              f"  optimizer state  {_size(plan.optimizer):>11}  AdamW's two moments, {dtype}",

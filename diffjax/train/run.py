@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import shutil
 import time
 from collections.abc import Callable
@@ -475,11 +476,13 @@ def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, global_
 
 def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
     """An empty corpus packs into rows with nothing to predict (and takes ages to pack): refuse it rather than
-    'train' at loss 0. The first `sample` documents tell, without reading a large corpus."""
-    n = min(len(documents), sample)
-    if not any(documents[i] for i in range(n)):
-        where = f"data.paths {list(config.data.paths)}" if config.data.paths else f"data.source {config.data.source!r}"
-        what = "all empty" if n == len(documents) else f"empty (the first {n})"
+    'train' at loss 0. The first `sample` documents tell, without reading a large corpus (or stream)."""
+    first = list(itertools.islice(iter(documents), sample))
+    if not any(first):
+        where = (f"data.paths {list(config.data.paths)}" if config.data.paths else
+                 f"data.hf_dataset {config.data.hf_dataset!r}" if config.data.hf_dataset else
+                 f"data.source {config.data.source!r}")
+        what = "all empty" if len(first) < sample else f"empty (the first {sample})"
         raise ValueError(f"the training data has no text to learn from ({where}: its documents are {what})")
 
 
