@@ -37,6 +37,7 @@ REMAT_POLICIES = ("none", "minimal", "attention", "full")  # what a decoder bloc
 RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "mtp_loss_weight")
 # The parts a decoder block is built from: ModelConfig field naming the part's kind -> its table of kinds.
 BLOCK_PARTS = {"attention": attention_kinds.TABLE, "mlp": mlp_kinds.TABLE, "residual": residual_kinds.TABLE}
+MTP_RESIDUAL = "plain"  # the MTP layer's residual form unless mtp_layer.residual says otherwise
 MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
 
 
@@ -48,7 +49,8 @@ def lambda_init_for_depth(depth: int, offset: int = 0) -> float:
 @dataclasses.dataclass(frozen=True)
 class MTPLayer:
     """ModelConfig.mtp_layer: the fields of the MTP blocks' decoder layer that differ from the model's first layer
-    (None: the model's). Motif 3's (diffjax.convert.motif3): a dense PolyNorm MLP, no mHC, windowed everywhere."""
+    (None: the model's; the residual form: plain). Motif 3's (diffjax.convert.motif3): a dense PolyNorm MLP, no mHC,
+    windowed everywhere."""
 
     mlp: str | None = None
     """Its MLP kind."""
@@ -57,7 +59,8 @@ class MTPLayer:
     mlp_dim: int | None = None
     """Its MLP's hidden width."""
     residual: str | None = None
-    """Its residual form."""
+    """Its residual form; None: "plain" (Motif 3's and DeepSeek-V3's MTP layer), whatever the model's. A form with
+    streams of its own (mHC) expands the depth's input into them and collapses them before the depth's final norm."""
     attention_window: int | None = None
     """Its sliding window (keys per query)."""
     window_rope_theta: float | None = None
@@ -232,9 +235,10 @@ class ModelConfig:
             object.__setattr__(self, "mtp_layer", dataclasses.replace(self.mtp_layer, mlp_options=layer.mlp_options))
 
     def mtp_layer_config(self) -> "ModelConfig":
-        """The config the MTP blocks' decoder layer is built from: the first layer's with mtp_layer's changes, every
-        position windowed when there is a window (no global_layers), and no MTP depths of its own."""
-        changes = self.mtp_layer.changes() if self.mtp_layer is not None else {}
+        """The config the MTP blocks' decoder layer is built from: the first layer's with a plain residual and
+        mtp_layer's changes, every position windowed when there is a window (no global_layers), and no MTP depths of
+        its own."""
+        changes = {"residual": MTP_RESIDUAL, **(self.mtp_layer.changes() if self.mtp_layer is not None else {})}
         return kinds.layer_segments(self)[0].config.replace(global_layers=(), mtp_depths=0, mtp_layer=None, **changes)
 
     def _size_errors(self) -> list[str]:

@@ -86,12 +86,13 @@ class DecoderBlock(nnx.Module):
 class PredictionBlock(DecoderBlock):
     """One multi-token-prediction depth (DeepSeek-V3's MTP module; Motif 3's model.mtp_layers.<k>, as Motif's vLLM
     motif_mtp.py computes it): h' = [h, embed_norm(embedding of the next input token)] @ input_proj, then the decoder
-    block (the MTP layer's config: ModelConfig.mtp_layer_config), then final_norm; the model's head gives its logits.
+    block (the MTP layer's config: ModelConfig.mtp_layer_config; a residual form with streams of its own expands h'
+    into them and collapses them after), then final_norm; the model's head gives its logits.
     Its params are a decoder block's plus these three, so LoRA, the sharding rules and checkpoints take it as a layer."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         super().__init__(config, rngs=rngs)
-        D = config.d_model
+        self.config, D = config, config.d_model
         self.embed_norm = RMSNorm(D, config.norm_eps, config.param_dtype)
         self.input_proj_kernel = normal_param(rngs, (2 * D, D), config.init_std, config.param_dtype, (None, "embed"))
         self.final_norm = RMSNorm(D, config.norm_eps, config.param_dtype)
@@ -101,8 +102,11 @@ class PredictionBlock(DecoderBlock):
         KVCache (speculative decoding's drafter: diffjax.generate.speculative), (hidden states, the updated cache)."""
         x_BTE = jnp.concatenate([hidden_BTD, self.embed_norm(embedded_BTD)], axis=-1)
         x_BTD = jnp.einsum("bte,ed->btd", x_BTE, self.input_proj_kernel[...].astype(x_BTE.dtype))
-        stream, updated = self.call_with_cache(constrain(x_BTD, BTD), rope_cos_sin, segment_ids, constants, cache)
-        return self.final_norm(stream) if cache is None else (self.final_norm(stream), updated)
+        residual_form = residual.module_class(self.config)
+        stream = residual_form.expand(self.config, constrain(x_BTD, BTD))
+        stream, updated = self.call_with_cache(stream, rope_cos_sin, segment_ids, constants, cache)
+        hidden_BTD = self.final_norm(residual_form.collapse(self.config, stream))
+        return hidden_BTD if cache is None else (hidden_BTD, updated)
 
 
 class HiddenStates(NamedTuple):
