@@ -24,7 +24,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from diffjax import attention_kinds, kinds, mlp_kinds, residual_kinds
+from diffjax import attention_kinds, block_kinds, kinds, mlp_kinds, residual_kinds
 from diffjax.attention_impls import config_problems
 from diffjax.config_values import build_config, did_you_mean, one_of
 
@@ -223,22 +223,32 @@ class ModelConfig:
         return errors
 
     def _resolve_mtp_layer(self) -> None:
-        """Builds the MTP layer's config once (its errors are this config's) and keeps its resolved MLP options."""
+        """Builds the MTP layer's config once (its errors are this config's) and keeps its resolved MLP options. A part
+        whose kind trains with a facet (one for all the layers of its kind: diffjax.model.facets) must have the
+        options of the model's layers of that kind."""
         try:
             layer = self.mtp_layer_config()
         except ValueError as error:
             raise ValueError(f"invalid ModelConfig: mtp_layer: {error}") from None
-        if mlp_kinds.get(layer.mlp).training.facet is not None:
-            raise ValueError(f"invalid ModelConfig: mtp_layer: mlp {layer.mlp!r} trains with a facet that sees the "
-                             "model's layers only; give the MTP layer another MLP kind (mtp_layer.mlp)")
+        for part, table in BLOCK_PARTS.items():
+            kind, options = getattr(layer, part), getattr(layer, f"{part}_options")
+            others = {getattr(segment.config, f"{part}_options") for segment in kinds.layer_segments(self)
+                      if getattr(segment.config, part) == kind}
+            if table.get(kind).training.facet is not None and others - {options}:
+                raise ValueError(f"invalid ModelConfig: mtp_layer: {part} {kind!r} with {part}_options other than the "
+                                 f"model's {kind} layers' ({_describe(others.pop())}): one training side serves every "
+                                 f"layer of a kind; leave mtp_layer.{part}_options unset (the model's)")
         if self.mtp_layer is not None and self.mtp_layer.mlp_options is not None:
             object.__setattr__(self, "mtp_layer", dataclasses.replace(self.mtp_layer, mlp_options=layer.mlp_options))
 
     def mtp_layer_config(self) -> "ModelConfig":
         """The config the MTP blocks' decoder layer is built from: the first layer's with a plain residual and
-        mtp_layer's changes, every position windowed when there is a window (no global_layers), and no MTP depths of
-        its own."""
+        mtp_layer's changes (a part changed to the model's own kind keeps the model's options unless they are given:
+        mtp_layer.mlp=moe is the model's mixture of experts), every position windowed when there is a window (no
+        global_layers), and no MTP depths of its own."""
         changes = {"residual": MTP_RESIDUAL, **(self.mtp_layer.changes() if self.mtp_layer is not None else {})}
+        if changes.get("mlp") == self.mlp and "mlp_options" not in changes:  # the model's kind: its options
+            changes["mlp_options"] = self._given_options("mlp")
         return kinds.layer_segments(self)[0].config.replace(global_layers=(), mtp_depths=0, mtp_layer=None, **changes)
 
     def _size_errors(self) -> list[str]:
@@ -446,16 +456,12 @@ class ModelConfig:
         """Parameters per part, counted from the shapes (tied embeddings count once); active: those one token uses (a
         mixture of experts' routed experts: the top_k it is sent to)."""
         D = self.d_model
-        return {
-            "embedding": self.vocab_size * D,
-            "layers": sum(segment.num_layers * _layer_params(segment.config, active)
-                          for segment in kinds.layer_segments(self)),
-            "final_norm": D,
-            "lm_head": 0 if self.tie_embeddings else D * self.vocab_size,
-            # each depth: its layer, embed_norm, input_proj [2D, D] and final_norm
-            "mtp": self.mtp_depths and self.mtp_depths * (_layer_params(self.mtp_layer_config(), active)
-                                                          + 2 * D * D + 2 * D),
-        }
+        counts = {"embedding": self.vocab_size * D, "final_norm": D,
+                  "lm_head": 0 if self.tie_embeddings else D * self.vocab_size}
+        for segment in kinds.param_stacks(self):  # "decoder": the layers; "mtp": the MTP depths
+            per_layer = _layer_params(segment.config, active) + block_kinds.get(segment.block).params(self)
+            counts[segment.block] = counts.get(segment.block, 0) + segment.num_layers * per_layer
+        return counts
 
     def param_count(self, *, include_lm_head: bool = True, active: bool = False) -> int:
         """Total parameters (active: those one token uses). `include_lm_head=False` counts one embedding matrix, as
@@ -476,7 +482,8 @@ def _layer_params(c: ModelConfig, active: bool) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BlockRow:
-    """A row a model's layers are built from: its part ("attention", "mlp", "residual"), the row, and the layers."""
+    """A row a model's layers are built from: its part ("attention", "mlp", "residual"; "block": a row of
+    diffjax.block_kinds), the row, and the layers (the MTP depths numbered on from num_layers)."""
 
     part: str
     row: Any
@@ -484,14 +491,27 @@ class BlockRow:
 
 
 def block_rows(config: ModelConfig) -> tuple[BlockRow, ...]:
-    """Every row the model's layers are built from, each once with the layers built with it (a segment's own rows
-    too: an MoE's dense first layers' MLP), by part, then in order of first use. The trainer reads their `training`."""
+    """Every row the model's stacks are built from (diffjax.kinds.param_stacks: the layers, then the MTP depths),
+    each once with the layers built with it (a segment's own rows too: an MoE's dense first layers' MLP), by part,
+    then in order of first use. The trainer reads their `training`."""
+    tables = {**BLOCK_PARTS, "block": block_kinds.TABLE}
     layers_of: dict[tuple[str, str], list[int]] = {}
-    segments = kinds.layer_segments(config)
-    for part in BLOCK_PARTS:
-        for segment in segments:
-            layers_of.setdefault((part, getattr(segment.config, part)), []).extend(range(segment.start, segment.stop))
-    return tuple(BlockRow(part, BLOCK_PARTS[part].get(name), tuple(layers)) for (part, name), layers in layers_of.items())
+    stacks = kinds.param_stacks(config)
+    for part in tables:
+        for segment in stacks:
+            name = segment.block if part == "block" else getattr(segment.config, part)
+            layers_of.setdefault((part, name), []).extend(range(segment.start, segment.stop))
+    return tuple(BlockRow(part, tables[part].get(name), tuple(layers)) for (part, name), layers in layers_of.items())
+
+
+def stack_config(config: ModelConfig, layer: int) -> ModelConfig:
+    """The config layer `layer` is built with (its stack's: diffjax.kinds.param_stacks; the MTP depths numbered on
+    from num_layers)."""
+    return next(segment.config for segment in kinds.param_stacks(config) if segment.start <= layer < segment.stop)
+
+
+def _describe(options) -> str:
+    return "no options" if options is None else options.describe() or repr(options)
 
 
 def _is_int(value) -> bool:

@@ -154,8 +154,9 @@ class AttentionCall:
 
     @property
     def is_decode(self) -> bool:
-        """One query per row against a KV cache's slots (q / kv segment ids)."""
-        return self.segments == "pair" and self.q_shape[1] == 1
+        """A decode step: queries against a KV cache's slots (q / kv segment ids), one per row or a few (speculative
+        decoding's 1 + draft, each with its own kv ids)."""
+        return self.segments == "pair"
 
     def describe(self) -> str:
         ids = {None: "", "one": ", segment ids", "pair": ", q / kv segment ids"}[self.segments]
@@ -290,7 +291,8 @@ def _auto(call: AttentionCall, device: Device) -> tuple[tuple[str, str], tuple[s
     pallas_gpu and cuDNN apart."""
     T, d, dv = call.q_shape[1], call.q_shape[-1], call.v_shape[-1]
     if call.is_decode:
-        return (("xla", "decode: one query against the KV cache (no fused decode kernel yet)"),) * 2
+        return (("xla", "decode: queries against the KV cache (no fused decode kernel yet; per-query kv ids run on the "
+                        "xla op only)"),) * 2
     if device.platform == "tpu":
         return (("pallas_tpu", "fused Pallas TPU kernel") if T >= TPU_MIN_T else
                 ("xla", f"T={T} < {TPU_MIN_T} is below one kernel block"),) * 2
