@@ -229,7 +229,7 @@ class ModelConfig:
         try:
             layer = self.mtp_layer_config()
         except ValueError as error:
-            raise ValueError(f"invalid ModelConfig: mtp_layer: {error}") from None
+            raise ValueError(f"invalid ModelConfig: mtp_layer: {str(error).removeprefix('invalid ModelConfig: ')}") from None
         for part, table in BLOCK_PARTS.items():
             kind, options = getattr(layer, part), getattr(layer, f"{part}_options")
             others = {getattr(segment.config, f"{part}_options") for segment in kinds.layer_segments(self)
@@ -249,7 +249,8 @@ class ModelConfig:
         changes = {"residual": MTP_RESIDUAL, **(self.mtp_layer.changes() if self.mtp_layer is not None else {})}
         if changes.get("mlp") == self.mlp and "mlp_options" not in changes:  # the model's kind: its options
             changes["mlp_options"] = self._given_options("mlp")
-        return kinds.layer_segments(self)[0].config.replace(global_layers=(), mtp_depths=0, mtp_layer=None, **changes)
+        without_depths = self.replace(mtp_depths=0, mtp_layer=None)  # (its segments' configs check no MTP layer)
+        return kinds.layer_segments(without_depths)[0].config.replace(global_layers=(), **changes)
 
     def _size_errors(self) -> list[str]:
         errors = []

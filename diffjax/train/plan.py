@@ -8,8 +8,8 @@ whole), so a plan for 512 devices needs none of them:
   gradients    one shard-sized gradient per parameter, live through the optimizer update, and one more for the
                accumulator when the step accumulates micro-batches (LoRA: the adapters', left out: a few MB)
   optimizer    AdamW's two moments, in param_dtype as diffjax configures optax
-  activations  an estimate for one micro-batch per device: what each layer (the MTP depths' too, with what their
-               block adds: diffjax.block_kinds) keeps for the backward under
+  activations  an estimate for one micro-batch per device: what each layer (of every stack, with what its block
+               kind adds: diffjax.block_kinds) keeps for the backward under
                model.remat (full: its input; attention: q, k, v, the attention output and the residual; minimal:
                also the MLP's gate and up; none: everything), one layer's working set while it runs (values and
                gradients), the attention's T x S scores where the route the trainer takes on that device
@@ -177,7 +177,7 @@ def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micr
         return {"full": stream, "attention": stream + attention + D, "minimal": stream + attention + 2 * D
                 + 2 * mlp_width / mlp, "none": working(stream, mlp_width)}[config.remat]
 
-    # the layers, then the stacks that follow them (the MTP depths: their layers' widths and what their block adds)
+    # the layers, then the stacks that follow them (their layers' widths and what their block kind adds)
     saved_values, layers = config.num_layers * saved(w.stream, w.mlp), config.num_layers
     for segment in param_stacks(config)[len(layer_segments(config)):]:
         mlp_width, stream = part_widths(segment.config)

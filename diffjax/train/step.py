@@ -13,7 +13,7 @@ and the loss is the token-weighted mean over all of them, so accumulation equals
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
