@@ -174,7 +174,7 @@ class ModelConfig:
     mtp_depths: int = 0
     """Multi-token-prediction depths (DeepSeek-V3's MTP modules; Motif 3's num_nextn_predict_layers): depth k's block
     predicts token t + 1 + k from depth k - 1's hidden state (depth 0: the model's final one) and the embedding of
-    token t + k (diffjax.model.transformer.PredictionBlock); trained with mtp_loss_weight; 0: none."""
+    token t + k (diffjax.model.mtp.PredictionBlock); trained with mtp_loss_weight; 0: none."""
     mtp_layer: Any = None
     """The MTP blocks' decoder layer where it differs from the model's first layer (an MTPLayer; a mapping in YAML);
     None: as that layer. It is windowed at every position when it has an attention_window."""

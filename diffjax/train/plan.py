@@ -139,6 +139,9 @@ class Widths:
     maps_x_heads: int  # T x S score matrices per sequence and layer
     scores: bool  # the route materialises them (XLA, not blockwise)
     route: str
+    # the stacks that follow the layers (diffjax.kinds.param_stacks): (layers, their MLP's and stream's widths, what
+    # their block kind adds per layer)
+    following: tuple[tuple[int, int, int, int], ...] = ()
 
 
 def widths(config: ModelConfig, seq_len: int, device: str, context: int) -> Widths:
@@ -148,9 +151,12 @@ def widths(config: ModelConfig, seq_len: int, device: str, context: int) -> Widt
     route = choose(call, config.attention_impl, DEVICES[device])
     q, k, v = call.q_shape, call.k_shape, call.v_shape
     mlp, stream = part_widths(config)
+    following = tuple((segment.num_layers, *part_widths(segment.config),
+                       block_kinds.get(segment.block).activation_width(config))
+                      for segment in param_stacks(config)[len(layer_segments(config)):])
     return Widths(q=math.prod(q[2:]), k=math.prod(k[2:]), v=math.prod(v[2:]), o=q[2] * v[-1], mlp=mlp, stream=stream,
                   maps_x_heads=math.prod(q[2:-1]), scores=route.impl == "xla" and not route.blockwise,
-                  route=route.describe())
+                  route=route.describe(), following=following)
 
 
 def part_widths(config: ModelConfig) -> tuple[int, int]:
@@ -178,12 +184,9 @@ def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micr
                 + 2 * mlp_width / mlp, "none": working(stream, mlp_width)}[config.remat]
 
     # the layers, then the stacks that follow them (their layers' widths and what their block kind adds)
-    saved_values, layers = config.num_layers * saved(w.stream, w.mlp), config.num_layers
-    for segment in param_stacks(config)[len(layer_segments(config)):]:
-        mlp_width, stream = part_widths(segment.config)
-        added = block_kinds.get(segment.block).activation_width(config)
-        saved_values += segment.num_layers * (saved(stream, mlp_width) + added)
-        layers += segment.num_layers
+    saved_values = config.num_layers * saved(w.stream, w.mlp) + sum(
+        layers * (saved(stream, mlp_width) + added) for layers, mlp_width, stream, added in w.following)
+    layers = config.num_layers + sum(following[0] for following in w.following)
     score_bytes = (micro_batch * w.maps_x_heads / heads * seq_len / split_of("length", sizes) * seq_len * 4 * 2
                    if w.scores else 0.0)  # float32 scores and probabilities, per layer
     chunk = tokens if not loss_chunk else min(loss_chunk, tokens)
