@@ -29,7 +29,7 @@ class Options:
 
     # Flat ModelConfig keys that config files written before options existed used -> this class's field.
     legacy_keys: ClassVar[Mapping[str, str]] = {}
-    # Fields whose value is one of a fixed set -> that set (checked by `choice_problems`, listed by --help-keys).
+    # Fields whose value is one of a fixed set -> that set (checked before `problems`, listed by --help-keys).
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     def defaults(self, config) -> dict[str, Any]:
@@ -169,7 +169,7 @@ def resolve_options(row, given, config, field: str) -> tuple[Options | None, tup
         raise ValueError(f"{field} must be a mapping of {options_class.__name__} fields, got {given!r}")
     derived = tuple(f.name for f in dataclasses.fields(given) if getattr(given, f.name) is None)
     resolved = dataclasses.replace(given, **{k: v for k, v in given.defaults(config).items() if k in derived})
-    problems = [f"{field}.{line}" for line in resolved.problems(config)]
+    problems = [f"{field}.{line}" for line in choice_problems(resolved) + resolved.problems(config)]
     if problems:
         raise ValueError("; ".join(problems))
     return resolved, derived

@@ -151,7 +151,6 @@ class MoEOptions(kinds.Options):
         if not problems and self.dense_first_layers > config.num_layers:
             problems.append(f"dense_first_layers ({self.dense_first_layers}) must be at most num_layers "
                             f"({config.num_layers})")
-        problems += kinds.choice_problems(self)
         problems += [f"{name} must be true or false, got {getattr(self, name)!r}"
                      for name in ("route_norm", "expert_bias", "sigmoid_weight")
                      if not isinstance(getattr(self, name), bool)]

@@ -124,13 +124,13 @@ def _traced_step_metrics(config: ModelConfig) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mlp", [None, "gated", "moe"])
-@pytest.mark.parametrize("residual", [None, "mhc"])
-@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("mlp, residual, window", [  # every pair of two fields' values once
+    (None, None, None), ("gated", "mhc", 2), ("moe", None, 2), ("moe", "mhc", None), (None, "mhc", 2),
+    ("gated", None, None)])
 def test_every_mtp_layer_of_a_motif3_like_model_traces_a_train_step(mlp, residual, window):
-    """The MTP layer's parts as the model's (None), another kind, or the model's MoE (its router then reports the
-    depths' layers 2 and 3 beside layer 1), with or without mHC and a window of its own: the train step traces, with
-    every depth's loss and lambda for every layer."""
+    """The MTP layer's MLP as the model's first layer's (None: the dense one), another kind, or the model's MoE (its
+    router then reports the depths' layers 2 and 3 beside layer 1), plain or with mHC, with the model's window or one
+    of its own: the train step traces, with every depth's loss and lambda for every layer."""
     fields = {name: value for name, value in dict(mlp=mlp, residual=residual, attention_window=window).items() if value}
     metrics = _traced_step_metrics(ModelConfig(**MOTIF3_LIKE, mtp_layer=fields))
     assert {"mtp_loss/depth_1", "mtp_loss/depth_2"} <= set(metrics) and metrics["lambda"].shape == (2 + 2,)
