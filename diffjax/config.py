@@ -229,7 +229,8 @@ class ModelConfig:
         try:
             layer = self.mtp_layer_config()
         except ValueError as error:
-            raise ValueError(f"invalid ModelConfig: mtp_layer: {str(error).removeprefix('invalid ModelConfig: ')}") from None
+            problem = str(error).removeprefix("invalid ModelConfig: ")
+            raise ValueError(f"invalid ModelConfig: mtp_layer: {problem}") from None
         for part, table in BLOCK_PARTS.items():
             kind, options = getattr(layer, part), getattr(layer, f"{part}_options")
             others = {getattr(segment.config, f"{part}_options") for segment in kinds.layer_segments(self)

@@ -103,8 +103,8 @@ def f(moe_layers, x=None):
         return f"model.attention={name}, diff_v2 or differs"
     return MTP_STACK, options.num_experts, "model.mlp_options.score_func", config.norm_eps
 '''
-    assert kind_names_in(source) == [(3, "moe"), (5, "diff"), (5, "moe"), (5, "shared_diff"), (6, "diff"), (6, "diff_v2"),
-                                     (7, "mtp"), (7, "num_experts"), (7, "score_func")]
+    assert kind_names_in(source) == [(3, "moe"), (5, "diff"), (5, "moe"), (5, "shared_diff"), (6, "diff"),
+                                     (6, "diff_v2"), (7, "mtp"), (7, "num_experts"), (7, "score_func")]
 
 
 def test_the_trainer_and_the_stack_name_no_kind_block_or_option():

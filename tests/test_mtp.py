@@ -143,7 +143,8 @@ def test_every_mtp_layer_of_a_motif3_like_model_traces_a_train_step(mlp, residua
      r"leave mtp_layer.mlp_options unset \(the model's\)$"),
     ({"mlp": "polynorm", "mlp_options": {"num_experts": 2}}, r"^invalid ModelConfig: mtp_layer: unknown config key "
      r"mlp_options.num_experts; valid keys under mlp_options: hidden_clamp, output_scale, sigmoid_weight$"),
-    ({"residual": "hyper"}, r"^invalid ModelConfig: mtp_layer: residual must be one of \('plain', 'mhc'\), got 'hyper'$"),
+    ({"residual": "hyper"},
+     r"^invalid ModelConfig: mtp_layer: residual must be one of \('plain', 'mhc'\), got 'hyper'$"),
     ({"attention_window": 0}, r"^invalid ModelConfig: mtp_layer: attention_window must be None"),
 ])
 def test_an_mtp_layer_that_cannot_train_is_refused_in_one_line(fields, message):

@@ -128,7 +128,8 @@ class PredictionLoss(Facet):
                              zip(outputs[PREDICTION].value, targets_KBT, weights_KBT)))
         sums_K, counts_K = jnp.stack(sums), jnp.stack(counts)
         weight = self.config.mtp_loss_weight / self.config.mtp_depths
-        return weight * jnp.sum(sums_K), {DEPTH_LOSSES: layer_outputs.Emitted({"sum": sums_K, "count": counts_K}, "sum")}
+        depth_losses = layer_outputs.Emitted({"sum": sums_K, "count": counts_K}, "sum")
+        return weight * jnp.sum(sums_K), {DEPTH_LOSSES: depth_losses}
 
     def metrics(self, outputs, model):
         depths = outputs[DEPTH_LOSSES].value

@@ -289,7 +289,9 @@ class TransformerLM(nnx.Module):
         parts = [emitted]
         for segment in self.stacks():
             block = block_class(segment)
-            constants = block.stack_constants(self, segment, inputs, hidden_BTD.dtype) if block.follows_the_layers else None
+            if not block.follows_the_layers:
+                continue
+            constants = block.stack_constants(self, segment, inputs, hidden_BTD.dtype)
             if constants is None:
                 continue
             rope_cos_sin = layer_rope_tables(segment.config, positions_BT, hidden_BTD.dtype)

@@ -69,7 +69,8 @@ def _forward(graphdef, params, batch, loss_chunk: int, inputs=None, outputs=laye
         None if x is None else to_context_order(x, context)
         for x in (batch["tokens"], batch["positions"], batch.get("segment_ids"), targets_BT, weights_BT))
     inputs = {**(inputs or {}), **facets.batch_inputs(step_facets, batch)}
-    hidden_BTD, _, emitted = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, outputs=outputs, inputs=inputs)
+    hidden_BTD, _, emitted = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, outputs=outputs,
+                                                 inputs=inputs)
     loss_sum, count = _loss(model, hidden_BTD, targets_BT, weights_BT, loss_chunk)
     added, emitted = facets.added_losses(step_facets, emitted, batch,
                                          lambda h_BTD, t_BT, w_BT: _loss(model, h_BTD, t_BT, w_BT, loss_chunk))
