@@ -17,7 +17,8 @@ PACKAGE = REPO_ROOT / "diffjax"
 LAYERS = (
     # settings and the tables of kinds, no jax
     ("config", ("diffjax.config", "diffjax.config_values", "diffjax.kinds", "diffjax.attention_kinds",
-                "diffjax.mlp_kinds", "diffjax.residual_kinds", "diffjax.attention_impls", "diffjax.jax_compat",
+                "diffjax.mlp_kinds", "diffjax.residual_kinds", "diffjax.block_kinds", "diffjax.attention_impls",
+                "diffjax.jax_compat",
                 "diffjax.log_lines", "diffjax.mesh_axes", "diffjax.lora_config", "diffjax.lazy_exports")),
     ("sharding", ("diffjax.sharding",)),
     ("ops", ("diffjax.ops",)),

@@ -62,11 +62,12 @@ def test_params_and_moments_are_the_compiled_train_states_bytes(memory_plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"], ["parallel.data=1"]])
+@pytest.mark.parametrize("mesh", [["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"], ["parallel.data=1"],
+                                  ["parallel.data=1", "model.mtp_depths=2"]])
 def test_the_plan_is_the_compiled_train_step(mesh):
     """The state the plan counts (params + AdamW moments, per device) is the compiled step's arguments less the
     batch, to the step counter and rng key; its gradients + activations estimate is XLA:CPU's temporaries within a
-    factor of 2 (remat none: XLA:CPU's buffers do not move with remat, NOTES)."""
+    factor of 2 (remat none: XLA:CPU's buffers do not move with remat, NOTES), MTP depths and all."""
     run = load_run_config("tiny", TINY + mesh + ["model.remat=none"])
     memory = plan.plan_memory(run, "cpu", 8)
     assert plan.can_compile(memory) is None
@@ -74,6 +75,21 @@ def test_the_plan_is_the_compiled_train_step(mesh):
     assert 0 <= compiled["arguments"] - compiled["batch"] - (memory.params + memory.optimizer) <= 64
     estimate = memory.gradients + sum(memory.activations.values())
     assert 0.5 <= compiled["temporaries"] / estimate <= 2, (compiled, memory)
+
+
+def test_the_plan_counts_the_mtp_depths_activations():
+    """Each MTP depth keeps what its layer keeps for the backward, with the layer's own widths (the compiled step's
+    temporaries agree: above): under remat full a layer keeps its input, so a depth whose layer has mHC's 4 streams
+    keeps 3 d_model more per token than the plain one motif3/small's depth gets, and 2 depths twice one's."""
+    def planned(*overrides):
+        return plan.plan_memory(load_run_config("motif3/small", ["model.remat=full", *overrides]), "h100")
+
+    without = planned()
+    one, two, mhc = (planned(*o) for o in (["model.mtp_depths=1"], ["model.mtp_depths=2"],
+                                           ["model.mtp_depths=1", "model.mtp_layer.residual=mhc"]))
+    added = [p.activations["saved"] - without.activations["saved"] for p in (one, two, mhc)]
+    tokens_x_bytes = without.micro_batch * without.run.data.seq_len * 4  # float32 activations
+    assert added[0] > 0 and added[1] == 2 * added[0] and added[2] - added[0] == 3 * 32 * tokens_x_bytes
 
 
 # benchmarks/results/gpu_session_2026-11-26.md, "Train step": the 1.4B DIFF at seq 4096 on one H100 (pallas_gpu,

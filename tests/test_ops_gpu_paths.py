@@ -150,9 +150,18 @@ def test_auto_edges_decode_and_reasons():
     # Decode (one query against a cache's slots, q / kv segment ids): xla everywhere, no warning case.
     decode = _call(128, 256, T=1, S=4096, segments="pair", causal=False)
     assert decode.is_decode
+    # Speculative decoding's verify step (1 + K queries, kv ids per query [B, T, S]): the same route, chosen here
+    # (the KV cache asks for "auto", never pins an impl), and an explicit impl other than xla refused in one line.
+    speculative = ops.AttentionCall.of("diff_attention", *(jnp.zeros(s) for s in ((1, 3, 2, 2, 128), (1, 64, 2, 2, 128),
+                                       (1, 64, 2, 256))), False, (jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3, 64), jnp.int32)))
+    assert speculative.segments == "per_query" and speculative.is_decode
     for device in ("h100", "a100", "v5e", "cpu"):
-        route = ops.choose(decode, "auto", ops.DEVICES[device])
-        assert route == ops.Route("xla", False, False, route.reason) and route.reason.startswith("decode"), (device, route)
+        for call in (decode, speculative):
+            route = ops.choose(call, "auto", ops.DEVICES[device])
+            assert route == ops.Route("xla", False, False, route.reason) and route.reason.startswith("decode"), (device, route)
+    with pytest.raises(ValueError, match=r"^diff_attention: impl='pallas_tpu' takes no per-query kv segment ids .*"
+                                         r"Use impl='xla' or 'auto'.$"):
+        ops.choose(speculative, "pallas_tpu", ops.DEVICES["v5e"])
     # A TPU call shorter than one kernel block; a non-causal diff call on Hopper at d 64 (not measured) and at d 128
     # (measured: the fused kernel's forward is faster, cuDNN's forward and backward); standard attention at d 128
     # non-causal, where cuDNN was measured faster in both passes.

@@ -13,7 +13,7 @@ advance by their own counts; stop tokens and max_new_tokens cut a row's accepted
 would stop.
 
 The drafter: depth k at position t reads depth k - 1's hidden state at t (depth 0: the model's) and token t + k,
-and predicts token t + k + 1 (DeepSeek-V3's MTP, as trained: diffjax.losses.mtp_targets). Each depth keeps its own
+and predicts token t + k + 1 (DeepSeek-V3's MTP, as trained: diffjax.model.mtp). Each depth keeps its own
 KV cache over positions (its attention runs over earlier positions' inputs), filled by the prefill and extended by
 every verify step over the same K + 1 positions, then rolled back with the model's. Token t + k of depth k's
 latest k - 1 positions is not known yet when they run: they read the drafts there (only the drafts depend on it).
@@ -31,6 +31,7 @@ from flax import nnx
 from diffjax.generate.decode import Choice, DecodeState, Step, compute_cast
 from diffjax.generate.sampling import next_tokens
 from diffjax.kinds import MTP_STACK
+from diffjax.model import mtp
 from diffjax.model.kv_cache import KVCache
 
 
@@ -148,7 +149,7 @@ def run_depths(model, depth_params, caches, hidden_BTD, next_BT, accepted_B, adv
         if drafts:
             drafted_BT = jnp.take_along_axis(jnp.stack(drafts, 1), jnp.clip(j_BT - a_B1 - 1, 0, k - 2), axis=1)
             inputs_BT = jnp.where(j_BT <= a_B1, inputs_BT, drafted_BT)
-        hidden_BTD, cache = model.mtp_depth_with_cache(k, hidden_BTD, inputs_BT, cache, params)
+        hidden_BTD, cache = mtp.depth_with_cache(model, k, hidden_BTD, inputs_BT, cache, params)
         rolled.append(cache.rolled_back(cache.lengths_B - next_BT.shape[1] + advance_B))
         at_a_B1D = jnp.take_along_axis(hidden_BTD, a_B1[:, :, None], axis=1)
         drafts.append(_greedy_BT(model, at_a_B1D, choice)[:, 0])

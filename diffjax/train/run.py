@@ -39,7 +39,7 @@ from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
 from diffjax.train.mesh import allgather_json, describe, initialize_distributed, make_mesh, process_batch_shard
 from diffjax.train.metrics import read_records, training_flops_per_token
-from diffjax.train.optimizer import OptimizerConfig, lambda_scale, make_optimizer, schedule_change
+from diffjax.train.optimizer import OptimizerConfig, make_optimizer, schedule_change
 from diffjax.train.start import Start, StartPlan, StartSettings, plan_start
 from diffjax.train.state_checkpoints import Checkpointer, Restored, abstract_like, restore_params
 from diffjax.train.step import ShardedTraining, setup_sharded_state, sharded_lora_init
@@ -89,7 +89,7 @@ class Run:
     tokenizer: Any
     training: ShardedTraining
     train_step: Callable  # jitted (state, batch) -> (state, device metrics); donates the state
-    eval_step: Callable  # jitted (params, batch, lambda_scale) -> (loss sum, counted tokens)
+    eval_step: Callable  # jitted (params, batch, step) -> (loss sum, counted tokens)
     state: dict
     data_iter: Any  # grain iterator of this process's rows; its position is checkpointed
     eval_batches: list[dict[str, jax.Array]]  # fixed, on the devices
@@ -137,10 +137,9 @@ class Run:
         if not self.eval_batches:
             return None
         total, count = 0.0, 0.0
-        scale = lambda_scale(self.config.optim, self.step)  # the next step's: what the model computes now
-        scale = jnp.float32(1) if scale is None else scale
+        step = jnp.int32(self.step)  # the next step's: what the model computes now
         for batch in self.eval_batches:
-            loss_sum, tokens = self.eval_step(self.state[PARAMS], batch, scale)
+            loss_sum, tokens = self.eval_step(self.state[PARAMS], batch, step)
             total, count = total + float(loss_sum), count + float(tokens)
         return total / max(count, 1.0)
 
@@ -349,8 +348,8 @@ def _data(config: RunConfig, tokenizer, training: ShardedTraining, plan: BatchPl
 
 def _jitted_steps(config: RunConfig, training: ShardedTraining, tx, schedule, frozen) -> tuple[Callable, Callable]:
     train_step = training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk,
-                                         partial(lambda_scale, config.optim) if config.optim.lambda_warmup_steps else None)
-    eval_step = training.jit_eval_step(config.model, config.train.loss_chunk)
+                                         config)
+    eval_step = training.jit_eval_step(config.model, config.train.loss_chunk, config)
     if frozen is not None:  # the frozen base rides along as the steps' last argument
         train_step = partial(_with_frozen, train_step, frozen)
         eval_step = partial(_with_frozen, eval_step, frozen)
