@@ -231,15 +231,18 @@ DISPATCH_BUFFERS = 8.8
 
 
 def dispatch_bytes(config: ModelConfig, sizes: dict[str, int], micro_batch: int, seq_len: int) -> float:
-    """The expert-parallel dispatch buffers of one MoE layer per device (every MoE layer's under remat none), 0 without
-    an expert axis."""
-    shards, m = sizes.get("expert", 1), config.mlp_options
-    if shards == 1 or not getattr(m, "num_experts", None):
-        return 0.0
+    """The expert-parallel dispatch buffers (PartKind.dispatch_rows) of one layer per device, every such layer's under
+    remat none; 0 without an expert axis."""
+    shards = sizes.get("expert", 1)
     tokens = micro_batch * seq_len * split_of("batch", sizes) / math.prod(sizes.values())  # the rows split every axis
-    rows = shards * tokens * min(m.top_k, m.num_experts // shards)
-    layers = config.num_layers - m.dense_first_layers if config.remat == "none" else 1
-    return layers * DISPATCH_BUFFERS * rows * config.d_model * np.dtype(config.dtype).itemsize
+    held = []
+    for segment in layer_segments(config) if shards > 1 else ():
+        rows = mlp_kinds.get(segment.config.mlp).dispatch_rows
+        if rows is not None:
+            one = DISPATCH_BUFFERS * tokens * rows(segment.config, shards) * config.d_model
+            held += [one] * (segment.num_layers if config.remat == "none" else 1)
+    per_value = np.dtype(config.dtype).itemsize
+    return (sum(held) if config.remat == "none" else max(held, default=0.0)) * per_value
 
 
 def peak(params: float, gradients: float, optimizer: float, activations: float) -> float:
