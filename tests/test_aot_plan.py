@@ -181,7 +181,7 @@ def test_plan_compile_topology_v5e_8_compiles_the_mosaic_kernels_on_this_cpu(cap
     kernels = next(line for line in out.splitlines() if line.startswith("Pallas kernels in the program"))
     assert "Mosaic TPU custom calls" in kernels and "none" not in kernels  # the kernels, not their interpreted form
     for line in ("arguments", "temporaries", "generated code", "collectives per step and device: all-gather",
-                 "FLOPs per step and device: XLA"):
+                 "FLOPs per device: XLA"):
         assert line in out
 
 
