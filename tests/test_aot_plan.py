@@ -229,3 +229,17 @@ def test_proposals_end_with_the_first_change_predicted_to_fit():
     assert all(a.predicted > b.predicted for (a, _), (b, _) in zip(made, made[1:]))  # each keeps less
     assert made[-1][0].predicted <= memory.budget.bytes < made[-2][0].predicted
     assert made[-1][1].train.micro_batch_per_device == int(described[-1].split()[0].split("=")[1])  # the run it names
+
+
+def test_a_refusal_over_the_hbm_is_read_as_does_not_fit():
+    """libtpu's out-of-memory error (G and T: 2^30 and 2^40 bytes, measured against known array sizes) gives the
+    line and the bytes; any other compile error is not a refusal."""
+    from diffjax.train.aot_plan import _out_of_memory
+
+    message = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used "
+               "2.15T of 95.74G hbm. Exceeded hbm capacity by 2.06T.\nRan out of memory on HBM, the total memory "
+               "required for HLO temporaries (2.15T) exceeds available HBM (95.74G).")
+    line, needed = _out_of_memory(message)
+    assert "exceeds available HBM (95.74G)" in line or "Ran out of memory" in line
+    assert needed == pytest.approx(2.15 * 2**40)
+    assert _out_of_memory("INVALID_ARGUMENT: Mosaic failed to compile") is None

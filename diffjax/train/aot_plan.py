@@ -28,7 +28,6 @@ from diffjax.train.config import RunConfig
 from diffjax.train.hlo_collectives import KINDS, collective_bytes
 from diffjax.train.topologies import TPU_GENERATIONS, Topology, chip_grid
 
-GiB = 2**30
 _KERNEL_CALL = {"tpu": "Mosaic TPU custom calls", "gpu": "Mosaic GPU custom calls"}
 REMAT_ORDER = ("none", "minimal", "attention", "full")  # each keeps less for the backward than the one before
 
@@ -111,8 +110,10 @@ def _out_of_memory(message: str) -> tuple[str, float | None] | None:
     errors. libtpu: "... HLO temporaries (2.15T) exceeds available HBM (95.74G)" (G: 2^30 bytes, measured)."""
     if "RESOURCE_EXHAUSTED" not in message and "Ran out of memory" not in message:
         return None
-    line = next((text for text in message.splitlines() if "memory" in text.lower()), message.splitlines()[0])
-    needed = re.search(r"\(([\d.]+)([KMGT]?)\) exceeds", line)
+    lines = message.splitlines()
+    line = next((text for text in lines if "exceeds available" in text),
+                next((text for text in lines if "memory" in text.lower()), lines[0]))
+    needed = re.search(r"\(([\d.]+)([KMGT]?)\) exceeds", message)
     return line.strip(), float(needed[1]) * _UNITS[needed[2]] if needed else None
 
 
@@ -130,10 +131,6 @@ def loop_turns(run: RunConfig, sizes: dict[str, int]) -> int:
     return _batch(run, sizes).accum_steps * run.model.num_layers
 
 
-def _size(num_bytes: float) -> str:
-    return f"{num_bytes / GiB:.2f} GiB" if num_bytes >= GiB / 10 else f"{num_bytes / 2**20:.1f} MiB"
-
-
 def describe(step: CompiledStep, plan: planning.MemoryPlan) -> str:
     """The compiled figures beside the plan's, as lines (what --plan --compile prints after the plan)."""
     budget = plan.budget
@@ -145,15 +142,15 @@ def describe(step: CompiledStep, plan: planning.MemoryPlan) -> str:
     state = m["arguments"] - m["batch"]
     lines += [
         "  memory per device   compiled      plan",
-        f"  arguments        {_size(m['arguments']):>11} {_size(plan.params + plan.optimizer + m['batch']):>11}"
-        f"  the state {_size(state)} (planned params + moments {_size(plan.params + plan.optimizer)}) and the batch",
-        f"  temporaries      {_size(m['temporaries']):>11} {_size(plan.gradients + sum(a.values())):>11}"
+        f"  arguments        {planning._size(m['arguments']):>11} {planning._size(plan.params + plan.optimizer + m['batch']):>11}"
+        f"  the state {planning._size(state)} (planned params + moments {planning._size(plan.params + plan.optimizer)}) and the batch",
+        f"  temporaries      {planning._size(m['temporaries']):>11} {planning._size(plan.gradients + sum(a.values())):>11}"
         "  planned: gradients + activations",
-        f"  outputs          {_size(m['outputs'] - m['aliased']):>11}            not written over an argument",
-        f"  generated code   {_size(m['code']):>11}",
-        f"  total            {_size(step.total):>11} {_size(plan.total):>11}  of {_size(budget.bytes)} "
+        f"  outputs          {planning._size(m['outputs'] - m['aliased']):>11}            not written over an argument",
+        f"  generated code   {planning._size(m['code']):>11}",
+        f"  total            {planning._size(step.total):>11} {planning._size(plan.total):>11}  of {planning._size(budget.bytes)} "
         f"({budget.why}): {'fits' if step.total <= budget.bytes else 'DOES NOT FIT'}",
-        "collectives per step and device: " + ", ".join(f"{kind} {_size(step.collectives[kind])}" for kind in KINDS)
+        "collectives per step and device: " + ", ".join(f"{kind} {planning._size(step.collectives[kind])}" for kind in KINDS)
         + (f" ({'; '.join(step.notes)})" if step.notes else ""),
     ]
     if step.flops:
@@ -273,12 +270,12 @@ def plan_compiled(run: RunConfig, topology: Topology, load, checks: int = 1) -> 
     if step.total <= plan.budget.bytes:
         return 0
     for proposal, changed in proposals(step, plan.budget.bytes, load):
-        print(f"proposal: {proposal.describe()}: predicted {_size(proposal.predicted)} per device")
+        print(f"proposal: {proposal.describe()}: predicted {planning._size(proposal.predicted)} per device")
         if proposal.predicted > plan.budget.bytes or checks == 0:
             continue
         checks -= 1
         checked = compile_step(changed, proposal.topology)
         fits = checked.total <= planning.device_budget(proposal.topology.chip, proposal.topology.devices).bytes
-        print(f"  compiled for {proposal.topology.name} in {checked.seconds:.0f} s: {_size(checked.total)} per device: "
+        print(f"  compiled for {proposal.topology.name} in {checked.seconds:.0f} s: {planning._size(checked.total)} per device: "
               + ("fits" if fits else "does not fit either"))
     return 1
