@@ -209,5 +209,11 @@ def kernel_calls(hlo_text: str, scope: str | None = None) -> collections.Counter
         op_name = op_name.group(1) if op_name else ""
         if scope is not None and not re.search(rf"(?:^|[/(]){re.escape(scope)}(?:[)/]|$)", op_name):
             continue
-        calls[op_name.split("/")[-2] if op_name.count("/") else "?"] += 1
+        calls[_innermost(op_name.split("/")[-2]) if op_name.count("/") else "?"] += 1
     return calls
+
+
+def _innermost(part: str) -> str:
+    """'diffjax_flash_fwd_m2' from 'jvp(diffjax_flash_fwd_m2)' or 'transpose(jvp(...))': the name a transformation
+    wraps in an op_name."""
+    return re.sub(r"^(?:[\w-]+\()+|\)+$", "", part)
