@@ -99,24 +99,33 @@ def missing(platform: str) -> str | None:
         return None
     if platform != "gpu":
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
-    if not (importlib.util.find_spec("jax_plugins")
-            and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))):
-        return (f"compiling for an H100 needs JAX's CUDA plugin: pip install 'jax-cuda12-plugin=={jax.__version__}' "
-                f"'jax-cuda12-pjrt=={jax.__version__}' nvidia-cuda-nvcc-cu12")
-    if ptxas() is None:
+    if why := cuda_plugin_missing():
+        return why
+    if cuda_tool("ptxas") is None:
         return "compiling for an H100 needs ptxas: pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ on PATH"
     return None
 
 
-def ptxas() -> str | None:
-    """The ptxas XLA and Mosaic GPU will find: on PATH, else nvidia-cuda-nvcc-cu12's (CUDA 13's nvidia/cu13)."""
+def cuda_plugin_missing() -> str | None:
+    """The pip command for JAX's CUDA plugin at jax's version where it is absent (it compiles for a GPU without one)."""
+    if importlib.util.find_spec("jax_plugins") and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}")
+                                                        for v in (12, 13)):
+        return None
+    return (f"compiling for an H100 needs JAX's CUDA plugin: pip install 'jax-cuda12-plugin=={jax.__version__}' "
+            f"'jax-cuda12-pjrt=={jax.__version__}' nvidia-cuda-nvcc-cu12 (or diffjax's extra: pip install "
+            "'diffjax[aot]')")
+
+
+def cuda_tool(name: str = "ptxas") -> str | None:
+    """A CUDA tool (ptxas, nvdisasm) as XLA and Mosaic GPU find it: on PATH, else pip's nvidia-cuda-nvcc-cu12 (CUDA
+    13's nvidia/cu13) bin/."""
     import shutil
 
-    if shutil.which("ptxas"):
-        return shutil.which("ptxas")
+    if shutil.which(name):
+        return shutil.which(name)
     packages = [importlib.util.find_spec(p) for p in ("nvidia.cuda_nvcc", "nvidia.cu13")] if importlib.util.find_spec("nvidia") else []
     dirs = [os.path.join(d, "bin") for spec in packages if spec for d in spec.submodule_search_locations or []]
-    return next((os.path.join(d, "ptxas") for d in dirs if os.path.isfile(os.path.join(d, "ptxas"))), None)
+    return next((os.path.join(d, name) for d in dirs if os.path.isfile(os.path.join(d, name))), None)
 
 
 def target(name: str, num_slices: int = 1) -> Target:
