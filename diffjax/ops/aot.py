@@ -81,13 +81,16 @@ class Target:
         """Its devices' platform and kind, as diffjax.ops routes by them."""
         return Device.of(self.devices[0])
 
-    def mesh(self, shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] = ("devices",)) -> jax.sharding.Mesh:
-        """A Mesh of all the devices (default: one axis over them), in the topology's order."""
+    def mesh(self, shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] = ("devices",)):
+        """A Mesh of all the devices (default: one axis over them), laid out on the topology as jax lays out a real
+        slice's (mesh_utils.create_device_mesh: neighbours on the fast links)."""
+        from jax.experimental import mesh_utils
+
         shape = (len(self.devices),) if shape is None else tuple(shape)
         if int(np.prod(shape)) != len(self.devices):
             raise ValueError(f"mesh shape {shape} has {int(np.prod(shape))} devices; target {self.name} has "
                              f"{len(self.devices)}")
-        return jax.sharding.Mesh(np.array(self.devices, dtype=object).reshape(shape), axis_names)
+        return jax.sharding.Mesh(mesh_utils.create_device_mesh(shape, list(self.devices)), axis_names)
 
 
 def missing(platform: str) -> str | None:
@@ -102,7 +105,8 @@ def missing(platform: str) -> str | None:
     if why := cuda_plugin_missing():
         return why
     if cuda_tool("ptxas") is None:
-        return "compiling for an H100 needs ptxas: pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ on PATH"
+        return ("compiling for an H100 needs ptxas: pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ "
+                "on PATH")
     return None
 
 
@@ -123,7 +127,8 @@ def cuda_tool(name: str = "ptxas") -> str | None:
 
     if shutil.which(name):
         return shutil.which(name)
-    packages = [importlib.util.find_spec(p) for p in ("nvidia.cuda_nvcc", "nvidia.cu13")] if importlib.util.find_spec("nvidia") else []
+    has_nvidia = importlib.util.find_spec("nvidia") is not None
+    packages = [importlib.util.find_spec(p) for p in ("nvidia.cuda_nvcc", "nvidia.cu13")] if has_nvidia else []
     dirs = [os.path.join(d, "bin") for spec in packages if spec for d in spec.submodule_search_locations or []]
     return next((os.path.join(d, name) for d in dirs if os.path.isfile(os.path.join(d, name))), None)
 
@@ -131,7 +136,8 @@ def cuda_tool(name: str = "ptxas") -> str | None:
 def target(name: str, num_slices: int = 1) -> Target:
     """The Target `name` names: a TPU generation with an optional topology ("v5e" = "v5e:2x2", "v5p:4x4x4", "v4",
     "v6e:2x4"; TPU_GENERATIONS) over `num_slices` slices, or GPUs ("h100" = "h100x1", "h100x8"; GPU_TARGET_CONFIGS).
-    A ValueError names what is allowed; a RuntimeError names what to install where libtpu or the CUDA plugin is absent."""
+    A ValueError names what is allowed; a RuntimeError names what to install where libtpu or the CUDA plugin is
+    absent."""
     generation, _, topology = name.partition(":")
     if generation in TPU_GENERATIONS:
         return tpu_target(generation, topology or None, num_slices)
