@@ -44,7 +44,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax: nothing runs here, 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from diffjax import ops  # noqa: E402
 from diffjax.ops import aot  # noqa: E402
 from diffjax.ops.choice import pallas_gpu_unsupported  # noqa: E402
@@ -184,18 +184,14 @@ def ptxas_log(path: Path, enabled: bool):
     if not enabled:
         yield
         return
+    from kernel_resources import captured_stdout
+
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(path, "wb") as f:
-        os.dup2(f.fileno(), 1)
-        try:
+    try:
+        with captured_stdout(path):
             yield
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-            os.environ.pop("MOSAIC_GPU_DUMP_PTXAS")
+    finally:
+        os.environ.pop("MOSAIC_GPU_DUMP_PTXAS")
 
 
 def ptxas_figures(log: str) -> list[dict]:
