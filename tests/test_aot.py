@@ -80,6 +80,18 @@ def test_a_topologys_devices_are_the_generations_and_compile_the_mosaic_kernel(v
     assert compiled.memory_analysis().argument_size_in_bytes == 3 * 256 * 2 * 128 * 2
 
 
+def test_jaxs_own_mesh_context_names_the_device_too(v5e):
+    """jax.set_mesh with a topology's mesh: its abstract mesh carries the device, which compile_for then keeps."""
+    with jax.set_mesh(v5e.mesh()):
+        assert ops.compile_device() == ops.DEVICES["v5e"]
+        with aot.compile_for(v5e):
+            assert ops.compile_device() == ops.DEVICES["v5e"]
+        with pytest.raises(ValueError, match="compile_for"):
+            with aot.compile_for(jax.devices()[0]):
+                pass
+    assert ops.compile_device() == CPU
+
+
 def test_every_generations_device_kind_is_what_routes_name_it(v5e):
     """DEVICES' TPU kinds are the topologies' own (a v5p is "TPU v5" to jax, not "TPU v5p")."""
     for generation in aot.TPU_GENERATIONS:
