@@ -8,8 +8,10 @@ impl:
   window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, pallas_gpu, splash and
   cudnn; triton refuses it, and "auto" passes over it.
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
-                custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
-                (correct but slow: for tests).
+                custom-VJP backward. Compiled by Mosaic when the call is compiled for a TPU (a TPU host, or
+                a topology's device: diffjax.ops.aot, no TPU needed); Pallas interpret mode otherwise
+                (correct but slow: for tests). Likewise below: "off GPU" / "elsewhere" means the device the
+                call is compiled for (target.compile_device()), not this machine's.
   "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu); standard attention runs
                 their single-map mode (d, dv each 64, 128 or 192: Motif 3's 192 / 128 too; segment ids too).
                 Mosaic GPU interpret mode off GPU (for tests).
