@@ -5,6 +5,8 @@ memory XLA gives it per device; it says nothing of speed.
     import os
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported: this machine runs nothing of it
     import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
     from diffjax.ops import aot
 
     target = aot.target("v5e")                 # 4 "TPU v5 lite" devices; "v5p:4x4x4", "v4", "v6e:2x4", "h100x8"
@@ -19,7 +21,8 @@ Inside `compile_for` the attention ops see the target as the device they are com
 `auto` routes as on that chip, the Pallas kernels compile (Mosaic TPU / Mosaic GPU) instead of running interpreted,
 and jax's Mosaic lowering reads the chip's generation. It sets only the abstract mesh's device, around tracing and
 lowering: eager code inside still runs on this machine (a topology's devices cannot run anything, so they must never
-become the default device).
+become the default device). Attention over a mesh of several devices runs its kernels per device under
+diffjax.sharding.activation_sharding(mesh), as the train step does (XLA cannot partition a Pallas call).
 
 Needs: for a TPU, libtpu at the installed jax's version (`pip install "jax[tpu]==<jax's version>"`, or diffjax's
 `aot` extra); for an H100, JAX's CUDA plugin at jax's version and a ptxas (`missing(platform)` names the command).
