@@ -6,9 +6,9 @@ forward and forward+backward, with the block sizes `auto` uses there. No device 
         [--out benchmarks/results/aot_kernels_cpu.json]
 
 Per target, ONE program holds every case (each under its own jax.named_scope, each pass on its own inputs), so a
-target costs one compile; the compiled HLO then says, per case and pass, which kernels it holds (diffjax.ops.aot
-.kernel_calls: Mosaic TPU's tpu_custom_call / Mosaic GPU's mosaic_gpu_v2, named by their pallas_call) and, on a
-TPU, each kernel's scoped VMEM (libtpu's used_scoped_memory_configs). A case that fell back to XLA or to interpret
+target costs one compile; the compiled HLO then says, per case and pass, which kernels it holds
+(diffjax.ops.aot.compiled_kernels: Mosaic TPU's tpu_custom_call / Mosaic GPU's mosaic_gpu_v2, named by their
+pallas_call) and, on a TPU, each kernel's scoped VMEM (libtpu's used_scoped_memory_configs). A case that fell back to XLA or to interpret
 mode holds no kernel. On the TPUs the calls go through diffjax.ops with impl="auto" (so `auto` must pick the Pallas
 TPU kernel there); on the H100 through impl="pallas_gpu" (auto weighs it against cuDNN per pass: HOPPER_MS), with
 the pipeline's ptxas log per kernel where MOSAIC_GPU_DUMP_PTXAS can be read (registers, spills).
@@ -26,6 +26,7 @@ with a ptxas for the H100 (diffjax.ops.aot.missing names the command); a target 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -166,18 +167,6 @@ def program(matrix: list[Case], impl: str, passes=PASSES):
     return f
 
 
-def scoped_vmem(hlo_text: str) -> dict[str, list[int]]:
-    """{op_name: [scoped VMEM bytes]} of each Mosaic TPU call, from libtpu's used_scoped_memory_configs."""
-    out = {}
-    for line in hlo_text.splitlines():
-        if 'custom_call_target="tpu_custom_call"' in line:
-            op_name = re.search(r'op_name="([^"]*)"', line).group(1)
-            used = re.search(r'"used_scoped_memory_configs":\[([^\]]*)\]', line)
-            out.setdefault(op_name, []).append(sum(int(s) for s in re.findall(r'"size":"(\d+)"', used.group(1)))
-                                               if used else None)
-    return out
-
-
 @contextlib.contextmanager
 def ptxas_log(path: Path, enabled: bool):
     """Mosaic GPU's pipeline prints each kernel's ptxas -v log to fd 1 with MOSAIC_GPU_DUMP_PTXAS: into `path`."""
@@ -226,21 +215,20 @@ def compile_matrix(target: aot.Target, matrix: list[Case], passes=PASSES, gpu_fi
             compiled = lowered.compile()
         ptxas = ptxas_figures(log.read_text(errors="replace")) if log.exists() else []
     compile_s = time.perf_counter() - start - lowered_s
-    text = compiled.as_text()
+    calls = aot.compiled_kernels(compiled.as_text())
     memory = compiled.memory_analysis()
-    vmem = scoped_vmem(text)
     rows = []
     for case in matrix:
         route = ops.choose(case.call, impl, target.device)
         for p in passes:
-            scope = f"{case.name}.{p}"
-            kernels = dict(aot.kernel_calls(text, scope))
+            mine = [call for call in calls if call.within(f"{case.name}.{p}")]
             row = {"case": case.name, "source": case.source, "pass": p, "call": case.call.describe(),
-                   "route": route.by_pass()[p][0] if case.q_offset is None else impl, "kernels": kernels,
+                   "route": route.by_pass()[p][0] if case.q_offset is None else impl,
+                   "kernels": dict(collections.Counter(call.name for call in mine)),
                    "expected": case.expected(platform, p)}
             if platform == "tpu":
-                row["scoped_vmem_bytes"] = {aot._innermost(name.split("/")[-2]): sizes for name, sizes in vmem.items()
-                                            if re.search(rf"(?:^|[/(]){re.escape(scope)}(?:[)/]|$)", name)}
+                row["scoped_vmem_bytes"] = {call.name: [c.scoped_vmem_bytes for c in mine if c.name == call.name]
+                                            for call in mine}
             rows.append(row)
     return {"target": target.name, "device_kind": target.device.kind, "lower_s": round(lowered_s, 2),
             "compile_s": round(compile_s, 2), "not_compiled": refused,

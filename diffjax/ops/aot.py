@@ -214,24 +214,40 @@ def compile_for(where):
         yield
 
 
-def kernel_calls(hlo_text: str, scope: str | None = None) -> collections.Counter:
-    """{kernel name: calls} of the Pallas kernels (Mosaic TPU's and Mosaic GPU's custom calls) in a compiled
-    program's HLO text (`compiled.as_text()`), by their pallas_call's `name` (the op_name's part before the call's
-    own, "pallas_call" / "mpmd_map"); with `scope`, only the calls traced under `jax.named_scope(scope)`."""
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One Pallas kernel call of a compiled program: its pallas_call's `name`, its `op_name` (the named scopes and
+    transformations it was traced under, e.g. "jit(f)/case/transpose(jvp(diffjax_flash_fwd_m2))/pallas_call") and, for
+    a Mosaic TPU kernel, the scoped VMEM libtpu gave it (its used_scoped_memory_configs; None elsewhere)."""
+
+    name: str
+    op_name: str
+    scoped_vmem_bytes: int | None = None
+
+    def within(self, scope: str) -> bool:
+        """Whether it was traced under `jax.named_scope(scope)`."""
+        return re.search(rf"(?:^|[/(]){re.escape(scope)}(?:[)/]|$)", self.op_name) is not None
+
+
+def compiled_kernels(hlo_text: str) -> list[KernelCall]:
+    """The Pallas kernels (Mosaic TPU's and Mosaic GPU's custom calls) of a compiled program's HLO text
+    (`compiled.as_text()`), in its order."""
     targets = "|".join(re.escape(t) for t in KERNEL_CALL_TARGETS.values())
-    calls = collections.Counter()
+    calls = []
     for line in hlo_text.splitlines():
         if not re.search(rf'custom_call_target="(?:{targets})', line):
             continue
         op_name = re.search(r'op_name="([^"]*)"', line)
         op_name = op_name.group(1) if op_name else ""
-        if scope is not None and not re.search(rf"(?:^|[/(]){re.escape(scope)}(?:[)/]|$)", op_name):
-            continue
-        calls[_innermost(op_name.split("/")[-2]) if op_name.count("/") else "?"] += 1
+        # the part before the call's own ("pallas_call" / "mpmd_map"), without the transformations around it
+        name = re.sub(r"^(?:[\w-]+\()+|\)+$", "", op_name.split("/")[-2]) if op_name.count("/") else "?"
+        vmem = re.search(r'"used_scoped_memory_configs":\[([^\]]*)\]', line)
+        vmem = sum(int(size) for size in re.findall(r'"size":"(\d+)"', vmem.group(1))) if vmem else None
+        calls.append(KernelCall(name, op_name, vmem))
     return calls
 
 
-def _innermost(part: str) -> str:
-    """'diffjax_flash_fwd_m2' from 'jvp(diffjax_flash_fwd_m2)' or 'transpose(jvp(...))': the name a transformation
-    wraps in an op_name."""
-    return re.sub(r"^(?:[\w-]+\()+|\)+$", "", part)
+def kernel_calls(hlo_text: str, scope: str | None = None) -> collections.Counter:
+    """{kernel name: calls} of compiled_kernels(hlo_text); with `scope`, only those traced under
+    `jax.named_scope(scope)`."""
+    return collections.Counter(call.name for call in compiled_kernels(hlo_text) if scope is None or call.within(scope))
