@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from diffjax import attention_kinds
+from diffjax import attention_kinds, command_line
 from diffjax.analysis import figures
 from diffjax.config_values import build_config, read_yaml_mapping
 from diffjax.data.config import DataConfig
@@ -106,7 +106,7 @@ def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = N
 def parser(description: str, module: str, *, checkpoint_required: bool = True) -> argparse.ArgumentParser:
     """An argument parser with the options every analysis takes: --checkpoint (one or more) and --label; its
     usage line names the command (`python -m <module>`), not the file."""
-    result = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
+    result = command_line.ArgumentParser(prog=f"python -m {module}", description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     result.add_argument("--checkpoint", action="append", required=checkpoint_required, metavar="DIR",
                         help="a run directory or checkpoint; repeat to compare models side by side")

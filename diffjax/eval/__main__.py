@@ -17,11 +17,12 @@ import json
 import sys
 from pathlib import Path
 
+from diffjax import command_line
 from diffjax.log_lines import print_package_logs
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffjax-eval",
+    parser = command_line.ArgumentParser(prog="diffjax-eval",
                                      description="Run lm-evaluation-harness tasks on a diffjax checkpoint.")
     parser.add_argument("--model-path", required=True, metavar="PATH",
                         help="a run directory, its checkpoints/ directory, a step directory, a Hugging Face directory "
@@ -125,4 +126,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "diffjax-eval")

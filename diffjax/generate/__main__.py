@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from diffjax import command_line
 from diffjax.log_lines import print_package_logs
 from diffjax.run_dir import RunDir
 
@@ -21,7 +22,7 @@ SEPARATOR = "\n" + "-" * 40
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffjax-generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
+    parser = command_line.ArgumentParser(prog="diffjax-generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="a run directory (diffjax-train's or a conversion's), its checkpoints/ directory or a step directory")
     prompts = parser.add_mutually_exclusive_group(required=True)
@@ -180,4 +181,6 @@ class _StreamPrinter:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "diffjax-generate")

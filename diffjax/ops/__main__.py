@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffjax import command_line
 from diffjax.ops.choice import DEVICES, choose, current_device
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffjax.ops", description=__doc__,
+    parser = command_line.ArgumentParser(prog="python -m diffjax.ops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a run config: a shipped one's name (paper/diff-1.4b) or a YAML file")
     parser.add_argument("--device", choices=sorted(DEVICES), default=None, help="default: this machine's first device")
@@ -61,4 +62,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "python -m diffjax.ops")

@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from diffjax import command_line
 from diffjax.tokenizers.sentencepiece_tokenizer import train_sentencepiece
 
 
@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffjax.data.config import DATA_SOURCES, DataConfig
     from diffjax.data.sources import open_documents
 
-    parser = argparse.ArgumentParser(prog="python -m diffjax.tokenizers", description=__doc__)
+    parser = command_line.ArgumentParser(prog="python -m diffjax.tokenizers", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train-sentencepiece", help="train a SentencePiece model on a corpus")
     train.add_argument("--output", required=True, help="the .model file to write")
@@ -64,4 +64,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "python -m diffjax.tokenizers")
