@@ -143,7 +143,7 @@ def run(main: Callable[[list[str] | None], int | None], prog: str, argv: list[st
         sys.stdout.flush()
         sys.stderr.flush()
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while this one is said
+        _ignore_interrupts()
         code, end_process = 130, True
         _say(streams[1], f"{prog}: interrupted (SIGINT)")
     except OutputError as failed:
@@ -157,6 +157,16 @@ def run(main: Callable[[list[str] | None], int | None], prog: str, argv: list[st
     if end_process:
         end(code or 0)
     sys.exit(code)
+
+
+def _ignore_interrupts() -> None:
+    """SIGINT ignored from now on: a second Ctrl-C (one pressed twice) while the first is said."""
+    while True:
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            return
+        except KeyboardInterrupt:  # (the second came first)
+            pass
 
 
 def _say(stderr, line: str) -> None:
