@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -178,6 +179,29 @@ def _prompt_batch(tokens, lengths, vocab_size: int) -> tuple[np.ndarray, np.ndar
     return np.where(real, prompts, 0).astype(np.int32), lengths.astype(np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """A generate call's seconds (generate(..., timings=[])): compiling its program, then running it (prefill and
+    every step, waited for); `began`: time.perf_counter() when it began running (where a stream's clock starts)."""
+
+    compile_seconds: float
+    generate_seconds: float
+    began: float
+
+
+def call_timed(jitted, graphdef, *args, timings: list | None, **static):
+    """jitted(graphdef, *args, **static) (graphdef and `static`: its static arguments); with `timings` (a list) the
+    program is compiled first, and a Timing of the compilation and of the run is appended to it."""
+    if timings is None:
+        return jitted(graphdef, *args, **static)
+    start = time.perf_counter()
+    compiled = jitted.lower(graphdef, *args, **static).compile()
+    began = time.perf_counter()
+    outputs = jax.block_until_ready(compiled(*args))  # (a compiled program takes the traced arguments only)
+    timings.append(Timing(began - start, time.perf_counter() - began, began))
+    return outputs
+
+
 def _gather(array: jax.Array) -> np.ndarray:
     """A host copy, also of an array spread over other processes' devices."""
     if array.is_fully_addressable or array.is_fully_replicated:
@@ -191,7 +215,7 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
              top_p: float | None = None, stop_tokens: Sequence[int] = (), pad_id: int | None = None, key=None,
              mesh: Mesh | None = None, on_tokens: Callable[[int, np.ndarray], bool | None] | None = None,
              allowed_vocab_size: int | None = None, blocked_ids: Sequence[int] = (), draft: str | None = None,
-             acceptance: list | None = None) -> np.ndarray:
+             acceptance: list | None = None, timings: list | None = None) -> np.ndarray:
     """`max_new_tokens` new tokens per prompt, int32 [B, max_new_tokens].
 
     tokens: an int array [B, P] (with `lengths` [B]: row b's prompt is tokens[b, :lengths[b]], the rest
@@ -209,6 +233,8 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
     draft "mtp": self-speculative decoding (diffjax.generate.speculative): the model's MTP depths draft, the model
     verifies; the same tokens as greedy decoding (greedy only; no on_tokens). acceptance: a list that gets the call's
     speculative.Acceptance appended (drafted, accepted, verify steps).
+    timings: a list that gets the call's Timing appended: its program is then compiled before it runs (not within
+    the call), so the compilation's seconds and the generation's are apart.
     Prompt + new tokens must fit the model's max_seq_len. While it runs, generation holds a per-layer copy of
     the blocks' params (TransformerLM.unstacked_blocks: what makes a decode step read each weight once).
     """
@@ -248,12 +274,12 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
 
         tokens_BN, accepted = speculative.run(graphdef, params, prompts, row_lengths, max_len=max_len,
                                               max_new_tokens=max_new_tokens, choice=choice, mesh=mesh,
-                                              depths=config.mtp_depths)
+                                              depths=config.mtp_depths, timings=timings)
         if acceptance is not None:
             acceptance.append(accepted)
         return tokens_BN
     return run(graphdef, params, prompts, row_lengths, key, max_len=max_len, max_new_tokens=max_new_tokens, choice=choice,
-               mesh=mesh, on_tokens=on_tokens)[0]
+               mesh=mesh, on_tokens=on_tokens, timings=timings)[0]
 
 
 def _check_draft(draft, config, sampling: Sampling, on_tokens) -> None:
@@ -271,16 +297,16 @@ def _check_draft(draft, config, sampling: Sampling, on_tokens) -> None:
 
 
 def run(graphdef, params, prompts_BP, lengths_B, key, *, max_len: int, max_new_tokens: int, choice: Choice,
-        mesh: Mesh | None, on_tokens=None) -> tuple[np.ndarray, int]:
+        mesh: Mesh | None, on_tokens=None, timings: list | None = None) -> tuple[np.ndarray, int]:
     """The compiled generation on checked, placed inputs (generate's work after its checks; the lm-eval adapter's
     entry): (the new tokens [B, max_new_tokens] on the host, the steps that ran: fewer than max_new_tokens when
     every row stopped or on_tokens stopped the loop)."""
     stream_id = next(_stream_ids)
     receiver = _receivers[stream_id] = _Receiver(on_tokens)
     try:
-        tokens_BN, steps = _generate(graphdef, params, prompts_BP, lengths_B, key, np.int32(stream_id), max_len=max_len,
-                                     max_new_tokens=max_new_tokens, choice=choice, mesh=mesh,
-                                     streaming=on_tokens is not None)
+        tokens_BN, steps = call_timed(_generate, graphdef, params, prompts_BP, lengths_B, key, np.int32(stream_id),
+                                      timings=timings, max_len=max_len, max_new_tokens=max_new_tokens, choice=choice,
+                                      mesh=mesh, streaming=on_tokens is not None)
         tokens_BN, steps = _gather(tokens_BN), int(steps)
     finally:
         del _receivers[stream_id]

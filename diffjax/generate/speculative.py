@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from diffjax import sharding
-from diffjax.generate.decode import _gather, compute_cast, decoding_model
+from diffjax.generate.decode import _gather, call_timed, compute_cast, decoding_model
 from diffjax.generate.sampling import next_tokens
 from diffjax.kinds import MTP_STACK
 from diffjax.model.kv_cache import KVCache
@@ -158,9 +158,12 @@ def _generate(graphdef, params, prompts_BP, lengths_B, *, max_len, max_new_token
     return state.tokens_BN, state.steps, state.drafted, state.accepted
 
 
-def run(graphdef, params, prompts_BP, lengths_B, *, max_len: int, max_new_tokens: int, choice, mesh, depths: int):
+def run(graphdef, params, prompts_BP, lengths_B, *, max_len: int, max_new_tokens: int, choice, mesh, depths: int,
+        timings: list | None = None):
     """The compiled speculative generation on checked, placed inputs: (new tokens [B, max_new_tokens] on the host,
-    Acceptance). The caches get `depths` slots past max_len: the drafts past a row's last position."""
-    tokens_BN, steps, drafted, accepted = _generate(graphdef, params, prompts_BP, lengths_B, max_len=max_len + depths,
-                                                    max_new_tokens=max_new_tokens, choice=choice, mesh=mesh)
+    Acceptance). The caches get `depths` slots past max_len: the drafts past a row's last position. timings: as
+    decode.generate's."""
+    tokens_BN, steps, drafted, accepted = call_timed(_generate, graphdef, params, prompts_BP, lengths_B,
+                                                     timings=timings, max_len=max_len + depths,
+                                                     max_new_tokens=max_new_tokens, choice=choice, mesh=mesh)
     return _gather(tokens_BN), Acceptance(int(drafted), int(accepted), int(steps))
