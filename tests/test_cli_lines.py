@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from diffjax import command_line
-from test_cli_help import MAINS, parser_of
+from test_cli_help import COMMANDS, MAINS, parser_of
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
@@ -69,17 +69,21 @@ def test_a_value_outside_the_choices_names_the_closest(capsys):
     assert "(did you mean diffjax-to-hf?)" in _error(convert, ["diffjax-to-fh", "a", "b"], capsys)
 
 
-def test_every_command_line_ends_through_the_runner():
+def test_every_command_line_ends_through_the_runner_and_builds_the_shared_parser():
     """The console scripts and every module's `if __name__ == "__main__":` call command_line.run (so Ctrl-C,
-    closed pipes and full disks end each alike); the console scripts import their command inside it."""
+    closed pipes and full disks end each alike; the console scripts import their command inside it); each such
+    module is one test_cli_help walks (so every parser above is checked), and none builds argparse's own parser."""
     for script, target in SCRIPTS.items():
         assert target.startswith(("diffjax.console_scripts:", "diffjax.train.cli:run")), script
     ends = {}
     for path in sorted((REPO_ROOT / "diffjax").rglob("*.py")):
-        for node in ast.parse(path.read_text()).body:
+        source = path.read_text()
+        assert "argparse.ArgumentParser(" not in source or path.name == "command_line.py", path
+        for node in ast.parse(source).body:
             if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
-                ends[path.relative_to(REPO_ROOT).as_posix()] = ast.unparse(node.body[-1])
-    assert len(ends) >= 12 and all(end.startswith("run(main, ") for end in ends.values()), ends
+                module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__main__")
+                ends[module] = ast.unparse(node.body[-1])
+    assert set(ends) == set(COMMANDS) and all(end.startswith("run(main, ") for end in ends.values()), ends
 
 
 def _python(code: str, **popen) -> subprocess.Popen:

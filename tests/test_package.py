@@ -46,10 +46,15 @@ def test_every_shipped_config_is_a_run_config():
 
 def test_tiny_mtp_is_tiny_with_two_mtp_depths():
     """Issue 62 item 8: a shipped config trains with MTP (and `diffjax-generate --draft mtp` has a model to draft
-    with): tiny, its depths and run directory apart."""
+    with): tiny, its depths, steps (as long as tiny's 400 by the FLOPs) and run directory apart."""
     from diffjax.train.config import load_run_config
+    from diffjax.train.metrics import training_flops_per_token
 
-    tiny, mtp = (load_run_config(name).to_dict() for name in ("tiny", "tiny-mtp"))
+    configs = [load_run_config(name) for name in ("tiny", "tiny-mtp")]
+    work = [config.train.steps * training_flops_per_token(config.model, config.data.seq_len) for config in configs]
+    assert 0.9 < work[1] / work[0] < 1.1
+    tiny, mtp = (config.to_dict() for config in configs)
+    assert mtp["train"].pop("steps") == 250 and tiny["train"].pop("steps") == 400
     assert mtp["model"].pop("mtp_depths") == 2 and tiny["model"].pop("mtp_depths") == 0
     assert mtp["train"].pop("run_dir") == "runs/tiny-mtp" and tiny["train"].pop("run_dir") == "runs/tiny"
     assert mtp == tiny
