@@ -7,8 +7,11 @@ of the usage block, as is a value outside an option's choices; every other parse
 
 `run(main, prog, argv)` calls a command's main and ends the process the same way whatever stops it:
   - main's exit status (its return value, or argparse's SystemExit), after the output is flushed;
-  - Ctrl-C (KeyboardInterrupt, from anywhere in main: its imports, an XLA compilation): one line, status 130, and
-    the process ends without Python's teardown, which a native thread left mid-call can crash (exit -11);
+  - Ctrl-C (from anywhere in main: its imports, an XLA compilation): one line, status 130, the process ended at
+    once (os._exit, as a kill: nothing saved is touched). Raising KeyboardInterrupt instead unwound an interrupted
+    XLA compilation while its threads ran on: `diffjax-train --plan` died of a segfault (exit -11), also when the
+    interrupt was caught. The trainer's own handler (diffjax.train.loop.StopSignals) replaces this one while it
+    trains, and saves a checkpoint;
   - a closed output pipe (`| head -1`): quietly, status 0, as a command killed by SIGPIPE would look to the shell;
   - output that cannot be written (`> /dev/full`): one line naming the stream, status 1.
 The trainer ends every run without the teardown (`end_process=True`, diffjax.train.cli.run).
@@ -17,6 +20,7 @@ The trainer ends every run without the teardown (`end_process=True`, diffjax.tra
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import re
@@ -132,6 +136,7 @@ def run(main: Callable[[list[str] | None], int | None], prog: str, argv: list[st
     teardown also when main returns (os._exit, everything a run opened being closed by then)."""
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _GuardedStream(sys.stdout, "stdout"), _GuardedStream(sys.stderr, "stderr")
+    interrupt = signal.signal(signal.SIGINT, functools.partial(_stop_at_once, prog, streams))
     try:
         try:
             code = main(argv)
@@ -142,10 +147,10 @@ def run(main: Callable[[list[str] | None], int | None], prog: str, argv: list[st
             code = 1
         sys.stdout.flush()
         sys.stderr.flush()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (raised otherwise than by SIGINT: _thread.interrupt_main, a library)
         _ignore_interrupts()
         code, end_process = 130, True
-        _say(streams[1], f"{prog}: interrupted (SIGINT)")
+        _say(streams[1], f"{prog}: interrupted")
     except OutputError as failed:
         code = 0 if isinstance(failed.error, BrokenPipeError) else 1
         # what is still buffered goes nowhere: the exit's own flush fails no more
@@ -154,9 +159,22 @@ def run(main: Callable[[list[str] | None], int | None], prog: str, argv: list[st
             _say(streams[1], f"{prog}: error: {failed}")
     finally:
         sys.stdout, sys.stderr = streams
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, interrupt)
     if end_process:
         end(code or 0)
     sys.exit(code)
+
+
+def _stop_at_once(prog: str, streams, signum, frame) -> NoReturn:
+    """The SIGINT handler while a command runs: what it printed, one line, then the end (exit 130)."""
+    _ignore_interrupts()
+    try:
+        streams[0].flush()
+    except Exception:  # (a closed pipe, or the write this signal interrupted: RuntimeError, reentrant call)
+        pass
+    _say(streams[1], f"{prog}: interrupted (SIGINT)")
+    os._exit(130)
 
 
 def _ignore_interrupts() -> None:
@@ -172,7 +190,7 @@ def _ignore_interrupts() -> None:
 def _say(stderr, line: str) -> None:
     try:
         print(line, file=stderr, flush=True)
-    except OSError:  # (stderr is what failed)
+    except (OSError, RuntimeError):  # (stderr is what failed; or the write the signal interrupted was stderr's)
         pass
 
 
