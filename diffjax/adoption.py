@@ -120,7 +120,7 @@ def _never_written(tree) -> str | None:
 
 def main(argv=None) -> int:
     parser = command_line.ArgumentParser(prog="diffjax-checkpoint",
-                                     description="Tools for diffjax checkpoints.")
+                                         description="Tools for diffjax checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     adopt_parser = commands.add_parser(
         "adopt", help="trust checkpoints that have no digest: restore each, check it is finite, write its digest")

@@ -16,7 +16,6 @@ samples, per answer depth.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Sequence
 

@@ -107,7 +107,7 @@ def parser(description: str, module: str, *, checkpoint_required: bool = True) -
     """An argument parser with the options every analysis takes: --checkpoint (one or more) and --label; its
     usage line names the command (`python -m <module>`), not the file."""
     result = command_line.ArgumentParser(prog=f"python -m {module}", description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
     result.add_argument("--checkpoint", action="append", required=checkpoint_required, metavar="DIR",
                         help="a run directory or checkpoint; repeat to compare models side by side")
     result.add_argument("--label", action="append", default=[], metavar="NAME",

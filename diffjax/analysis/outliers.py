@@ -18,7 +18,6 @@ repeat wherever their inputs do. In the first layer a logit depends only on its 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Sequence
 

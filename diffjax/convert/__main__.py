@@ -169,6 +169,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from diffjax.command_line import run
-
-    run(main, "diffjax-convert")
+    command_line.run(main, "diffjax-convert")

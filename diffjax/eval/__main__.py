@@ -23,7 +23,7 @@ from diffjax.log_lines import print_package_logs
 
 def _parser() -> argparse.ArgumentParser:
     parser = command_line.ArgumentParser(prog="diffjax-eval",
-                                     description="Run lm-evaluation-harness tasks on a diffjax checkpoint.")
+                                         description="Run lm-evaluation-harness tasks on a diffjax checkpoint.")
     parser.add_argument("--model-path", required=True, metavar="PATH",
                         help="a run directory, its checkpoints/ directory, a step directory, a Hugging Face directory "
                              "or Hub name org/name")
@@ -126,6 +126,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from diffjax.command_line import run
-
-    run(main, "diffjax-eval")
+    command_line.run(main, "diffjax-eval")

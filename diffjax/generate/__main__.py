@@ -180,6 +180,4 @@ class _StreamPrinter:
 
 
 if __name__ == "__main__":
-    from diffjax.command_line import run
-
-    run(main, "diffjax-generate")
+    command_line.run(main, "diffjax-generate")

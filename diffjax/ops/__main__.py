@@ -22,7 +22,7 @@ from diffjax.ops.choice import DEVICES, choose, current_device
 
 def main(argv=None) -> int:
     parser = command_line.ArgumentParser(prog="python -m diffjax.ops", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a run config: a shipped one's name (paper/diff-1.4b) or a YAML file")
     parser.add_argument("--device", choices=sorted(DEVICES), default=None, help="default: this machine's first device")
     parser.add_argument("--context", type=int, default=None, metavar="N",
@@ -62,6 +62,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from diffjax.command_line import run
-
-    run(main, "python -m diffjax.ops")
+    command_line.run(main, "python -m diffjax.ops")

@@ -64,6 +64,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from diffjax.command_line import run
-
-    run(main, "python -m diffjax.tokenizers")
+    command_line.run(main, "python -m diffjax.tokenizers")

@@ -40,7 +40,7 @@ def run(argv=None):
 
 def main(argv=None) -> int:
     parser = command_line.ArgumentParser(prog="diffjax-train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT, metavar="NAME_OR_PATH",
                         help=f"a shipped config's name (paper/diff-1.4b, ...) or a YAML file (default: {DEFAULT})")
     parser.add_argument("--help-keys", action="store_true",
