@@ -89,13 +89,13 @@ def _meant(name: str, known) -> str:
 
 
 def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
+    """An argparse type: an integer >= 1 (counts, sizes, lengths)."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from diffjax import attention_kinds, command_line
+from diffjax.command_line import positive_int  # noqa: F401 (the analyses' argparse type)
 from diffjax.analysis import figures
 from diffjax.config_values import build_config, read_yaml_mapping
 from diffjax.data.config import DataConfig
@@ -131,17 +132,6 @@ def int_list(text: str) -> tuple[int, ...]:
         return tuple(int(item) for item in text.split(",") if item.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1, for argparse (counts, sizes and lengths)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def positive_int_list(text: str) -> tuple[int, ...]:
