@@ -57,6 +57,8 @@ def test_no_option_is_abbreviated_and_a_misspelled_one_names_the_option(command,
                 for prefix in (option[:k] for k in range(3, len(option)) if option[:k] not in known):
                     line = _error(parse, [*path, prefix, "x"], capsys)
                     assert f"error: unrecognized option {prefix} (options are not abbreviated: did you mean " in line
+                if option[:-1] not in known:  # the --option=value form too
+                    assert f"unrecognized option {option[:-1]} " in _error(parse, [*path, f"{option[:-1]}=x"], capsys)
                 if swapped not in known:
                     assert option in _error(parse, [*path, swapped], capsys)
 
