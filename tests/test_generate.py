@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 import diffjax
 from diffjax.config import ModelConfig
-from diffjax.generate import decode
+from diffjax.generate import decode, generation
 from diffjax.generate.__main__ import SEPARATOR
 from diffjax.generate.sampling import Sampling, filter_logits, next_tokens
 from diffjax.model import TransformerLM
@@ -275,7 +275,7 @@ def test_the_decode_loop_copies_no_weight_and_no_cache(case):
     choice = decode.Choice(Sampling(), (), 0)
     hlo = decode._generate.lower(graphdef, params, np.ones((B, P), np.int32), np.full((B,), P, np.int32), jax.random.key(0),
                                  np.int32(0), max_len=P + N, max_new_tokens=N, choice=choice, mesh=None,
-                                 streaming=False).compile().as_text()
+                                 streaming=False, step=decode.PLAIN).compile().as_text()
     body = hlo_computations(hlo)[re.search(r"body=(%[\w.\-]+)", hlo).group(1)]
     assert sum(map(is_matmul, body)) >= 4 * model.config.num_layers, "this is not the decode step's loop"
     assert arrays_sized(body, {x.size for x in weights}) == []
@@ -349,10 +349,10 @@ def test_streaming_hands_over_each_step_and_can_stop_the_loop():
     seen.clear()
     early = diffjax.generate(model, prompts, N, stop_tokens=stops, on_tokens=lambda step, tokens: seen.append(step))
     assert seen[-1] <= 2 and len(seen) == seen[-1] + 1
-    _, steps = decode.run(graphdef, nnx.to_pure_dict(params), *map(jnp.asarray, decode._prompt_batch(prompts, None, 61)),
-                          jax.random.key(0), max_len=3 + N, max_new_tokens=N, mesh=None,
-                          choice=decode.Choice(Sampling(), tuple(stops), stops[0]))
-    assert steps == len(seen)
+    decoded = decode.run(graphdef, nnx.to_pure_dict(params), *map(jnp.asarray, generation._prompt_batch(prompts, None, 61)),
+                         jax.random.key(0), max_len=3 + N, max_new_tokens=N, mesh=None,
+                         choice=decode.Choice(Sampling(), tuple(stops), stops[0]))
+    assert decoded.steps == len(seen)
     assert early[0, 1] == stops[0]
 
 

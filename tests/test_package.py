@@ -22,18 +22,43 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 
 
-def test_config_names_resolve_to_the_shipped_files(tmp_path):
-    assert SHIPPED == REPO_ROOT / "diffjax" / "configs"
+def test_config_names_resolve_to_the_shipped_files(tmp_path, monkeypatch):
+    assert SHIPPED == REPO_ROOT / "configs"
     assert config_file("tiny") == SHIPPED / "tiny.yaml"
     assert config_file("paper/diff-1.4b") == SHIPPED / "paper" / "diff-1.4b.yaml"
     assert config_file("motif3/small.yaml") == SHIPPED / "motif3" / "small.yaml"
-    assert config_file("configs/paper/diff-1.4b.yaml") == SHIPPED / "paper" / "diff-1.4b.yaml"  # the old paths
+    monkeypatch.chdir(tmp_path)  # outside the checkout the repository's path still names the shipped file
+    assert config_file("configs/paper/diff-1.4b.yaml") == SHIPPED / "paper" / "diff-1.4b.yaml"
     mine = tmp_path / "tiny"  # an existing file wins over a shipped name
     mine.write_text("train: {steps: 1}\n")
     assert config_file(mine) == mine and config_file(str(mine)) == str(mine)
     names = shipped_names()
     assert {"tiny", "paper/diff-1.4b", "paper/transformer-830m", "motif3/small", "motif3/published"} <= set(names)
     assert names == sorted(p.relative_to(SHIPPED).with_suffix("").as_posix() for p in SHIPPED.rglob("*.yaml"))
+
+
+def test_the_wheel_maps_configs_into_the_package():
+    """configs/ at the root ships as the package diffjax.configs; `packages` is then an explicit list (setuptools'
+    find cannot see a mapped directory), so it must name every package directory of diffjax/."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"diffjax.configs": "configs"}
+    assert setuptools["package-data"]["diffjax.configs"] == ["**/*.yaml"]
+    on_disk = {".".join(init.parent.relative_to(REPO_ROOT).parts) for init in (REPO_ROOT / "diffjax").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == on_disk | {"diffjax.configs"}
+
+
+def test_an_installed_wheels_configs_win(tmp_path):
+    """Installed, the configs are diffjax/configs/ (package data), even beside a site-packages/configs/ of another
+    distribution; in a checkout (this one) they are configs/ beside diffjax/."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO_ROOT / "diffjax", site / "diffjax", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO_ROOT / "configs", site / "diffjax" / "configs")
+    (site / "configs").mkdir()
+    (site / "configs" / "foreign.yaml").write_text("{}\n")
+    probe = "from diffjax.train.config_files import SHIPPED, config_file; print(SHIPPED); print(config_file('tiny'))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})
+    assert result.stdout.split() == [str(site / "diffjax" / "configs"), str(site / "diffjax" / "configs" / "tiny.yaml")]
 
 
 def test_every_shipped_config_is_a_run_config():

@@ -20,7 +20,7 @@ from diffjax.train.config import RunConfig, parse_overrides
 from diffjax.train.metrics import matmul_params, training_flops_per_token
 from diffjax.train.step import init_state, make_train_step
 
-CONFIGS = Path(__file__).resolve().parents[1] / "diffjax" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PAPER = CONFIGS / "paper"
 VOCAB = ["model.vocab_size=257"]  # skip building the tokenizer where the test is not about it
 

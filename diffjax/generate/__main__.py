@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     print_package_logs()
     import jax
 
-    from diffjax.generate.decode import generate
+    from diffjax.generate.generation import generate
     from diffjax.params_checkpoint import load_model, resolve_checkpoint
 
     try:

@@ -68,6 +68,7 @@ DEVICES = {  # short names for the command line and tests
     "h100": Device("gpu", "NVIDIA H100 80GB HBM3"),
     "h200": Device("gpu", "NVIDIA H200"),
     "a100": Device("gpu", "NVIDIA A100-SXM4-80GB"),
+    "a100-40": Device("gpu", "NVIDIA A100-SXM4-40GB"),
     "l4": Device("gpu", "NVIDIA L4"),
     "v5e": Device("tpu", "TPU v5 lite"),
     "v5p": Device("tpu", "TPU v5p"),
@@ -121,7 +122,8 @@ def current_saved() -> str:
 class AttentionCall:
     """An attention op call by its shapes: q [B, T, H, 2, d] (diff_attention) or [B, T, H, d]
     (dot_product_attention), k [B, S, Hkv, G, d] or [B, S, Hkv, d], v [B, S, Hkv, dv]. segments: None, "one"
-    (one [B, T] id array, T == S) or "pair" (q ids and kv ids: decoding against a cache). window: None or the
+    (one [B, T] id array, T == S), "pair" (q ids and kv ids: decoding against a cache) or "per_query" (q ids and
+    kv ids [B, T, S], a row of them per query: a multi-token decode step, speculative decoding's). window: None or the
     sliding window's keys per query. context: the size of the mesh's context axis the call runs under (1: none).
     saved: what of a differentiated call's forward its backward finds saved (SAVED): "all" (no remat), "named" (a
     remat policy keeping names.OUTPUT_NAME and KERNEL_RESIDUALS_NAME), "none" (the forward runs again)."""
@@ -140,7 +142,8 @@ class AttentionCall:
     @classmethod
     def of(cls, op, q, k, v, causal, segment_ids, window=None, context=1, saved="all") -> "AttentionCall":
         check_window(window, causal)
-        segments = None if segment_ids is None else "pair" if isinstance(segment_ids, (tuple, list)) else "one"
+        segments = None if segment_ids is None else "one" if not isinstance(segment_ids, (tuple, list)) else (
+            "per_query" if jnp.ndim(segment_ids[1]) == 3 else "pair")
         return cls(op, tuple(q.shape), tuple(k.shape), tuple(v.shape), jnp.dtype(q.dtype).name, bool(causal), segments,
                    None if window is None else int(window), int(context), saved)
 
@@ -148,17 +151,20 @@ class AttentionCall:
         """(q, k, v, segment_ids) as ShapeDtypeStructs: what the kernels' `unsupported` checks read."""
         sds = jax.ShapeDtypeStruct
         B, T, S = self.q_shape[0], self.q_shape[1], self.k_shape[1]
-        ids = {None: None, "one": sds((B, T), jnp.int32), "pair": (sds((B, T), jnp.int32), sds((B, S), jnp.int32))}
+        ids = {None: None, "one": sds((B, T), jnp.int32), "pair": (sds((B, T), jnp.int32), sds((B, S), jnp.int32)),
+               "per_query": (sds((B, T), jnp.int32), sds((B, T, S), jnp.int32))}
         return (sds(self.q_shape, self.dtype), sds(self.k_shape, self.dtype), sds(self.v_shape, self.dtype),
                 ids[self.segments])
 
     @property
     def is_decode(self) -> bool:
-        """One query per row against a KV cache's slots (q / kv segment ids)."""
-        return self.segments == "pair" and self.q_shape[1] == 1
+        """A decode step against a KV cache's slots: one query per row (q / kv segment ids), or a few with kv ids of
+        their own (speculative decoding's 1 + draft)."""
+        return (self.segments == "pair" and self.q_shape[1] == 1) or self.segments == "per_query"
 
     def describe(self) -> str:
-        ids = {None: "", "one": ", segment ids", "pair": ", q / kv segment ids"}[self.segments]
+        ids = {None: "", "one": ", segment ids", "pair": ", q / kv segment ids",
+               "per_query": ", q / per-query kv segment ids"}[self.segments]
         window = "" if self.window is None else f", window {self.window}"
         context = "" if self.context == 1 else f", context axis of {self.context}"
         return (f"{self.op} q {list(self.q_shape)} k {list(self.k_shape)} v {list(self.v_shape)} {self.dtype}"
@@ -263,6 +269,9 @@ def _asked_for(call: AttentionCall, impl: str, device: Device) -> tuple[str, str
     """(impl, why) for an explicit impl, or a ValueError where it cannot run `call`."""
     q, k, v, segment_ids = call.arrays()
     where = f"shapes q {call.q_shape}, k {call.k_shape}, v {call.v_shape}"
+    if call.segments == "per_query" and impl != "xla":
+        raise ValueError(f"{call.op}: impl={impl!r} takes no per-query kv segment ids ([B, T, S]: a multi-token decode "
+                         f"step); {where}. Use impl='xla' or 'auto'.")
     if impl == "cudnn":
         why_not = compositions.cudnn_unsupported(q, k, v, call.causal, segment_ids, device.platform)
         if why_not:
@@ -290,7 +299,8 @@ def _auto(call: AttentionCall, device: Device) -> tuple[tuple[str, str], tuple[s
     pallas_gpu and cuDNN apart."""
     T, d, dv = call.q_shape[1], call.q_shape[-1], call.v_shape[-1]
     if call.is_decode:
-        return (("xla", "decode: one query against the KV cache (no fused decode kernel yet)"),) * 2
+        return (("xla", "decode: queries against the KV cache (no fused decode kernel yet; per-query kv ids: the xla "
+                        "op's alone)"),) * 2
     if device.platform == "tpu":
         return (("pallas_tpu", "fused Pallas TPU kernel") if T >= TPU_MIN_T else
                 ("xla", f"T={T} < {TPU_MIN_T} is below one kernel block"),) * 2

@@ -19,14 +19,17 @@ own kind of device (a CPU: the mesh's devices simulated) the compiled train step
 from __future__ import annotations
 
 import argparse
+import os  # noqa: F401 (os.environ, for --plan's options)
 import signal
 import sys
 
 from diffjax import command_line
 from diffjax.train.config_files import DEFAULT
 
-# --plan's devices: diffjax.train.plan.DEVICE_MEMORY's (named here so that --help loads no jax; tested equal)
-DEVICE_NAMES = ("cpu", "h100", "h200", "a100", "l4", "v5p", "v5e", "v6e")
+# --plan's devices and their memory as sold, in GB: diffjax.train.plan.DEVICE_MEMORY's (named here so that --help
+# loads no jax; tested equal)
+DEVICE_GB = {"h100": 80, "h200": 141, "a100": 80, "a100-40": 40, "l4": 24, "v5p": 95, "v5e": 16, "v6e": 32}
+DEVICE_NAMES = ("cpu", *DEVICE_GB)
 
 
 def run(argv=None):
@@ -49,7 +52,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plan", action="store_true",
                         help="print the run's memory per device and whether it fits --device, then exit (trains nothing)")
     parser.add_argument("--device", choices=DEVICE_NAMES,
-                        help="with --plan: the device to plan for (default cpu: this machine's memory)")
+                        help="with --plan: the device to plan for, one memory size each ("
+                             + ", ".join(f"{name} {gb} GB" for name, gb in DEVICE_GB.items())
+                             + "; default cpu: this machine's memory)")
     parser.add_argument("--devices", type=command_line.positive_int, metavar="N",
                         help="with --plan: devices in all, for a mesh axis of -1 (default: the other axes' product)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")

@@ -1,6 +1,6 @@
 """The run configuration: model, data, optimizer, training and checkpoint sections.
 
-A run is described by one YAML file (a path, or a config shipped in diffjax/configs/ by name) plus dotted
+A run is described by one YAML file (a path, or a config shipped in configs/ by name) plus dotted
 `key=value` overrides, e.g.
 
     diffjax-train --config tiny model.num_layers=2 optim.lr=1e-3

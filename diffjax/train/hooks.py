@@ -116,7 +116,7 @@ class MetricsLog(Hook):
         run.log = self.progress.log  # hooks' and the loop's lines clear the bar first
         self.flops_per_token = training_flops_per_token(config.model, config.data.seq_len)
         self.peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)
-        self.facets = model_facets(config.model)  # the kinds' own metrics and guards
+        self.facets = model_facets(config.model, config)  # the kinds' own metrics and guards
         self.guard = NonfiniteGuard(config.train.on_nonfinite, config.train.max_skipped_steps,
                                     lambda values: "".join(facet.nonfinite_reasons(values) for facet in self.facets),
                                     first_step=run.start_step + 1)

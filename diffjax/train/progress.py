@@ -8,8 +8,10 @@ import os
 import re
 import sys
 
-# The MTP depths' losses (diffjax.train.step names them mtp_loss/depth_<k>), shown beside the main loss
-_MTP_LOSS = re.compile(r"^mtp_loss/depth_(\d+)$")
+from diffjax.model import mtp
+
+# The MTP depths' losses among a step's metrics (named by diffjax.model.mtp.METRIC), shown beside the main loss
+_MTP_LOSS = re.compile("^" + re.escape(mtp.METRIC).replace(re.escape("{}"), r"(\d+)") + "$")
 
 
 def format_duration(seconds: float) -> str:

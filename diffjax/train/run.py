@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import shutil
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
 from diffjax.train.mesh import allgather_json, describe, initialize_distributed, make_mesh, process_batch_shard
 from diffjax.train.metrics import read_records, training_flops_per_token
-from diffjax.train.optimizer import OptimizerConfig, lambda_scale, make_optimizer, schedule_change
+from diffjax.train.optimizer import OptimizerConfig, make_optimizer, schedule_change
 from diffjax.train.start import Start, StartPlan, StartSettings, plan_start
 from diffjax.train.state_checkpoints import Checkpointer, Restored, abstract_like, restore_params
 from diffjax.train.step import ShardedTraining, setup_sharded_state, sharded_lora_init
@@ -89,7 +90,7 @@ class Run:
     tokenizer: Any
     training: ShardedTraining
     train_step: Callable  # jitted (state, batch) -> (state, device metrics); donates the state
-    eval_step: Callable  # jitted (params, batch, lambda_scale) -> (loss sum, counted tokens)
+    eval_step: Callable  # jitted (params, batch, step) -> (loss sum, counted tokens)
     state: dict
     data_iter: Any  # grain iterator of this process's rows; its position is checkpointed
     eval_batches: list[dict[str, jax.Array]]  # fixed, on the devices
@@ -138,10 +139,9 @@ class Run:
         if not self.eval_batches:
             return None
         total, count = 0.0, 0.0
-        scale = lambda_scale(self.config.optim, self.step)  # the next step's: what the model computes now
-        scale = jnp.float32(1) if scale is None else scale
+        step = jnp.int32(self.step)  # the next step's: what the model computes now
         for batch in self.eval_batches:
-            loss_sum, tokens = self.eval_step(self.state[PARAMS], batch, scale)
+            loss_sum, tokens = self.eval_step(self.state[PARAMS], batch, step)
             total, count = total + float(loss_sum), count + float(tokens)
         return total / max(count, 1.0)
 
@@ -364,8 +364,8 @@ def _data(config: RunConfig, tokenizer, training: ShardedTraining, plan: BatchPl
 
 def _jitted_steps(config: RunConfig, training: ShardedTraining, tx, schedule, frozen) -> tuple[Callable, Callable]:
     train_step = training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk,
-                                         partial(lambda_scale, config.optim) if config.optim.lambda_warmup_steps else None)
-    eval_step = training.jit_eval_step(config.model, config.train.loss_chunk)
+                                         config)
+    eval_step = training.jit_eval_step(config.model, config.train.loss_chunk, config)
     if frozen is not None:  # the frozen base rides along as the steps' last argument
         train_step = partial(_with_frozen, train_step, frozen)
         eval_step = partial(_with_frozen, eval_step, frozen)
@@ -491,11 +491,13 @@ def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, global_
 
 def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
     """An empty corpus packs into rows with nothing to predict (and takes ages to pack): refuse it rather than
-    'train' at loss 0. The first `sample` documents tell, without reading a large corpus."""
-    n = min(len(documents), sample)
-    if not any([documents[i] for i in range(n)]):  # (each read: a broken record among them stops the start now)
-        where = f"data.paths {list(config.data.paths)}" if config.data.paths else f"data.source {config.data.source!r}"
-        what = "all empty" if n == len(documents) else f"empty (the first {n})"
+    'train' at loss 0. The first `sample` documents tell, without reading a large corpus (or stream)."""
+    first = list(itertools.islice(iter(documents), sample))  # (each read: a broken record stops the start now)
+    if not any(first):
+        where = (f"data.paths {list(config.data.paths)}" if config.data.paths else
+                 f"data.hf_dataset {config.data.hf_dataset!r}" if config.data.hf_dataset else
+                 f"data.source {config.data.source!r}")
+        what = "all empty" if len(first) < sample else f"empty (the first {sample})"
         raise ValueError(f"the training data has no text to learn from ({where}: its documents are {what})")
 
 

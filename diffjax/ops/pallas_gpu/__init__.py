@@ -50,7 +50,7 @@ d and dv are each 64, 128 or 192 (SINGLE_HEAD_DIMS says why), Motif 3's GDLA's 1
 only the forward's output staging depends on the pair (the query tile when dv == d, else a V ring slot,
 free once both consumers are past their last step).
 
-The single-map backward consumers (dq.single_step, dkdv.single_step) take each streamed step in 64-row sub-tiles
+The single-map backward consumers (dq.single_step, dkdv._single_step) take each streamed step in 64-row sub-tiles
 (dq: 64 keys, dk/dv: 64 queries; a loop, not unrolled, over a 128-row block's two), so the live set beside the fp32
 accumulators is one sub-tile's S and dP (32 registers each) at any block size. A 128-row step used to hold two
 64 x 128 fp32 tiles (64 registers each) beside dK and dV (128): ptxas spilled 1.8 KB a thread and serialized every
