@@ -74,8 +74,8 @@ def test_a_value_outside_the_choices_names_the_closest(capsys):
 
 def test_every_command_line_ends_through_the_runner_and_builds_the_shared_parser():
     """The console scripts and every module's `if __name__ == "__main__":` call command_line.run (so Ctrl-C,
-    closed pipes and full disks end each alike; the console scripts import their command inside it); each such
-    module is one test_cli_help walks (so every parser above is checked), and none builds argparse's own parser."""
+    closed pipes and full disks end each alike; the console scripts import their command inside it); every command
+    test_cli_help walks (the parsers above) is such a module, and none builds argparse's own parser."""
     for script, target in SCRIPTS.items():
         assert target.startswith(("diffjax.console_scripts:", "diffjax.train.cli:run")), script
     ends = {}
@@ -86,7 +86,7 @@ def test_every_command_line_ends_through_the_runner_and_builds_the_shared_parser
             if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
                 module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__main__")
                 ends[module] = ast.unparse(node.body[-1])
-    assert set(ends) == set(COMMANDS), ends
+    assert set(COMMANDS) <= set(ends), ends
     assert all(re.match(r"(command_line\.)?run\(main, ", end) for end in ends.values()), ends
 
 

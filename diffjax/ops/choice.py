@@ -5,7 +5,8 @@ device, so "what would `auto` do on an H100 for these shapes" needs no H100 (`py
 
 `choose(call, impl, device) -> Route`; an explicit impl that cannot run the call is a ValueError naming the impl,
 the shapes and what to use instead. diffjax.ops' diff_attention / dot_product_attention (and so the KV cache's
-decode step) call it with `current_device()`: the running device, or the one `simulated_device` sets (tests).
+decode step) call it with `current_device()`: the device the call is compiled for, or the one `simulated_device`
+sets (tests; diffjax.ops.target).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 from diffjax.attention_impls import IMPLS
 from diffjax.ops import compositions, context_parallel
 from diffjax.ops.reference import check_window
+from diffjax.ops.target import DEVICES, Device, current_device  # noqa: F401 (DEVICES: callers take it from here too)
 
 # The passes a call can run in: "fwd" undifferentiated (eval, generation's prefill), "fwd+bwd" differentiated (the
 # train step: the forward rule and the backward), named as benchmarks/attention.py names them.
@@ -46,54 +46,7 @@ HOPPER_MS: dict[tuple[str, int, int, bool], dict[str, dict[str, float]]] = {
     ("dot_product_attention", 128, 128, True): {"fwd": {"cudnn": 1.26, "pallas_gpu": 1.09},
                                                 "fwd+bwd": {"cudnn": 4.21, "pallas_gpu": 5.51}},
 }
-HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
-# The best pallas_gpu Tuning per shape class, measured on a Hopper GPU by benchmarks/pallas_gpu_sweep.py --table
-# (copied here from a GPU session's output); absent: pallas_gpu.default_tuning's shared-memory rule alone.
-TUNING_TABLE = Path(__file__).with_name("pallas_gpu_tuning.json")
 TPU_MIN_T = 128  # below one Pallas TPU block, auto takes xla
-
-
-@dataclasses.dataclass(frozen=True)
-class Device:
-    platform: str  # "cpu" | "gpu" | "tpu", as jax.default_backend() names it
-    kind: str  # jax's device_kind, e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite"
-
-    @property
-    def is_hopper(self) -> bool:
-        return self.platform == "gpu" and any(name in self.kind for name in HOPPER_KINDS)
-
-
-DEVICES = {  # short names for the command line and tests
-    "cpu": Device("cpu", "cpu"),
-    "h100": Device("gpu", "NVIDIA H100 80GB HBM3"),
-    "h200": Device("gpu", "NVIDIA H200"),
-    "a100": Device("gpu", "NVIDIA A100-SXM4-80GB"),
-    "a100-40": Device("gpu", "NVIDIA A100-SXM4-40GB"),
-    "l4": Device("gpu", "NVIDIA L4"),
-    "v5e": Device("tpu", "TPU v5 lite"),
-    "v5p": Device("tpu", "TPU v5p"),
-    "v6e": Device("tpu", "TPU v6 lite"),
-}
-
-
-_SIMULATED: contextvars.ContextVar[Device | None] = contextvars.ContextVar("simulated_device", default=None)
-
-
-def current_device() -> Device:
-    """The device calls are routed for: the one `simulated_device` sets, else the running one."""
-    return _SIMULATED.get() or Device(jax.default_backend(), jax.devices()[0].device_kind)
-
-
-@contextlib.contextmanager
-def simulated_device(device: Device):
-    """Route the attention calls traced inside as on `device` (e.g. DEVICES["h100"]), whatever runs them: tests of
-    the dispatch on a machine without that device. The kernels still run as the running device can (interpreted
-    off their platform)."""
-    token = _SIMULATED.set(device)
-    try:
-        yield device
-    finally:
-        _SIMULATED.reset(token)
 
 
 _SAVED: contextvars.ContextVar[str] = contextvars.ContextVar("saved_by_remat", default="all")
@@ -318,11 +271,12 @@ def _auto(call: AttentionCall, device: Device) -> tuple[tuple[str, str], tuple[s
             return tuple(_faster(call, measured, p) for p in PASSES)
         return (("pallas_gpu", "fused Mosaic GPU kernel"),) * 2
     if why_not["cudnn"] is None:
-        return (("cudnn", "cuDNN flash composition"),) * 2
+        return (("cudnn", f"cuDNN flash composition; pallas_gpu {why_not['pallas_gpu']}"),) * 2
     why_not["triton"] = compositions.triton_unsupported(q, k, v, call.causal, segment_ids, device.platform,
                                                         window=call.window)
     if why_not["triton"] is None:
-        return (("triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"),) * 2
+        return (("triton", f"Pallas Triton flash composition; pallas_gpu {why_not['pallas_gpu']}; cudnn "
+                           f"{why_not['cudnn']}"),) * 2
     return (("xla", "; ".join(f"{name} {why}" for name, why in why_not.items())),) * 2
 
 
@@ -338,24 +292,3 @@ def _faster(call: AttentionCall, measured: dict[str, dict[str, float]], pass_: s
     rerun = ", with the forward its backward runs again where remat saves none of it" * (pass_ == "fwd+bwd" and
                                                                                          call.saved != "all")
     return impl, f"{what}, measured faster {pass_} on Hopper{rerun} ({ms(impl)} vs {ms(other)} ms at T 8192)"
-
-
-def tuning_class(d: int, dv: int, single: bool, dtype) -> str:
-    """The shape class a swept pallas_gpu Tuning is kept under, e.g. "diff d128 dv256 bfloat16"."""
-    return f"{'single' if single else 'diff'} d{d} dv{dv} {jnp.dtype(dtype).name}"
-
-
-def swept_tuning(d: int, dv: int, single: bool, dtype, table: Path | None = None) -> dict | None:
-    """The Tuning fields benchmarks/pallas_gpu_sweep.py measured best for this shape class on a Hopper GPU (the
-    table `table`, default TUNING_TABLE), or None: no table, no entry, or a table from a dry run / another GPU."""
-    table = TUNING_TABLE if table is None else Path(table)
-    if not table.exists():
-        return None
-    try:
-        content = json.loads(table.read_text())
-        entry = content["best"].get(tuning_class(d, dv, single, dtype))
-        measured = not content.get("dry_run") and any(kind in content["device"] for kind in HOPPER_KINDS)
-        return dict(entry["tuning"]) if entry is not None and measured else None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{table}: not a pallas_gpu tuning table as benchmarks/pallas_gpu_sweep.py --table writes "
-                         f"(device, best: {{class: {{tuning: {{...}}}}}}): {type(e).__name__}: {e}") from None
