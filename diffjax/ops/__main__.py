@@ -3,7 +3,7 @@ lives in diffjax.train.route_preview: it reads run configs and builds attention 
 
 from __future__ import annotations
 
-import sys
+from diffjax import command_line
 
 
 def main(argv=None) -> int:
@@ -14,4 +14,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line.run(main, "python -m diffjax.ops")

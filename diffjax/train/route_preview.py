@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffjax import command_line
 from diffjax.model.sizes import attention_calls
 from diffjax.ops.choice import choose
 from diffjax.ops.target import DEVICES, current_device
@@ -27,8 +28,8 @@ from diffjax.train.config import load_run_config
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffjax.ops", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line.ArgumentParser(prog="python -m diffjax.ops", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a run config: a shipped one's name (paper/diff-1.4b) or a YAML file")
     parser.add_argument("--device", choices=sorted(DEVICES), default=None, help="default: this machine's first device")
     parser.add_argument("--context", type=int, default=None, metavar="N",
@@ -65,4 +66,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line.run(main, "python -m diffjax.ops")
