@@ -43,9 +43,7 @@ ALLOWED_UPWARD: set[tuple[str, str]] = {
 }
 
 # Modules that import each other, directly or through others (lazy imports included), as sets.
-ALLOWED_CIRCLES: set[frozenset[str]] = {
-    frozenset({"diffjax.ops.choice", "diffjax.ops.pallas_gpu"}),  # (issue 61: the route and the GPU kernels' tuning)
-}
+ALLOWED_CIRCLES: set[frozenset[str]] = set()
 
 # diffjax.parallel only keeps old imports working (its names live in diffjax.sharding and diffjax.train.mesh).
 ALLOWED_PARALLEL_IMPORTERS: set[str] = set()
