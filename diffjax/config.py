@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from diffjax import attention_kinds, block_kinds, kinds, mlp_kinds, residual_kinds
 from diffjax.attention_impls import config_problems
-from diffjax.config_values import build_config, did_you_mean, one_of
+from diffjax.config_values import build_config, did_you_mean, nonfinite_problems, one_of
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (diffjax.model.layers.polynorm)
 ROPE_STYLES = ("interleaved", "rotate_half")
@@ -189,7 +189,7 @@ class ModelConfig:
         if isinstance(self.global_layers, list):
             object.__setattr__(self, "global_layers", tuple(self.global_layers))
         rows = {part: _row(table, getattr(self, part)) for part, table in BLOCK_PARTS.items()}
-        errors = [row for row in rows.values() if isinstance(row, str)]
+        errors = [row for row in rows.values() if isinstance(row, str)] + nonfinite_problems(self)
         errors += self._size_errors() + self._window_errors() + self._numerics_errors() + self._mtp_errors()
         if errors:
             raise ValueError("invalid ModelConfig: " + "; ".join(errors))

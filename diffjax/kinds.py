@@ -20,7 +20,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
-from diffjax.config_values import build_config, one_of
+from diffjax.config_values import build_config, nonfinite_problems, one_of
 
 
 class Options:
@@ -173,7 +173,8 @@ def resolve_options(row, given, config, field: str) -> tuple[Options | None, tup
         raise ValueError(f"{field} must be a mapping of {options_class.__name__} fields, got {given!r}")
     derived = tuple(f.name for f in dataclasses.fields(given) if getattr(given, f.name) is None)
     resolved = dataclasses.replace(given, **{k: v for k, v in given.defaults(config).items() if k in derived})
-    problems = [f"{field}.{line}" for line in choice_problems(resolved) + resolved.problems(config)]
+    problems = nonfinite_problems(resolved, f"{field}.") or \
+        [f"{field}.{line}" for line in choice_problems(resolved) + resolved.problems(config)]
     if problems:
         raise ValueError("; ".join(problems))
     return resolved, derived

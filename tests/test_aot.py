@@ -80,8 +80,33 @@ def test_a_topologys_devices_are_the_generations_and_compile_the_mosaic_kernel(v
     assert compiled.memory_analysis().argument_size_in_bytes == 3 * 256 * 2 * 128 * 2
 
 
+def test_jaxs_own_mesh_context_names_the_device_too(v5e):
+    """jax.set_mesh with a topology's mesh: its abstract mesh carries the device, which compile_for then keeps."""
+    with jax.set_mesh(v5e.mesh()):
+        assert ops.compile_device() == ops.DEVICES["v5e"]
+        with aot.compile_for(v5e):
+            assert ops.compile_device() == ops.DEVICES["v5e"]
+        with pytest.raises(ValueError, match="compile_for"):
+            with aot.compile_for(jax.devices()[0]):
+                pass
+    assert ops.compile_device() == CPU
+
+
 def test_every_generations_device_kind_is_what_routes_name_it(v5e):
     """DEVICES' TPU kinds are the topologies' own (a v5p is "TPU v5" to jax, not "TPU v5p")."""
     for generation in aot.TPU_GENERATIONS:
         devices = aot.tpu_target(generation).devices
         assert aot.Target(generation, devices).device == ops.DEVICES[generation], generation
+
+
+def test_a_one_device_topology_mesh_outside_compile_for_is_one_line_naming_it(v5e):
+    """Under the train step's mesh of one topology device (no shard_map, so no abstract mesh) the kernel compiles
+    for that TPU, and jax's Mosaic lowering would read this CPU's kind: the error says to use compile_for."""
+    mesh = aot.Target("v5e:1", v5e.devices[:1]).mesh((1,), ("data",))
+    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16,
+                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    with sharding.activation_sharding(mesh), pytest.raises(ValueError, match="inside diffjax.ops.aot.compile_for"):
+        jax.jit(lambda q, k, v: ops.dot_product_attention(q, k, v)).lower(q, q, q)
+    with sharding.activation_sharding(mesh), aot.compile_for(mesh):
+        text = jax.jit(lambda q, k, v: ops.dot_product_attention(q, k, v)).lower(q, q, q).compile().as_text()
+    assert aot.kernel_calls(text) == {"diffjax_flash_fwd_m1": 1}

@@ -19,7 +19,8 @@ LAYERS = (
     ("config", ("diffjax.config", "diffjax.config_values", "diffjax.kinds", "diffjax.attention_kinds",
                 "diffjax.mlp_kinds", "diffjax.residual_kinds", "diffjax.block_kinds", "diffjax.attention_impls",
                 "diffjax.jax_compat",
-                "diffjax.log_lines", "diffjax.mesh_axes", "diffjax.lora_config", "diffjax.lazy_exports")),
+                "diffjax.log_lines", "diffjax.mesh_axes", "diffjax.lora_config", "diffjax.lazy_exports",
+                "diffjax.command_line")),
     ("sharding", ("diffjax.sharding",)),
     ("ops", ("diffjax.ops",)),
     ("model", ("diffjax.model", "diffjax.losses", "diffjax.lora", "diffjax.generate")),  # and decoding with it
@@ -29,7 +30,7 @@ LAYERS = (
     ("tokenizers", ("diffjax.tokenizers",)),
     ("data", ("diffjax.data",)),  # a DataConfig names its tokenizer
     ("train", ("diffjax.train", "diffjax.parallel")),
-    ("applications", ("diffjax.eval", "diffjax.analysis", "diffjax.generate.__main__")),
+    ("applications", ("diffjax.eval", "diffjax.analysis", "diffjax.generate.__main__", "diffjax.console_scripts")),
     ("face", ("diffjax",)),  # the package face (diffjax/__init__.py) hands every layer's names on
 )
 
@@ -42,7 +43,7 @@ ALLOWED_UPWARD: set[tuple[str, str]] = {
 }
 
 # Modules that import each other, directly or through others (lazy imports included), as sets.
-ALLOWED_CIRCLES: set[frozenset[str]] = set()  # (ops.choice / ops.pallas_gpu: gone with pallas_gpu.tuning_table)
+ALLOWED_CIRCLES: set[frozenset[str]] = set()
 
 # diffjax.parallel only keeps old imports working (its names live in diffjax.sharding and diffjax.train.mesh).
 ALLOWED_PARALLEL_IMPORTERS: set[str] = set()

@@ -135,6 +135,11 @@ def test_the_cli_says_whether_it_fits(capsys):
     with pytest.raises(SystemExit):
         main(["--device", "h100"])  # --device without --plan
     assert "--device and --devices go with --plan" in capsys.readouterr().err
+    for devices in ("0", "-3"):  # issue 62 item 5: 0 planned for one device, -3 got a confusing message
+        with pytest.raises(SystemExit):
+            main(["--plan", "--devices", devices])
+        assert capsys.readouterr().err == (f"diffjax-train: error: argument --devices: expected a positive integer, "
+                                           f"got '{devices}' (`diffjax-train --help` shows the usage)\n")
     assert main(["--plan", "--config", "tiny", "parallel.tensor=3", "parallel.data=1"]) == 2
     assert "parallel.tensor (3) must divide model.num_heads (4)" in capsys.readouterr().err
     from diffjax.train.cli import DEVICE_GB, DEVICE_NAMES

@@ -69,6 +69,22 @@ def test_every_shipped_config_is_a_run_config():
         assert set(read_yaml(config_file(name))) <= set(SECTIONS), name
 
 
+def test_tiny_mtp_is_tiny_with_two_mtp_depths():
+    """Issue 62 item 8: a shipped config trains with MTP (and `diffjax-generate --draft mtp` has a model to draft
+    with): tiny, its depths, steps (as long as tiny's 400 by the FLOPs) and run directory apart."""
+    from diffjax.train.config import load_run_config
+    from diffjax.train.metrics import training_flops_per_token
+
+    configs = [load_run_config(name) for name in ("tiny", "tiny-mtp")]
+    work = [config.train.steps * training_flops_per_token(config.model, config.data.seq_len) for config in configs]
+    assert 0.9 < work[1] / work[0] < 1.1
+    tiny, mtp = (config.to_dict() for config in configs)
+    assert mtp["train"].pop("steps") == 250 and tiny["train"].pop("steps") == 400
+    assert mtp["model"].pop("mtp_depths") == 2 and tiny["model"].pop("mtp_depths") == 0
+    assert mtp["train"].pop("run_dir") == "runs/tiny-mtp" and tiny["train"].pop("run_dir") == "runs/tiny"
+    assert mtp == tiny
+
+
 def test_an_unknown_config_name_is_one_line_listing_the_shipped_ones(capsys):
     assert main(["--config", "paper/diff-1.5b", "--help-keys"]) == 2
     err = capsys.readouterr().err.strip()

@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from diffjax import attention_kinds
+from diffjax import attention_kinds, command_line
+from diffjax.command_line import positive_int  # noqa: F401 (the analyses' argparse type)
 from diffjax.analysis import figures
 from diffjax.config_values import build_config, read_yaml_mapping
 from diffjax.data.config import HF_DEFAULTS, DataConfig
@@ -107,8 +108,8 @@ def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = N
 def parser(description: str, module: str, *, checkpoint_required: bool = True) -> argparse.ArgumentParser:
     """An argument parser with the options every analysis takes: --checkpoint (one or more) and --label; its
     usage line names the command (`python -m <module>`), not the file."""
-    result = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    result = command_line.ArgumentParser(prog=f"python -m {module}", description=description,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
     result.add_argument("--checkpoint", action="append", required=checkpoint_required, metavar="DIR",
                         help="a run directory or checkpoint; repeat to compare models side by side")
     result.add_argument("--label", action="append", default=[], metavar="NAME",
@@ -132,17 +133,6 @@ def int_list(text: str) -> tuple[int, ...]:
         return tuple(int(item) for item in text.split(",") if item.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1, for argparse (counts, sizes and lengths)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def positive_int_list(text: str) -> tuple[int, ...]:

@@ -315,4 +315,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "python -m diffjax.analysis.needles")

@@ -201,4 +201,6 @@ def _write_training(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "python -m diffjax.analysis.recall")

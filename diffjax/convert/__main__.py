@@ -15,6 +15,7 @@ import resource
 import sys
 import time
 
+from diffjax import command_line
 from diffjax.log_lines import os_error_line, print_package_logs
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work; never grab an accelerator
@@ -38,7 +39,7 @@ def _progress(name: str, index: int, count: int) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffjax-convert", description=__doc__.splitlines()[0])
+    parser = command_line.ArgumentParser(prog="diffjax-convert", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("hf-to-diffjax", help="HF directory (diffllama / llama / motif) -> diffjax run directory")
@@ -190,4 +191,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line.run(main, "diffjax-convert")

@@ -73,6 +73,10 @@ class Configs:
     def __contains__(self, config: ModelConfig) -> bool:
         return not self.outside(config)
 
+    def admits(self, name: str, value) -> bool:
+        """Whether some config of this set has `value` in field `name`."""
+        return _admits(self.values.get(name, ANY), value)
+
     def outside(self, config: ModelConfig) -> list[str]:
         """The fields whose value in `config` is not in this set's."""
         return [name for name, allowed in self.values.items() if not _admits(allowed, getattr(config, name))]
@@ -119,6 +123,10 @@ class CheckpointFormat:
 
     def holds_config(self, config: ModelConfig) -> bool:
         return any(config in configs for configs in self.holds)
+
+    def holds_value(self, name: str, value) -> bool:
+        """Whether it holds some config with `value` in field `name` (e.g. "attention", "gdla")."""
+        return any(configs.admits(name, value) for configs in self.holds)
 
     def misses(self, config: ModelConfig) -> list[str]:
         """Why it does not hold `config`, by its nearest set: ["mlp='moe': Llama holds mlp 'gated' only", ...]."""

@@ -4,17 +4,17 @@ tokenizer)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from diffjax import command_line
 from diffjax.data.config import DATA_SOURCES, DataConfig
 from diffjax.data.sources import open_documents
 from diffjax.tokenizers.sentencepiece_tokenizer import train_sentencepiece
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffjax.data", description=__doc__)
+    parser = command_line.ArgumentParser(prog="python -m diffjax.data", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train-sentencepiece", help="train a SentencePiece model on a corpus")
     train.add_argument("--output", required=True, help="the .model file to write")
@@ -66,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line.run(main, "python -m diffjax.data")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from diffjax.config_values import one_of
+from diffjax.config_values import nonfinite_problems, one_of
 from diffjax.tokenizers.config import TokenizerConfig
 
 DATA_SOURCES = ("builtin", "text", "jsonl", "parquet", "hf")
@@ -56,6 +56,8 @@ class DataConfig:
     """The tokenizer the documents are encoded with."""
 
     def __post_init__(self):
+        if problems := nonfinite_problems(self, "data."):
+            raise ValueError(problems[0])
         if self.source not in DATA_SOURCES:
             raise ValueError(one_of("data.source", self.source, DATA_SOURCES))
         self._check_source()

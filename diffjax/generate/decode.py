@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -195,6 +196,26 @@ def to_host(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """A generate call's seconds (generate(..., timings=[])): compiling its program, then running it (prefill and
+    every step, waited for); `began`: time.perf_counter() when it began running (where a stream's clock starts)."""
+
+    compile_seconds: float
+    generate_seconds: float
+    began: float
+
+
+def _compiled_and_timed(args: tuple, static: dict, timings: list):
+    """_generate(*args, **static), compiled before it runs: its Timing is appended to `timings`."""
+    start = time.perf_counter()
+    compiled = _generate.lower(*args, **static).compile()
+    began = time.perf_counter()
+    outputs = jax.block_until_ready(compiled(*args[1:]))  # (a compiled program takes the traced arguments: no graphdef)
+    timings.append(Timing(began - start, time.perf_counter() - began, began))
+    return outputs
+
+
 class Decoded(NamedTuple):
     """What `run` returns."""
 
@@ -204,17 +225,20 @@ class Decoded(NamedTuple):
 
 
 def run(graphdef, params, prompts_BP, lengths_B, key, *, max_len: int, max_new_tokens: int, choice: Choice,
-        mesh: Mesh | None, on_tokens=None, step: Step = PLAIN) -> Decoded:
+        mesh: Mesh | None, on_tokens=None, step: Step = PLAIN, timings: list | None = None) -> Decoded:
     """The compiled generation on checked, placed inputs (diffjax.generate's work after its checks; the lm-eval
-    adapter's entry). max_len: prompt + new tokens (the caches get step.draft slots more)."""
+    adapter's entry). max_len: prompt + new tokens (the caches get step.draft slots more). timings: a list that gets
+    the call's Timing appended (its program compiled before it runs, so the compilation is timed apart)."""
     if on_tokens is not None and not step.streams:
         raise ValueError(f"{type(step).__name__} does not stream: pass no on_tokens")
     stream_id = next(_stream_ids)
     receiver = _receivers[stream_id] = _Receiver(on_tokens)
     try:
-        tokens_BN, steps, summary = _generate(graphdef, params, prompts_BP, lengths_B, key, np.int32(stream_id),
-                                              max_len=max_len, max_new_tokens=max_new_tokens, choice=choice, mesh=mesh,
-                                              streaming=on_tokens is not None, step=step)
+        args = (graphdef, params, prompts_BP, lengths_B, key, np.int32(stream_id))
+        static = dict(max_len=max_len, max_new_tokens=max_new_tokens, choice=choice, mesh=mesh,
+                      streaming=on_tokens is not None, step=step)
+        tokens_BN, steps, summary = _generate(*args, **static) if timings is None else \
+            _compiled_and_timed(args, static, timings)
         decoded = Decoded(to_host(tokens_BN), int(steps), jax.tree.map(int, summary))
     finally:
         del _receivers[stream_id]

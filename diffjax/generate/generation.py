@@ -54,7 +54,7 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
              top_p: float | None = None, stop_tokens: Sequence[int] = (), pad_id: int | None = None, key=None,
              mesh: Mesh | None = None, on_tokens: Callable[[int, np.ndarray], bool | None] | None = None,
              allowed_vocab_size: int | None = None, blocked_ids: Sequence[int] = (), draft: str | None = None,
-             acceptance: list | None = None) -> np.ndarray:
+             acceptance: list | None = None, timings: list | None = None) -> np.ndarray:
     """`max_new_tokens` new tokens per prompt, int32 [B, max_new_tokens].
 
     tokens: an int array [B, P] (with `lengths` [B]: row b's prompt is tokens[b, :lengths[b]], the rest
@@ -72,6 +72,8 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
     draft "mtp": self-speculative decoding (the decode loop's step diffjax.generate.speculative.MTPDraft): the model's
     MTP depths draft, the model verifies; the same tokens as greedy decoding (greedy only; no on_tokens). acceptance:
     a list that gets the call's speculative.Acceptance appended (drafted, accepted, verify steps).
+    timings: a list that gets the call's decode.Timing appended: its program is then compiled before it runs (not
+    within the call), so the compilation's seconds and the generation's are apart.
     Prompt + new tokens must fit the model's max_seq_len. While it runs, generation holds a per-layer copy of
     the blocks' params (TransformerLM.unstacked_blocks: what makes a decode step read each weight once).
     """
@@ -108,7 +110,7 @@ def generate(model, tokens, max_new_tokens: int, *, lengths=None, temperature: f
         row_lengths = jax.device_put(lengths_B, NamedSharding(mesh, sharding.logical_spec(("batch",), lengths_B.shape, mesh)))
     step = decode.PLAIN if draft is None else MTPDraft(config.mtp_depths)
     decoded = decode.run(graphdef, params, prompts, row_lengths, key, max_len=max_len, max_new_tokens=max_new_tokens,
-                         choice=choice, mesh=mesh, on_tokens=on_tokens, step=step)
+                         choice=choice, mesh=mesh, on_tokens=on_tokens, step=step, timings=timings)
     if acceptance is not None and draft is not None:
         acceptance.append(decoded.summary)
     return decoded.tokens_BN

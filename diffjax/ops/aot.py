@@ -5,6 +5,8 @@ memory XLA gives it per device; it says nothing of speed.
     import os
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported: this machine runs nothing of it
     import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
     from diffjax.ops import aot
 
     target = aot.target("v5e")                 # 4 "TPU v5 lite" devices; "v5p:4x4x4", "v4", "v6e:2x4", "h100x8"
@@ -19,7 +21,8 @@ Inside `compile_for` the attention ops see the target as the device they are com
 `auto` routes as on that chip, the Pallas kernels compile (Mosaic TPU / Mosaic GPU) instead of running interpreted,
 and jax's Mosaic lowering reads the chip's generation. It sets only the abstract mesh's device, around tracing and
 lowering: eager code inside still runs on this machine (a topology's devices cannot run anything, so they must never
-become the default device).
+become the default device). Attention over a mesh of several devices runs its kernels per device under
+diffjax.sharding.activation_sharding(mesh), as the train step does (XLA cannot partition a Pallas call).
 
 Needs: for a TPU, libtpu at the installed jax's version (`pip install "jax[tpu]==<jax's version>"`, or diffjax's
 `aot` extra); for an H100, JAX's CUDA plugin at jax's version and a ptxas (`missing(platform)` names the command).
@@ -86,13 +89,16 @@ class Target:
         """Its devices' platform and kind, as diffjax.ops routes by them."""
         return Device.of(self.devices[0])
 
-    def mesh(self, shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] = ("devices",)) -> jax.sharding.Mesh:
-        """A Mesh of all the devices (default: one axis over them), in the topology's order."""
+    def mesh(self, shape: tuple[int, ...] | None = None, axis_names: tuple[str, ...] = ("devices",)):
+        """A Mesh of all the devices (default: one axis over them), laid out on the topology as jax lays out a real
+        slice's (mesh_utils.create_device_mesh: neighbours on the fast links)."""
+        from jax.experimental import mesh_utils
+
         shape = (len(self.devices),) if shape is None else tuple(shape)
         if int(np.prod(shape)) != len(self.devices):
             raise ValueError(f"mesh shape {shape} has {int(np.prod(shape))} devices; target {self.name} has "
                              f"{len(self.devices)}")
-        return jax.sharding.Mesh(np.array(self.devices, dtype=object).reshape(shape), axis_names)
+        return jax.sharding.Mesh(mesh_utils.create_device_mesh(shape, list(self.devices)), axis_names)
 
 
 def missing(platform: str) -> str | None:
@@ -104,30 +110,42 @@ def missing(platform: str) -> str | None:
         return None
     if platform != "gpu":
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
-    if not (importlib.util.find_spec("jax_plugins")
-            and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))):
-        return (f"compiling for an H100 needs JAX's CUDA plugin: pip install 'jax-cuda12-plugin=={jax.__version__}' "
-                f"'jax-cuda12-pjrt=={jax.__version__}' nvidia-cuda-nvcc-cu12")
-    if ptxas() is None:
-        return "compiling for an H100 needs ptxas: pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ on PATH"
+    if why := cuda_plugin_missing():
+        return why
+    if cuda_tool("ptxas") is None:
+        return ("compiling for an H100 needs ptxas: pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ "
+                "on PATH")
     return None
 
 
-def ptxas() -> str | None:
-    """The ptxas XLA and Mosaic GPU will find: on PATH, else nvidia-cuda-nvcc-cu12's (CUDA 13's nvidia/cu13)."""
+def cuda_plugin_missing() -> str | None:
+    """The pip command for JAX's CUDA plugin at jax's version where it is absent (it compiles for a GPU without one)."""
+    if importlib.util.find_spec("jax_plugins") and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}")
+                                                        for v in (12, 13)):
+        return None
+    return (f"compiling for an H100 needs JAX's CUDA plugin: pip install 'jax-cuda12-plugin=={jax.__version__}' "
+            f"'jax-cuda12-pjrt=={jax.__version__}' nvidia-cuda-nvcc-cu12 (or diffjax's extra: pip install "
+            "'diffjax[aot]')")
+
+
+def cuda_tool(name: str = "ptxas") -> str | None:
+    """A CUDA tool (ptxas, nvdisasm) as XLA and Mosaic GPU find it: on PATH, else pip's nvidia-cuda-nvcc-cu12 (CUDA
+    13's nvidia/cu13) bin/."""
     import shutil
 
-    if shutil.which("ptxas"):
-        return shutil.which("ptxas")
-    packages = [importlib.util.find_spec(p) for p in ("nvidia.cuda_nvcc", "nvidia.cu13")] if importlib.util.find_spec("nvidia") else []
+    if shutil.which(name):
+        return shutil.which(name)
+    has_nvidia = importlib.util.find_spec("nvidia") is not None
+    packages = [importlib.util.find_spec(p) for p in ("nvidia.cuda_nvcc", "nvidia.cu13")] if has_nvidia else []
     dirs = [os.path.join(d, "bin") for spec in packages if spec for d in spec.submodule_search_locations or []]
-    return next((os.path.join(d, "ptxas") for d in dirs if os.path.isfile(os.path.join(d, "ptxas"))), None)
+    return next((os.path.join(d, name) for d in dirs if os.path.isfile(os.path.join(d, name))), None)
 
 
 def target(name: str, num_slices: int = 1) -> Target:
     """The Target `name` names: a TPU generation with an optional topology ("v5e" = "v5e:2x2", "v5p:4x4x4", "v4",
     "v6e:2x4"; TPU_GENERATIONS) over `num_slices` slices, or GPUs ("h100" = "h100x1", "h100x8"; GPU_TARGET_CONFIGS).
-    A ValueError names what is allowed; a RuntimeError names what to install where libtpu or the CUDA plugin is absent."""
+    A ValueError names what is allowed; a RuntimeError names what to install where libtpu or the CUDA plugin is
+    absent."""
     generation, _, topology = name.partition(":")
     if generation in TPU_GENERATIONS:
         return tpu_target(generation, topology or None, num_slices)
@@ -201,18 +219,40 @@ def compile_for(where):
         yield
 
 
-def kernel_calls(hlo_text: str, scope: str | None = None) -> collections.Counter:
-    """{kernel name: calls} of the Pallas kernels (Mosaic TPU's and Mosaic GPU's custom calls) in a compiled
-    program's HLO text (`compiled.as_text()`), by their pallas_call's `name` (the op_name's part before the call's
-    own, "pallas_call" / "mpmd_map"); with `scope`, only the calls traced under `jax.named_scope(scope)`."""
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One Pallas kernel call of a compiled program: its pallas_call's `name`, its `op_name` (the named scopes and
+    transformations it was traced under, e.g. "jit(f)/case/transpose(jvp(diffjax_flash_fwd_m2))/pallas_call") and, for
+    a Mosaic TPU kernel, the scoped VMEM libtpu gave it (its used_scoped_memory_configs; None elsewhere)."""
+
+    name: str
+    op_name: str
+    scoped_vmem_bytes: int | None = None
+
+    def within(self, scope: str) -> bool:
+        """Whether it was traced under `jax.named_scope(scope)`."""
+        return re.search(rf"(?:^|[/(]){re.escape(scope)}(?:[)/]|$)", self.op_name) is not None
+
+
+def compiled_kernels(hlo_text: str) -> list[KernelCall]:
+    """The Pallas kernels (Mosaic TPU's and Mosaic GPU's custom calls) of a compiled program's HLO text
+    (`compiled.as_text()`), in its order."""
     targets = "|".join(re.escape(t) for t in KERNEL_CALL_TARGETS.values())
-    calls = collections.Counter()
+    calls = []
     for line in hlo_text.splitlines():
         if not re.search(rf'custom_call_target="(?:{targets})', line):
             continue
         op_name = re.search(r'op_name="([^"]*)"', line)
         op_name = op_name.group(1) if op_name else ""
-        if scope is not None and not re.search(rf"(?:^|[/(]){re.escape(scope)}(?:[)/]|$)", op_name):
-            continue
-        calls[op_name.split("/")[-2] if op_name.count("/") else "?"] += 1
+        # the part before the call's own ("pallas_call" / "mpmd_map"), without the transformations around it
+        name = re.sub(r"^(?:[\w-]+\()+|\)+$", "", op_name.split("/")[-2]) if op_name.count("/") else "?"
+        vmem = re.search(r'"used_scoped_memory_configs":\[([^\]]*)\]', line)
+        vmem = sum(int(size) for size in re.findall(r'"size":"(\d+)"', vmem.group(1))) if vmem else None
+        calls.append(KernelCall(name, op_name, vmem))
     return calls
+
+
+def kernel_calls(hlo_text: str, scope: str | None = None) -> collections.Counter:
+    """{kernel name: calls} of compiled_kernels(hlo_text); with `scope`, only those traced under
+    `jax.named_scope(scope)`."""
+    return collections.Counter(call.name for call in compiled_kernels(hlo_text) if scope is None or call.within(scope))

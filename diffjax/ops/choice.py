@@ -271,11 +271,12 @@ def _auto(call: AttentionCall, device: Device) -> tuple[tuple[str, str], tuple[s
             return tuple(_faster(call, measured, p) for p in PASSES)
         return (("pallas_gpu", "fused Mosaic GPU kernel"),) * 2
     if why_not["cudnn"] is None:
-        return (("cudnn", "cuDNN flash composition"),) * 2
+        return (("cudnn", f"cuDNN flash composition; pallas_gpu {why_not['pallas_gpu']}"),) * 2
     why_not["triton"] = compositions.triton_unsupported(q, k, v, call.causal, segment_ids, device.platform,
                                                         window=call.window)
     if why_not["triton"] is None:
-        return (("triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"),) * 2
+        return (("triton", f"Pallas Triton flash composition; pallas_gpu {why_not['pallas_gpu']}; cudnn "
+                           f"{why_not['cudnn']}"),) * 2
     return (("xla", "; ".join(f"{name} {why}" for name, why in why_not.items())),) * 2
 
 

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from diffjax import lora, storage
 from diffjax.config import RUNTIME_FIELDS, ModelConfig
 from diffjax.config_values import build_config
+from diffjax.convert.hub import refuse_the_cache
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.ops.context_parallel import context_order
@@ -98,6 +99,7 @@ class Run:
     # LoRA (config.lora.rank > 0): the frozen part of the base model, not in `state` (train_step and eval_step
     # pass it to the jitted steps)
     frozen: Any = None
+    drawn: list = dataclasses.field(default_factory=list)  # this process's rows of the next steps, drawn already
 
     def model_params(self) -> dict:
         """The params the model runs with now: state["params"], or with LoRA the base merged with the adapters."""
@@ -127,7 +129,7 @@ class Run:
     def next_batch(self) -> dict[str, jax.Array]:
         """The next step's batch, [accum, micro rows, T] per key, split over the mesh."""
         with setup_errors():  # a malformed record is the user's to fix
-            local = next(self.data_iter)
+            local = self.drawn.pop(0) if self.drawn else next(self.data_iter)
         micro_rows = self.plan.global_batch // self.plan.accum_steps
         stacked = {key: value.reshape(self.plan.accum_steps, -1, value.shape[-1]) for key, value in local.items()}
         return _global_batch(stacked, self.training.step_batch_sharding, micro_rows, batch_axis=1)
@@ -174,12 +176,14 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
     if jax.process_index() != 0:  # one process speaks and writes metrics for all
         log = lambda _: None  # noqa: E731
     with setup_errors():
-        created = not storage.as_path(config.train.run_dir).exists()
+        if not storage.is_url(config.train.run_dir):  # (a model's snapshot there would get a run beside its weights)
+            refuse_the_cache(config.train.run_dir)
+        created = _outermost_missing(storage.as_path(config.train.run_dir))
         directory = RunDir.for_training(config.train.run_dir)
         lock = _lock_run_dir(directory, log)
     with contextlib.ExitStack() as opened:  # undone (checkpointer closed, lock released) unless a Run takes them
-        if created and jax.process_index() == 0:
-            opened.callback(_remove_if_nothing_written, directory)  # (last: after the lock file is gone)
+        if created is not None and jax.process_index() == 0:
+            opened.callback(_remove_if_nothing_written, created)  # (last: after the lock file is gone)
         opened.callback(lock.release)
         with setup_errors():
             run = _set_up(config, log, directory, lock, opened)
@@ -188,13 +192,22 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
     return run
 
 
-def _remove_if_nothing_written(directory: RunDir) -> None:
-    """Removes a run directory this start created if the start failed before writing a file there: a refused start
-    leaves no empty runs/<name>/ behind (a local directory; gs:// has no empty directories)."""
-    path = directory.path
-    if storage.is_url(path) or not path.is_dir() or any(not p.is_dir() for p in path.rglob("*")):
-        return
-    shutil.rmtree(path, ignore_errors=True)
+def _outermost_missing(path) -> Path | None:
+    """The outermost directory of a local `path` that does not exist yet (runs/ of a new runs/tiny); None: it exists
+    (or is gs://, which has no empty directories)."""
+    if storage.is_url(path) or path.exists():
+        return None
+    path = Path(path).absolute()
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def _remove_if_nothing_written(path: Path) -> None:
+    """Removes the directories this start created (the run directory, and runs/ above it if new) if the start
+    failed before writing a file there: a refused start leaves no empty runs/<name>/ behind."""
+    if path.is_dir() and not any(not p.is_dir() for p in path.rglob("*")):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _lock_run_dir(run: RunDir, log) -> TrainerLock:
@@ -248,6 +261,9 @@ def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
         frozen = None
     data_iter, eval_batches = _data(config, tokenizer, training, batch_plan)
     state, start_step, last_saved = _start_from(plan, checkpointer, state, data_iter, config, log)
+    # The first batch now, before config.yaml: data that cannot be read (a broken record) stops the start while the
+    # run directory holds nothing, so a new one is removed again
+    first_batch = next(data_iter)
     if jax.process_index() == 0:
         save_run_config(config, directory.config_file)
 
@@ -256,7 +272,7 @@ def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
         config=config, directory=directory, log=log, lock=lock, checkpointer=checkpointer, last_saved=last_saved,
         start_step=start_step, step=start_step, mesh=mesh, plan=batch_plan, tokenizer=tokenizer, training=training,
         train_step=train_step, eval_step=eval_step, state=state, data_iter=data_iter, eval_batches=eval_batches,
-        frozen=frozen,
+        frozen=frozen, drawn=[first_batch],
     )
     _log_set_up(run)
     return run
@@ -476,7 +492,7 @@ def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, global_
 def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
     """An empty corpus packs into rows with nothing to predict (and takes ages to pack): refuse it rather than
     'train' at loss 0. The first `sample` documents tell, without reading a large corpus (or stream)."""
-    first = list(itertools.islice(iter(documents), sample))
+    first = list(itertools.islice(iter(documents), sample))  # (each read: a broken record stops the start now)
     if not any(first):
         where = (f"data.paths {list(config.data.paths)}" if config.data.paths else
                  f"data.hf_dataset {config.data.hf_dataset!r}" if config.data.hf_dataset else

@@ -90,7 +90,7 @@ def kinds_table(part: str) -> str:
                  "|---|---|---|---|---|---|---|---|"]
         for row in rows:
             options = f"`{row.options.__name__}`" if row.options else ""
-            hf = ", ".join(f.label for f in formats.rows() if row.name in f.attention)  # the formats holding it
+            hf = ", ".join(f.label for f in formats.rows() if f.holds_value("attention", row.name))  # the formats holding it
             modules = ", ".join(module for module, name in unilm.MODULES.items() if name == row.name)
             lines.append(f"| `{row.name}` | {cell(row.label)} | {row.maps} | {row.value_width} | "
                          f"{cell(row.lambda_form)} | {cell(hf)} | {cell(modules)} | {options} |")
