@@ -18,7 +18,6 @@ whole), so a plan for 512 devices needs none of them:
                gathered whole and its float32 gradient (head_bytes), and over an expert axis the experts' dispatch
                buffers (dispatch_bytes); remat none's and these terms are read from steps compiled for TPUs
                (benchmarks/results/compile_plan.md)
-The total is the state and the gradients, and then the larger of the activations and the optimizer's update (peak).
 A device's budget is what XLA may allocate on it: on a GPU XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (JAX's
 default 0.75: it preallocates that much); on a TPU all of the HBM libtpu gives a program (v5p 95.74 GiB: its compiler
 refuses a program over it); on a CPU 90% of the host's memory, shared by its (simulated) devices. The
@@ -245,14 +244,6 @@ def dispatch_bytes(config: ModelConfig, sizes: dict[str, int], micro_batch: int,
     return (sum(held) if config.remat == "none" else max(held, default=0.0)) * per_value
 
 
-def peak(params: float, gradients: float, optimizer: float, activations: float) -> float:
-    """The most a step holds at once: the state and the gradients, and then either the activations (the backward)
-    or the update the optimizer makes of the gradients (one more gradient-sized buffer: where a step's activations are
-    small, as Motif 3's at seq 512 on v5p x 64, 24.24 GiB of temporaries for 11.76 GiB of gradients, this is its
-    peak)."""
-    return params + gradients + optimizer + max(activations, optimizer / 2)
-
-
 @dataclasses.dataclass
 class MemoryPlan:
     """A run's memory per device (bytes) on `budget.device`; see the module docstring."""
@@ -271,7 +262,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> float:
-        return peak(self.params, self.gradients, self.optimizer, sum(self.activations.values()))
+        return self.params + self.gradients + self.optimizer + sum(self.activations.values())
 
     @property
     def fits(self) -> bool:
@@ -296,8 +287,8 @@ def plan_memory(run: RunConfig, device: str, num_devices: int | None = None) -> 
     budget, gradients = device_budget(device, count), trained * (2 if batch.accum_steps > 1 else 1)
 
     def total(micro_batch: int) -> float:
-        return peak(shard, gradients, 2 * trained, sum(activation_bytes(config, w, sizes, micro_batch, seq_len,
-                                                                        loss_chunk, run.lora.enabled).values()))
+        return shard + gradients + 2 * trained + sum(activation_bytes(config, w, sizes, micro_batch, seq_len,
+                                                                      loss_chunk, run.lora.enabled).values())
 
     largest = 0
     while largest < MAX_MICRO_BATCH and total(largest + 1) <= budget.bytes:
