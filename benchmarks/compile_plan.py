@@ -133,7 +133,8 @@ def main(argv=None) -> None:
     parser.add_argument("--again", action="store_true", help="compile rows already in the JSON again")
     parser.add_argument("--table", action="store_true", help="only rewrite the .md from the JSON")
     parser.add_argument("--replan", action="store_true",
-                        help="only recompute the JSON's plans by the formula as it is now (the first kept as plan_before)")
+                        help="only recompute the JSON's plans by the formula as it is now (the first kept as "
+                             "plan_before)")
     parser.add_argument("--json", type=Path, default=RESULTS / "compile_plan.json")
     parser.add_argument("--hlo-dir", type=Path, help="also write each compiled program's text there (gzip)")
     args = parser.parse_args(argv)

@@ -26,6 +26,7 @@ from diffjax.train import plan as planning
 from diffjax.train.batching import plan_batch
 from diffjax.train.config import RunConfig
 from diffjax.train.hlo_collectives import KINDS, collective_bytes
+from diffjax.train.plan import format_size
 from diffjax.train.topologies import TPU_GENERATIONS, Topology, chip_grid
 
 _KERNEL_CALL = {"tpu": "Mosaic TPU custom calls", "gpu": "Mosaic GPU custom calls"}
@@ -139,18 +140,19 @@ def describe(step: CompiledStep, plan: planning.MemoryPlan) -> str:
         lines.append(f"  DOES NOT FIT: the compiler refused it: {step.refused}")
         return "\n".join(lines)
     m, a = step.memory, plan.activations
-    state = m["arguments"] - m["batch"]
+    state, planned_state = m["arguments"] - m["batch"], plan.params + plan.optimizer
     lines += [
         "  memory per device   compiled      plan",
-        f"  arguments        {planning._size(m['arguments']):>11} {planning._size(plan.params + plan.optimizer + m['batch']):>11}"
-        f"  the state {planning._size(state)} (planned params + moments {planning._size(plan.params + plan.optimizer)}) and the batch",
-        f"  temporaries      {planning._size(m['temporaries']):>11} {planning._size(plan.gradients + sum(a.values())):>11}"
+        f"  arguments        {format_size(m['arguments']):>11} {format_size(planned_state + m['batch']):>11}"
+        f"  the state {format_size(state)} (planned params + moments {format_size(planned_state)}) and the batch",
+        f"  temporaries      {format_size(m['temporaries']):>11} {format_size(plan.gradients + sum(a.values())):>11}"
         "  planned: gradients + activations",
-        f"  outputs          {planning._size(m['outputs'] - m['aliased']):>11}            not written over an argument",
-        f"  generated code   {planning._size(m['code']):>11}",
-        f"  total            {planning._size(step.total):>11} {planning._size(plan.total):>11}  of {planning._size(budget.bytes)} "
-        f"({budget.why}): {'fits' if step.total <= budget.bytes else 'DOES NOT FIT'}",
-        "collectives per step and device: " + ", ".join(f"{kind} {planning._size(step.collectives[kind])}" for kind in KINDS)
+        f"  outputs          {format_size(m['outputs'] - m['aliased']):>11}            not written over an argument",
+        f"  generated code   {format_size(m['code']):>11}",
+        f"  total            {format_size(step.total):>11} {format_size(plan.total):>11}  of "
+        f"{format_size(budget.bytes)} ({budget.why}): {'fits' if step.total <= budget.bytes else 'DOES NOT FIT'}",
+        "collectives per step and device: "
+        + ", ".join(f"{kind} {format_size(step.collectives[kind])}" for kind in KINDS)
         + (f" ({'; '.join(step.notes)})" if step.notes else ""),
     ]
     if step.flops:
@@ -270,12 +272,12 @@ def plan_compiled(run: RunConfig, topology: Topology, load, checks: int = 1) -> 
     if step.total <= plan.budget.bytes:
         return 0
     for proposal, changed in proposals(step, plan.budget.bytes, load):
-        print(f"proposal: {proposal.describe()}: predicted {planning._size(proposal.predicted)} per device")
+        print(f"proposal: {proposal.describe()}: predicted {format_size(proposal.predicted)} per device")
         if proposal.predicted > plan.budget.bytes or checks == 0:
             continue
         checks -= 1
         checked = compile_step(changed, proposal.topology)
         fits = checked.total <= planning.device_budget(proposal.topology.chip, proposal.topology.devices).bytes
-        print(f"  compiled for {proposal.topology.name} in {checked.seconds:.0f} s: {planning._size(checked.total)} per device: "
-              + ("fits" if fits else "does not fit either"))
+        print(f"  compiled for {proposal.topology.name} in {checked.seconds:.0f} s: {format_size(checked.total)} per "
+              "device: " + ("fits" if fits else "does not fit either"))
     return 1

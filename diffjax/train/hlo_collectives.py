@@ -153,7 +153,8 @@ def collective_bytes(text: str) -> tuple[dict[str, float], list[str]]:
             else:  # fusions, calls and async wrappers run in their caller's turn (one channel: one collective)
                 for attribute, called in _CALLED.findall(instruction.rest):
                     if attribute == "calls":
-                        visit(called, times, seen_channels, True, scatter or '"AllReduceScatterFusion"' in instruction.rest)
+                        scatters = scatter or '"AllReduceScatterFusion"' in instruction.rest
+                        visit(called, times, seen_channels, True, scatters)
                     elif attribute == "to_apply" and instruction.opcode == "call":
                         visit(called, times, seen_channels, fused)
 

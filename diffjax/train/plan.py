@@ -359,8 +359,11 @@ def can_compile(plan: MemoryPlan) -> str | None:
     return None
 
 
-def _size(num_bytes: float) -> str:
+def format_size(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.2f} GiB" if num_bytes >= GiB / 10 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+_size = format_size
 
 
 def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> str:
