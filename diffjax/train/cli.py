@@ -20,6 +20,11 @@ own kind of device (a CPU: the mesh's devices simulated) the compiled train step
 --plan --compile --topology compiles the real train step for that hardware on this machine (libtpu for TPUs, JAX's
 CUDA plugin for GPUs: nothing runs, nothing is allocated) and prints XLA's memory per device beside the plan, the
 collectives and FLOPs of a step, and where it does not fit, a change that does, checked by compiling it.
+
+    diffjax-train --routes --device h100 --config paper/diff-1.4b parallel.context=2   # which kernel runs each call
+
+--routes prints how each attention call of the model (the train step's, a generation prefill's and decode step's)
+runs on a device and why: the impl `auto` picks in each pass, per query chunk over the context axis or not.
 """
 
 from __future__ import annotations
@@ -58,8 +63,11 @@ def main(argv=None) -> int:
                              "allowed values and meaning, then exit")
     parser.add_argument("--plan", action="store_true",
                         help="print the run's memory per device and whether it fits --device, then exit (trains nothing)")
+    parser.add_argument("--routes", action="store_true",
+                        help="print how each attention call of the model runs on --device and why (the impl auto "
+                             "picks per pass), then exit")
     parser.add_argument("--device", choices=DEVICE_NAMES,
-                        help="with --plan: the device to plan for, one memory size each ("
+                        help="with --plan or --routes: the device to plan or route for, one memory size each ("
                              + ", ".join(f"{name} {gb} GB" for name, gb in DEVICE_GB.items())
                              + "; default cpu: this machine's memory)")
     parser.add_argument("--devices", type=command_line.positive_int, metavar="N",
@@ -72,12 +80,7 @@ def main(argv=None) -> int:
                              "v4-32, 2xv5p-256 (2 slices), h100x8, h100x64, h200x8")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
-    if (args.device is not None or args.devices is not None) and not args.plan:
-        parser.error("--device and --devices go with --plan")
-    if (args.compile or args.topology) and not (args.plan and args.compile and args.topology):
-        parser.error("--compile and --topology go together, with --plan")
-    if args.topology and (args.device or args.devices):
-        parser.error("--topology names the device and the device count: drop --device / --devices")
+    _check_together(parser, args)
 
     from diffjax.train.config import load_run_config  # (no jax: --help-keys loads none)
 
@@ -90,6 +93,11 @@ def main(argv=None) -> int:
         from diffjax.train.keys import describe_keys
 
         print(describe_keys(config))
+        return 0
+    if args.routes:
+        from diffjax.train.route_preview import describe_routes
+
+        print(describe_routes(config, args.device))
         return 0
     if args.plan and args.topology:
         return _plan_compiled(args, config)
@@ -138,6 +146,20 @@ def _plan_compiled(args, config) -> int:
     from diffjax.train.aot_plan import plan_compiled
 
     return plan_compiled(config, topology, lambda more: load_run_config(args.config, args.overrides + more))
+
+
+def _check_together(parser, args) -> None:
+    """The options that go only with others (a one-line usage error otherwise)."""
+    if args.plan and args.routes:
+        parser.error("--plan and --routes are two commands: give one")
+    if args.device is not None and not (args.plan or args.routes):
+        parser.error("--device goes with --plan or --routes")
+    if args.devices is not None and not args.plan:
+        parser.error("--devices goes with --plan")
+    if (args.compile or args.topology) and not (args.plan and args.compile and args.topology):
+        parser.error("--compile and --topology go together, with --plan")
+    if args.topology and (args.device or args.devices):
+        parser.error("--topology names the device and the device count: drop --device / --devices")
 
 
 def _plan(config, device: str, devices: int | None) -> int:
