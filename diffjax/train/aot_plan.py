@@ -22,6 +22,7 @@ import math
 import re
 import time
 
+from diffjax.mesh_axes import MESH_AXES
 from diffjax.train import plan as planning
 from diffjax.train.batching import plan_batch
 from diffjax.train.config import RunConfig
@@ -222,7 +223,7 @@ def proposals(step: CompiledStep, budget: float, load):
     levers += [f"model.remat={name}" for name in REMAT_ORDER[REMAT_ORDER.index(run.model.remat) + 1:]]
     if (chunk := planning.resolve_loss_chunk(run.train.loss_chunk, run.model.vocab_size)) > 512:
         levers.append(f"train.loss_chunk={chunk // 2}")
-    fills = any(getattr(run.parallel, axis) == -1 for axis in ("data", "fsdp", "context", "tensor", "expert"))
+    fills = any(getattr(run.parallel, axis) == -1 for axis in MESH_AXES)
     fsdp, overrides = run.parallel.fsdp, {}
     for lever in levers + [None] * 4:
         if lever is None:  # more devices
