@@ -215,6 +215,30 @@ def test_custom_calls_inside_fusions_and_the_kernels_per_layer():
     assert "forward kernel launches per layer: 3 (at most 2): FAILS" in step_hlo.markdown(result)
 
 
+def test_the_ops_below_the_top_rows_by_source():
+    """--by-source: the ops the "(other N ops)" row sums, grouped by pass, runs per step (the loop they are in) and
+    jax source, adding up to that row; XLA's own ops (no provenance) by their fusion kind."""
+    costs = profile_table.hlo_costs(GPU_HLO)
+    costs.update({"fusion.6": {**costs["fusion.3"], "source": "", "pass": ""},
+                  "loop_broadcast_fusion.2": {"opcode": "fusion", "category": "copy or transpose", "runs": 1.0,
+                                              "bytes": 8.0, "flops": None, "source": "", "pass": ""}})
+    durations = {"custom-call.9": 50, "custom-call.7": 40, "fusion.3": 30, "fusion.6": 20, "fusion.5": 10,
+                 "loop_broadcast_fusion.2": 5}
+    events = [("jit_train_step", op, 1000 * ns, None, None) for _ in range(2) for op, ns in durations.items()]
+    table = profile_table.reduce_trace(events, costs, module="train_step", steps=2, top=1)
+    groups = {(g["pass"], g["runs_per_step"], g["source"]): g for g in table["remainder_by_source"]}
+    assert set(groups) == {("-", 24, "body/dot_general"), ("-", 24, "(fusion, no source)"), ("-", 1, "(fusion, no source)"),
+                           ("-", 1, "(loop_broadcast_fusion, no source)")}
+    assert groups["-", 24, "(fusion, no source)"]["ops"] == 2  # fusion.3 and fusion.6: one group
+    other = table["rows"][-1]
+    assert other["op"] == "(other 5 ops)"
+    assert sum(g["ms_per_step"] for g in groups.values()) == pytest.approx(other["ms_per_step"])
+    assert sum(g["events"] for g in groups.values()) == other["events"]
+    text = profile_table.markdown(table, "t", by_source=True)
+    assert "The 5 ops below the top rows by source" in text and "| - | 24 | body/dot_general | matmul | 1 | 2 |" in text
+    assert "ops below the top rows" not in profile_table.markdown(table, "t")
+
+
 def test_gpu_kernel_annotations_name_their_hlo_op():
     assert profile_table._annotation_op(
         "XlaModule:#hlo_module=jit_train_step,program_id=6#::Thunk:#hlo_op=fusion.12#") == ("jit_train_step", "fusion.12")
