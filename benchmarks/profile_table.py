@@ -237,10 +237,74 @@ def hlo_costs(text: str) -> dict[str, dict]:
 def _cost(instr: Instr, instrs, comps, times: float) -> dict:
     source = re.search(r'op_name="([^"]*)"', instr.attrs)
     return {"opcode": instr.opcode, "category": category(instr, instrs, comps), "flops": _flops(instr, instrs, comps),
-            "bytes": shape_bytes(instr.shape) + sum(shape_bytes(instrs[o].shape) for o in instr.operands
-                                                    if o in instrs),
+            "bytes": op_bytes(instr, instrs, comps),
             "runs": times, "source": _short_source(source.group(1)) if source else "",
             "pass": step_pass(source.group(1)) if source else ""}
+
+
+def op_bytes(instr: Instr, instrs, comps) -> float:
+    """Bytes an op moves at its boundary: its result and operands, except that an operand read only through
+    dynamic-slices (a layer's slice of a stacked array) counts as those slices, and one updated in place by a
+    dynamic-update-slice (a layer's slice written into a stack) as nothing, the result then as the update written."""
+    operands = [_operand_bytes(o, instrs) for o in instr.operands]
+    if instr.opcode == "dynamic-slice":
+        return 2 * shape_bytes(instr.shape)
+    if instr.opcode == "dynamic-update-slice":
+        return 2 * operands[1]
+    if instr.opcode != "fusion":
+        return shape_bytes(instr.shape) + sum(operands)
+    inner = [i for comp in _called(instr) for i in comps.get(comp, [])]
+    if not inner:
+        return shape_bytes(instr.shape) + sum(operands)
+    users = collections.defaultdict(list)
+    for i in inner:
+        for o in i.operands:
+            users[o].append(i)
+    for i in inner:
+        if i.opcode == "parameter" and i.operands and i.operands[0].isdigit() and int(i.operands[0]) < len(operands):
+            uses = _uses_through_bitcasts(i.name, users)
+            if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == via for u, via in uses):
+                operands[int(i.operands[0])] = sum(shape_bytes(u.shape) for u, _ in uses)
+            elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == via for u, via in uses):
+                operands[int(i.operands[0])] = 0.0  # written in place
+    by_name = {i.name: i for i in inner}
+    root = inner[-1]  # XLA prints a computation's root last
+    results = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+    result = sum(shape_bytes(r.shape) if r is None or r.opcode != "dynamic-update-slice"
+                 else shape_bytes(by_name[r.operands[1]].shape) if r.operands[1] in by_name else 0.0
+                 for r in results if r is not None)
+    return result + sum(operands)
+
+
+def _operand_bytes(name: str, instrs) -> float:
+    """Bytes of an operand: an instruction's result, or one element of a tuple result (printed 'name#index')."""
+    base, _, index = name.partition("#")
+    if base not in instrs:
+        return 0.0
+    shape = instrs[base].shape
+    if index:
+        elements = _tuple_elements(shape)
+        shape = elements[int(index)] if int(index) < len(elements) else ""
+    return shape_bytes(shape)
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """'(f32[2]{0}, (s32[], bf16[3]))' -> ['f32[2]{0}', '(s32[], bf16[3])']."""
+    inner, parts, depth, start = shape.strip()[1:-1], [], 0, 0
+    for i, ch in enumerate(inner + ","):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            parts.append(inner[start:i].strip())
+            start = i + 1
+    return parts
+
+
+def _uses_through_bitcasts(name: str, users) -> list[tuple[Instr, str]]:
+    """(user, the name it reads: `name` or a bitcast of it) of every use of `name`, looking through bitcasts."""
+    found = []
+    for user in users.get(name, []):
+        found += _uses_through_bitcasts(user.name, users) if user.opcode == "bitcast" else [(user, name)]
+    return found
 
 
 def _inner_custom_calls(fusion: Instr, comps) -> list[Instr]:
