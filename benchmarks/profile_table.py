@@ -42,6 +42,7 @@ MOVEMENT = {"parameter", "constant", "copy", "transpose", "bitcast", "reshape", 
             "dynamic-update-slice", "concatenate", "pad", "tuple", "get-tuple-element", "convert", "reverse",
             "copy-start", "copy-done", "iota"}
 CONTROL = {"while", "conditional", "call"}
+WRAPPERS = {"eval_jaxpr", "closed_call", "core_call"}  # op_name parts jax versions name differently: not a source
 REDUCTIONS = {"reduce", "reduce-window", "reduce-precision", "select-and-scatter", "scatter", "sort"}
 ATTENTION_TARGETS = re.compile(r"fmha|mosaic_gpu|triton|flash|attention", re.I)
 GEMM_TARGETS = re.compile(r"cublas|gemm|matmul", re.I)
@@ -226,7 +227,8 @@ def hlo_costs(text: str) -> dict[str, dict]:
     out = {}
     for comp, times in runs.items():
         for instr in comps.get(comp, []):
-            if instr.opcode in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
+            if instr.opcode in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "async-start",
+                                "async-done"):  # (an async pair's own computation is costed)
                 continue
             out[instr.name] = _cost(instr, instrs, comps, times)
             for inner in _inner_custom_calls(instr, comps) if instr.opcode == "fusion" else ():
@@ -333,7 +335,7 @@ def kernel_launches(text: str, pattern: str = r"diffjax_mgpu\w*?_(?:fwd|bwd_dq|b
 def _short_source(op_name: str) -> str:
     """The jax-level provenance of an op: its pass (step_pass), then the last two path parts (e.g. 'bwd:
     checkpoint/diffjax_mgpu_bwd_dq')."""
-    parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")]
+    parts = [p for p in op_name.split("/") if p and not p.startswith("jit(") and p not in WRAPPERS]
     return (f"{step_pass(op_name)}: " if step_pass(op_name) else "") + "/".join(parts[-2:])[:80]
 
 
