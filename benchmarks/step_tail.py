@@ -1,0 +1,202 @@
+"""The H100 train step's tail (everything but matmuls and attention kernels) from its compile on a CPU.
+
+    python benchmarks/step_tail.py compile --out DIR [KEY=VALUE ...]   # the step's optimized HLO, deviceless H100
+    python benchmarks/step_tail.py compare BEFORE.txt.gz AFTER.txt.gz [--capture PROFILE.json] [--out FILE.md]
+
+`compile`: paper/diff-1.4b's train step as the 2026-11-27 capture ran it (seq 4096, micro-batch 8, remat
+attention, bf16, impl auto, the chunked loss; KEY=VALUE: ModelConfig fields, e.g. remat=minimal) compiled by XLA's
+deviceless CUDA path for an H100 (the topology benchmarks/kernel_resources.py builds; needs JAX's CUDA plugin at
+jax's version and a ptxas: `pip install "jax-cuda12-plugin==$JAX" "jax-cuda12-pjrt==$JAX" nvidia-cuda-nvcc-cu12`,
+a separate venv will do). The attention ops route as on an H100 and the Mosaic GPU kernels compile (not
+interpreted). Writes DIR/hlo.txt.gz (the optimized HLO) and DIR/tail.json (its tail, below).
+
+`compare`: two such HLOs' tails side by side. The tail: every op outside the matmuls and attention kernels,
+grouped as benchmarks/profile_table.py --by-source groups a trace (pass, runs per step: the loop, jax source),
+with its HBM bytes per step (operands + results at each op's boundary, slices of stacks as read). With
+--capture (a profile_table JSON of the GPU's trace of the same step, e.g. the 2026-11-27 capture's, whose ops
+were timed with their bytes) each group's time is predicted from its bytes at the rate the capture measured for
+the same group (else the capture's median rate over the tail), and the saving from BEFORE to AFTER is the sum of
+the differences. A compile says what XLA builds, not how fast: only a GPU confirms a prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gzip
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import profile_table  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CAPTURE = dict(size="1.4b", micro_batch=8, seq_len=4096, remat="attention", dtype="bfloat16", impl="auto")
+NOT_TAIL = ("matmul", "attention kernel")
+
+
+# ------------------------------------------------------------------------------------------------ compile
+
+
+@contextlib.contextmanager
+def compiling_for_h100():
+    """Attention calls traced inside route as on an H100 and its Pallas kernels compile for it (not interpreted):
+    diffjax reads the platform from jax.default_backend(), which says "cpu" here."""
+    import jax
+
+    from diffjax.ops import choice
+
+    saved = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        with choice.simulated_device(choice.DEVICES["h100"]):
+            yield
+    finally:
+        jax.default_backend = saved
+
+
+def h100_mesh():
+    """A one-device mesh of a deviceless H100 (XLA's CUDA compiler, no GPU)."""
+    import jax
+    from jax.experimental import topologies
+    from kernel_resources import H100_TARGET_CONFIG, toolchain_missing
+
+    if why := toolchain_missing():
+        raise SystemExit(why.replace("kernel_resources.py", "step_tail.py"))
+    topology = topologies.get_topology_desc(platform="cuda", topology_name="cuda", target_config=H100_TARGET_CONFIG,
+                                            topology="1x1x1")
+    return jax.sharding.Mesh(topology.devices[:1], ("data",))
+
+
+def compiled_step_hlo(overrides: dict) -> tuple[str, dict]:
+    """(the optimized HLO of paper/diff-1.4b's train step compiled for an H100, figures)."""
+    import jax
+    import numpy as np
+
+    from diffjax.train.mesh import ParallelConfig, make_mesh
+    from diffjax.train.optimizer import OptimizerConfig, make_optimizer
+    from diffjax.train.step import sharded_init
+    from train_step import paper_twins
+
+    config = paper_twins(CAPTURE["size"])["diff"]
+    config = config.replace(remat=CAPTURE["remat"], scan_layers=True, attention_impl=CAPTURE["impl"],
+                            dtype=CAPTURE["dtype"], max_seq_len=max(config.max_seq_len, CAPTURE["seq_len"]), **overrides)
+    mesh = make_mesh(ParallelConfig(data=1), list(h100_mesh().devices.flat))
+    tx, schedule = make_optimizer(OptimizerConfig(), 1000)
+    training, init = sharded_init(config, tx, mesh)
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                         training.state_shardings)
+    step = training.jit_train_step(tx, schedule, config)
+    tokens = jax.ShapeDtypeStruct((1, CAPTURE["micro_batch"], CAPTURE["seq_len"]), np.int32,
+                                  sharding=training.step_batch_sharding)
+    start = time.perf_counter()
+    with compiling_for_h100():
+        compiled = step.lower(state, dict.fromkeys(("tokens", "segment_ids", "positions"), tokens)).compile()
+    return compiled.as_text(), {"compile_s": time.perf_counter() - start, "config": config.to_dict()}
+
+
+# ------------------------------------------------------------------------------------------------ the tail
+
+
+def tail_groups(hlo_text: str) -> dict[tuple, dict]:
+    """(pass, runs per step, source, category) -> {ops, bytes per step} of the ops outside NOT_TAIL."""
+    groups = collections.defaultdict(lambda: {"ops": [], "bytes": 0.0})
+    for op, cost in profile_table.hlo_costs(hlo_text).items():
+        if cost["category"] in NOT_TAIL or cost["opcode"] in profile_table.CONTROL:
+            continue
+        key = (*profile_table.source_key(op, cost), cost["category"])
+        groups[key]["ops"].append(op)
+        groups[key]["bytes"] += cost["bytes"] * cost["runs"]
+    return dict(groups)
+
+
+def capture_rates(profile: dict) -> tuple[dict, float]:
+    """({(pass, runs, source, category): bytes per ms} measured in a capture, the median over its tail groups):
+    from a profile_table JSON made with the step's HLO (its rows and remainder groups)."""
+    rates = {}
+    for g in profile.get("remainder_by_source", []):
+        if g["gbps"] and g["gbps"] > 100 and g["categories"][0] not in NOT_TAIL:  # (below: bytes the HLO hides)
+            rates[g["pass"], g["runs_per_step"], g["source"], g["categories"][0]] = g["gbps"] * 1e6
+    return rates, statistics.median(rates.values()) if rates else 1.5e9
+
+
+def predicted_ms(key: tuple, nbytes: float, rates: dict, default: float) -> float:
+    return nbytes / rates.get(key, default)
+
+
+def compare(before: dict, after: dict, rates: dict, default: float) -> list[dict]:
+    rows = []
+    for key in sorted(set(before) | set(after), key=lambda k: -max(before.get(k, {}).get("bytes", 0),
+                                                                 after.get(k, {}).get("bytes", 0))):
+        b, a = before.get(key, {"ops": [], "bytes": 0.0}), after.get(key, {"ops": [], "bytes": 0.0})
+        rows.append({"pass": key[0], "runs_per_step": key[1], "source": key[2], "category": key[3],
+                     "ops_before": len(b["ops"]), "ops_after": len(a["ops"]),
+                     "gb_before": b["bytes"] / 1e9, "gb_after": a["bytes"] / 1e9,
+                     "ms_before": predicted_ms(key, b["bytes"], rates, default),
+                     "ms_after": predicted_ms(key, a["bytes"], rates, default),
+                     "measured_rate": key in rates})
+    return rows
+
+
+def compare_markdown(rows: list[dict], title: str, min_gb: float = 0.05) -> str:
+    changed = [r for r in rows if abs(r["gb_after"] - r["gb_before"]) >= min_gb or r["ops_before"] != r["ops_after"]]
+    total = lambda k: sum(r[k] for r in rows)  # noqa: E731
+    lines = [f"## {title}", "",
+             f"Tail bytes per step {total('gb_before'):.1f} -> {total('gb_after'):.1f} GB; predicted "
+             f"{total('ms_before'):.1f} -> {total('ms_after'):.1f} ms / step (saving "
+             f"{total('ms_before') - total('ms_after'):.1f} ms). Groups that changed (by at least {min_gb} GB or "
+             "in op count); * = rate measured for that group in the capture, else its median:", "",
+             "| pass | runs / step | source | category | ops | GB / step | predicted ms / step |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['pass']} | {r['runs_per_step']:g} | {r['source'].replace('|', '/')} | {r['category']} | "
+              f"{r['ops_before']} -> {r['ops_after']} | {r['gb_before']:.2f} -> {r['gb_after']:.2f} | "
+              f"{r['ms_before']:.2f} -> {r['ms_after']:.2f}{' *' if r['measured_rate'] else ''} |" for r in changed]
+    return "\n".join(lines) + "\n"
+
+
+def read_hlo(path: Path) -> str:
+    return profile_table._read_bytes(path).decode()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("compile", help="compile the step for a deviceless H100")
+    build.add_argument("--out", type=Path, required=True, help="directory for hlo.txt.gz and tail.json")
+    build.add_argument("overrides", nargs="*", help="ModelConfig fields KEY=VALUE (as YAML values)")
+    both = sub.add_parser("compare", help="two compiled steps' tails")
+    both.add_argument("before", type=Path)
+    both.add_argument("after", type=Path)
+    both.add_argument("--capture", type=Path, help="profile_table JSON of the capture (--by-source): measured rates")
+    both.add_argument("--title", default="The step's tail, before -> after")
+    both.add_argument("--out", type=Path, help="markdown file to write")
+    args = parser.parse_args(argv)
+    if args.command == "compile":
+        import yaml
+
+        overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.overrides)}
+        text, figures = compiled_step_hlo(overrides)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "hlo.txt.gz").write_bytes(gzip.compress(text.encode()))
+        groups = tail_groups(text)
+        figures["tail_gb_per_step"] = sum(g["bytes"] for g in groups.values()) / 1e9
+        (args.out / "tail.json").write_text(json.dumps(figures, indent=1))
+        print(f"compiled in {figures['compile_s']:.0f} s; tail {figures['tail_gb_per_step']:.1f} GB / step; "
+              f"wrote {args.out}/hlo.txt.gz")
+        return 0
+    rates, default = capture_rates(json.loads(args.capture.read_text())) if args.capture else ({}, 1.5e9)
+    rows = compare(tail_groups(read_hlo(args.before)), tail_groups(read_hlo(args.after)), rates, default)
+    text = compare_markdown(rows, args.title)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
