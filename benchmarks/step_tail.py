@@ -1,9 +1,9 @@
 """The H100 train step's tail (everything but matmuls and attention kernels) from its compile on a CPU.
 
-    python benchmarks/step_tail.py compile --out DIR [KEY=VALUE ...]   # the step's optimized HLO, deviceless H100
+    python benchmarks/step_tail.py compile --out DIR [--kind transformer] [KEY=VALUE ...]   # deviceless H100
     python benchmarks/step_tail.py compare BEFORE.txt.gz AFTER.txt.gz [--capture PROFILE.json] [--out FILE.md]
 
-`compile`: paper/diff-1.4b's train step as the 2026-11-27 capture ran it (seq 4096, micro-batch 8, remat
+`compile`: paper/diff-1.4b's (--kind transformer: its twin's) train step as the 2026-11-27 capture ran it (seq 4096, micro-batch 8, remat
 attention, bf16, impl auto, the chunked loss; KEY=VALUE: ModelConfig fields, e.g. remat=minimal) compiled by XLA's
 deviceless CUDA path for an H100 (the topology benchmarks/kernel_resources.py builds; needs JAX's CUDA plugin at
 jax's version and a ptxas: `pip install "jax-cuda12-plugin==$JAX" "jax-cuda12-pjrt==$JAX" nvidia-cuda-nvcc-cu12`,
@@ -73,8 +73,8 @@ def h100_mesh():
     return jax.sharding.Mesh(topology.devices[:1], ("data",))
 
 
-def compiled_step_hlo(overrides: dict) -> tuple[str, dict]:
-    """(the optimized HLO of paper/diff-1.4b's train step compiled for an H100, figures)."""
+def compiled_step_hlo(overrides: dict, kind: str = "diff") -> tuple[str, dict]:
+    """(the optimized HLO of paper/<kind>-1.4b's train step compiled for an H100, figures)."""
     import jax
     import numpy as np
 
@@ -83,7 +83,7 @@ def compiled_step_hlo(overrides: dict) -> tuple[str, dict]:
     from diffjax.train.step import sharded_init
     from train_step import paper_twins
 
-    config = paper_twins(CAPTURE["size"])["diff"]
+    config = paper_twins(CAPTURE["size"])[kind]
     config = config.replace(remat=CAPTURE["remat"], scan_layers=True, attention_impl=CAPTURE["impl"],
                             dtype=CAPTURE["dtype"], max_seq_len=max(config.max_seq_len, CAPTURE["seq_len"]), **overrides)
     mesh = make_mesh(ParallelConfig(data=1), list(h100_mesh().devices.flat))
@@ -105,14 +105,18 @@ def compiled_step_hlo(overrides: dict) -> tuple[str, dict]:
 
 
 def tail_groups(hlo_text: str) -> dict[tuple, dict]:
-    """(pass, runs per step, source, category) -> {ops, bytes per step} of the ops outside NOT_TAIL."""
-    groups = collections.defaultdict(lambda: {"ops": [], "bytes": 0.0})
+    """(pass, runs per step, source, category) -> {ops, bytes per step, scatter} of the ops outside NOT_TAIL;
+    scatter: the group holds a scatter (its time is its atomics', not its bytes')."""
+    instrs, comps, _ = profile_table.parse_hlo(hlo_text)
+    groups = collections.defaultdict(lambda: {"ops": [], "bytes": 0.0, "scatter": False})
     for op, cost in profile_table.hlo_costs(hlo_text).items():
         if cost["category"] in NOT_TAIL or cost["opcode"] in profile_table.CONTROL:
             continue
         key = (*profile_table.source_key(op, cost), cost["category"])
         groups[key]["ops"].append(op)
         groups[key]["bytes"] += cost["bytes"] * cost["runs"]
+        inner = profile_table._inner_opcodes(instrs[op], instrs, comps) if cost["opcode"] == "fusion" else {}
+        groups[key]["scatter"] |= cost["opcode"] == "scatter" or "scatter" in inner
     return dict(groups)
 
 
@@ -126,36 +130,39 @@ def capture_rates(profile: dict) -> tuple[dict, float]:
     return rates, statistics.median(rates.values()) if rates else 1.5e9
 
 
-def predicted_ms(key: tuple, nbytes: float, rates: dict, default: float) -> float:
-    return nbytes / rates.get(key, default)
+def predicted_ms(key: tuple, group: dict, rates: dict, default: float) -> float | None:
+    """The group's bytes at its rate; None for a scatter (bound by its atomics: predicted apart, by hand)."""
+    return None if group["scatter"] else group["bytes"] / rates.get(key, default)
 
 
 def compare(before: dict, after: dict, rates: dict, default: float) -> list[dict]:
     rows = []
     for key in sorted(set(before) | set(after), key=lambda k: -max(before.get(k, {}).get("bytes", 0),
                                                                  after.get(k, {}).get("bytes", 0))):
-        b, a = before.get(key, {"ops": [], "bytes": 0.0}), after.get(key, {"ops": [], "bytes": 0.0})
+        empty = {"ops": [], "bytes": 0.0, "scatter": False}
+        b, a = before.get(key, empty), after.get(key, empty)
         rows.append({"pass": key[0], "runs_per_step": key[1], "source": key[2], "category": key[3],
                      "ops_before": len(b["ops"]), "ops_after": len(a["ops"]),
                      "gb_before": b["bytes"] / 1e9, "gb_after": a["bytes"] / 1e9,
-                     "ms_before": predicted_ms(key, b["bytes"], rates, default),
-                     "ms_after": predicted_ms(key, a["bytes"], rates, default),
+                     "ms_before": predicted_ms(key, b, rates, default), "ms_after": predicted_ms(key, a, rates, default),
                      "measured_rate": key in rates})
     return rows
 
 
 def compare_markdown(rows: list[dict], title: str, min_gb: float = 0.05) -> str:
     changed = [r for r in rows if abs(r["gb_after"] - r["gb_before"]) >= min_gb or r["ops_before"] != r["ops_after"]]
-    total = lambda k: sum(r[k] for r in rows)  # noqa: E731
+    total = lambda k: sum(r[k] or 0.0 for r in rows)  # noqa: E731 (scatters' None: left out)
+    ms = lambda x: "atomics" if x is None else f"{x:.2f}"  # noqa: E731
     lines = [f"## {title}", "",
              f"Tail bytes per step {total('gb_before'):.1f} -> {total('gb_after'):.1f} GB; predicted "
              f"{total('ms_before'):.1f} -> {total('ms_after'):.1f} ms / step (saving "
-             f"{total('ms_before') - total('ms_after'):.1f} ms). Groups that changed (by at least {min_gb} GB or "
-             "in op count); * = rate measured for that group in the capture, else its median:", "",
+             f"{total('ms_before') - total('ms_after'):.1f} ms; scatters apart: their atomics, not their bytes, take "
+             f"their time). Groups that changed (by at least {min_gb} GB or in op count); * = rate measured for that "
+             "group in the capture, else its median:", "",
              "| pass | runs / step | source | category | ops | GB / step | predicted ms / step |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['pass']} | {r['runs_per_step']:g} | {r['source'].replace('|', '/')} | {r['category']} | "
               f"{r['ops_before']} -> {r['ops_after']} | {r['gb_before']:.2f} -> {r['gb_after']:.2f} | "
-              f"{r['ms_before']:.2f} -> {r['ms_after']:.2f}{' *' if r['measured_rate'] else ''} |" for r in changed]
+              f"{ms(r['ms_before'])} -> {ms(r['ms_after'])}{' *' if r['measured_rate'] else ''} |" for r in changed]
     return "\n".join(lines) + "\n"
 
 
@@ -168,6 +175,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("compile", help="compile the step for a deviceless H100")
     build.add_argument("--out", type=Path, required=True, help="directory for hlo.txt.gz and tail.json")
+    build.add_argument("--kind", choices=("diff", "transformer"), default="diff", help="paper/<kind>-1.4b")
     build.add_argument("overrides", nargs="*", help="ModelConfig fields KEY=VALUE (as YAML values)")
     both = sub.add_parser("compare", help="two compiled steps' tails")
     both.add_argument("before", type=Path)
@@ -180,7 +188,7 @@ def main(argv=None) -> int:
         import yaml
 
         overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.overrides)}
-        text, figures = compiled_step_hlo(overrides)
+        text, figures = compiled_step_hlo(overrides, args.kind)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "hlo.txt.gz").write_bytes(gzip.compress(text.encode()))
         groups = tail_groups(text)
