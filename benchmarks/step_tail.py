@@ -38,6 +38,7 @@ import profile_table  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 CAPTURE = dict(size="1.4b", micro_batch=8, seq_len=4096, remat="attention", dtype="bfloat16", impl="auto")
 NOT_TAIL = ("matmul", "attention kernel")
+PASSES = ("fwd", "bwd", "bwd remat")  # profile_table.step_pass's names
 
 
 # ------------------------------------------------------------------------------------------------ compile
@@ -84,8 +85,9 @@ def compiled_step_hlo(overrides: dict, kind: str = "diff") -> tuple[str, dict]:
     from train_step import paper_twins
 
     config = paper_twins(CAPTURE["size"])[kind]
-    config = config.replace(remat=CAPTURE["remat"], scan_layers=True, attention_impl=CAPTURE["impl"],
-                            dtype=CAPTURE["dtype"], max_seq_len=max(config.max_seq_len, CAPTURE["seq_len"]), **overrides)
+    config = config.replace(**{"remat": CAPTURE["remat"], "scan_layers": True, "attention_impl": CAPTURE["impl"],
+                               "dtype": CAPTURE["dtype"], "max_seq_len": max(config.max_seq_len, CAPTURE["seq_len"]),
+                               **overrides})
     mesh = make_mesh(ParallelConfig(data=1), list(h100_mesh().devices.flat))
     tx, schedule = make_optimizer(OptimizerConfig(), 1000)
     training, init = sharded_init(config, tx, mesh)
@@ -127,7 +129,14 @@ def capture_rates(profile: dict) -> tuple[dict, float]:
     for g in profile.get("remainder_by_source", []):
         if g["gbps"] and g["gbps"] > 100 and g["categories"][0] not in NOT_TAIL:  # (below: bytes the HLO hides)
             rates[g["pass"], g["runs_per_step"], g["source"], g["categories"][0]] = g["gbps"] * 1e6
-    return rates, statistics.median(rates.values()) if rates else 1.5e9
+    median = statistics.median(rates.values()) if rates else 1.5e9
+    for row in profile.get("rows", []):  # the top rows: one op each, its events over the traced steps its runs
+        head, _, rest = row["source"].partition(": ")
+        name, source = (head, rest) if head in PASSES else ("-", row["source"])
+        key = (name, row["events"] / profile["steps"], source, row["category"])
+        if row["gbps"] and row["category"] not in NOT_TAIL and key not in rates:
+            rates[key] = row["gbps"] * 1e6
+    return rates, median
 
 
 def predicted_ms(key: tuple, group: dict, rates: dict, default: float) -> float | None:
