@@ -3,7 +3,7 @@
     python benchmarks/compile_time.py                          # 24 layers, d_model 512, batch 8 x 512 tokens
     python benchmarks/compile_time.py --quick                  # d_model 256, batch 4 x 256 tokens
     python benchmarks/compile_time.py --quick --layers 4,12,24,48 --remat none
-    python benchmarks/compile_time.py --init diffjax/configs/paper/*.yaml   # the train-state init only
+    python benchmarks/compile_time.py --init configs/paper/*.yaml   # the train-state init only
 
 For every (layers, scan_layers, remat) it lowers and compiles the jitted train step (AdamW, one device) and
 reports the wall time of `.lower()` and of `.compile()`, and XLA's compiled memory analysis (temp bytes:

@@ -1,6 +1,6 @@
 """Per-device memory of the train step against the context axis: does a long sequence fit once it is split?
 
-    python benchmarks/context_memory.py                        # paper/diff-3b-64k (diffjax/configs/), T = 65,536
+    python benchmarks/context_memory.py                        # paper/diff-3b-64k (configs/), T = 65,536
     python benchmarks/context_memory.py --quick                # d_model 512, 4 layers: a minute on a laptop
     python benchmarks/context_memory.py --contexts 1,8 --seq-len 131072 --remat minimal
 

@@ -62,7 +62,7 @@ import diffjax  # noqa: E402
 MODELS = {  # random DiffLlamas that transformers makes and saves (--model)
     "56m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
                 intermediate_size=1376, max_position_embeddings=2048),
-    # the paper's 1.4B DIFF Transformer (diffjax/configs/paper/diff-1.4b.yaml: 8 differential heads of 2 x 128, MLP 8/3 d
+    # the paper's 1.4B DIFF Transformer (configs/paper/diff-1.4b.yaml: 8 differential heads of 2 x 128, MLP 8/3 d
     # rounded to 64, the 100,288 vocabulary): 1.6B parameters with the untied head
     "1.4b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
                  vocab_size=100288, intermediate_size=5440, max_position_embeddings=4096),

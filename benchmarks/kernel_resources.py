@@ -31,11 +31,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from diffjax.ops import aot  # noqa: E402
 from diffjax.ops.pallas_gpu import (  # noqa: E402
     Tuning,
     default_tuning,
@@ -57,48 +56,26 @@ from diffjax.ops.pallas_gpu import (  # noqa: E402
 ARCH = "sm_90a"
 KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
 OUT = Path(__file__).resolve().parent / "results" / "kernel_resources_cpu.json"
-# What XLA needs to compile for an absent H100 (a GpuTargetConfigProto; fields of xla's specs/h100_sxm.txtpb).
-H100_TARGET_CONFIG = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
-  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: 84942979072
-  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 minor: 0 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 patch: 0 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
 
 
 # ------------------------------------------------------------------------------------------------ toolchain
 
 
 def _tool(name: str, cuda_dir: str | None, only_there: bool = False) -> str | None:
-    """`name` from --cuda-dir's bin/ (only there when asked), else PATH, else the pip CUDA packages
-    (nvidia-cuda-nvcc-cu12's nvidia/cuda_nvcc, CUDA 13's nvidia/cu13)."""
+    """`name` from --cuda-dir's bin/ (only there when asked), else where diffjax.ops.aot finds it (PATH, then the pip
+    CUDA packages)."""
     if cuda_dir and ((Path(cuda_dir) / "bin" / name).is_file() or only_there):
         return str(Path(cuda_dir) / "bin" / name) if (Path(cuda_dir) / "bin" / name).is_file() else None
-    if shutil.which(name):
-        return shutil.which(name)
-    packages = [importlib.util.find_spec(p) for p in ("nvidia.cuda_nvcc", "nvidia.cu13")] if importlib.util.find_spec("nvidia") else []
-    dirs = [Path(d) / "bin" for spec in packages if spec for d in spec.submodule_search_locations or []]
-    return next((str(d / name) for d in dirs if (d / name).is_file()), None)
+    return aot.cuda_tool(name)
 
 
 def toolchain_missing(cuda_dir: str | None = None) -> str | None:
-    """What to install (one line) when JAX's CUDA plugin or a ptxas is absent, else None."""
-    if not (importlib.util.find_spec("jax_plugins")
-            and any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))):
-        return (f"kernel_resources.py needs JAX's CUDA plugin to compile for {ARCH} without a GPU: pip install "
-                f"'jax-cuda12-plugin=={jax.__version__}' 'jax-cuda12-pjrt=={jax.__version__}' nvidia-cuda-nvcc-cu12 "
-                "(a separate venv will do)")
+    """What to install (one line) when JAX's CUDA plugin or a ptxas (--cuda-dir's where given) is absent, else None."""
+    if cuda_dir is None:
+        return aot.missing("gpu")
     if _tool("ptxas", cuda_dir, only_there=True) is None:
-        return (f"kernel_resources.py needs ptxas for {ARCH}{f' in {cuda_dir}/bin' if cuda_dir else ''}: "
-                "pip install nvidia-cuda-nvcc-cu12, or put a CUDA toolkit's bin/ on PATH")
-    return None
+        return f"kernel_resources.py needs ptxas for {ARCH} in {cuda_dir}/bin"
+    return aot.cuda_plugin_missing()
 
 
 def toolchain(cuda_dir: str | None) -> dict:
@@ -114,13 +91,8 @@ def toolchain(cuda_dir: str | None) -> dict:
 
 
 def cuda_sharding():
-    """A NamedSharding on one H100 of a deviceless CUDA topology: jit with it compiles for that GPU."""
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(platform="cuda", topology_name="cuda", target_config=H100_TARGET_CONFIG,
-                                            topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    """A NamedSharding on one H100 of a deviceless CUDA topology (diffjax.ops.aot): jit with it compiles for that GPU."""
+    return jax.sharding.NamedSharding(aot.gpu_target(1).mesh(), jax.sharding.PartitionSpec())
 
 
 # ------------------------------------------------------------------------------------------------ compile

@@ -3,7 +3,7 @@
 backward's settings (block_k_dq, block_q_bwd, stages) on forward+backward with the best variant, then the forward's
 (block_k, stages, pingpong) on the forward with the best backward, then the two winners together, against cuDNN
 standard attention (2H heads of d, the equal-parameter baseline) in the same run; the best forward+backward Tuning
-of the shape class goes into the table `auto` reads (diffjax.ops.choice.swept_tuning, pallas_gpu.default_tuning).
+of the shape class goes into the table `auto` reads (diffjax.ops.pallas_gpu.tuning_table, default_tuning).
 
     python benchmarks/pallas_gpu_sweep.py [--T 8192] [--d 128] [--dv 256] [--single] [--out sweep.json]
         [--table pallas_gpu_tuning.json]      (merged: one entry per shape class; copy it to diffjax/ops/ to use it)
@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import flops_baseline, flops_diff, fwd_bwd, time_fn  # noqa: E402
 
 from diffjax import ops  # noqa: E402
-from diffjax.ops.choice import tuning_class  # noqa: E402
 from diffjax.ops.pallas_gpu import Tuning, default_tuning, unsupported  # noqa: E402
+from diffjax.ops.pallas_gpu.tuning_table import tuning_class  # noqa: E402
 from diffjax.ops.pallas_gpu.common import DKDV_VARIANTS  # noqa: E402
 
 # The options each kernel's settings take; a new kernel variant behind a Tuning field adds its options here (the

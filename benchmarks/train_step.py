@@ -51,7 +51,7 @@ from diffjax.train.optimizer import OptimizerConfig, make_optimizer  # noqa: E40
 from diffjax.train.step import resolve_loss_chunk, sharded_init  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PAPER = REPO / "diffjax" / "configs" / "paper"
+PAPER = REPO / "configs" / "paper"
 TINY = dict(vocab_size=512, d_model=64, num_layers=2, num_heads=2, max_seq_len=64)
 GiB = 2**30
 
@@ -178,7 +178,7 @@ def time_steps(bench: Bench, compiled, state, micro_batch: int, seq_len: int, wa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="1.4b", help="paper config size: diffjax/configs/paper/{diff,transformer}-<size>.yaml")
+    parser.add_argument("--size", default="1.4b", help="paper config size: configs/paper/{diff,transformer}-<size>.yaml")
     parser.add_argument("--fallback-size", default="830m", help="the size to run when micro-batch 1 does not fit")
     parser.add_argument("--models", default="diff,transformer", help="which of the twins (comma-separated)")
     parser.add_argument("--seq-lens", type=int_list, default=[2048, 4096])

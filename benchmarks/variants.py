@@ -4,7 +4,7 @@ parameter counts, and print one table: parameters, final train and eval loss.
     python benchmarks/variants.py                 # the tiny config's model and data, 200 steps each (~6 min, 2 cores)
     python benchmarks/variants.py --steps 400     # the default run's length
 
-Every model is diffjax/configs/tiny.yaml's (d_model 128, 4 layers; DIFF with 4 differential heads of 16, the others
+Every model is configs/tiny.yaml's (d_model 128, 4 layers; DIFF with 4 differential heads of 16, the others
 with 8 heads of 16) trained by train.py's `train()` with the same seed, data order and recipe. Parameter
 counts are matched to DIFF V1's by each other variant's MLP width (mlp_dim, the one size free to move): V2's
 doubled query projection costs MLP width, Shared DIFF's low-rank q / k gives it some. Train loss is the mean
@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from diffjax.config import ModelConfig  # noqa: E402
 from diffjax.train import load_run_config, train  # noqa: E402
 
-VARIANTS = {  # name: model overrides of diffjax/configs/tiny.yaml
+VARIANTS = {  # name: model overrides of configs/tiny.yaml
     "Transformer": {"attention": "standard", "num_heads": 8},
     "DIFF V1": {"attention": "diff", "num_heads": 4},
     "DIFF V2": {"attention": "diff_v2", "num_heads": 8},

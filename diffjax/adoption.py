@@ -11,7 +11,6 @@ that has a digest is never adopted again: its digest stands.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffjax import integrity, storage
+from diffjax import command_line, integrity, storage
 from diffjax.log_lines import os_error_line
 from diffjax.params_checkpoint import int_keys, is_stacked
 from diffjax.run_dir import DATA_ITEM, INCOMPLETE_DIR, RunDir, RunDirInUseError, state_dir
@@ -120,8 +119,8 @@ def _never_written(tree) -> str | None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="diffjax-checkpoint",
-                                     description="Tools for diffjax checkpoints.")
+    parser = command_line.ArgumentParser(prog="diffjax-checkpoint",
+                                         description="Tools for diffjax checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     adopt_parser = commands.add_parser(
         "adopt", help="trust checkpoints that have no digest: restore each, check it is finite, write its digest")

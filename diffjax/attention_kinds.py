@@ -220,8 +220,10 @@ def _projections(q: tuple[str, ...] = ("q_kernel",), k: tuple[str, ...] = ("k_ke
                  (("q", q), ("k", k), ("v", ("v_kernel",)), ("o", ("o_kernel",))))
 
 
-# V1's lambda vectors and subln scale are spared weight decay (decay would pull lambda toward lambda_init); the
-# facet writes lambda per layer into the step's metrics.
+# Every two-map kind's facet makes the lambda warm-up's input (optim.lambda_warmup_steps), V1's also writes lambda per
+# layer into the step's metrics. V1's lambda vectors and subln scale are spared weight decay (decay would pull lambda
+# toward lambda_init).
+_WARMUP = "diffjax.model.attention.warmup:LambdaWarmup"
 _V1_TRAINING = kinds.Training(no_decay=(r"subln", r"lambda_"), lora_targets=_projections(),
                               facet="diffjax.model.attention.diff:LambdaMetrics")
 
@@ -243,7 +245,8 @@ for _kind in (
         name="diff_v2", label="DIFF V2", module="diffjax.model.attention.diff_v2:DiffAttentionV2", maps=2,
         value_width=1, lambda_form="per_token", attention_params=_diff_v2_params,
         attention_flops=lambda c, context: 8 * c.num_heads * c.head_dim * context,
-        training=kinds.Training(no_decay=(r"lambda_",), lora_targets=_projections()),  # (lambda_kernel)
+        training=kinds.Training(no_decay=(r"lambda_",), lora_targets=_projections(),  # (lambda_kernel)
+                                facet=_WARMUP),
     ),
     AttentionKind(
         name="shared_diff", label="Shared DIFF", module="diffjax.model.attention.shared_diff:SharedDiffAttention",
@@ -268,8 +271,9 @@ for _kind in (
         vector_params=_gdla_vectors, options=GDLAOptions, op="dot_product_attention",
         rotary_dim=lambda c: c.attention_options.qk_rope_head_dim,
         map_heads=lambda c: c.num_heads - c.attention_options.num_noise_heads,
-        training=kinds.Training(no_decay=(r"lambda_",), lora_targets=tuple(  # (lambda_kernel); the output gate is no target
+        training=kinds.Training(no_decay=(r"lambda_",), facet=_WARMUP, lora_targets=tuple(  # (lambda_kernel); the
             kinds.LoraTarget(name, (f"{name}_kernel",)) for name in ("q_down", "q_up", "kv_down", "kv_up", "o"))),
+        # (the output gate is no LoRA target)
     ),
 ):
     register(_kind)

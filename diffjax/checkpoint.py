@@ -18,8 +18,7 @@ from diffjax.params_checkpoint import (  # noqa: F401  (names the tests and tool
 )
 
 if __name__ == "__main__":
-    import sys
-
     from diffjax.adoption import main
+    from diffjax.command_line import run
 
-    sys.exit(main())
+    run(main, "diffjax-checkpoint")

@@ -24,9 +24,9 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from diffjax import attention_kinds, kinds, mlp_kinds, residual_kinds
+from diffjax import attention_kinds, block_kinds, kinds, mlp_kinds, residual_kinds
 from diffjax.attention_impls import config_problems
-from diffjax.config_values import build_config, did_you_mean, one_of
+from diffjax.config_values import build_config, did_you_mean, nonfinite_problems, one_of
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (diffjax.model.layers.polynorm)
 ROPE_STYLES = ("interleaved", "rotate_half")
@@ -37,6 +37,7 @@ REMAT_POLICIES = ("none", "minimal", "attention", "full")  # what a decoder bloc
 RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "mtp_loss_weight")
 # The parts a decoder block is built from: ModelConfig field naming the part's kind -> its table of kinds.
 BLOCK_PARTS = {"attention": attention_kinds.TABLE, "mlp": mlp_kinds.TABLE, "residual": residual_kinds.TABLE}
+MTP_RESIDUAL = "plain"  # the MTP layer's residual form unless mtp_layer.residual says otherwise
 MLP_MULTIPLE = 64  # default mlp_dim rounds 8/3 d_model to the nearest multiple of this
 
 
@@ -48,7 +49,8 @@ def lambda_init_for_depth(depth: int, offset: int = 0) -> float:
 @dataclasses.dataclass(frozen=True)
 class MTPLayer:
     """ModelConfig.mtp_layer: the fields of the MTP blocks' decoder layer that differ from the model's first layer
-    (None: the model's). Motif 3's (diffjax.convert.motif3): a dense PolyNorm MLP, no mHC, windowed everywhere."""
+    (None: the model's; the residual form: plain). Motif 3's (diffjax.convert.motif3): a dense PolyNorm MLP, no mHC,
+    windowed everywhere."""
 
     mlp: str | None = None
     """Its MLP kind."""
@@ -57,7 +59,8 @@ class MTPLayer:
     mlp_dim: int | None = None
     """Its MLP's hidden width."""
     residual: str | None = None
-    """Its residual form."""
+    """Its residual form; None: "plain" (Motif 3's and DeepSeek-V3's MTP layer), whatever the model's. A form with
+    streams of its own (mHC) expands the depth's input into them and collapses them before the depth's final norm."""
     attention_window: int | None = None
     """Its sliding window (keys per query)."""
     window_rope_theta: float | None = None
@@ -171,7 +174,7 @@ class ModelConfig:
     mtp_depths: int = 0
     """Multi-token-prediction depths (DeepSeek-V3's MTP modules; Motif 3's num_nextn_predict_layers): depth k's block
     predicts token t + 1 + k from depth k - 1's hidden state (depth 0: the model's final one) and the embedding of
-    token t + k (diffjax.model.transformer.PredictionBlock); trained with mtp_loss_weight; 0: none."""
+    token t + k (diffjax.model.mtp.PredictionBlock); trained with mtp_loss_weight; 0: none."""
     mtp_layer: Any = None
     """The MTP blocks' decoder layer where it differs from the model's first layer (an MTPLayer; a mapping in YAML);
     None: as that layer. It is windowed at every position when it has an attention_window."""
@@ -186,7 +189,7 @@ class ModelConfig:
         if isinstance(self.global_layers, list):
             object.__setattr__(self, "global_layers", tuple(self.global_layers))
         rows = {part: _row(table, getattr(self, part)) for part, table in BLOCK_PARTS.items()}
-        errors = [row for row in rows.values() if isinstance(row, str)]
+        errors = [row for row in rows.values() if isinstance(row, str)] + nonfinite_problems(self)
         errors += self._size_errors() + self._window_errors() + self._numerics_errors() + self._mtp_errors()
         if errors:
             raise ValueError("invalid ModelConfig: " + "; ".join(errors))
@@ -220,22 +223,35 @@ class ModelConfig:
         return errors
 
     def _resolve_mtp_layer(self) -> None:
-        """Builds the MTP layer's config once (its errors are this config's) and keeps its resolved MLP options."""
+        """Builds the MTP layer's config once (its errors are this config's) and keeps its resolved MLP options. A part
+        whose kind trains with a facet (one for all the layers of its kind: diffjax.model.facets) must have the
+        options of the model's layers of that kind."""
         try:
             layer = self.mtp_layer_config()
         except ValueError as error:
-            raise ValueError(f"invalid ModelConfig: mtp_layer: {error}") from None
-        if mlp_kinds.get(layer.mlp).training.facet is not None:
-            raise ValueError(f"invalid ModelConfig: mtp_layer: mlp {layer.mlp!r} trains with a facet that sees the "
-                             "model's layers only; give the MTP layer another MLP kind (mtp_layer.mlp)")
+            problem = str(error).removeprefix("invalid ModelConfig: ")
+            raise ValueError(f"invalid ModelConfig: mtp_layer: {problem}") from None
+        for part, table in BLOCK_PARTS.items():
+            kind, options = getattr(layer, part), getattr(layer, f"{part}_options")
+            others = {getattr(segment.config, f"{part}_options") for segment in kinds.layer_segments(self)
+                      if getattr(segment.config, part) == kind}
+            if table.get(kind).training.facet is not None and others - {options}:
+                raise ValueError(f"invalid ModelConfig: mtp_layer: {part} {kind!r} with {part}_options other than the "
+                                 f"model's {kind} layers' ({_describe(others.pop())}): one training side serves every "
+                                 f"layer of a kind; leave mtp_layer.{part}_options unset (the model's)")
         if self.mtp_layer is not None and self.mtp_layer.mlp_options is not None:
             object.__setattr__(self, "mtp_layer", dataclasses.replace(self.mtp_layer, mlp_options=layer.mlp_options))
 
     def mtp_layer_config(self) -> "ModelConfig":
-        """The config the MTP blocks' decoder layer is built from: the first layer's with mtp_layer's changes, every
-        position windowed when there is a window (no global_layers), and no MTP depths of its own."""
-        changes = self.mtp_layer.changes() if self.mtp_layer is not None else {}
-        return kinds.layer_segments(self)[0].config.replace(global_layers=(), mtp_depths=0, mtp_layer=None, **changes)
+        """The config the MTP blocks' decoder layer is built from: the first layer's with a plain residual and
+        mtp_layer's changes (a part changed to the model's own kind keeps the model's options unless they are given:
+        mtp_layer.mlp=moe is the model's mixture of experts), every position windowed when there is a window (no
+        global_layers), and no MTP depths of its own."""
+        changes = {"residual": MTP_RESIDUAL, **(self.mtp_layer.changes() if self.mtp_layer is not None else {})}
+        if changes.get("mlp") == self.mlp and "mlp_options" not in changes:  # the model's kind: its options
+            changes["mlp_options"] = self._given_options("mlp")
+        without_depths = self.replace(mtp_depths=0, mtp_layer=None)  # (its segments' configs check no MTP layer)
+        return kinds.layer_segments(without_depths)[0].config.replace(global_layers=(), **changes)
 
     def _size_errors(self) -> list[str]:
         errors = []
@@ -442,16 +458,12 @@ class ModelConfig:
         """Parameters per part, counted from the shapes (tied embeddings count once); active: those one token uses (a
         mixture of experts' routed experts: the top_k it is sent to)."""
         D = self.d_model
-        return {
-            "embedding": self.vocab_size * D,
-            "layers": sum(segment.num_layers * _layer_params(segment.config, active)
-                          for segment in kinds.layer_segments(self)),
-            "final_norm": D,
-            "lm_head": 0 if self.tie_embeddings else D * self.vocab_size,
-            # each depth: its layer, embed_norm, input_proj [2D, D] and final_norm
-            "mtp": self.mtp_depths and self.mtp_depths * (_layer_params(self.mtp_layer_config(), active)
-                                                          + 2 * D * D + 2 * D),
-        }
+        counts = {"embedding": self.vocab_size * D, "final_norm": D,
+                  "lm_head": 0 if self.tie_embeddings else D * self.vocab_size}
+        for segment in kinds.param_stacks(self):  # "decoder": the layers; "mtp": the MTP depths
+            per_layer = _layer_params(segment.config, active) + block_kinds.get(segment.block).params(self)
+            counts[segment.block] = counts.get(segment.block, 0) + segment.num_layers * per_layer
+        return counts
 
     def param_count(self, *, include_lm_head: bool = True, active: bool = False) -> int:
         """Total parameters (active: those one token uses). `include_lm_head=False` counts one embedding matrix, as
@@ -472,7 +484,8 @@ def _layer_params(c: ModelConfig, active: bool) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BlockRow:
-    """A row a model's layers are built from: its part ("attention", "mlp", "residual"), the row, and the layers."""
+    """A row a model's layers are built from: its part ("attention", "mlp", "residual"; "block": a row of
+    diffjax.block_kinds), the row, and the layers (the MTP depths numbered on from num_layers)."""
 
     part: str
     row: Any
@@ -480,14 +493,27 @@ class BlockRow:
 
 
 def block_rows(config: ModelConfig) -> tuple[BlockRow, ...]:
-    """Every row the model's layers are built from, each once with the layers built with it (a segment's own rows
-    too: an MoE's dense first layers' MLP), by part, then in order of first use. The trainer reads their `training`."""
+    """Every row the model's stacks are built from (diffjax.kinds.param_stacks: the layers, then the MTP depths),
+    each once with the layers built with it (a segment's own rows too: an MoE's dense first layers' MLP), by part,
+    then in order of first use. The trainer reads their `training`."""
+    tables = {**BLOCK_PARTS, "block": block_kinds.TABLE}
     layers_of: dict[tuple[str, str], list[int]] = {}
-    segments = kinds.layer_segments(config)
-    for part in BLOCK_PARTS:
-        for segment in segments:
-            layers_of.setdefault((part, getattr(segment.config, part)), []).extend(range(segment.start, segment.stop))
-    return tuple(BlockRow(part, BLOCK_PARTS[part].get(name), tuple(layers)) for (part, name), layers in layers_of.items())
+    stacks = kinds.param_stacks(config)
+    for part in tables:
+        for segment in stacks:
+            name = segment.block if part == "block" else getattr(segment.config, part)
+            layers_of.setdefault((part, name), []).extend(range(segment.start, segment.stop))
+    return tuple(BlockRow(part, tables[part].get(name), tuple(layers)) for (part, name), layers in layers_of.items())
+
+
+def stack_config(config: ModelConfig, layer: int) -> ModelConfig:
+    """The config layer `layer` is built with (its stack's: diffjax.kinds.param_stacks; the MTP depths numbered on
+    from num_layers)."""
+    return next(segment.config for segment in kinds.param_stacks(config) if segment.start <= layer < segment.stop)
+
+
+def _describe(options) -> str:
+    return "no options" if options is None else options.describe() or repr(options)
 
 
 def _is_int(value) -> bool:

@@ -16,7 +16,9 @@ import contextlib
 import contextvars
 import dataclasses
 import difflib
+import functools
 import math
+import numbers
 import types
 import typing
 from typing import Any, Iterable
@@ -144,9 +146,12 @@ def convert(value, annotation, key: str):
         if isinstance(value, bool):
             raise ValueError(f"{key} must be a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{key} must be a number, got {value!r}") from None
+        if not math.isfinite(number):  # nan, inf, and what overflows to inf (1e400)
+            raise ValueError(_not_finite(key, value))
+        return number
     if annotation is Any:  # converted by the class that reads it (ModelConfig's kind options)
         return value
     if annotation is str:
@@ -154,6 +159,27 @@ def convert(value, annotation, key: str):
             raise ValueError(f"{key} must be a string, got {value!r}")
         return str(value)
     raise TypeError(f"{key}: unsupported field type {annotation!r}")
+
+
+def _not_finite(key: str, value) -> str:
+    return f"{key} must be a finite number, got {value!r}"
+
+
+@functools.cache
+def _float_fields(cls) -> tuple[str, ...]:
+    """The fields of a config dataclass typed float (or float | None)."""
+    hints = typing.get_type_hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls)
+                 if hints[f.name] is float or float in typing.get_args(hints[f.name]))
+
+
+def nonfinite_problems(config, prefix: str = "") -> list[str]:
+    """One line per float field of a config dataclass that holds nan or an infinity: no diffjax setting means
+    anything there (an unbounded one is None), and a run with one diverges or computes nothing. `convert` refuses
+    them from YAML and the command line; a config's own validation calls this for one built in Python."""
+    values = ((name, getattr(config, name)) for name in _float_fields(type(config)))
+    return [_not_finite(prefix + name, value) for name, value in values
+            if isinstance(value, numbers.Real) and not math.isfinite(value)]
 
 
 def build_config(cls, values: dict[str, Any], *, prefix: str = ""):

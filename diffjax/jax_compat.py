@@ -11,7 +11,7 @@ The differences themselves:
 - Lowering for an accelerator that is not present: from 0.12 the Pallas Triton lowering reads the GPU's
   compute capability from the device, so without a GPU it needs an abstract one
   (`jax.sharding.use_abstract_mesh` with an `AbstractDevice`), as Pallas TPU lowering always did.
-  `lowering_target` gives that context for every version.
+  `lowering_target` / `lowering_device` give that context for every version.
 
 This module imports only the standard library at import time (jax where a function needs it), so the
 version check runs before JAX itself is imported.
@@ -100,11 +100,30 @@ def lowering_target(device_kind: str = H100, platform: str = "gpu"):
     """Inside: `jitted.trace(...).lower(lowering_platforms=(platform_name,))` lowers for a `device_kind`
     device of `platform` ('gpu' or 'tpu') with no such device present. Yields the lowering platform name
     ('cuda' or 'tpu')."""
-    import jax
-    from jax.sharding import AbstractDevice, AbstractMesh
+    from jax.sharding import AbstractDevice
 
     if platform not in LOWERING_PLATFORM:
         raise ValueError(f"platform must be one of {sorted(LOWERING_PLATFORM)}, got {platform!r}")
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform))
-    with jax.sharding.use_abstract_mesh(mesh):
+    with lowering_device(AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform)):
         yield LOWERING_PLATFORM[platform]
+
+
+@contextlib.contextmanager
+def lowering_device(abstract_device):
+    """Inside: calls are traced and lowered for `abstract_device` (a jax.sharding.AbstractDevice; a device's own:
+    `abstract_device_of`): the abstract mesh carries it, with no axes, so shardings and eager ops are untouched
+    (a topology's device cannot run code, so it must not become the default device)."""
+    import jax
+    from jax.sharding import AbstractMesh
+
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=abstract_device)):
+        yield
+
+
+def abstract_device_of(device):
+    """The jax.sharding.AbstractDevice of a jax device (a topology's too), as jax's own Mesh.abstract_mesh makes it
+    (its num_cores: a TPU's cores, a GPU's SMs)."""
+    import jax
+    import numpy as np
+
+    return jax.sharding.Mesh(np.array([device]), ("one",)).abstract_mesh.abstract_device

@@ -20,7 +20,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
-from diffjax.config_values import build_config, one_of
+from diffjax.config_values import build_config, nonfinite_problems, one_of
 
 
 class Options:
@@ -29,6 +29,8 @@ class Options:
 
     # Flat ModelConfig keys that config files written before options existed used -> this class's field.
     legacy_keys: ClassVar[Mapping[str, str]] = {}
+    # Fields whose value is one of a fixed set -> that set (checked before `problems`, listed by --help-keys).
+    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     def defaults(self, config) -> dict[str, Any]:
         """{field: value} for the fields left None, derived from `config` (its shared sizes are resolved)."""
@@ -91,6 +93,19 @@ class PartKind:
     active_params: Callable | None = None
     options: type[Options] | None = None  # the kind's own settings (ModelConfig.mlp_options / residual_options)
     training: Training = NO_TRAINING  # its training side
+    # (ModelConfig) -> values per token of the part's widest activation, what a memory plan counts (an MLP: the hidden
+    # units one token computes, a mixture of experts' top_k routed and shared ones; a residual form: its stream);
+    # None: mlp_dim for an MLP, d_model for a residual form
+    activation_width: Callable | None = None
+    # (ModelConfig) -> (used, of): the share of the part's parameters on the "expert" logical axis one token uses (a
+    # mixture of experts: top_k of num_experts); None: the part has none
+    expert_share: Callable | None = None
+
+
+def choice_problems(options: Options) -> list[str]:
+    """The usual check of the fields `options.choices` names: each one of its values."""
+    return [one_of(name, getattr(options, name), allowed) for name, allowed in options.choices.items()
+            if getattr(options, name) not in allowed]
 
 
 def positive_int_problems(options: Options, *names: str) -> list[str]:
@@ -154,7 +169,8 @@ def resolve_options(row, given, config, field: str) -> tuple[Options | None, tup
         raise ValueError(f"{field} must be a mapping of {options_class.__name__} fields, got {given!r}")
     derived = tuple(f.name for f in dataclasses.fields(given) if getattr(given, f.name) is None)
     resolved = dataclasses.replace(given, **{k: v for k, v in given.defaults(config).items() if k in derived})
-    problems = [f"{field}.{line}" for line in resolved.problems(config)]
+    problems = nonfinite_problems(resolved, f"{field}.") or \
+        [f"{field}.{line}" for line in choice_problems(resolved) + resolved.problems(config)]
     if problems:
         raise ValueError("; ".join(problems))
     return resolved, derived
@@ -189,17 +205,23 @@ def named_class(kind: str, named: str | type, base: type) -> type:
 FIRST_SEGMENT = "blocks"  # the params key of a model's first (often only) segment of layers
 
 
+DECODER_BLOCK = "decoder"  # the block kind of the model's layers (diffjax.block_kinds)
+MTP_BLOCK = "mtp"  # the block kind of the multi-token-prediction depths
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """A run of consecutive layers [start, stop) built alike: one scanned stack of `config`'s block (the model's
     config with the layers' `Options.layer_changes` applied; its num_layers and depth-indexed fields stay the
-    model's). Its params live under `name`: "blocks" for the first (a model of one segment is stored as before
-    segments existed), "blocks_from_<start>" for the others; `stack_name` names another stack (MTP_STACK)."""
+    model's). `block` names the row of diffjax.block_kinds whose module is the class of its layers. Its params live
+    under `name`: "blocks" for the first (a model of one segment is stored as before segments existed),
+    "blocks_from_<start>" for the others; `stack_name` names another stack (MTP_STACK)."""
 
     start: int
     stop: int
     config: Any
     stack_name: str | None = None
+    block: str = DECODER_BLOCK
 
     @property
     def name(self) -> str:
@@ -241,10 +263,10 @@ MTP_STACK = "blocks_mtp"
 
 
 def param_stacks(config) -> tuple[Segment, ...]:
-    """Every stack of block params: the layer segments, then the MTP depths' (one Segment of `mtp_depths` blocks
-    named MTP_STACK, depths counted on from num_layers, built with ModelConfig.mtp_layer_config)."""
+    """Every stack of block params: the layer segments, then the MTP depths' (one Segment of `mtp_depths` MTP_BLOCK
+    blocks named MTP_STACK, depths counted on from num_layers, built with ModelConfig.mtp_layer_config)."""
     segments = layer_segments(config)
     if not config.mtp_depths:
         return segments
     L = config.num_layers
-    return segments + (Segment(L, L + config.mtp_depths, config.mtp_layer_config(), MTP_STACK),)
+    return segments + (Segment(L, L + config.mtp_depths, config.mtp_layer_config(), MTP_STACK, MTP_BLOCK),)

@@ -48,31 +48,6 @@ def next_token_targets(tokens_BT, segment_ids_BT, loss_mask_BT=None):
     return targets_BT, weights_BT
 
 
-def mtp_targets(tokens_BT, segment_ids_BT, loss_mask_BT, depths: int):
-    """The multi-token-prediction depths' (inputs, targets, weights), each [K, B, T] (int, int, float32): depth k =
-    1..K reads token t + k at position t and predicts token t + 1 + k, counted as next_token_targets counts (the
-    same document from t to t + 1 + k, loss_mask set on the target); positions without one have weight 0 (and
-    input 0). Stated per position, as next_token_targets."""
-    tokens_BT = jnp.asarray(tokens_BT)
-    B, T = tokens_BT.shape
-
-    def shifted(x_BT, by):  # x[t + by] at t, 0 past the end
-        return jnp.pad(x_BT[:, by:], ((0, 0), (0, min(by, T))))
-
-    inputs, targets, weights = [], [], []
-    for k in range(1, depths + 1):
-        mask_BT = jnp.broadcast_to(jnp.arange(T) + 1 + k < T, (B, T))
-        if segment_ids_BT is not None:
-            segment_ids_BT = jnp.asarray(segment_ids_BT)
-            mask_BT &= (shifted(segment_ids_BT, 1 + k) == segment_ids_BT) & (shifted(segment_ids_BT, 1 + k) != 0)
-        if loss_mask_BT is not None:
-            mask_BT &= shifted(jnp.asarray(loss_mask_BT), 1 + k) != 0
-        inputs.append(shifted(tokens_BT, k))
-        targets.append(shifted(tokens_BT, 1 + k))
-        weights.append(mask_BT.astype(jnp.float32))
-    return jnp.stack(inputs), jnp.stack(targets), jnp.stack(weights)
-
-
 def loss_sum_and_count(logits_BTV, targets_BT, weights_BT):
     """(sum of weighted cross-entropies, sum of weights); targets and weights from next_token_targets."""
     losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)

@@ -12,9 +12,9 @@ formulas count is checked against the built model (tests/test_block_kinds.py).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from diffjax import kinds
-from diffjax.config_values import one_of
 
 MLPKind = kinds.PartKind  # a row: name, label, module, params, matmul_params, options, training
 
@@ -124,6 +124,15 @@ class MoEOptions(kinds.Options):
     token of the global batch (the others idle) this many steps in a row, by a margin (equal scores, as an untrained
     router's, are a tie-break, not a collapse); None: never."""
 
+    choices = {"score_func": SCORE_FUNCS}
+    # The MLP kind of the layers that are not MoE layers (dense_first_layers, moe_layer_step) and its options
+    # (`dense_options`): a mixture of other experts says its own.
+    dense_mlp: ClassVar[str] = "polynorm"
+
+    def dense_options(self) -> kinds.Options | None:
+        """The dense layers' MLP options: Motif 3's PolyNorm with these output_scale and sigmoid_weight, unclamped."""
+        return PolyNormOptions(self.output_scale, self.sigmoid_weight, None)
+
     def defaults(self, config) -> dict:
         inner = self.expert_inner or config.mlp_dim
         return {"expert_inner": inner, "shared_inner": inner * self.num_shared_experts}
@@ -142,8 +151,6 @@ class MoEOptions(kinds.Options):
         if not problems and self.dense_first_layers > config.num_layers:
             problems.append(f"dense_first_layers ({self.dense_first_layers}) must be at most num_layers "
                             f"({config.num_layers})")
-        if self.score_func not in SCORE_FUNCS:
-            problems.append(one_of("score_func", self.score_func, SCORE_FUNCS))
         problems += [f"{name} must be true or false, got {getattr(self, name)!r}"
                      for name in ("route_norm", "expert_bias", "sigmoid_weight")
                      if not isinstance(getattr(self, name), bool)]
@@ -165,7 +172,7 @@ class MoEOptions(kinds.Options):
     def layer_changes(self, config, depth: int) -> dict:
         if depth >= self.dense_first_layers and (depth + 1) % self.moe_layer_step == 0:
             return {}
-        return {"mlp": "polynorm", "mlp_options": PolyNormOptions(self.output_scale, self.sigmoid_weight, None)}
+        return {"mlp": self.dense_mlp, "mlp_options": self.dense_options()}
 
 
 def _polynorm_mlp_params(c, inner: int) -> int:
@@ -198,6 +205,8 @@ register(MLPKind(
     params=lambda c: _moe_params(c, c.mlp_options.num_experts),
     matmul_params=lambda c: c.d_model * (c.mlp_options.num_experts + 3 * _active_inner(c.mlp_options)),
     active_params=lambda c: _moe_params(c, c.mlp_options.top_k),
+    activation_width=lambda c: _active_inner(c.mlp_options),
+    expert_share=lambda c: (c.mlp_options.top_k, c.mlp_options.num_experts),
     options=MoEOptions,
     # gate / up / down: the shared expert's; "experts" (only when named): per-expert adapters of the routed experts.
     # expert_bias only selects (no gradient): never decayed; the facet moves it after each step (load_balance_coeff),

@@ -73,6 +73,7 @@ def _mhc_params(c) -> int:
 register(ResidualKind(
     name="mhc", label="mHC", module="diffjax.model.residual.mhc:MHCResidual", options=MHCOptions,
     params=_mhc_params, matmul_params=_mhc_matmul_params,
+    activation_width=lambda c: c.residual_options.streams * c.d_model,  # E streams of the residual
     # its gates' biases and scales are spared weight decay (decay would pull the stream mix toward uniform)
     training=kinds.Training(no_decay=(r"residual\.(pre|post|res)_(bias|alpha)",)),
 ))

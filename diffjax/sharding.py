@@ -161,10 +161,11 @@ def activation_sharding(mesh: Mesh | None) -> Iterator[None]:
         _ACTIVE_MESH.reset(token)
 
 
-def active_mesh() -> Mesh | None:
-    """The mesh of the enclosing `activation_sharding` context (None outside one, or for one device)."""
+def active_mesh(*, single_device: bool = False) -> Mesh | None:
+    """The mesh of the enclosing `activation_sharding` context (None outside one, or for one device unless
+    `single_device`)."""
     mesh = _ACTIVE_MESH.get()
-    return mesh if mesh is not None and mesh.size > 1 else None
+    return mesh if mesh is not None and (mesh.size > 1 or single_device) else None
 
 
 def shard_map_by_logical_axes(f, mesh: Mesh, arrays_and_axes: Sequence[tuple[Any, Sequence[str | None]]], out_axes,

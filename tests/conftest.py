@@ -55,7 +55,7 @@ def pytest_runtest_logreport(report):
 # had finished. Every other file keeps its place after them.
 LONGEST_FILES = ("test_readme_recipes.py", "test_motif3.py", "test_motif3_lora.py", "test_expert_parallel.py",
                  "test_ops_pallas_gpu.py", "test_capture.py", "test_attention_kinds.py", "test_trainer.py",
-                 "test_context_parallel.py", "test_robustness.py")
+                 "test_context_parallel.py", "test_robustness.py", "test_aot_kernels.py", "test_kernel_resources.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -121,7 +121,7 @@ PUBLISHED_ACTIVE_PARAMS = 13.2e9
 
 # A small Motif 3 with every feature on: 4 layers (dense, then MoE; global on 0 and 2, a 3-key window on 1 and 3),
 # groups of 4 signal + 1 noise heads over 2 KV heads as published, v narrower than q/k, YaRN on the global layers;
-# load_balance_coeff 1e-2 (published 1e-4) keeps pace with diffjax/configs/motif3/small.yaml's learning rate.
+# load_balance_coeff 1e-2 (published 1e-4) keeps pace with configs/motif3/small.yaml's learning rate.
 SMALL = {
     "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
     "num_hidden_layers": 4, "num_attention_heads": 10, "num_key_value_heads": 2, "num_noise_heads": 2,

@@ -445,9 +445,14 @@ def test_clis_fit_the_model_check_first_and_name_their_command(models, tmp_path,
             main(["--checkpoint", str(tmp_path / "short"), *extra])
         assert exit_info.value.code == 2
         assert "expected a positive integer" in capsys.readouterr().err
-    assert needles.main(["--write-training", str(tmp_path / "absent" / "x.jsonl"), "--count", "2"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --write-training") and "does not exist" in err and "\n" not in err.strip()
+    assert needles.main(["--write-training", str(tmp_path / "absent" / "x.jsonl"), "--count", "2"]) == 0  # made
+    assert len((tmp_path / "absent" / "x.jsonl").read_text().splitlines()) == 2
+    capsys.readouterr()
+    for main in (needles.main, recall.main):  # a directory that cannot be made: a file is in the way
+        assert main(["--write-training", str(tmp_path / "absent" / "x.jsonl" / "y.jsonl"), "--count", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --write-training") and "cannot make its directory" in err
+        assert "\n" not in err.strip()
     with pytest.raises(SystemExit):
         outliers.main(["--help"])
     assert capsys.readouterr().out.startswith("usage: python -m diffjax.analysis.outliers")

@@ -35,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL = re.compile(r"diffjax_mgpu(?:_single)?_(fwd|bwd_dq|bwd_dkdv)")
 
 
-def _lowered_train_step(monkeypatch, attention: str) -> str:
+def _lowered_train_step(attention: str) -> str:
     """StableHLO of a 2-layer scanned bf16 train step (d = 64) with impl pallas_gpu and remat attention, for an H100."""
     config = ModelConfig(d_model=256, num_layers=2, num_heads=2 if attention == "diff" else 4, attention=attention,
                          dtype="bfloat16", attention_impl="pallas_gpu", remat="attention", scan_layers=True,
@@ -45,16 +45,15 @@ def _lowered_train_step(monkeypatch, attention: str) -> str:
     state = jax.eval_shape(lambda key: init_state(TransformerLM(config, rngs=nnx.Rngs(key)), tx, key), jax.random.key(0))
     tokens = jax.ShapeDtypeStruct((1, 1, 128), jnp.int32)
     step = make_train_step(graphdef, tx, schedule, config)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # compiled kernels, not their interpreter
-    with lowering_target(H100) as cuda:
+    with lowering_target(H100) as cuda:  # compiled for an H100: the kernels compile, not their interpreter
         lowered = jax.jit(step).trace(state, {"tokens": tokens, "segment_ids": tokens, "positions": tokens})
         return lowered.lower(lowering_platforms=(cuda,)).as_text()
 
 
 @pytest.mark.parametrize("attention, forward_launches", [("standard", 1), ("diff", 2)])
 def test_the_train_step_launches_the_forward_kernel_once_per_layer_for_the_twin_and_twice_for_diff(
-        monkeypatch, attention, forward_launches):
-    text = _lowered_train_step(monkeypatch, attention)
+        attention, forward_launches):
+    text = _lowered_train_step(attention)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
     # The layers are one scan: its body is lowered once, so these are per layer.
     launches = collections.Counter(KERNEL.search(line).group(1) for line in calls)

@@ -20,7 +20,7 @@ def test_a_run_without_out_leaves_the_tracked_results_alone(tmp_path):
     (tmp_path / "benchmarks").mkdir()  # a checkout of its own, so that the real runs/ and results/ stay untouched
     shutil.copy(REPO_ROOT / "benchmarks" / "compile_time.py", tmp_path / "benchmarks")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "benchmarks/compile_time.py", "--init", str(REPO_ROOT / "diffjax" / "configs" / "tiny.yaml")],
+    result = subprocess.run([sys.executable, "benchmarks/compile_time.py", "--init", str(REPO_ROOT / "configs" / "tiny.yaml")],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     written = tmp_path / "runs" / "benchmarks" / "compile_init_cpu.json"

@@ -187,7 +187,7 @@ def test_a_toy_mlp_kind_trains_resumes_saves_and_generates(toy_kinds, tmp_path):
     back = load_model(tmp_path / "params_only")
     assert back.config == model.config
     np.testing.assert_array_equal(np.asarray(back.blocks.mlp.scale[...]), np.asarray(model.blocks.mlp.scale[...]))
-    with pytest.raises(ConversionError, match="mlp='toy_squared_relu': the Hugging Face formats hold mlp='gated' only"):
+    with pytest.raises(ConversionError, match="mlp='toy_squared_relu': DiffLlama holds mlp 'gated' only"):
         diffjax.save_hf(model, tmp_path / "hf")
     assert np.asarray(diffjax.generate(back, [[104, 105]], 3)).shape == (1, 3)
 

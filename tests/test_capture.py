@@ -21,7 +21,7 @@ import ncu_summary  # noqa: E402
 import profile_table  # noqa: E402
 
 from diffjax.jax_compat import H100, lowering_target  # noqa: E402
-from diffjax.ops import choice  # noqa: E402
+from diffjax.ops.pallas_gpu import tuning_table  # noqa: E402
 from diffjax.ops.pallas_gpu import Tuning, default_tuning  # noqa: E402
 
 NCU_EXAMPLE = REPO_ROOT / "benchmarks" / "testdata" / "ncu_details_example.csv"
@@ -350,7 +350,7 @@ def write_table(path: Path, device="NVIDIA H100 80GB HBM3", dry_run=False, **tun
 
 def test_the_swept_tuning_is_the_default_where_its_table_has_one(tmp_path, monkeypatch):
     table = tmp_path / "pallas_gpu_tuning.json"
-    monkeypatch.setattr(choice, "TUNING_TABLE", table)
+    monkeypatch.setattr(tuning_table, "TUNING_TABLE", table)
     plain = default_tuning(64, 128, 2, jnp.bfloat16)  # no table
     swept = Tuning(block_k=64, block_k_dq=64, block_q_bwd=64, stages=3, pingpong=False)
     assert swept != plain
@@ -360,12 +360,12 @@ def test_the_swept_tuning_is_the_default_where_its_table_has_one(tmp_path, monke
     assert default_tuning(64, 128, 2, jnp.bfloat16, swept=False) == plain
     for kwargs in ({"dry_run": True}, {"device": "cpu"}):  # a dry run's or another device's table is not a measurement
         write_table(table, **kwargs, **swept._asdict())
-        assert choice.swept_tuning(64, 128, False, jnp.bfloat16) is None
+        assert tuning_table.swept_tuning(64, 128, False, jnp.bfloat16) is None
     write_table(table, block_k=128, block_k_dq=128, block_q_bwd=128, stages=8)  # does not fit shared memory
     assert default_tuning(64, 128, 2, jnp.bfloat16) == plain
     table.write_text('{"best": []}')
     with pytest.raises(ValueError, match="pallas_gpu_tuning.json: not a pallas_gpu tuning table"):
-        choice.swept_tuning(64, 128, False, jnp.bfloat16)
+        tuning_table.swept_tuning(64, 128, False, jnp.bfloat16)
 
 
 def test_the_sweep_merges_its_best_into_the_table(tmp_path):
@@ -379,7 +379,7 @@ def test_the_sweep_merges_its_best_into_the_table(tmp_path):
     pallas_gpu_sweep.update_table(table, result, best)
     merged = json.loads(table.read_text())["best"]
     assert sorted(merged) == ["diff d128 dv256 bfloat16", "diff d64 dv128 bfloat16"]
-    assert choice.swept_tuning(128, 256, False, jnp.bfloat16, table) == Tuning(block_k=128)._asdict()
+    assert tuning_table.swept_tuning(128, 256, False, jnp.bfloat16, table) == Tuning(block_k=128)._asdict()
     assert len(pallas_gpu_sweep.candidates(Tuning(), pallas_gpu_sweep.FORWARD_OPTIONS)) == 8
 
 

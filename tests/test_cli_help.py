@@ -22,10 +22,10 @@ SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["
 COMMANDS = {"diffjax.analysis.needles": None, "diffjax.analysis.recall": None, "diffjax.analysis.attention_scores": None,
             "diffjax.analysis.outliers": None, "diffjax.analysis.quantization": None, "diffjax.analysis.probe": None,
             "diffjax.eval": "diffjax-eval", "diffjax.generate": "diffjax-generate", "diffjax.convert": "diffjax-convert",
-            "diffjax.checkpoint": "diffjax-checkpoint", "diffjax.ops": None, "diffjax.tokenizers": None}
+            "diffjax.checkpoint": "diffjax-checkpoint", "diffjax.ops": None, "diffjax.data": None}
 # Every command line's main: the console scripts' and the modules'.
 MAINS = {**{name: target for name, target in SCRIPTS.items()},
-         **{f"python -m {module}": f"{module}.__main__:main" if module in ("diffjax.ops", "diffjax.tokenizers")
+         **{f"python -m {module}": f"{module}.__main__:main" if module in ("diffjax.ops", "diffjax.data")
             else f"{module}:main" for module, script in COMMANDS.items() if script is None}}
 
 
@@ -102,13 +102,20 @@ def test_recall_writes_training_documents_the_trainer_reads(tmp_path, monkeypatc
 def test_the_trainer_ends_its_process_with_main_s_exit_status(monkeypatch, capsys):
     """diffjax-train / train.py end with os._exit (no interpreter teardown, where a native thread wanting the GIL
     could abort a finished run) carrying main's status, after the output is flushed."""
+    from diffjax import command_line
     from diffjax.train import cli
 
     ended = []
-    monkeypatch.setattr(cli.os, "_exit", ended.append)
-    monkeypatch.setattr(cli.logging, "shutdown", lambda: None)  # (it would close pytest's own log handlers)
-    cli.run(["--help-keys", "model.d_model=48"])
-    cli.run(["model.no_such_key=1"])
+
+    def exit_(code):
+        ended.append(code)
+        raise SystemExit(code)  # (what os._exit never returns from)
+
+    monkeypatch.setattr(command_line.os, "_exit", exit_)
+    monkeypatch.setattr(command_line.logging, "shutdown", lambda: None)  # (it would close pytest's own log handlers)
+    for argv in (["--help-keys", "model.d_model=48"], ["model.no_such_key=1"]):
+        with pytest.raises(SystemExit):
+            cli.run(argv)
     assert ended == [0, 2]
     out, err = capsys.readouterr()
     assert "model.d_model" in out and "48" in out and "no_such_key" in err

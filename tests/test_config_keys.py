@@ -61,3 +61,32 @@ def test_help_keys_prints_value_type_default_allowed_values_and_meaning(override
         assert f"one of: {', '.join(names)}." in line, line
     if overrides:
         assert any(line.startswith("  model.mlp_options.num_experts = ") for line in listed)
+
+
+def test_an_option_s_allowed_values_are_its_class_s_listed_and_checked():
+    """A kind's Options class names the fields whose value is one of a set (`choices`): --help-keys lists them (the
+    MoE's score_func, and a toy kind's registered here, with no edit to diffjax.train.keys) and ModelConfig refuses
+    another value in one line."""
+    from diffjax import kinds
+    from diffjax.config import ModelConfig
+    from diffjax.train.keys import Key
+
+    @dataclasses.dataclass(frozen=True)
+    class ToyOptions(kinds.Options):
+        gate: str = "relu"
+        """The gate."""
+
+        choices = {"gate": ("relu", "gelu")}
+
+    toy = dataclasses.replace(mlp_kinds.get("gated"), name="toy_choices_mlp", options=ToyOptions)
+    mlp_kinds.register(toy)
+    try:
+        listed = {key.name: key.allowed for key in every_key()}
+        assert listed["model.mlp_options.score_func"] == mlp_kinds.SCORE_FUNCS
+        assert listed["model.mlp_options.gate"] == ("relu", "gelu")
+        assert Key("model.mlp_options.gate", "str", "relu", "relu", "").allowed == ("relu", "gelu")
+        with pytest.raises(ValueError, match=r"^invalid ModelConfig: mlp_options.gate must be one of \('relu', "
+                                             r"'gelu'\), got 'tanh'$"):
+            ModelConfig(mlp=toy.name, mlp_options={"gate": "tanh"})
+    finally:
+        mlp_kinds.unregister(toy.name)

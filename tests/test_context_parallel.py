@@ -296,7 +296,7 @@ def _check_context_meshes_equal_one_device(config, meshes, kind, measured):
 @pytest.mark.single_leg  # context meshes on the newest jax: the loss-and-gradient equalities above run there
 @pytest.mark.slow
 def test_the_64k_recipe_trains_with_context_parallelism_and_its_checkpoints_move_between_meshes(tmp_path):
-    """diffjax/configs/paper/diff-3b-64k.yaml at a small width and a 512-token sequence (CPU), the byte tokenizer and the
+    """configs/paper/diff-3b-64k.yaml at a small width and a 512-token sequence (CPU), the byte tokenizer and the
     built-in corpus: 3 steps on context=8; its step-2 checkpoint restores exactly, with the rules'
     shardings, onto other meshes, and resumed on data=4 x context=2 gives the same step 3."""
     small = [
@@ -309,7 +309,7 @@ def test_the_64k_recipe_trains_with_context_parallelism_and_its_checkpoints_move
     ]
 
     def config(run_dir, *overrides):
-        return load_run_config(REPO_ROOT / "diffjax" / "configs" / "paper" / "diff-3b-64k.yaml",
+        return load_run_config(REPO_ROOT / "configs" / "paper" / "diff-3b-64k.yaml",
                                small + [f"train.run_dir={run_dir}", *overrides])
 
     lines = []

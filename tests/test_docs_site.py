@@ -57,6 +57,9 @@ def test_generated_parts_name_known_generators():
         assert name != "kinds" or argument in BLOCK_PARTS, f"{page}: kinds {argument!r}"
 
 
+KEY_CELL = '<code style="white-space: nowrap">{}</code>'  # a key name the page never breaks mid-word
+
+
 def test_the_configuration_reference_lists_every_key_under_its_section():
     hook = _hook()
     reference = hook.config_reference(None)
@@ -64,11 +67,11 @@ def test_the_configuration_reference_lists_every_key_under_its_section():
     for key in config_keys(RunConfig()):
         section, _, leaf = key.name.rpartition(".")
         body = next(text for text in sections if text.startswith(f"`{section}`\n"))
-        assert f"| <code>{leaf}</code> |" in body and hook.cell(key.description) in body, key.name
+        assert f"| {KEY_CELL.format(leaf)} |" in body and hook.cell(key.description) in body, key.name
     for part, row in kinds_with_options():
         body = next(text for text in sections if text.startswith(f"`model.{part}: {row.name}`"))
         for key in option_keys(part, row):
-            assert f"| <code>{key.name.rpartition('.')[2]}</code> |" in body, key.name
+            assert f"| {KEY_CELL.format(key.name.rpartition('.')[2])} |" in body, key.name
 
 
 def test_the_kinds_tables_list_every_registered_kind():
@@ -94,3 +97,36 @@ def test_the_site_builds_strictly(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
     assert (tmp_path / "site" / "configuration" / "index.html").is_file()
+
+
+def prose_lines(text: str):
+    """(line number, line, the line before) of a page's Markdown outside fenced code blocks."""
+    fenced, before = False, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            yield number, line, before
+        before = line
+
+
+def wrap_accidents(text: str) -> list[str]:
+    """Lines that Markdown reads as the start of a block where the page meant a wrapped sentence: `>` opens a
+    blockquote (the docs use admonitions, never quotes), `#` after a line of text a heading."""
+    found = []
+    for number, line, before in prose_lines(text):
+        if re.match(r" {0,3}>", line):
+            found.append(f"line {number} starts with '>' (a blockquote): {line.strip()[:40]!r}")
+        elif re.match(r" {0,3}#", line) and before.strip() and not before.lstrip().startswith("<!--"):
+            found.append(f"line {number} starts with '#' after text (a heading): {line.strip()[:40]!r}")
+    return found
+
+
+def test_wrap_accidents_are_found():
+    text = "a sentence ending at\n  >= 32768 entries\n\n# a heading\ntext then\n# wrapped\n```bash\n# a comment\n```\n"
+    assert [line.split(" starts")[0] for line in wrap_accidents(text)] == ["line 2", "line 6"]
+
+
+@pytest.mark.parametrize("page", [REPO_ROOT / "README.md", *site_pages()], ids=lambda p: p.name)
+def test_no_line_of_prose_renders_as_another_block(page):
+    assert not wrap_accidents(page.read_text()), f"{page.relative_to(REPO_ROOT)}: {wrap_accidents(page.read_text())}"

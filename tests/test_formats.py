@@ -1,11 +1,13 @@
 """The checkpoint formats' table (diffjax.convert.formats): each format detected once, from a config.json or a
 ModelConfig, and the two agree; a format defined in this file converts in and out with no edit under
-diffjax/convert/; exports keep every config.json key diffjax does not model; no module under diffjax/convert/ but the
-format modules names a model_type or a kind; the table and the format modules need no jax."""
+diffjax/convert/, and one sharing Llama's attention kind registers beside Llama's; two formats holding one config are
+refused at registration; exports keep every config.json key diffjax does not model; no module under diffjax/convert/
+but the format modules names a model_type or a kind; the table and the format modules need no jax."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,7 +21,8 @@ import diffjax
 from diffjax import attention_kinds, mlp_kinds, residual_kinds
 from diffjax.checkpoint import load_model
 from diffjax.convert import ConversionError, diffjax_to_hf, formats, hf_to_diffjax, llama
-from diffjax.convert.weight_plan import Row, linear, out_projection
+from diffjax.convert.formats import Configs, Not
+from diffjax.convert.weight_plan import COPY, TRANSPOSED, Row, causal_lm_plan, linear, out_projection
 
 from motif3_published import PUBLISHED, small_config
 
@@ -63,7 +66,7 @@ def test_unknown_model_types_and_unheld_kinds_are_one_line_each():
 
 def test_a_model_type_has_one_plain_format():
     twin = formats.CheckpointFormat(name="llama_twin", label="Twin", model_type="llama", architecture="X",
-                                    attention=(), config_in=dict, config_out=dict, weight_plan=list)
+                                    holds=(), config_in=dict, config_out=dict, weight_plan=list)
     with pytest.raises(ValueError, match=r"model_type 'llama' already has a plain format \('llama'\)"):
         formats.register(twin)
     assert "llama_twin" not in formats.names()
@@ -84,7 +87,7 @@ def _toy_attention_rows(config, hf: str, leaf) -> list[Row]:
 
 TOY = formats.CheckpointFormat(
     name="toy_diff_v2", label="ToyDiffV2", model_type="toydiffv2", spelling="ToyDiffV2",
-    architecture="ToyDiffV2ForCausalLM", attention=("diff_v2",),
+    architecture="ToyDiffV2ForCausalLM", holds=(Configs(attention="diff_v2", **llama.LAYER_KINDS),),
     config_in=lambda hf: {**llama.config_fields(hf, default_eps=1e-6), "attention": "diff_v2",
                           "rope_style": "interleaved"},
     config_out=lambda config: llama.config_json(config, heads=1),
@@ -151,6 +154,104 @@ def test_a_format_defined_in_a_test_file_converts_in_and_out_bit_exact(toy_forma
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == source
     exported = diffjax.save_hf(model, tmp_path / "bare")  # no source config.json: the format's own spelling
     assert json.loads((exported / "config.json").read_text())["model_type"] == "ToyDiffV2"
+
+
+# ------------------------------------------------------------------------------ what a format holds
+
+
+def _toy_moe_layer_rows(config, depth: int, hf: str, leaf) -> list[Row]:
+    """Llama's norms and attention, then the MoE kind's router and experts as transformers 5 fuses Qwen3-MoE's
+    (experts.gate_up_proj [E, 2I, D], experts.down_proj [E, D, I]), with the experts' PolyNorm coefficients."""
+    D, E, inner = config.d_model, config.mlp_options.num_experts, config.mlp_options.expert_inner
+    swap = (0, 2, 1)
+    return [Row(hf + "input_layernorm.weight", (D,), (leaf("attn_norm", "scale"),), *COPY),
+            Row(hf + "post_attention_layernorm.weight", (D,), (leaf("mlp_norm", "scale"),), *COPY),
+            *llama.attention_rows(config, hf + "self_attn.", leaf),
+            Row(hf + "mlp.gate.weight", (E, D), (leaf("mlp", "router_kernel"),), *TRANSPOSED),
+            Row(hf + "mlp.experts.gate_up_proj", (E, 2 * inner, D),
+                (leaf("mlp", "expert_gate_kernel"), leaf("mlp", "expert_up_kernel")),
+                lambda w: (w[:, :inner].transpose(swap), w[:, inner:].transpose(swap)),
+                lambda gate, up: np.concatenate([gate.transpose(swap), up.transpose(swap)], axis=1)),
+            Row(hf + "mlp.experts.down_proj", (E, D, inner), (leaf("mlp", "expert_down_kernel"),),
+                lambda w: (w.transpose(swap),), lambda w: w.transpose(swap)),
+            Row(hf + "mlp.experts.act_fn.weight", (E, 3), (leaf("mlp", "expert_polynorm_weight"),), *COPY),
+            Row(hf + "mlp.experts.act_fn.bias", (E, 1), (leaf("mlp", "expert_polynorm_bias"),), *COPY)]
+
+
+TOY_MOE = formats.CheckpointFormat(
+    name="toy_qwen3_moe", label="ToyQwen3MoE", model_type="toyqwen3moe", architecture="ToyQwen3MoeForCausalLM",
+    holds=(Configs(attention="standard", mlp="moe", residual="plain"),),  # Llama's attention kind, another MLP
+    config_in=lambda hf: {**llama.config_fields(hf, default_eps=1e-6), "attention": "standard", "mlp": "moe",
+                          "mlp_options": {"num_experts": hf["num_experts"], "top_k": hf["num_experts_per_tok"],
+                                          "expert_inner": hf["moe_intermediate_size"]}},
+    config_out=lambda config: {**llama.config_json(config, heads=1), "num_experts": config.mlp_options.num_experts,
+                               "num_experts_per_tok": config.mlp_options.top_k,
+                               "moe_intermediate_size": config.mlp_options.expert_inner},
+    weight_plan=lambda config: causal_lm_plan(config, _toy_moe_layer_rows),
+    export_problems=lambda config: llama.export_problems(config, "toyqwen3moe"),
+)
+
+
+def test_a_format_sharing_llamas_attention_kind_registers_beside_llamas(tmp_path):
+    """A Qwen3-MoE-like format (Llama's attention kind and tensors, the MoE kind's MLP) registers from this file with
+    no edit to diffjax.convert.llama: Llama's row holds its MLP kind only. A checkpoint of it loads as it and exports
+    back bit-exact; Llama's models still export as Llama."""
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import load_file, save_file
+
+    hf = {"model_type": "toyqwen3moe", "architectures": ["ToyQwen3MoeForCausalLM"], **SIZES, "num_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 16, "max_position_embeddings": 64}
+    config = formats.model_config(TOY_MOE, hf)
+    with pytest.raises(ConversionError, match=r"^cannot export to Hugging Face \(Llama\): mlp='moe': Llama holds "
+                                              r"mlp 'gated' only$"):
+        formats.of_config(config)
+    formats.register(TOY_MOE)
+    try:
+        assert formats.of_config(config) is TOY_MOE
+        assert formats.of_config(config.replace(mlp="gated", mlp_options=None)) is llama.FORMAT
+        rng = np.random.default_rng(0)
+        tensors = {row.key: rng.standard_normal(row.shape, dtype=np.float32) for row in TOY_MOE.weight_plan(config)}
+        (tmp_path / "toy").mkdir()
+        save_file(tensors, tmp_path / "toy" / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / "toy" / "config.json").write_text(json.dumps(hf))
+        model = diffjax.load_hf(tmp_path / "toy")
+        assert model.config == config and model.config.mlp_options.num_experts == 4
+        back = load_file(diffjax.save_hf(model, tmp_path / "back") / "model.safetensors")
+        assert sorted(back) == sorted(tensors)
+        for key, value in back.items():
+            np.testing.assert_array_equal(value, tensors[key], err_msg=key)
+    finally:
+        formats.unregister(TOY_MOE.name)
+
+
+@pytest.mark.parametrize("holds,message", [
+    ((Configs(attention="standard"),),  # any MLP: Llama's gated one too
+     r"format 'toy' would hold configs format 'llama' holds \(attention 'standard', mlp 'gated', residual 'plain'\)"),
+    ((Configs(attention="gdla", mlp="gated"), Configs(attention=("diff", "gda"), activation="gelu")),
+     r"format 'toy' would hold configs format 'diffllama' holds \(attention 'diff', activation 'gelu', "
+     r"lambda_init_depth_offset 0, mlp 'gated', residual 'plain'\)"),
+    ((Configs(attention="diff", activation=Not("polynorm", "gelu")),),  # DiffLlama's and Motif's offset -1 configs
+     r"format 'toy' would hold configs format '(diffllama|motif)' holds \(attention 'diff', activation not "
+     r"'polynorm', 'gelu'"),
+])
+def test_two_formats_holding_one_config_are_refused_at_registration(holds, message):
+    toy = formats.CheckpointFormat(name="toy", label="Toy", model_type="toy", architecture="X", holds=holds,
+                                   config_in=dict, config_out=dict, weight_plan=list)
+    with pytest.raises(ValueError, match=message) as error:
+        formats.register(toy)
+    assert "\n" not in str(error.value) and "toy" not in formats.names()
+    formats.register(dataclasses.replace(toy, holds=(Configs(attention="gdla", mlp="gated"),)))  # held by none
+    formats.unregister("toy")
+
+
+def test_configs_are_sets_of_model_configs():
+    config = diffjax.ModelConfig(num_layers=1, activation="gelu")
+    assert config in Configs(attention="diff", activation=Not("polynorm"))
+    assert config not in Configs(attention=("standard", "gda"))
+    assert Configs(attention="diff", activation=Not("gelu")).overlap(Configs(activation="gelu")) is None
+    assert Configs(mlp=Not("moe")).overlap(Configs(mlp=Not("gated"))).describe() == "mlp not 'moe', 'gated'"
+    with pytest.raises(ValueError, match=r"Configs: \['atention'\] are not ModelConfig fields"):
+        Configs(atention="diff")
 
 
 # ------------------------------------------------------------------------------ keys diffjax does not model

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from jax.sharding import Mesh
 
 import diffjax
 from diffjax.config import ModelConfig
-from diffjax.generate import decode
+from diffjax.generate import decode, generation
 from diffjax.generate.__main__ import SEPARATOR
 from diffjax.generate.sampling import Sampling, filter_logits, next_tokens
 from diffjax.model import TransformerLM
@@ -274,7 +275,7 @@ def test_the_decode_loop_copies_no_weight_and_no_cache(case):
     choice = decode.Choice(Sampling(), (), 0)
     hlo = decode._generate.lower(graphdef, params, np.ones((B, P), np.int32), np.full((B,), P, np.int32), jax.random.key(0),
                                  np.int32(0), max_len=P + N, max_new_tokens=N, choice=choice, mesh=None,
-                                 streaming=False).compile().as_text()
+                                 streaming=False, step=decode.PLAIN).compile().as_text()
     body = hlo_computations(hlo)[re.search(r"body=(%[\w.\-]+)", hlo).group(1)]
     assert sum(map(is_matmul, body)) >= 4 * model.config.num_layers, "this is not the decode step's loop"
     assert arrays_sized(body, {x.size for x in weights}) == []
@@ -318,6 +319,14 @@ def test_streaming_hands_over_each_step_and_can_stop_the_loop():
     np.testing.assert_array_equal(streamed, plain)
     assert [step for step, _ in seen] == list(range(N))
     np.testing.assert_array_equal(np.stack([tokens for _, tokens in seen], axis=1), plain)
+    # timings: the program compiled before it runs, the same tokens streamed, every step after the run began
+    seen.clear()
+    timings = []
+    timed = diffjax.generate(model, prompts, N, timings=timings, on_tokens=lambda *_: seen.append(time.perf_counter()))
+    np.testing.assert_array_equal(timed, plain)
+    (timing,) = timings
+    assert timing.compile_seconds > 0 and timing.generate_seconds > 0 and len(seen) == N
+    assert timing.began <= seen[0] and seen[-1] <= timing.began + timing.generate_seconds
 
     seen.clear()
     stopped = diffjax.generate(model, prompts, N, pad_id=0, on_tokens=lambda step, tokens: seen.append(step) or step < 2)
@@ -340,10 +349,10 @@ def test_streaming_hands_over_each_step_and_can_stop_the_loop():
     seen.clear()
     early = diffjax.generate(model, prompts, N, stop_tokens=stops, on_tokens=lambda step, tokens: seen.append(step))
     assert seen[-1] <= 2 and len(seen) == seen[-1] + 1
-    _, steps = decode.run(graphdef, nnx.to_pure_dict(params), *map(jnp.asarray, decode._prompt_batch(prompts, None, 61)),
-                          jax.random.key(0), max_len=3 + N, max_new_tokens=N, mesh=None,
-                          choice=decode.Choice(Sampling(), tuple(stops), stops[0]))
-    assert steps == len(seen)
+    decoded = decode.run(graphdef, nnx.to_pure_dict(params), *map(jnp.asarray, generation._prompt_batch(prompts, None, 61)),
+                         jax.random.key(0), max_len=3 + N, max_new_tokens=N, mesh=None,
+                         choice=decode.Choice(Sampling(), tuple(stops), stops[0]))
+    assert decoded.steps == len(seen)
     assert early[0, 1] == stops[0]
 
 
@@ -437,7 +446,8 @@ def test_cli_prints_each_prompt_and_its_continuation(byte_run_dir, capsys):
     new = diffjax.generate(load_model(byte_run_dir), [tokenizer.encode(p) for p in prompts], 6, stop_tokens=[tokenizer.eos_id])
     texts = [p + tokenizer.decode(row[: list(row).index(256) + 1] if 256 in row else row) for p, row in zip(prompts, new)]
     assert out == texts[0] + "\n" + SEPARATOR + "\n" + texts[1] + "\n"
-    assert re.search(r"first token after [\d.]+ s \(compilation \+ prefill\), then [\d.]+ tokens/s \(2 x \d+ steps\)", err), err
+    assert re.search(r"^\d+ tokens: compiled in [\d.]+ s, generated in [\d.]+ s \([\d.]+ tokens/s; first token after "
+                     r"[\d.]+ s \(prefill\), then [\d.]+ tokens/s \(2 x \d+ steps\)\)$", err), err
 
     assert main(["--checkpoint", str(byte_run_dir), "--prompt", prompts[0], "--max-new-tokens", "6"]) == 0  # streamed
     out, err = capsys.readouterr()

@@ -1,11 +1,10 @@
 """Checkpoints by their Hugging Face Hub name (diffjax.convert.hub): `load_hf("org/name")`, the convert CLI's
 hf-to-diffjax / verify / upcycle and eval read the standard huggingface_hub cache, as transformers'
-`from_pretrained("org/name")` does, offline and with no network: the cache is written here by hand in the layout
-huggingface_hub keeps (models--org--name/{refs/<revision>, snapshots/<commit>/<file> -> ../../blobs/<hash>})."""
+`from_pretrained("org/name")` does, offline and with no network: the cache is written by hand in the layout
+huggingface_hub keeps (tests/hub_cache.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -24,32 +23,12 @@ import diffjax  # noqa: E402
 from diffjax.convert import hub  # noqa: E402
 from diffjax.convert.__main__ import main  # noqa: E402
 from hf_models import make_hf_model, max_relative_error, random_tokens  # noqa: E402
+from hub_cache import commit_of, write_cached_repo  # noqa: E402
 
 FP32_TOL = 1e-5  # as tests/test_hf_equivalence.py's
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAME = "diffjax-tests/tiny-diffllama"
 LLAMA = "diffjax-tests/tiny-llama"
-
-
-def commit_of(revision: str) -> str:
-    return hashlib.sha1(revision.encode()).hexdigest()
-
-
-def write_cached_repo(cache: Path, name: str, files_by_revision: dict[str, Path]) -> None:
-    """Cache the files of each saved directory as `name` at that revision (a branch: refs/<revision> names its
-    commit), as huggingface_hub's downloads leave them."""
-    repo = cache / ("models--" + name.replace("/", "--"))
-    for revision, directory in files_by_revision.items():
-        snapshot = repo / "snapshots" / commit_of(revision)
-        snapshot.mkdir(parents=True)
-        for file in sorted(directory.iterdir()):
-            data = file.read_bytes()
-            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-            blob.parent.mkdir(parents=True, exist_ok=True)
-            blob.write_bytes(data)
-            (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / revision).write_text(commit_of(revision))
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +145,7 @@ def test_only_the_files_diffjax_reads_are_fetched():
 
     wanted = {"config.json", "generation_config.json", "model-00001-of-00002.safetensors", "tokenizer.json",
               "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer_config.json",
-              "special_tokens_map.json"}
+              "special_tokens_map.json", "README.md"}
     assert fetched(hub.CONFIG_AND_TOKENIZER + hub.SAFETENSORS) == wanted
     assert fetched(hub.CONFIG_AND_TOKENIZER + hub.SAFETENSORS + hub.REMOTE_CODE) == wanted | {"modeling_motif.py"}
     assert fetched(hub.PYTORCH_BIN) == {"pytorch_model.bin"}

@@ -136,14 +136,14 @@ def test_a_toy_kind_s_row_sets_its_weight_decay_and_lora_targets(toy_kind):
 # ---- a dense model's step: no statistic, no update, the same program whatever the facets
 
 
-def _lowered_step(config: ModelConfig) -> str:
+def _lowered_step(config: ModelConfig, run=None) -> str:
     from diffjax.train.step import init_state, make_train_step
 
     model = TransformerLM(config, rngs=nnx.Rngs(0))
     tx = optax.adamw(1e-3)
     state = jax.eval_shape(lambda: init_state(model, tx, jax.random.key(0)))
     batch = {key: jax.ShapeDtypeStruct((2, 2, 8), jnp.int32) for key in ("tokens", "positions", "segment_ids")}
-    step = make_train_step(nnx.graphdef(model), tx, lambda s: 1e-3, config)
+    step = make_train_step(nnx.graphdef(model), tx, lambda s: 1e-3, config, run=run)
     return jax.jit(step).lower(state, batch).as_text()
 
 
@@ -166,3 +166,19 @@ def test_a_dense_step_is_the_same_program_with_a_facet_that_adds_nothing(toy_kin
     finally:
         for row in (idle, without_facet):
             mlp_kinds.unregister(row.name)
+
+
+def test_a_diff_step_is_the_same_program_with_its_facet_s_run_settings_off():
+    """DIFF's facet makes the lambda warm-up's input from the run's optim.lambda_warmup_steps: with no run, or a run
+    without a warm-up, the step is one program (no scale, no input: the step before the warm-up went through the
+    facet lowered to this text too, compared by hand); with a warm-up it multiplies lambda and logs the factor."""
+    from diffjax.data.config import DataConfig
+    from diffjax.train.config import RunConfig
+    from diffjax.train.optimizer_config import OptimizerConfig
+
+    diff = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, max_seq_len=16)
+    text = _lowered_step(diff)
+    assert _lowered_step(diff, RunConfig(model=diff, data=DataConfig(seq_len=8))) == text
+    warm = _lowered_step(diff, RunConfig(model=diff, data=DataConfig(seq_len=8),
+                                          optim=OptimizerConfig(lambda_warmup_steps=4)))
+    assert warm != text and warm.count("stablehlo.minimum") == text.count("stablehlo.minimum") + 1

@@ -62,11 +62,12 @@ def test_params_and_moments_are_the_compiled_train_states_bytes(memory_plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"], ["parallel.data=1"]])
+@pytest.mark.parametrize("mesh", [["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"], ["parallel.data=1"],
+                                  ["parallel.data=1", "model.mtp_depths=2"]])
 def test_the_plan_is_the_compiled_train_step(mesh):
     """The state the plan counts (params + AdamW moments, per device) is the compiled step's arguments less the
     batch, to the step counter and rng key; its gradients + activations estimate is XLA:CPU's temporaries within a
-    factor of 2 (remat none: XLA:CPU's buffers do not move with remat, NOTES)."""
+    factor of 2 (remat none: XLA:CPU's buffers do not move with remat, NOTES), MTP depths and all."""
     run = load_run_config("tiny", TINY + mesh + ["model.remat=none"])
     memory = plan.plan_memory(run, "cpu", 8)
     assert plan.can_compile(memory) is None
@@ -74,6 +75,21 @@ def test_the_plan_is_the_compiled_train_step(mesh):
     assert 0 <= compiled["arguments"] - compiled["batch"] - (memory.params + memory.optimizer) <= 64
     estimate = memory.gradients + sum(memory.activations.values())
     assert 0.5 <= compiled["temporaries"] / estimate <= 2, (compiled, memory)
+
+
+def test_the_plan_counts_the_mtp_depths_activations():
+    """Each MTP depth keeps what its layer keeps for the backward, with the layer's own widths (the compiled step's
+    temporaries agree: above): under remat full a layer keeps its input, so a depth whose layer has mHC's 4 streams
+    keeps 3 d_model more per token than the plain one motif3/small's depth gets, and 2 depths twice one's."""
+    def planned(*overrides):
+        return plan.plan_memory(load_run_config("motif3/small", ["model.remat=full", *overrides]), "h100")
+
+    without = planned()
+    one, two, mhc = (planned(*o) for o in (["model.mtp_depths=1"], ["model.mtp_depths=2"],
+                                           ["model.mtp_depths=1", "model.mtp_layer.residual=mhc"]))
+    added = [p.activations["saved"] - without.activations["saved"] for p in (one, two, mhc)]
+    tokens_x_bytes = without.micro_batch * without.run.data.seq_len * 4  # float32 activations
+    assert added[0] > 0 and added[1] == 2 * added[0] and added[2] - added[0] == 3 * 32 * tokens_x_bytes
 
 
 # benchmarks/results/gpu_session_2026-11-26.md, "Train step": the 1.4B DIFF at seq 4096 on one H100 (pallas_gpu,
@@ -107,7 +123,9 @@ def test_the_largest_micro_batch_fits_and_one_more_does_not():
 def test_the_cli_says_whether_it_fits(capsys):
     assert main(["--plan", "--device", "h100", "--config", "paper/diff-1.4b", "parallel.fsdp=8"]) == 0
     out = capsys.readouterr().out
-    assert "mesh: data=1 x fsdp=8 x context=1 x tensor=1 x expert=1 (8 h100 device(s))" in out
+    assert ("mesh: data=1 x fsdp=8 x context=1 x tensor=1 x expert=1 (8 h100 device(s): NVIDIA H100 80GB HBM3, "
+            "79.18 GiB each)") in out
+    assert "float32, the one copy AdamW updates (no fp32 master weights" in out
     assert "262,144 tokens per step" in out and ": fits\n" in out
     assert "compiled train step: not compiled (this machine runs cpu, not gpu)" in out
     assert main(["--plan", "--device", "v5e", "--config", "paper/diff-13.1b"]) == 1  # 13.1B on one 16 GiB chip
@@ -116,8 +134,27 @@ def test_the_cli_says_whether_it_fits(capsys):
     with pytest.raises(SystemExit):
         main(["--device", "h100"])  # --device without --plan
     assert "--device and --devices go with --plan" in capsys.readouterr().err
+    for devices in ("0", "-3"):  # issue 62 item 5: 0 planned for one device, -3 got a confusing message
+        with pytest.raises(SystemExit):
+            main(["--plan", "--devices", devices])
+        assert capsys.readouterr().err == (f"diffjax-train: error: argument --devices: expected a positive integer, "
+                                           f"got '{devices}' (`diffjax-train --help` shows the usage)\n")
     assert main(["--plan", "--config", "tiny", "parallel.tensor=3", "parallel.data=1"]) == 2
     assert "parallel.tensor (3) must divide model.num_heads (4)" in capsys.readouterr().err
-    from diffjax.train.cli import DEVICE_NAMES
+    from diffjax.train.cli import DEVICE_GB, DEVICE_NAMES
 
     assert set(DEVICE_NAMES) == set(plan.DEVICE_MEMORY)
+    for name, gb in DEVICE_GB.items():  # --help's sizes are the plan's, to the vendors' GB-or-GiB
+        assert abs(plan.DEVICE_MEMORY[name] / plan.GiB / gb - 1) < 0.1, name
+
+
+def test_each_device_name_says_its_memory(capsys):
+    """`--device a100` is the 80 GB A100 and says so; the 40 GB one is `a100-40`, half the budget."""
+    run = load_run_config("paper/diff-1.4b", ["parallel.fsdp=8"])
+    a100, a100_40 = plan.plan_memory(run, "a100"), plan.plan_memory(run, "a100-40")
+    assert "(8 a100 device(s): NVIDIA A100-SXM4-80GB, 79.18 GiB each)" in plan.describe(a100)
+    assert "(8 a100-40 device(s): NVIDIA A100-SXM4-40GB, 39.59 GiB each)" in plan.describe(a100_40)
+    assert a100_40.budget.bytes / a100.budget.bytes == pytest.approx(0.5, abs=0.01)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "a100 80 GB, a100-40 40 GB" in " ".join(capsys.readouterr().out.split())

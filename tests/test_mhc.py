@@ -79,7 +79,7 @@ def test_counts_step_and_kv_cache_decode():
 
 def test_the_hf_export_refuses_it(tmp_path):
     model = TransformerLM(_tiny_config(), rngs=nnx.Rngs(0))
-    refusal = r"^cannot export to Hugging Face \(DiffLlama\): residual='mhc': the Hugging Face formats hold residual='plain' only$"
+    refusal = r"^cannot export to Hugging Face \(DiffLlama\): residual='mhc': DiffLlama holds residual 'plain' only$"
     with pytest.raises(ConversionError, match=refusal):
         diffjax.save_hf(model, tmp_path / "hf")
 

@@ -392,7 +392,7 @@ def test_hf_export_refuses_the_motif3_mlps(tmp_path):
     import diffjax
     from diffjax.convert.common import ConversionError
 
-    with pytest.raises(ConversionError, match="mlp='moe': the Hugging Face formats hold mlp='gated' only"):
+    with pytest.raises(ConversionError, match="mlp='moe': DiffLlama holds mlp 'gated' only"):
         diffjax.save_hf(stack_model(attention="diff"), tmp_path / "hf")
 
 

@@ -37,7 +37,7 @@ except ImportError:
     torch = None
 needs_torch = pytest.mark.skipif(torch is None, reason="the PyTorch re-statement needs torch and transformers")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = REPO_ROOT / "diffjax" / "configs" / "motif3"
+CONFIGS = REPO_ROOT / "configs" / "motif3"
 VARIANTS = ("all_on", "mhc_off", "window_off", "dense_only", "gate_off", "yarn_off")
 
 
@@ -59,7 +59,7 @@ def test_the_published_config_maps_to_gdla_mhc_and_moe():
 
 
 def test_the_published_size_counts_314b_total_and_13b_active(capsys):
-    """diffjax.model.sizes counts diffjax/configs/motif3/published.yaml, its multi-token-prediction block included:
+    """diffjax.model.sizes counts configs/motif3/published.yaml, its multi-token-prediction block included:
     314.84B total, 13.23B active, the checkpoint's tensors to the parameter (the model card's 13.2B counts that block:
     tests/motif3_published.py's note); ModelConfig.param_count's formula agrees."""
     from diffjax.train.config import load_run_config
@@ -73,7 +73,7 @@ def test_the_published_size_counts_314b_total_and_13b_active(capsys):
     assert parameter_counts(config.replace(mtp_depths=0))[0] == sum(
         math.prod(shape) for shape in checkpoint_shapes(PUBLISHED).values())
     with capsys.disabled():
-        print(f"\nMotif 3 published (diffjax/configs/motif3/published.yaml): {describe_parameter_counts(config)}")
+        print(f"\nMotif 3 published (configs/motif3/published.yaml): {describe_parameter_counts(config)}")
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -95,8 +95,8 @@ def test_unsupported_values_are_named_in_one_line(changes, message):
 
 def test_the_export_refuses_what_motif_3_cannot_hold(tmp_path):
     config = config_from_hf({"model_type": "Motif", **small_config()}).replace(mlp="gated", mlp_options=None)
-    with pytest.raises(ConversionError, match=r"^cannot export to Hugging Face \(Motif 3\): mlp='gated': Motif 3's "
-                                              r"MLPs are 'moe' or 'polynorm'$"):
+    with pytest.raises(ConversionError, match=r"^cannot export to Hugging Face \(Motif 3\): mlp='gated': Motif 3 "
+                                              r"holds mlp 'moe', 'polynorm' only$"):
         diffjax.save_hf(TransformerLM(config, rngs=nnx.Rngs(0)), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
@@ -307,7 +307,7 @@ def test_a_many_shard_checkpoint_converts_within_a_shard_and_a_layer(tmp_path, m
     assert all(np.array_equal(exported[k], original[k]) for k in original)
 
 
-# ------------------------------------------------------------------------------ diffjax/configs/motif3/
+# -------------------------------------------------------------------------------------- configs/motif3/
 
 
 def _switches(path: Path) -> dict[str, list[str]]:
@@ -318,7 +318,7 @@ def _switches(path: Path) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("name,hf", [("published", PUBLISHED), ("small", {"model_type": "Motif", **small_config()})])
 def test_the_configs_are_the_published_and_small_config_json(name, hf):
-    """diffjax/configs/motif3/*.yaml are what the converter reads from the config.json (scan_layers and the attention route
+    """configs/motif3/*.yaml are what the converter reads from the config.json (scan_layers and the attention route
     aside), and each documented switch turns its feature off alone in a config that builds."""
     from diffjax.train.config import load_run_config
 

@@ -30,7 +30,7 @@ ATTENTION = ["kv_down_kernel", "kv_up_kernel", "o_kernel", "q_down_kernel", "q_u
 
 
 def _small_model_config() -> ModelConfig:
-    model = yaml.safe_load((REPO_ROOT / "diffjax" / "configs" / "motif3" / "small.yaml").read_text())["model"]
+    model = yaml.safe_load((REPO_ROOT / "configs" / "motif3" / "small.yaml").read_text())["model"]
     return build_config(ModelConfig, {**model, "vocab_size": 97}, prefix="model")
 
 

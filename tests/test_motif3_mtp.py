@@ -1,4 +1,4 @@
-"""Motif 3's multi-token-prediction block (ModelConfig.mtp_depths; diffjax.model.transformer.PredictionBlock): its
+"""Motif 3's multi-token-prediction block (ModelConfig.mtp_depths; diffjax.model.mtp.PredictionBlock): its
 layer config as the published config.json says it, the depths' targets, the Hugging Face names in and out, the loss
 in the train step, LoRA and the sharding rules on its stack, the PyTorch re-statement's MTP depths
 (tests/motif3_reference.py) in logits and gradients, and a converted Motif 3 trained with the MTP loss, resumed and
@@ -24,8 +24,8 @@ from diffjax import lora
 from diffjax.config import ModelConfig
 from diffjax.convert.common import ConversionError
 from diffjax.convert.hf import config_from_hf
-from diffjax.losses import mtp_targets
-from diffjax.model import TransformerLM
+from diffjax.model import TransformerLM, mtp
+from diffjax.model.mtp import depth_targets
 
 from motif3_published import PUBLISHED, checkpoint_shapes, small_config
 
@@ -59,7 +59,9 @@ def test_the_published_mtp_layer_is_dense_windowed_everywhere_and_without_mhc():
     ({"mtp_depths": -1}, r"mtp_depths must be an integer >= 0, got -1"),
     ({"mtp_loss_weight": -0.5}, r"mtp_loss_weight must be a number >= 0, got -0.5"),
     ({"mtp_layer": {"mlp": "polynorm", "window": 3}}, r"unknown config key mtp_layer.window"),
-    ({"mtp_layer": {"mlp": "moe"}}, r"mtp_layer: mlp 'moe' trains with a facet that sees the model's layers only"),
+    ({"mlp": "moe", "mtp_layer": {"mlp": "moe", "mlp_options": {"num_experts": 2}}},
+     r"mtp_layer: mlp 'moe' with mlp_options other than the model's moe layers' \(top 2 of 8 experts\): one training "
+     r"side serves every layer of a kind; leave mtp_layer.mlp_options unset \(the model's\)$"),
     ({"mtp_layer": {"window_rope_theta": 5.0}, "attention_window": None},
      r"mtp_layer: .*window_rope_theta 5.0 needs an attention_window"),
 ])
@@ -70,13 +72,13 @@ def test_bad_mtp_settings_are_one_line_naming_the_field(changes, message):
 
 
 def test_depth_targets_stay_inside_a_document_and_the_loss_mask():
-    """mtp_targets against a plain loop: depth k at t reads token t + k and predicts t + 1 + k, counted only when
+    """depth_targets against a plain loop: depth k at t reads token t + k and predicts t + 1 + k, counted only when
     t + 1 + k is in the row, in t's document, and its loss_mask is set."""
     draws = np.random.RandomState(0)
     tokens = draws.randint(1, 50, (2, 9))
     segments = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1]])
     loss_mask = draws.rand(2, 9) > 0.2
-    inputs, targets, weights = map(np.asarray, mtp_targets(tokens, segments, loss_mask, 3))
+    inputs, targets, weights = map(np.asarray, depth_targets(tokens, segments, loss_mask, 3))
     for k in (1, 2, 3):
         for b in range(2):
             for t in range(9):
@@ -85,7 +87,7 @@ def test_depth_targets_stay_inside_a_document_and_the_loss_mask():
                 if counted:
                     assert (inputs[k - 1, b, t], targets[k - 1, b, t]) == (tokens[b, t + k], tokens[b, t + 1 + k])
     # unmasked, depth 1: two 4-token documents and one of 9 give 2 + 2 + 7 targets (one fewer each than the main loss)
-    assert np.asarray(mtp_targets(tokens, segments, None, 1)[2]).sum() == 2 + 2 + 7
+    assert np.asarray(depth_targets(tokens, segments, None, 1)[2]).sum() == 2 + 2 + 7
 
 
 # ------------------------------------------------------------------------------ Hugging Face names
@@ -174,7 +176,7 @@ def test_analytic_flops_count_the_mtp_depths_as_xla_does(measured):
         positions = jnp.broadcast_to(jnp.arange(T), tokens.shape)
         hidden = model.hidden_states(tokens, positions).hidden_BTD
         inputs = jnp.stack([tokens, tokens])
-        return [model.logits(h) for h in [hidden, *model.mtp_hidden_states(hidden, inputs, positions)]]
+        return [model.logits(h) for h in [hidden, *mtp.hidden_states(model, hidden, inputs, positions)]]
 
     cost = jax.jit(forward).lower(params, tokens).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -249,11 +251,11 @@ def test_mtp_depths_equal_the_restatement_in_logits_and_gradients(tmp_path, meas
     model = diffjax.load_hf(tmp_path / "hf")
     tokens = np.random.RandomState(1).randint(0, 97, (2, 12))
     T, positions = tokens.shape[1], jnp.broadcast_to(jnp.arange(12), tokens.shape)
-    inputs, targets, weights = mtp_targets(tokens, None, None, 2)
+    inputs, targets, weights = depth_targets(tokens, None, None, 2)
 
     def depth_logits(model):
         hidden = model.hidden_states(jnp.asarray(tokens), positions).hidden_BTD
-        return [model.logits(h) for h in model.mtp_hidden_states(hidden, inputs, positions)]
+        return [model.logits(h) for h in mtp.hidden_states(model, hidden, inputs, positions)]
 
     with torch.no_grad():
         expected = [reference.lm_head(h) for h in reference.mtp_hidden_states(torch.tensor(tokens))]

@@ -92,7 +92,7 @@ def test_two_processes_train_save_and_resume_together(tmp_path):
 
     # Process p fed the rows of data shard p: step 1's loss is the initial model's loss on shard 0's first
     # rows followed by shard 1's (recomputed here on one device; both processes on shard 0 would differ).
-    config = load_run_config(REPO_ROOT / "diffjax" / "configs" / "tiny.yaml", SMALL + [f"train.run_dir={tmp_path / 'straight'}"])
+    config = load_run_config(REPO_ROOT / "configs" / "tiny.yaml", SMALL + [f"train.run_dir={tmp_path / 'straight'}"])
     tokenizer, documents = make_tokenizer(config.data.tokenizer), open_documents(config.data)
 
     def first_rows(shard_index):

@@ -150,9 +150,18 @@ def test_auto_edges_decode_and_reasons():
     # Decode (one query against a cache's slots, q / kv segment ids): xla everywhere, no warning case.
     decode = _call(128, 256, T=1, S=4096, segments="pair", causal=False)
     assert decode.is_decode
+    # Speculative decoding's verify step (1 + K queries, kv ids per query [B, T, S]): the same route, chosen here
+    # (the KV cache asks for "auto", never pins an impl), and an explicit impl other than xla refused in one line.
+    speculative = ops.AttentionCall.of("diff_attention", *(jnp.zeros(s) for s in ((1, 3, 2, 2, 128), (1, 64, 2, 2, 128),
+                                       (1, 64, 2, 256))), False, (jnp.ones((1, 3), jnp.int32), jnp.ones((1, 3, 64), jnp.int32)))
+    assert speculative.segments == "per_query" and speculative.is_decode
     for device in ("h100", "a100", "v5e", "cpu"):
-        route = ops.choose(decode, "auto", ops.DEVICES[device])
-        assert route == ops.Route("xla", False, False, route.reason) and route.reason.startswith("decode"), (device, route)
+        for call in (decode, speculative):
+            route = ops.choose(call, "auto", ops.DEVICES[device])
+            assert route == ops.Route("xla", False, False, route.reason) and route.reason.startswith("decode"), (device, route)
+    with pytest.raises(ValueError, match=r"^diff_attention: impl='pallas_tpu' takes no per-query kv segment ids .*"
+                                         r"Use impl='xla' or 'auto'.$"):
+        ops.choose(speculative, "pallas_tpu", ops.DEVICES["v5e"])
     # A TPU call shorter than one kernel block; a non-causal diff call on Hopper at d 64 (not measured) and at d 128
     # (measured: the fused kernel's forward is faster, cuDNN's forward and backward); standard attention at d 128
     # non-causal, where cuDNN was measured faster in both passes.
@@ -250,7 +259,7 @@ def test_auto_logs_its_choice_once_and_warns_for_xla_on_an_accelerator(caplog):
 def test_the_command_prints_each_calls_choice(capsys):
     from diffjax.ops.__main__ import main
 
-    configs = Path(__file__).resolve().parents[1] / "diffjax" / "configs"
+    configs = Path(__file__).resolve().parents[1] / "configs"
     assert main(["--config", str(configs / "paper" / "diff-1.4b.yaml"), "--device", "h100"]) == 0
     out = capsys.readouterr().out
     assert "train step (packed rows): diff_attention q [1, 2048, 8, 2, 128]" in out
@@ -267,7 +276,7 @@ def test_the_command_prints_each_calls_choice(capsys):
 def test_the_command_previews_the_context_and_blockwise_routes(capsys):
     """--context 2 --window 256 (layer 0 global), 4096 tokens, on an H100, a TPU v5p and a CPU: the train step's
     route over the context axis (fused kernels with a query offset, or blockwise XLA), the prefill's without one."""
-    config = str(Path(__file__).resolve().parents[1] / "diffjax" / "configs" / "paper" / "diff-1.4b.yaml")
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "paper" / "diff-1.4b.yaml")
 
     def routes(device):
         assert main(["--config", config, "--device", device, "--context", "2", "--window", "256",

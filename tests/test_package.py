@@ -22,12 +22,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 
 
-def test_config_names_resolve_to_the_shipped_files(tmp_path):
-    assert SHIPPED == REPO_ROOT / "diffjax" / "configs"
+def test_config_names_resolve_to_the_shipped_files(tmp_path, monkeypatch):
+    assert SHIPPED == REPO_ROOT / "configs"
     assert config_file("tiny") == SHIPPED / "tiny.yaml"
     assert config_file("paper/diff-1.4b") == SHIPPED / "paper" / "diff-1.4b.yaml"
     assert config_file("motif3/small.yaml") == SHIPPED / "motif3" / "small.yaml"
-    assert config_file("configs/paper/diff-1.4b.yaml") == SHIPPED / "paper" / "diff-1.4b.yaml"  # the old paths
+    monkeypatch.chdir(tmp_path)  # outside the checkout the repository's path still names the shipped file
+    assert config_file("configs/paper/diff-1.4b.yaml") == SHIPPED / "paper" / "diff-1.4b.yaml"
     mine = tmp_path / "tiny"  # an existing file wins over a shipped name
     mine.write_text("train: {steps: 1}\n")
     assert config_file(mine) == mine and config_file(str(mine)) == str(mine)
@@ -36,12 +37,52 @@ def test_config_names_resolve_to_the_shipped_files(tmp_path):
     assert names == sorted(p.relative_to(SHIPPED).with_suffix("").as_posix() for p in SHIPPED.rglob("*.yaml"))
 
 
+def test_the_wheel_maps_configs_into_the_package():
+    """configs/ at the root ships as the package diffjax.configs; `packages` is then an explicit list (setuptools'
+    find cannot see a mapped directory), so it must name every package directory of diffjax/."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"diffjax.configs": "configs"}
+    assert setuptools["package-data"]["diffjax.configs"] == ["**/*.yaml"]
+    on_disk = {".".join(init.parent.relative_to(REPO_ROOT).parts) for init in (REPO_ROOT / "diffjax").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == on_disk | {"diffjax.configs"}
+
+
+def test_an_installed_wheels_configs_win(tmp_path):
+    """Installed, the configs are diffjax/configs/ (package data), even beside a site-packages/configs/ of another
+    distribution; in a checkout (this one) they are configs/ beside diffjax/."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO_ROOT / "diffjax", site / "diffjax", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO_ROOT / "configs", site / "diffjax" / "configs")
+    (site / "configs").mkdir()
+    (site / "configs" / "foreign.yaml").write_text("{}\n")
+    probe = "from diffjax.train.config_files import SHIPPED, config_file; print(SHIPPED); print(config_file('tiny'))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})
+    assert result.stdout.split() == [str(site / "diffjax" / "configs"), str(site / "diffjax" / "configs" / "tiny.yaml")]
+
+
 def test_every_shipped_config_is_a_run_config():
     """Only run configs ship (a benchmark's settings file would be a name that diffjax-train refuses)."""
     from diffjax.train.config import SECTIONS, read_yaml
 
     for name in shipped_names():
         assert set(read_yaml(config_file(name))) <= set(SECTIONS), name
+
+
+def test_tiny_mtp_is_tiny_with_two_mtp_depths():
+    """Issue 62 item 8: a shipped config trains with MTP (and `diffjax-generate --draft mtp` has a model to draft
+    with): tiny, its depths, steps (as long as tiny's 400 by the FLOPs) and run directory apart."""
+    from diffjax.train.config import load_run_config
+    from diffjax.train.metrics import training_flops_per_token
+
+    configs = [load_run_config(name) for name in ("tiny", "tiny-mtp")]
+    work = [config.train.steps * training_flops_per_token(config.model, config.data.seq_len) for config in configs]
+    assert 0.9 < work[1] / work[0] < 1.1
+    tiny, mtp = (config.to_dict() for config in configs)
+    assert mtp["train"].pop("steps") == 250 and tiny["train"].pop("steps") == 400
+    assert mtp["model"].pop("mtp_depths") == 2 and tiny["model"].pop("mtp_depths") == 0
+    assert mtp["train"].pop("run_dir") == "runs/tiny-mtp" and tiny["train"].pop("run_dir") == "runs/tiny"
+    assert mtp == tiny
 
 
 def test_an_unknown_config_name_is_one_line_listing_the_shipped_ones(capsys):

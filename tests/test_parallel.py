@@ -171,7 +171,7 @@ def _run_config(run_dir, *overrides):
         "train.progress=lines", "train.tensorboard=false", "optim.warmup_steps=1", "optim.decay_steps=8",
         "checkpoint.async_save=false",
     ]
-    return load_run_config(REPO_ROOT / "diffjax" / "configs" / "tiny.yaml", small + [f"train.run_dir={run_dir}", *overrides])
+    return load_run_config(REPO_ROOT / "configs" / "tiny.yaml", small + [f"train.run_dir={run_dir}", *overrides])
 
 
 def test_bad_meshes_are_clear_errors(tmp_path):

@@ -2,10 +2,14 @@
 in the pages of mkdocs.yml's nav (docs/) is either a recipe (`<!-- recipe: NAME -->` on a line above it, optionally
 `; needs: module, ...`) or says why it is not run here (`<!-- not run by tests/test_readme_recipes.py: REASON -->`:
 CI's own command, a cluster, a download). The recipes run in order (README's, then the site's pages in nav order),
-one after another as a user would type them, in a scratch directory holding copies of train.py and the package
-(diffjax/, on PYTHONPATH: its shipped configs are the ones the recipes train, shortened there). Only sizes change,
-through SIZES below, and what the docs ask users to bring (a Hugging Face directory at path/to/DiffLlama, ...) is
-made by `user_files`. A recipe fails on a non-zero exit or a line saying it did nothing useful (FAILURE_MARKERS)."""
+one after another as a user would type them. Each page runs in a fresh directory of its own holding train.py, the
+package (diffjax/, on PYTHONPATH) and its shipped configs (configs/: the ones the recipes train, shortened there), what
+the docs ask users to bring (a Hugging Face directory at path/to/DiffLlama, ..., made once by `user_files`) and the
+run directories earlier pages trained (runs/, shared: a page names the runs it uses, "the quickstart's run"); nothing
+else a page leaves behind (out/, a file it wrote) reaches the next one, so a recipe that needs it fails where it is
+printed. Only sizes change, through SIZES below. A recipe fails on a non-zero exit or a line saying it did nothing
+useful (FAILURE_MARKERS). `RECIPE_PAGES=docs/analyses.md,...` runs README's recipes (they train the runs the pages
+use) and those pages' only."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ NOT_RUN = "not run by tests/test_readme_recipes.py:"
 # (recipe, or a file copied from the repository; as printed; as run here): sizes only, so CI runs the same commands
 # with fewer steps and tokens. Every printed text must occur where it is named (checked), so the table cannot rot.
 SIZES = [
-    ("diffjax/configs/tiny.yaml", "steps: 400", "steps: 12"),  # the quickstart and every run on tiny.yaml
+    ("configs/tiny.yaml", "steps: 400", "steps: 12"),  # the quickstart and every run on tiny.yaml
     ("quickstart", 'pip install -e ".[train]" && ', ""),  # the test's environment is installed already
     ("hooks", "train.steps=200", "train.steps=12"),
     ("lora", "train.steps=1000", "train.steps=6"),
@@ -44,7 +48,7 @@ SIZES = [
 ]
 # A recipe that prints one of these did not do what it says, whatever its exit status.
 FAILURE_MARKERS = re.compile(r"^FAIL\b|nothing to do", re.MULTILINE)
-COPIED = ("train.py", "diffjax")
+COPIED = ("train.py", "diffjax", "configs")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
@@ -187,28 +191,57 @@ def recipe_env(cwd: Path) -> dict:
     return env
 
 
+def page_directory(shared: Path, page: str) -> Path:
+    """A fresh directory for the recipes of `page`: links to everything in `shared` (the package, the user's files,
+    runs/); what the page writes beside them stays in it."""
+    cwd = shared.parent / "pages" / page.replace("/", "_").removesuffix(".md")
+    cwd.mkdir(parents=True)
+    for entry in shared.iterdir():
+        (cwd / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    return cwd
+
+
+def test_a_page_directory_holds_the_shared_entries_and_nothing_another_page_wrote(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / "runs").mkdir(parents=True)
+    (shared / "train.py").write_text("")
+    first = page_directory(shared, "docs/a.md")
+    (first / "out").mkdir()
+    (first / "runs" / "tiny").mkdir()
+    second = page_directory(shared, "docs/b.md")
+    assert sorted(p.name for p in second.iterdir()) == ["runs", "train.py"] and (second / "runs" / "tiny").is_dir()
+
+
 @pytest.mark.slow
 def test_readme_recipes_run_as_printed(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / "runs").mkdir(parents=True)
     for name in COPIED:
         if (REPO_ROOT / name).is_dir():
-            shutil.copytree(REPO_ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(REPO_ROOT / name, shared / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
-            shutil.copy(REPO_ROOT / name, tmp_path / name)
+            shutil.copy(REPO_ROOT / name, shared / name)
     for where, printed, ci in SIZES:
-        if (tmp_path / where).is_file():
-            (tmp_path / where).write_text((tmp_path / where).read_text().replace(printed, ci))
-    user_files(tmp_path)
-    env = recipe_env(tmp_path)
-    failures, skipped = [], []
-    for block in documentation_blocks():
-        if block.recipe is None:
+        if (shared / where).is_file():
+            (shared / where).write_text((shared / where).read_text().replace(printed, ci))
+    user_files(shared)
+    failures, skipped, directories = [], [], {}
+    chosen = {page.strip() for page in os.environ.get("RECIPE_PAGES", "").split(",") if page.strip()}
+    blocks = documentation_blocks()
+    assert chosen <= {block.page for block in blocks}, f"RECIPE_PAGES: no such page {sorted(chosen - {b.page for b in blocks})}"
+    for block in blocks:
+        if block.recipe is None or (chosen and block.page not in chosen | {"README.md"}):
             continue
+        if block.page not in directories:
+            directories[block.page] = page_directory(shared, block.page)
+        cwd = directories[block.page]
+        env = recipe_env(cwd)
         missing = [name for name in block.needs if importlib.util.find_spec(name) is None]
         if missing:
             skipped.append(f"{block.recipe} (needs {', '.join(missing)})")
             continue
         start = time.monotonic()
-        result = run_recipe(block, tmp_path, env)
+        result = run_recipe(block, cwd, env)
         print(f"recipe {block.recipe}: exit {result.returncode} in {time.monotonic() - start:.0f} s", flush=True)
         marker = FAILURE_MARKERS.search(result.stdout)
         if result.returncode != 0 or marker:

@@ -281,13 +281,62 @@ def test_rotation_keeps_the_newest_checkpoint_training_can_continue_from(tmp_pat
         checkpointer.save(step, {"w": np.full(4, float(step))}, {"epoch": 0}, continuable_below=continuable_below)
     checkpointer.wait()
     assert checkpointer.manager.all_steps() == [2, 6, 8]  # 4 went: it spoiled step 5, like 6 and 8
-    assert checkpointer.fall_back_before(5, log=lambda _: None).endswith(
+    assert checkpointer.fall_back_before(4, log=lambda _: None).endswith(
         f"a rerun resumes from {tmp_path / 'run' / 'checkpoints' / '2'}, the newest checkpoint training can continue from")
     # Once a step after it is finite, a checkpoint is one training continues from, and the older ones rotate away.
     for step in (10, 12):
         checkpointer.save(step, {"w": np.full(4, float(step))}, {"epoch": 0})
     checkpointer.close()
     assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir()) == [10, 12]
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_resumed_run_whose_first_step_is_not_finite_sets_no_checkpoint_aside(tmp_path, mode):
+    """Issue 62 item 2: resumed from checkpoint 4 with a setting that makes every step non-finite (it was
+    model.mtp_loss_weight=nan), step 5 fails: checkpoint 4 was finite when saved, so it stays, every rerun alike (before,
+    each rerun moved the newest checkpoint to damaged-checkpoints/). Checkpoints this start saved during the stretch go."""
+    from diffjax.train.guard import DivergedError, NonfiniteGuard
+
+    run_dir = tmp_path / "run"
+    checkpointer = Checkpointer(run_dir, CheckpointConfig(keep=3))
+    for step in (2, 4):
+        checkpointer.save(step, {"w": np.full(4, float(step))}, {"epoch": 0})
+    checkpointer.wait()
+    bad = {"ok": False, "loss": float("nan"), "grad_norm": float("nan")}
+    for rerun in range(2):
+        guard = NonfiniteGuard(mode, max_skipped_steps=2, first_step=5)
+        with pytest.raises(DivergedError) as info:
+            for step in (5, 6, 7):
+                if mode == "skip" and step == 6 and not rerun:  # saved in the stretch: the skipped steps changed nothing
+                    checkpointer.save(6, {"w": np.full(4, 4.0)}, {"epoch": 0}, continuable_below=guard.first_spoiled())
+                guard.check(step, bad, lambda spoiled: checkpointer.fall_back_before(spoiled, log=lambda _: None))
+        assert checkpointer.manager.all_steps() == [2, 4], rerun
+        assert f"a rerun resumes from {run_dir / 'checkpoints' / '4'}" in str(info.value)
+        assert "step 5 was the first since this start resumed from checkpoint 4 (finite when it was saved, so kept)" \
+            in str(info.value)
+    damaged = run_dir / "damaged-checkpoints"
+    assert (sorted(p.name for p in damaged.iterdir()) if damaged.exists() else []) == (["6"] if mode == "skip" else [])
+    # A stretch that begins later than the start's first step spoils the checkpoint before it, as before.
+    guard = NonfiniteGuard("stop", max_skipped_steps=2, first_step=3)
+    with pytest.raises(DivergedError, match="a rerun resumes from .*checkpoints/2,"):
+        guard.check(5, bad, lambda spoiled: checkpointer.fall_back_before(spoiled, log=lambda _: None))
+    checkpointer.close()
+    assert "4" in {p.name for p in (run_dir / "damaged-checkpoints").iterdir()}
+
+
+@pytest.mark.slow
+def test_a_resume_whose_settings_make_the_first_step_overflow_keeps_every_checkpoint(tmp_path):
+    """End to end (the trainer gives the guard its first step): 2 steps trained, then resumed with optim.lr=1e38
+    (finite, so accepted; the update overflows): the stop names checkpoint 2, which stays where it is."""
+    from diffjax.train.guard import DivergedError
+
+    run_dir = tmp_path / "run"
+    train(_config(run_dir, "train.steps=2", "optim.lr=1e-3"), **QUIET)
+    with pytest.raises(DivergedError, match=r"diverged at step 3 .*a rerun resumes from \S+checkpoints/2, .*"
+                                            r"step 3 was the first since this start resumed from checkpoint 2"):
+        train(_config(run_dir, "train.steps=4", "optim.lr=1e38"), **QUIET)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2"]
+    assert not (run_dir / "damaged-checkpoints").exists()
 
 
 @pytest.mark.slow

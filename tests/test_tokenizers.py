@@ -206,11 +206,11 @@ def test_sentencepiece_missing_and_invalid_files(tmp_path):
 
 
 def test_train_sentencepiece_command(tmp_path, corpus, capsys):
-    """`python -m diffjax.tokenizers train-sentencepiece` on text files (one file = one document)."""
+    """`python -m diffjax.data train-sentencepiece` on text files (one file = one document)."""
     for index, document in enumerate(corpus[:4]):
         (tmp_path / f"doc{index}.txt").write_text(document, encoding="utf-8")
     output = tmp_path / "out" / "cli.model"
-    command = [sys.executable, "-m", "diffjax.tokenizers", "train-sentencepiece", "--output", str(output),
+    command = [sys.executable, "-m", "diffjax.data", "train-sentencepiece", "--output", str(output),
                "--vocab-size", "380", "--source", "text", "--paths", str(tmp_path / "*.txt"), "--max-documents", "3"]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -220,7 +220,7 @@ def test_train_sentencepiece_command(tmp_path, corpus, capsys):
     assert tokenizer.decode(tokenizer.encode(corpus[0])) == corpus[0]
     # A vocabulary too small for the corpus: a one-line error, exit status 1, no model written
     # (in process: a second interpreter start costs seconds).
-    from diffjax.tokenizers.__main__ import main
+    from diffjax.data.__main__ import main
 
     arguments = command[command.index("train-sentencepiece"):]
     arguments[arguments.index("--vocab-size") + 1] = "50"
@@ -330,14 +330,26 @@ def test_tiktoken_named_encoding_from_a_fake_cache(tmp_path, monkeypatch, no_net
     assert isinstance(make_tokenizer(TokenizerConfig(kind="tiktoken", encoding="cl100k_base")), TiktokenTokenizer)
 
 
+@pytest.fixture
+def online(monkeypatch):
+    """Offline mode off (the network itself is what each test makes of tiktoken.load.read_file)."""
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(variable, raising=False)
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
 def test_tiktoken_named_encoding_absent_offline(tmp_path, monkeypatch, no_network):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(TiktokenNotCachedError) as raised:
         TiktokenTokenizer("cl100k_base")
     message = str(raised.value)
     file_name = hashlib.sha1(CL100K_URL.encode()).hexdigest()
-    for part in ("'cl100k_base'", str(tmp_path / file_name), CL100K_URL, "TIKTOKEN_CACHE_DIR", "tokenizer.path"):
+    for part in ("'cl100k_base'", str(tmp_path / file_name), CL100K_URL, "TIKTOKEN_CACHE_DIR", "tokenizer.path",
+                 "nothing was downloaded: offline mode is on (HF_HUB_OFFLINE set in your environment)"):
         assert part in message
+    assert "\n" not in message
     assert isinstance(raised.value, FileNotFoundError)
     assert tiktoken.load.read_file.__module__ == "tiktoken.load"  # the download guard is undone
     # gpt2 needs two files; the first one missing is named.
@@ -349,6 +361,46 @@ def test_tiktoken_named_encoding_absent_offline(tmp_path, monkeypatch, no_networ
         TiktokenTokenizer("o200k_base")
     with pytest.raises(ValueError, match="unknown tiktoken encoding 'cl200k'.*cl100k_base.*r50k_base"):
         TiktokenTokenizer("cl200k")
+
+
+def test_tiktoken_downloads_an_absent_encoding_when_online(tmp_path, monkeypatch, online):
+    """Online, tiktoken's own download (tiktoken.load.read_file, here answering with a small vocabulary) fills its
+    cache; the next load reads the cache with the network refused."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    monkeypatch.setattr(tiktoken.load, "check_hash", lambda data, expected_hash: True)  # not OpenAI's file
+    _write_tiktoken(tmp_path / "served", _small_ranks())
+    fetched = []
+
+    def read_file(url: str) -> bytes:
+        fetched.append(url)
+        return (tmp_path / "served").read_bytes()
+
+    monkeypatch.setattr(tiktoken.load, "read_file", read_file)
+    tokenizer = TiktokenTokenizer("cl100k_base")
+    assert fetched == [CL100K_URL] and (tmp_path / hashlib.sha1(CL100K_URL.encode()).hexdigest()).exists()
+    reference = tiktoken.Encoding(**_cl100k_definition(_small_ranks()))
+    assert tokenizer.encode(FIXED_TEXTS[0]).tolist() == reference.encode_ordinary(FIXED_TEXTS[0])
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    monkeypatch.setattr(tiktoken.load, "read_file", lambda url: pytest.fail(f"downloaded {url} again"))
+    assert TiktokenTokenizer("cl100k_base").vocab_size == tokenizer.vocab_size
+
+
+def test_tiktoken_download_that_fails_is_one_line(tmp_path, monkeypatch, online):
+    import requests
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+
+    def unreachable(url: str) -> bytes:
+        raise requests.exceptions.ConnectionError(f"HTTPSConnectionPool: Max retries exceeded with url: {url}\n...")
+
+    monkeypatch.setattr(tiktoken.load, "read_file", unreachable)
+    with pytest.raises(TiktokenNotCachedError) as raised:
+        TiktokenTokenizer("cl100k_base")
+    message = str(raised.value)
+    assert "the download failed: ConnectionError: HTTPSConnectionPool: Max retries exceeded" in message
+    assert str(tmp_path / hashlib.sha1(CL100K_URL.encode()).hexdigest()) in message and "\n" not in message
 
 
 def test_tiktoken_cache_dir_follows_tiktoken(monkeypatch, tmp_path):
@@ -416,7 +468,7 @@ def test_hf_tokenizer_errors_name_the_file(tmp_path, hf_dir):
     import json
     import shutil
 
-    with pytest.raises(FileNotFoundError, match=r"directory .* has no tokenizer.json.*nothing is downloaded"):
+    with pytest.raises(FileNotFoundError, match=r"directory .* has no tokenizer.json.*or a Hub model name"):
         HFTokenizer(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"'.*absent.json' does not exist"):
         HFTokenizer(tmp_path / "absent.json")
@@ -434,6 +486,59 @@ def test_hf_tokenizer_errors_name_the_file(tmp_path, hf_dir):
     assert (HFTokenizer(tmp_path).eos_id, HFTokenizer(tmp_path).bos_id) == (None, None)  # nothing names them
     with pytest.raises(ValueError, match="data.tokenizer.path must name a tokenizer.json"):
         TokenizerConfig(kind="hf")
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch, hf_dir):
+    """A Hugging Face cache (tests/hub_cache.py) holding the tokenizer of hf_dir as NAME at main, and at the branch
+    v2 one whose tokenizer_config.json names another eos; read offline. Returns NAME."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    import json
+    import shutil
+
+    from hub_cache import write_cached_repo
+
+    v2 = tmp_path / "v2"
+    shutil.copytree(hf_dir, v2)
+    (v2 / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<pad>"}))
+    (v2 / "model.safetensors").write_bytes(b"weights the tokenizer never needs")
+    write_cached_repo(tmp_path / "hub", "diffjax-tests/tokenizer", {"main": hf_dir, "v2": v2})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return "diffjax-tests/tokenizer"
+
+
+def test_hf_tokenizer_by_hub_name_reads_the_cache(offline_hub, hf_dir):
+    by_name, by_path = HFTokenizer(offline_hub), HFTokenizer(hf_dir)
+    assert by_name.encode(FIXED_TEXTS[0]).tolist() == by_path.encode(FIXED_TEXTS[0]).tolist()
+    assert (by_name.eos_id, by_name.vocab_size) == (by_path.eos_id, by_path.vocab_size)
+    v2 = make_tokenizer(TokenizerConfig(kind="hf", path=offline_hub, revision="v2"))
+    assert v2.eos_id == by_path._tok.token_to_id("<pad>") != by_path.eos_id
+    with pytest.raises(FileNotFoundError) as absent:
+        HFTokenizer("diffjax-tests/absent")
+    assert "`hf download diffjax-tests/absent`" in str(absent.value) and "\n" not in str(absent.value)
+    with pytest.raises(ValueError, match="applies to a Hugging Face Hub name"):
+        HFTokenizer(hf_dir, revision="v2")
+    with pytest.raises(ValueError, match="data.tokenizer.revision is for data.tokenizer.kind 'hf'"):
+        TokenizerConfig(kind="byte", revision="v2")
+
+
+def test_a_hub_tokenizer_fetches_its_tokenizer_files_only(hf_dir, tmp_path, monkeypatch):
+    """Online, snapshot_download is asked for the tokenizer's files, never the weights; a repository without a
+    tokenizer.json is one line."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    asked = []
+
+    def snapshot_download(name, **kwargs):
+        asked.append((name, kwargs))
+        return str(hf_dir if name.endswith("tokenizer") else tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    HFTokenizer("diffjax-tests/tokenizer")
+    assert set(asked[0][1]["allow_patterns"]) == {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    with pytest.raises(FileNotFoundError, match="diffjax-tests/weights-only has no tokenizer.json"):
+        HFTokenizer("diffjax-tests/weights-only")
 
 
 # --- make_tokenizer -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from diffjax.train.config import RunConfig, parse_overrides
 from diffjax.train.metrics import matmul_params, training_flops_per_token
 from diffjax.train.step import init_state, make_train_step
 
-CONFIGS = Path(__file__).resolve().parents[1] / "diffjax" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PAPER = CONFIGS / "paper"
 VOCAB = ["model.vocab_size=257"]  # skip building the tokenizer where the test is not about it
 
@@ -86,6 +86,57 @@ def test_a_mistyped_name_says_what_was_meant(overrides, meant):
     with pytest.raises(ValueError) as raised:
         load_run_config(CONFIGS / "tiny.yaml", VOCAB + overrides)
     assert meant in str(raised.value)
+
+
+def _float_keys(cls, prefix: str) -> list[str]:
+    """The dotted keys of every float setting under a config dataclass (nested sections included)."""
+    import dataclasses
+    import typing
+
+    keys = []
+    for name, hint in typing.get_type_hints(cls).items():
+        nested = [a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a)]
+        if nested:
+            keys += _float_keys(nested[0], f"{prefix}{name}.")
+        elif hint is float or float in typing.get_args(hint):
+            keys.append(prefix + name)
+    return keys
+
+
+def _every_float_setting() -> list[list[str]]:
+    """Overrides that set each float of the run config, and each float option of every kind (its kind chosen)."""
+    from diffjax.config import BLOCK_PARTS
+
+    settings = [[key] for key in _float_keys(RunConfig, "")]
+    for part, table in BLOCK_PARTS.items():
+        for row in table.rows():
+            if row.options is not None:
+                settings += [[f"model.{part}={row.name}", key]
+                             for key in _float_keys(row.options, f"model.{part}_options.")]
+    return settings
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400"])
+def test_no_float_setting_takes_nan_or_an_infinity(value):
+    """Issue 62 item 2: model.mtp_loss_weight=nan was taken (and the resumed run diverged). Every float setting, of
+    the config's sections and of every kind's options, is refused in one line naming it; so is one built in Python."""
+    settings = _every_float_setting()
+    assert {"model.mtp_loss_weight", "optim.lr", "data.eval_fraction", "train.sample_temperature"} <= \
+        {keys[-1] for keys in settings} and len(settings) > 30
+    for *kind, key in settings:
+        with pytest.raises(ValueError) as raised:
+            load_run_config(CONFIGS / "tiny.yaml", VOCAB + kind + [f"{key}={value}"])
+        assert f"{key.removeprefix('model.')} must be a finite number, got '{value}'" in str(raised.value), key
+    import dataclasses
+
+    from diffjax.data.config import DataConfig
+    from diffjax.train.config import TrainConfig
+    from diffjax.train.optimizer_config import OptimizerConfig
+
+    for cls, section in ((ModelConfig, ""), (OptimizerConfig, "optim."), (TrainConfig, "train."), (DataConfig, "data.")):
+        for key in _float_keys(cls, section):
+            with pytest.raises(ValueError, match=f"{key} must be a finite number, got {float(value)!r}"):
+                dataclasses.replace(cls(), **{key.removeprefix(section): float(value)})
 
 
 def test_a_mistyped_yaml_key_or_config_name_says_what_was_meant(tmp_path):

@@ -35,7 +35,7 @@ SMALL = [
 
 
 def _config(run_dir, *overrides):
-    return load_run_config(REPO_ROOT / "diffjax" / "configs" / "tiny.yaml", SMALL + [f"train.run_dir={run_dir}", *overrides])
+    return load_run_config(REPO_ROOT / "configs" / "tiny.yaml", SMALL + [f"train.run_dir={run_dir}", *overrides])
 
 
 @pytest.mark.slow

@@ -112,7 +112,8 @@ def test_the_trainer_warms_lambda_up_from_the_source(llama):
     logged lambda_scale is min(1, step / W), and the loss moves away from the source's as lambda grows."""
     import optax
 
-    from diffjax.train.optimizer import OptimizerConfig, lambda_scale, make_optimizer
+    from diffjax.train.config import RunConfig
+    from diffjax.train.optimizer import OptimizerConfig, make_optimizer
     from diffjax.train.step import init_state, make_train_step
 
     directory, tokens, _ = llama
@@ -120,8 +121,8 @@ def test_the_trainer_warms_lambda_up_from_the_source(llama):
     model = upcycle(source, "diff", lambda_warmup=True)
     optim = OptimizerConfig(lr=1e-3, warmup_steps=0, lambda_warmup_steps=2)
     tx, schedule = make_optimizer(optim, total_steps=10)
-    step = jax.jit(make_train_step(nnx.graphdef(model), tx, schedule, model.config,
-                                   lambda_schedule=lambda s: lambda_scale(optim, s)))
+    run = RunConfig(model=model.config, optim=optim)  # (the facet of the model's attention reads the warm-up there)
+    step = jax.jit(make_train_step(nnx.graphdef(model), tx, schedule, model.config, run=run))
     tokens = jnp.asarray(tokens)
     batch = {"tokens": tokens[None], "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)[None],
              "segment_ids": jnp.ones_like(tokens)[None]}

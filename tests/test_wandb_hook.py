@@ -19,7 +19,7 @@ from diffjax.train import load_run_config, train
 from diffjax.train.config import RunConfig, build_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY = REPO_ROOT / "diffjax" / "configs" / "tiny.yaml"
+TINY = REPO_ROOT / "configs" / "tiny.yaml"
 SMALL = [  # as tests/test_trainer.py's
     "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=64",
     "data.seq_len=32", "data.builtin_bytes=200000", "data.eval_batches=2", "data.eval_fraction=0.2",

@@ -16,7 +16,6 @@ samples, per answer depth.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -153,4 +152,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "python -m diffjax.analysis.attention_scores")

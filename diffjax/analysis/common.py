@@ -11,10 +11,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from diffjax import attention_kinds
+from diffjax import attention_kinds, command_line
+from diffjax.command_line import positive_int  # noqa: F401 (the analyses' argparse type)
 from diffjax.analysis import figures
 from diffjax.config_values import build_config, read_yaml_mapping
-from diffjax.data.config import DataConfig
+from diffjax.data.config import HF_DEFAULTS, DataConfig
 from diffjax.log_lines import print_package_logs
 from diffjax.run_dir import RunDir
 from diffjax.tokenizers import Tokenizer
@@ -91,7 +92,8 @@ def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = N
         if not batches:
             raise ValueError(f"the data of {checkpoint.label} ({data.source}) has no held-out documents to sample tokens from")
         return batches
-    data = dataclasses.replace(data, source="jsonl" if str(paths[0]).endswith(".jsonl") else "text", paths=tuple(paths))
+    data = dataclasses.replace(data, source="jsonl" if str(paths[0]).endswith(".jsonl") else "text", paths=tuple(paths),
+                               **HF_DEFAULTS)
     source = open_documents(data)
     packed = pack_documents(source, range(len(source)), checkpoint.tokenizer, data, num_bins=batch_size)
     batches = [batch for batch, _ in zip(packed.batch(batch_size, drop_remainder=True), range(count))]
@@ -106,8 +108,8 @@ def text_batches(checkpoint: Checkpoint, *, tokens: int, seq_len: int | None = N
 def parser(description: str, module: str, *, checkpoint_required: bool = True) -> argparse.ArgumentParser:
     """An argument parser with the options every analysis takes: --checkpoint (one or more) and --label; its
     usage line names the command (`python -m <module>`), not the file."""
-    result = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    result = command_line.ArgumentParser(prog=f"python -m {module}", description=description,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
     result.add_argument("--checkpoint", action="append", required=checkpoint_required, metavar="DIR",
                         help="a run directory or checkpoint; repeat to compare models side by side")
     result.add_argument("--label", action="append", default=[], metavar="NAME",
@@ -133,22 +135,23 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1, for argparse (counts, sizes and lengths)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def positive_int_list(text: str) -> tuple[int, ...]:
     values = int_list(text)
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return values
+
+
+def make_parent(path: Path, option: str) -> bool:
+    """Make the directory a file named by `option` goes into, as a user expects of `--output out/x.json` on a fresh
+    checkout; False (one line on stderr said why) when it cannot be made."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"error: {option} {path}: cannot make its directory {path.parent} ({error.strerror or error})",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callable[[Sequence[str], Sequence], str],
@@ -163,13 +166,8 @@ def run_cli(args, analyse: Callable[[Checkpoint], object], format_table: Callabl
         return 2
     labels = args.label or [None] * len(args.checkpoint)
     print_package_logs()
-    if args.output:  # before the analysis: where its results go must exist when it ends
-        try:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            print(f"error: --output {args.output}: cannot make its directory {args.output.parent} "
-                  f"({error.strerror or error})", file=sys.stderr)
-            return 2
+    if args.output and not make_parent(args.output, "--output"):  # before the analysis: where its results go
+        return 2
     try:
         checkpoints = [load_checkpoint(path, label) for path, label in zip(args.checkpoint, labels)]
         if prepare is not None:

@@ -288,12 +288,12 @@ def main(argv=None) -> int:
         from diffjax.tokenizers import ByteTokenizer
 
         try:
-            if not args.write_training.parent.is_dir():
-                raise ValueError(f"--write-training {args.write_training}: directory {args.write_training.parent} does not exist")
             texts = training_texts(ByteTokenizer(), args.count, lengths=args.lengths or (1024,), max_needles=args.needles,
                                    max_queries=args.queries, digits=args.digits, seed=args.seed + 1)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
+            return 2
+        if not common.make_parent(args.write_training, "--write-training"):
             return 2
         with open(args.write_training, "w") as file:
             file.writelines(json.dumps({"text": text}) + "\n" for text in texts)
@@ -315,4 +315,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "python -m diffjax.analysis.needles")

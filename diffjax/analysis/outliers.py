@@ -18,7 +18,6 @@ repeat wherever their inputs do. In the first layer a logit depends only on its 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -157,4 +156,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "python -m diffjax.analysis.outliers")

@@ -119,7 +119,9 @@ def main(argv=None) -> int:
     """This module is a library: its command line says so and names the analyses that run on it."""
     import argparse
 
-    parser = argparse.ArgumentParser(
+    from diffjax import command_line
+
+    parser = command_line.ArgumentParser(
         prog="python -m diffjax.analysis.probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="It has no command line of its own. The analyses that run on it: python -m diffjax.analysis.<name> "
                "--help, <name> one of needles, recall, attention_scores, outliers, quantization.")
@@ -129,4 +131,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "python -m diffjax.analysis.probe")

@@ -190,9 +190,7 @@ def _write_training(args) -> int:
     """Byte-tokenizer training documents, seeded apart from the evaluation's samples."""
     from diffjax.tokenizers import ByteTokenizer
 
-    if not args.write_training.parent.is_dir():
-        print(f"error: --write-training {args.write_training}: directory {args.write_training.parent} does not exist",
-              file=sys.stderr)
+    if not common.make_parent(args.write_training, "--write-training"):
         return 2
     documents = training_documents(ByteTokenizer(), args.count, pair_counts=args.pairs, max_queries=args.queries,
                                    seed=args.seed + 1)
@@ -203,4 +201,6 @@ def _write_training(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffjax.command_line import run
+
+    run(main, "python -m diffjax.analysis.recall")

@@ -1,6 +1,9 @@
 """diffjax-convert {hf-to-diffjax, diffjax-to-hf, upcycle, merge-lora, verify} ...
 
-Exit status: 0 done (verify: within tolerance), 1 verify past tolerance, 2 bad input (one line on stderr).
+Exit status: 0 done (verify: within tolerance), 1 verify past tolerance or a write / upload that failed, 2 bad input
+(one line on stderr).
+
+    diffjax-convert diffjax-to-hf runs/tiny out/tiny --license apache-2.0 --push-to-hub ORG/NAME   # export, upload
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import resource
 import sys
 import time
 
+from diffjax import command_line
 from diffjax.log_lines import os_error_line, print_package_logs
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work; never grab an accelerator
@@ -35,7 +39,7 @@ def _progress(name: str, index: int, count: int) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffjax-convert", description=__doc__.splitlines()[0])
+    parser = command_line.ArgumentParser(prog="diffjax-convert", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("hf-to-diffjax", help="HF directory (diffllama / llama / motif) -> diffjax run directory")
@@ -52,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="saved tensor dtype (default: the params')")
     p.add_argument("--shard-size", default="5GB", help="largest safetensors shard (e.g. 5GB, 500MB; default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in DST")
+    p.add_argument("--license", metavar="ID", help="the model card's license, a Hub identifier such as apache-2.0 "
+                                                   "(default: the source's model card's, else unknown)")
+    p.add_argument("--push-to-hub", metavar="ORG/NAME", help="then upload DST to this Hub model repository (created "
+                                                             "if absent; HF_TOKEN or `hf auth login`)")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
 
     p = commands.add_parser("upcycle", help="a Transformer (HF Llama directory or diffjax run) -> a DIFF run directory "
                                             "computing the same function")
@@ -102,6 +111,23 @@ def _hub_arguments(parser: argparse.ArgumentParser, remote_code: str | None = No
         parser.add_argument("--trust-remote-code", action="store_true", help=remote_code)
 
 
+def _export(args) -> None:
+    """diffjax-to-hf, then with --push-to-hub the upload (its repository id and offline mode checked first)."""
+    from diffjax.convert import hub
+    from diffjax.convert.hf_directories import diffjax_to_hf
+
+    if args.private and not args.push_to_hub:
+        raise ValueError("--private goes with --push-to-hub")
+    if args.push_to_hub:
+        hub.check_pushable(args.push_to_hub)
+    out = diffjax_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_size=args.shard_size, overwrite=args.overwrite,
+                        progress=_progress, license=args.license, card_name=args.push_to_hub)
+    print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained; its model card: README.md)")
+    if args.push_to_hub:
+        url = hub.push(out, args.push_to_hub, private=args.private)
+        print(f"pushed {out} to https://huggingface.co/{args.push_to_hub} ({url})")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     print_package_logs()
@@ -114,7 +140,7 @@ def main(argv=None) -> int:
     from diffjax.params_checkpoint import CheckpointWriteError
     from diffjax.convert import hf_directories, verify  # noqa: F401
     from diffjax.convert.common import ConversionError, refuse_overlap
-    from diffjax.convert.hub import refuse_the_cache
+    from diffjax.convert.hub import PushError, refuse_the_cache
     from diffjax.run_dir import RunDir, RunDirInUseError
 
     start, base_rss = time.time(), _peak_rss_mb()
@@ -129,10 +155,7 @@ def main(argv=None) -> int:
             print(f"wrote {step_dir} (run directory {args.dst}; "
                   f"{_fine_tune_hint(RunDir.of_step(step_dir).config_file, args.dst)})")
         elif args.command == "diffjax-to-hf":
-            from diffjax.convert.hf_directories import diffjax_to_hf
-            out = diffjax_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_size=args.shard_size,
-                                overwrite=args.overwrite, progress=_progress)
-            print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+            _export(args)
         elif args.command == "upcycle":
             from diffjax.convert.upcycle import upcycle_directory
             step_dir = upcycle_directory(args.src, args.dst, kind=args.kind, second_map=args.second_map,
@@ -151,7 +174,7 @@ def main(argv=None) -> int:
                             revision=args.revision)
             print(result.report())
             return 0 if result.passed else 1
-    except CheckpointWriteError as error:  # the input was fine; the disk was not
+    except (CheckpointWriteError, PushError) as error:  # the input was fine; the disk or the upload was not
         print(f"error: {error}", file=sys.stderr)
         return 1
     except (ConversionError, ValueError, FileNotFoundError, FileExistsError, RunDirInUseError, PermissionError) as error:
@@ -168,4 +191,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line.run(main, "diffjax-convert")

@@ -33,11 +33,6 @@ def _config_in(hf: dict) -> dict:
     return fields
 
 
-def _holds(config: ModelConfig) -> bool:
-    """DIFF V1 with DiffLlama's MLPs and lambda schedule (PolyNorm or Motif's schedule: Motif's format)."""
-    return config.attention == "diff" and config.activation != "polynorm" and config.lambda_init_depth_offset == 0
-
-
 def _export_problems(config: ModelConfig) -> list[str]:
     problems = [] if config.subln else ["subln=false: HF diffllama always normalizes each head's output"]
     if config.subln_eps not in (None, config.norm_eps):
@@ -99,7 +94,10 @@ def _attention_rows(config: ModelConfig, hf: str, leaf) -> list[Row]:
 
 FORMAT = formats.register(formats.CheckpointFormat(
     name="diffllama", label="DiffLlama", model_type="diffllama", architecture="DiffLlamaForCausalLM",
-    attention=("diff",), holds=_holds, config_in=_config_in,
+    # DIFF V1 with DiffLlama's MLPs and lambda schedule (PolyNorm or Motif's schedule: Motif's format)
+    holds=(formats.Configs(attention="diff", activation=formats.Not("polynorm"), lambda_init_depth_offset=0,
+                           **llama.LAYER_KINDS),),
+    config_in=_config_in,
     config_out=lambda config: {**llama.config_json(config, heads=2), "lambda_std_dev": float(config.lambda_std)},
     weight_plan=lambda config: llama.plan(config, _attention_rows), export_problems=_export_problems,
 ))

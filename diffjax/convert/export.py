@@ -21,6 +21,7 @@ from diffjax.config import ModelConfig
 from diffjax.convert import formats
 from diffjax.convert.common import ConversionError, flatten, np_dtype, path_name, prepare_output_dir
 from diffjax.convert.formats import CheckpointFormat, check_exportable
+from diffjax.convert.model_card import CARD_FILE, model_card
 from diffjax.convert.safetensors_io import write_safetensors
 from diffjax.convert.weight_plan import export_plan
 from diffjax.params_checkpoint import CheckpointWriteError
@@ -28,7 +29,7 @@ from diffjax.params_checkpoint import CheckpointWriteError
 # Files an export writes (and --overwrite may replace); anything else in the directory is left alone.
 HF_OUTPUT_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
                    "pytorch_model.bin.index.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                   "chat_template*", "added_tokens.json", "vocab.json", "merges.txt")
+                   "chat_template*", "added_tokens.json", "vocab.json", "merges.txt", CARD_FILE)
 
 
 def hf_config(config: ModelConfig, *, dtype: str | None = None, base: Mapping | None = None,
@@ -108,9 +109,15 @@ def save_hf(
     base_config: Mapping | None = None,
     extra_files: Iterable[str | os.PathLike] = (),
     progress=None,
+    source: str = "a diffjax model (diffjax.save_hf)",
+    license: str | None = None,
+    card_name: str | None = None,
 ) -> Path:
     """Write a diffjax model as a Hugging Face directory: config.json and safetensors, sharded past
-    `max_shard_size` (model-0000k-of-0000n.safetensors + model.safetensors.index.json).
+    `max_shard_size` (model-0000k-of-0000n.safetensors + model.safetensors.index.json), and its model card README.md
+    (diffjax.convert.model_card: `source`, a phrase saying where the weights came from; `license`, the Hub's license
+    identifier, else an extra README.md's (a source's card, which follows ours); `card_name`, the name to load it
+    by, default the directory).
 
     model_or_params: a TransformerLM, or its params (an nnx pure dict, nested or flat by path, or a
       lazy `diffjax.checkpoint.CheckpointParams`) with `config`.
@@ -136,11 +143,16 @@ def save_hf(
     fmt = check_exportable(config)  # the format, derived once
     plan = hf_tensor_plan(config, params, dtype, fmt=fmt)  # checks params before touching the directory
     config_json = hf_config(config, dtype=dtype or str(plan[0][2]), base=base_config, fmt=fmt)
+    extra_files = [Path(file) for file in extra_files]
+    source_card = next((file.read_text(encoding="utf-8") for file in extra_files if file.name == CARD_FILE), None)
+    card = model_card(config, fmt, parameters=sum(int(np.prod(shape)) for _, shape, _, _ in plan),
+                      dtype=str(plan[0][2]), source=source, name=card_name or str(directory),
+                      license_id=license, source_card=source_card)
     created = not Path(directory).exists()
     directory = prepare_output_dir(directory, overwrite=overwrite, owned=HF_OUTPUT_FILES)
     written: list[Path] = []
     try:
-        _write_export(directory, plan, parse_size(max_shard_size), extra_files, config_json, progress, written)
+        _write_export(directory, plan, parse_size(max_shard_size), extra_files, config_json, card, progress, written)
     except OSError as error:  # a full disk, most often: nothing partial is left
         for path in written:
             path.unlink(missing_ok=True)
@@ -151,10 +163,10 @@ def save_hf(
     return directory
 
 
-def _write_export(directory: Path, plan, max_shard_bytes: int, extra_files, config_json: dict, progress,
+def _write_export(directory: Path, plan, max_shard_bytes: int, extra_files, config_json: dict, card: str, progress,
                   written: list[Path]) -> None:
-    """The safetensors shards (and their index), the extra files and config.json, last: it marks a complete export.
-    Each file is added to `written` before it is written."""
+    """The safetensors shards (and their index), the extra files, the model card (in place of an extra one) and
+    config.json, last: it marks a complete export. Each file is added to `written` before it is written."""
     def target(name: str) -> Path:
         written.append(directory / name)
         return directory / name
@@ -172,7 +184,7 @@ def _write_export(directory: Path, plan, max_shard_bytes: int, extra_files, conf
         index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
         target("model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
     for file in extra_files:
-        file = Path(file)
-        if file.name != "config.json" and not file.name.endswith((".safetensors", ".bin", ".index.json")):
+        if file.name not in ("config.json", CARD_FILE) and not file.name.endswith((".safetensors", ".bin", ".index.json")):
             shutil.copy2(file, target(file.name))
+    target(CARD_FILE).write_text(card, encoding="utf-8")
     target("config.json").write_text(json.dumps(config_json, indent=2) + "\n")

@@ -15,42 +15,17 @@ about one shard, not the model (tests/test_convert_streaming.py measures it).
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 from pathlib import Path
 
 from diffjax.config import ModelConfig
 from diffjax.convert import formats, hub
 from diffjax.convert.common import np_dtype, refuse_overlap
+from diffjax.convert.conversion_dir import conversion_run_dir, keep_hf_files
 from diffjax.convert.export import save_hf
 from diffjax.convert.hf import checked_weights, convert_files, read_hf_config
 from diffjax.convert.weight_plan import Converter, leaf_shapes
 from diffjax.params_checkpoint import CheckpointParams, resolve_checkpoint, save_params_streamed, saved_model_config
 from diffjax.run_dir import RunDir
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
-
-
-@contextlib.contextmanager
-def conversion_run_dir(dst, *, overwrite: bool, command: str):
-    """The RunDir `command` (hf-to-diffjax, upcycle, merge-lora) writes into `dst`, held (its trainer.lock) from
-    before --overwrite removes anything until the conversion ends: a trainer, or another conversion, running there
-    refuses it. A new `dst` is removed again if the conversion fails, so no half-written directory is left behind."""
-    dst = Path(dst)
-    hub.refuse_the_cache(dst)
-    created = not dst.exists()
-    try:
-        run = RunDir.for_conversion(dst, overwrite=overwrite)
-        lock = run.lock_for_writing(command)
-        try:
-            run.remove_conversion_outputs()
-            yield run
-        finally:
-            lock.release()
-    except BaseException:
-        if created:
-            shutil.rmtree(dst, ignore_errors=True)
-        raise
 
 
 def _hf_side(run: RunDir) -> Path:
@@ -66,17 +41,6 @@ def _hf_side(run: RunDir) -> Path:
             break
         run = RunDir.of_step(resolve_checkpoint(init_from, f"{run.config_file}'s train.init_from"))
     return run.hf
-
-
-def keep_hf_files(src, run: RunDir) -> dict | None:
-    """Copy the HF directory `src`'s files but its weights (config.json, tokenizer, generation config) into RUN/hf/;
-    returns the data section naming its tokenizer.json (None without one), so that training on and generating
-    from the conversion use the checkpoint's own tokenizer."""
-    run.hf.mkdir()
-    for file in sorted(Path(src).iterdir()):
-        if file.is_file() and not file.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(file, run.hf / file.name)
-    return {"tokenizer": {"kind": "hf", "path": str(run.hf.absolute())}} if (run.hf / "tokenizer.json").exists() else None
 
 
 def hf_to_diffjax(src, dst, *, dtype: str | None = None, overwrite: bool = False, progress=None,
@@ -112,20 +76,26 @@ def read_run_config(src) -> tuple[Path, Path, ModelConfig]:
 
 
 def diffjax_to_hf(src, dst, *, dtype: str | None = None, max_shard_size="5GB", overwrite: bool = False,
-                  progress=None) -> Path:
-    """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory,
-    reading and writing one tensor at a time. A LoRA run's adapters are merged into its base as each base tensor is
-    read (diffjax.convert.lora_merge.LazyMergedParams)."""
+                  progress=None, license: str | None = None, card_name: str | None = None) -> Path:
+    """Export a diffjax run directory or checkpoint (trainer-written or converted) as an HF directory with its model
+    card (license: the Hub's license identifier, else the source's card's; card_name: the name it loads by, a Hub id
+    it is pushed to), reading and writing one tensor at a time. A LoRA run's adapters are merged into its base as
+    each base tensor is read (diffjax.convert.lora_merge.LazyMergedParams)."""
     from diffjax.convert.lora_merge import LazyMergedParams
 
     _, step_dir, config = read_run_config(src)
+    source = f"the diffjax checkpoint `{step_dir}`"
     params = LazyMergedParams.of(step_dir)
     if params is not None:  # a LoRA run: its adapters merged into the base (train.init_from), whose hf/ files it has
-        config, step_dir = params.model_config, params.root_step
+        adapters_step, (config, step_dir) = step_dir, (params.model_config, params.root_step)
+        source = f"the LoRA adapters of `{adapters_step}` merged into their base `{step_dir}`"
     else:
         params = CheckpointParams(step_dir)
     side = _hf_side(RunDir.of_step(step_dir))
     base = read_hf_config(side) if (side / "config.json").exists() else None
     extra = [f for f in sorted(side.iterdir()) if f.is_file()] if side.is_dir() else []
+    if base is not None:
+        source += " (converted from a Hugging Face checkpoint, whose config.json keys and files it keeps)"
     return save_hf(params, dst, config, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                   base_config=base, extra_files=extra, progress=progress)
+                   base_config=base, extra_files=extra, progress=progress, source=source, license=license,
+                   card_name=card_name)

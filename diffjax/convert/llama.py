@@ -24,6 +24,8 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_ta
                "gelu_new": "gelu_tanh"}
 EXPORT_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}  # (diffjax's -> config.json's)
 ROPE_TYPES = ("default", "llama3")
+# The block parts of a Llama-style layer: every format built on it holds these only (formats.Configs).
+LAYER_KINDS = dict(mlp="gated", residual="plain")
 
 
 def _rope_fields(hf: dict) -> dict:
@@ -111,9 +113,8 @@ def config_json(config: ModelConfig, *, heads: int, activations: dict = EXPORT_A
 
 
 def export_problems(config: ModelConfig, model_type: str, activations: dict = EXPORT_ACTIVATIONS) -> list[str]:
-    """What no Llama-style format can hold."""
-    problems = [f"{part}={getattr(config, part)!r}: the Hugging Face formats hold {part}={built_in!r} only"
-                for part, built_in in (("mlp", "gated"), ("residual", "plain")) if getattr(config, part) != built_in]
+    """What no Llama-style format can hold (of the configs it holds: LAYER_KINDS)."""
+    problems = []
     if config.activation not in activations:
         problems.append(f"activation={config.activation!r}: HF {model_type} exports support {sorted(activations)}")
     if config.attention_window is not None:
@@ -153,7 +154,8 @@ def plan(config: ModelConfig, attention_rows) -> list[Row]:
         _layer_rows(segment_config, hf, leaf) + attention_rows(segment_config, hf + "self_attn.", leaf)))
 
 
-def _attention_rows(config: ModelConfig, hf: str, leaf) -> list[Row]:
+def attention_rows(config: ModelConfig, hf: str, leaf) -> list[Row]:
+    """Llama's attention tensors (q, k, v, o projections) of a layer."""
     D, H, K, d = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
     channels = rope_channels(config)
     return [Row(hf + "q_proj.weight", (H * d, D), (leaf("attn", "q_kernel"),), *linear((H, d), channels)),
@@ -163,9 +165,10 @@ def _attention_rows(config: ModelConfig, hf: str, leaf) -> list[Row]:
 
 
 FORMAT = formats.register(formats.CheckpointFormat(
-    name="llama", label="Llama", model_type="llama", architecture="LlamaForCausalLM", attention=("standard",),
+    name="llama", label="Llama", model_type="llama", architecture="LlamaForCausalLM",
+    holds=(formats.Configs(attention="standard", **LAYER_KINDS),),
     config_in=lambda hf: {**config_fields(hf, default_eps=1e-6), "attention": "standard"},
     config_out=lambda config: {**config_json(config, heads=1), "mlp_bias": False, "pretraining_tp": 1},
-    weight_plan=lambda config: plan(config, _attention_rows),
+    weight_plan=lambda config: plan(config, attention_rows),
     export_problems=lambda config: export_problems(config, "llama"),
 ))

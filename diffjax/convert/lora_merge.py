@@ -29,7 +29,7 @@ def merge_lora_directory(src: str | Path, dst: str | Path, *, overwrite: bool = 
     """Write the LoRA run `src`'s merged model as a params-only run directory `dst` (with the base's hf/ files, so
     that diffjax-to-hf restores its tokenizer and token ids), one merged leaf (one layer of a stack) at a time
     (save_params_streamed); returns the step directory."""
-    from diffjax.convert.hf_directories import conversion_run_dir, keep_hf_files
+    from diffjax.convert.conversion_dir import conversion_run_dir, keep_hf_files
 
     params = LazyMergedParams.of(src)
     if params is None:

@@ -80,10 +80,11 @@ def _config_out(config: ModelConfig) -> dict:
                    attn_rms_norm_eps=config.subln_norm_eps, use_bias=False, k_ratio=1)}
 
 
-def _holds(config: ModelConfig) -> bool:
-    """GDA, and DIFF V1 with PolyNorm or Motif's lambda schedule (DiffLlama holds neither)."""
-    motif_v1 = config.activation == "polynorm" or config.lambda_init_depth_offset != 0
-    return config.attention == "gda" or (config.attention == "diff" and motif_v1)
+# DIFF V1 with PolyNorm or Motif's lambda schedule (DiffLlama holds neither), and GDA
+HOLDS = (formats.Configs(attention="diff", activation="polynorm", **llama.LAYER_KINDS),
+         formats.Configs(attention="diff", activation=formats.Not("polynorm"),
+                         lambda_init_depth_offset=formats.Not(0), **llama.LAYER_KINDS),
+         formats.Configs(attention="gda", **llama.LAYER_KINDS))
 
 
 def export_problems(config: ModelConfig) -> list[str]:
@@ -121,8 +122,8 @@ def attention_rows(config: ModelConfig, hf: str, leaf) -> list[Row]:
 
 
 FORMAT = formats.register(formats.CheckpointFormat(
-    name="motif", label="Motif", model_type=MODEL_TYPE, architecture=ARCHITECTURE, attention=("diff", "gda"),
-    holds=_holds, config_in=config_fields, config_out=_config_out,
+    name="motif", label="Motif", model_type=MODEL_TYPE, architecture=ARCHITECTURE,
+    holds=HOLDS, config_in=config_fields, config_out=_config_out,
     weight_plan=lambda config: llama.plan(config, attention_rows), export_problems=export_problems,
     spelling=PUBLISHED_MODEL_TYPE, remote_code=True,
 ))

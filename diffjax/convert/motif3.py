@@ -165,15 +165,11 @@ def _mtp_fields(hf: dict) -> dict:
 def export_problems(config: ModelConfig) -> list[str]:
     """What Motif 3's config.json cannot say about `config` (empty: exportable)."""
     problems = []
-    if config.mlp not in ("moe", "polynorm"):
-        problems.append(f"mlp={config.mlp!r}: Motif 3's MLPs are 'moe' or 'polynorm'")
     if config.mlp == "polynorm" and config.mlp_options.hidden_clamp is not None:
         problems.append(f"mlp_options.hidden_clamp={config.mlp_options.hidden_clamp}: Motif 3's dense MLP is unclamped")
     if config.mlp == "moe" and config.mlp_options.shared_inner != (
             config.mlp_options.expert_inner * config.mlp_options.num_shared_experts):
         problems.append("mlp_options.shared_inner: Motif 3's shared experts are num_shared_experts x expert_inner wide")
-    if config.residual not in ("plain", "mhc"):
-        problems.append(f"residual={config.residual!r}: Motif 3 has 'plain' or 'mhc'")
     if config.rope_type not in ("default", "yarn"):
         problems.append(f"rope_type={config.rope_type!r}: Motif 3 has 'default' or 'yarn'")
     if config.rope_type == "yarn" and config.rope_mscale is None and config.max_seq_len > config.rope_original_max_len:
@@ -263,7 +259,8 @@ def export_fields(config: ModelConfig) -> dict:
 
 
 FORMAT = formats.register(formats.CheckpointFormat(
-    name="motif3", label="Motif 3", model_type="motif", architecture=ARCHITECTURE, attention=("gdla",),
+    name="motif3", label="Motif 3", model_type="motif", architecture=ARCHITECTURE,
+    holds=(formats.Configs(attention="gdla", mlp=("moe", "polynorm"), residual=("plain", "mhc")),),
     detect=is_motif3, config_in=config_fields, config_out=export_fields, weight_plan=motif3_weights.plan,
     export_problems=export_problems, spelling=PUBLISHED_MODEL_TYPE, remote_code=True,
 ))

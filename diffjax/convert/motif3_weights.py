@@ -4,7 +4,7 @@ checkpoint name (tests/motif3_published.py's checkpoint_shapes lists them): tran
 ("blocks_from_<start>": diffjax.kinds.layer_segments). The names inside a layer follow the modules' docstrings
 (diffjax.model.attention.gdla, .residual.mhc, .mlp.moe, .mlp.polynorm). The multi-token-prediction depths
 (model.mtp_layers.<k>.*, as Motif's vLLM motif_mtp.py reads them) are the "blocks_mtp" stack
-(diffjax.model.transformer.PredictionBlock): embed_norm, input_proj (its input is [hidden, normed embedding]),
+(diffjax.model.mtp.PredictionBlock): embed_norm, input_proj (its input is [hidden, normed embedding]),
 final_layernorm, and a decoder layer's names (the MTP layer's config: dense MLP, no mHC).
 """
 

@@ -108,7 +108,7 @@ def upcycle_directory(src, dst, *, kind: str = "diff", second_map: str = "mirror
     upcycled for a lambda warm-up (upcycle's lambda_warmup), written as optim.lambda_warmup_steps into DST's
     config.yaml. Returns the step directory."""
     from diffjax.convert.hf import load_hf
-    from diffjax.convert.hf_directories import conversion_run_dir, keep_hf_files
+    from diffjax.convert.conversion_dir import conversion_run_dir, keep_hf_files
     from diffjax.convert.hub import resolve
     from diffjax.params_checkpoint import load_model, save_params
 

@@ -8,7 +8,9 @@ Every stage before packing is random-access (grain MapDataset), so the iterator'
 integers: where the index stream stands, how far into the current document's pieces, which row
 of the current pack and of the current shuffle window comes next. Packing is re-done from those on
 restore, which makes
-`it.set_state(state)` continue exactly, in this process or a fresh one.
+`it.set_state(state)` continue exactly, in this process or a fresh one. A streamed source
+(data.hf_streaming) replaces the index stages by diffjax.data.stream, whose state is (epoch, documents
+read): the same stages follow it and resume as exactly.
 
 Batches are dicts of int32 arrays [batch_size, seq_len]:
   tokens       token ids (0 in padding)
@@ -25,6 +27,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
+from diffjax.data import stream
 from diffjax.data.config import DataConfig
 from diffjax.data.segments import tokenize_document
 from diffjax.data.sources import open_documents
@@ -43,9 +46,19 @@ class _TokenizeDocument(grain.transforms.Map):
         self.source, self.tokenizer, self.seq_len, self.eos_id = source, tokenizer, seq_len, eos_id
 
     def map(self, document_index):
-        tokens, loss_mask = tokenize_document(self.tokenizer, self.source[int(document_index)], self.eos_id)
+        return self.pieces(self.source[int(document_index)])
+
+    def pieces(self, document) -> list[dict]:
+        tokens, loss_mask = tokenize_document(self.tokenizer, document, self.eos_id)
         return [{"tokens": tokens[start : start + self.seq_len], "loss_mask": loss_mask[start : start + self.seq_len]}
                 for start in range(0, len(tokens), self.seq_len)]
+
+
+class _TokenizeStreamed(_TokenizeDocument):
+    """A streamed document (its text, not an index) -> its pieces."""
+
+    def map(self, document):
+        return self.pieces(document)
 
 
 class _Pieces(grain.experimental.FlatMapTransform):
@@ -89,7 +102,17 @@ def pack_documents(source, document_indices, tokenizer, config: DataConfig, *, n
     ds = indices.map(_TokenizeDocument(source, tokenizer, config.seq_len, _eos_id(config, tokenizer)))
     # Read and tokenize in the consuming thread: on few cores, grain's reader threads cost ~10x more
     # per document than they save. Parallelism comes from worker processes (data.worker_count).
-    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
+    return _pack_pieces(ds.to_iter_dataset(grain.ReadOptions(num_threads=0)), config, num_bins)
+
+
+def pack_stream(documents: grain.IterDataset, tokenizer, config: DataConfig, *, num_bins: int) -> grain.IterDataset:
+    """pack_documents for streamed documents (diffjax.data.stream): packed rows of the texts `documents` yields."""
+    ds = documents.map(_TokenizeStreamed(None, tokenizer, config.seq_len, _eos_id(config, tokenizer)))
+    return _pack_pieces(ds, config, num_bins)
+
+
+def _pack_pieces(ds: grain.IterDataset, config: DataConfig, num_bins: int) -> grain.IterDataset:
+    """Each document's list of pieces -> first-fit packed rows with the batch keys' names."""
     ds = grain.experimental.FlatMapIterDataset(ds, _Pieces())
     ds = grain.experimental.FirstFitPackIterDataset(
         ds, length_struct={"tokens": config.seq_len, "loss_mask": config.seq_len}, num_packing_bins=num_bins, shuffle_bins=False
@@ -129,16 +152,20 @@ def make_train_dataset(
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     shard_index, shard_count = _resolve_shard(shard_index, shard_count)
     source = open_documents(config) if source is None else source
-    indices = _document_indices(config, source, "train", shard_index, shard_count)
-    if len(indices) == 0:
-        raise ValueError(
-            f"process shard {shard_index} of {shard_count} has no training documents: the source has "
-            f"{len(source)} documents and data.eval_fraction={config.eval_fraction} holds some out"
-        )
     seed = seed % 2**32  # grain's shuffle seeds are uint32
-    if config.shuffle:
-        indices = indices.shuffle(seed)  # each epoch of the repeat below reshuffles (seed + epoch)
-    ds = pack_documents(source, indices.repeat(), tokenizer, config, num_bins=batch_size)
+    if config.streams:
+        documents = stream.train_documents(source, config, seed=seed, shard_index=shard_index, shard_count=shard_count)
+        ds = pack_stream(documents, tokenizer, config, num_bins=batch_size)
+    else:
+        indices = _document_indices(config, source, "train", shard_index, shard_count)
+        if len(indices) == 0:
+            raise ValueError(
+                f"process shard {shard_index} of {shard_count} has no training documents: the source has "
+                f"{len(source)} documents and data.eval_fraction={config.eval_fraction} holds some out"
+            )
+        if config.shuffle:
+            indices = indices.shuffle(seed)  # each epoch of the repeat below reshuffles (seed + epoch)
+        ds = pack_documents(source, indices.repeat(), tokenizer, config, num_bins=batch_size)
     if config.shuffle:
         window_rows = max(batch_size, config.shuffle_window_tokens // config.seq_len)
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window_rows, seed=seed)
@@ -181,8 +208,12 @@ def make_eval_batches(
     if config.eval_fraction == 0:
         return []
     source = open_documents(config) if source is None else source
-    indices = _document_indices(config, source, "eval", shard_index, shard_count)
-    ds = pack_documents(source, indices, tokenizer, config, num_bins=batch_size)
+    if config.streams:
+        documents = stream.eval_documents(source, config, shard_index=shard_index, shard_count=shard_count)
+        ds = pack_stream(documents, tokenizer, config, num_bins=batch_size)
+    else:
+        indices = _document_indices(config, source, "eval", shard_index, shard_count)
+        ds = pack_documents(source, indices, tokenizer, config, num_bins=batch_size)
     batches = []
     for batch in ds.batch(batch_size, drop_remainder=False):
         if len(batches) == config.eval_batches:

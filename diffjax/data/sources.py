@@ -310,7 +310,12 @@ class ParquetSource:
 
 
 def open_documents(config: DataConfig):
-    """The document source that `config.source` names."""
+    """The document source that `config.source` names: random access (len, [i]), or for a streamed dataset
+    (config.streams) a diffjax.data.hf_datasets.DocumentStream (iteration only). Every source iterates."""
+    if config.source == "hf":
+        from diffjax.data import hf_datasets  # datasets (the hub extra) only when asked for
+
+        return hf_datasets.DocumentStream(config) if config.streams else hf_datasets.HFDatasetSource(config)
     if config.source == "builtin":
         return ListSource(builtin_documents(config.builtin_bytes))
     if config.source == "text":

@@ -3,10 +3,13 @@
 A document is held out when the hash of its index, as a fraction of 2^64, falls below
 eval_fraction. The choice depends on nothing else (not the seed, the shuffle or the number of
 processes), so the eval set is the same in every run over the same source, and raising
-eval_fraction only moves documents from train to eval.
+eval_fraction only moves documents from train to eval. A stream's documents have no fixed index
+(its order changes with the shuffle): they are split by a hash of their text (`is_eval_text`).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 
@@ -35,3 +38,9 @@ def split_documents(num_documents: int, eval_fraction: float) -> tuple[np.ndarra
     """(train_indices, eval_indices): int64 document indices in increasing order."""
     held_out = is_eval_document(num_documents, eval_fraction)
     return np.flatnonzero(~held_out), np.flatnonzero(held_out)
+
+
+def is_eval_text(text: str, eval_fraction: float) -> bool:
+    """Whether a streamed document is held out: the top 53 bits of its text's BLAKE2b hash as a fraction of 1."""
+    digest = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+    return (digest >> 11) * 2.0**-53 < eval_fraction

@@ -17,12 +17,13 @@ import json
 import sys
 from pathlib import Path
 
+from diffjax import command_line
 from diffjax.log_lines import print_package_logs
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffjax-eval",
-                                     description="Run lm-evaluation-harness tasks on a diffjax checkpoint.")
+    parser = command_line.ArgumentParser(prog="diffjax-eval",
+                                         description="Run lm-evaluation-harness tasks on a diffjax checkpoint.")
     parser.add_argument("--model-path", required=True, metavar="PATH",
                         help="a run directory, its checkpoints/ directory, a step directory, a Hugging Face directory "
                              "or Hub name org/name")
@@ -125,4 +126,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line.run(main, "diffjax-eval")

@@ -48,6 +48,7 @@ from tqdm import tqdm
 from diffjax import sharding, storage
 from diffjax.ops.context_parallel import context_order, context_size, to_context_order
 from diffjax.config_values import build_config
+from diffjax.generate.decode import to_host
 from diffjax.mesh_axes import MESH_AXES, ParallelConfig
 from diffjax.train.mesh import check_model_fits_mesh, make_mesh
 
@@ -367,7 +368,7 @@ class DiffjaxLM(TemplateLM):
                 lengths_B[b] = len(row.tokens)
             next_logp, argmax, last = _score(self.graphdef, self.params, self._place(tokens_BT), self._place(lengths_B),
                                              mesh=self.mesh)
-            next_logp, argmax, last = (_host(x) for x in (next_logp, argmax, last))
+            next_logp, argmax, last = (to_host(x) for x in (next_logp, argmax, last))
             for b, row in enumerate(batch):
                 yield row, next_logp[b], argmax[b], last[b]
 
@@ -492,14 +493,7 @@ class DiffjaxLM(TemplateLM):
             return not ((step + 1) % STOP_CHECK_EVERY == 0 and
                         all(len(row) <= step or any(s in self.tok_decode(row) for s in until) for row in cut(so_far)))
 
-        tokens_BN, steps = decode.run(self.graphdef, self.params, self._place(prompts_BP), self._place(lengths_B), key,
-                                      max_len=P + max_new, max_new_tokens=max_new, choice=choice, mesh=self.mesh,
-                                      on_tokens=on_tokens)
-        return cut([row[:steps] for row in tokens_BN[:rows].tolist()])
-
-
-def _host(array) -> np.ndarray:
-    """A host copy, also of an array spread over other processes' devices."""
-    from diffjax.generate.decode import _gather
-
-    return _gather(array)
+        decoded = decode.run(self.graphdef, self.params, self._place(prompts_BP), self._place(lengths_B), key,
+                             max_len=P + max_new, max_new_tokens=max_new, choice=choice, mesh=self.mesh,
+                             on_tokens=on_tokens)
+        return cut([row[:decoded.steps] for row in decoded.tokens_BN[:rows].tolist()])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import types
 
-from diffjax.generate.decode import generate, sample
+from diffjax.generate.generation import generate, sample
 from diffjax.generate.sampling import Sampling, filter_logits, next_tokens
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from diffjax import command_line
 from diffjax.log_lines import print_package_logs
 from diffjax.run_dir import RunDir
 
@@ -21,7 +22,7 @@ SEPARATOR = "\n" + "-" * 40
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffjax-generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
+    parser = command_line.ArgumentParser(prog="diffjax-generate", description="Continue prompts with the model of a run directory (KV-cached generation).")
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="a run directory (diffjax-train's or a conversion's), its checkpoints/ directory or a step directory")
     prompts = parser.add_mutually_exclusive_group(required=True)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     print_package_logs()
     import jax
 
-    from diffjax.generate.decode import generate
+    from diffjax.generate.generation import generate
     from diffjax.params_checkpoint import load_model, resolve_checkpoint
 
     try:
@@ -100,14 +101,14 @@ def main(argv=None) -> int:
         # One text prompt streams as it is generated; a batch (or ids) prints when done.
         streams = tokenizer is not None and len(prompts) == 1 and args.draft is None
         printer = _StreamPrinter(tokenizer, eos, args.prompt[0]) if streams else None
-        clock, acceptance = _Clock(printer), []
+        clock, acceptance, timings = _Clock(printer), [], []
         new_tokens = generate(
             model, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             stop_tokens=() if eos is None else (eos,), key=jax.random.key(args.seed),
             on_tokens=clock if args.draft is None else None,
             allowed_vocab_size=None if tokenizer is None else tokenizer.vocab_size,
-            blocked_ids=() if tokenizer is None else tokenizer.undecodable_ids(), draft=args.draft, acceptance=acceptance)
-        clock.stop()
+            blocked_ids=() if tokenizer is None else tokenizer.undecodable_ids(), draft=args.draft, acceptance=acceptance,
+            timings=timings)
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -122,16 +123,16 @@ def main(argv=None) -> int:
             print(" ".join(map(str, list(prompt) + list(row))))
         else:
             print(("" if i == 0 else SEPARATOR + "\n") + args.prompt[i] + tokenizer.decode(row))
-    print(clock.report(count, len(prompts), acceptance[0] if acceptance else None), file=sys.stderr)
+    print(clock.report(timings[0], count, len(prompts), acceptance[0] if acceptance else None), file=sys.stderr)
     return 0
 
 
 class _Clock:
-    """on_tokens for diffjax.generate: times the first token (compilation + prefill) and the decode steps after it,
-    and hands the tokens on to a _StreamPrinter if there is one."""
+    """on_tokens for diffjax.generate: times the decode steps, and hands the tokens on to a _StreamPrinter if there is
+    one."""
 
     def __init__(self, printer=None):
-        self.printer, self.start, self.first, self.last, self.steps = printer, time.perf_counter(), None, None, 0
+        self.printer, self.first, self.last, self.steps = printer, None, None, 0
 
     def __call__(self, step, tokens_B):
         self.last, self.steps = time.perf_counter(), step + 1
@@ -139,20 +140,19 @@ class _Clock:
         if self.printer is not None:
             self.printer.add(int(tokens_B[0]))
 
-    def stop(self):
-        self.end = time.perf_counter()
-
-    def report(self, tokens: int, rows: int, acceptance=None) -> str:
-        """One line: the tokens, the wall time, the first token's time and the decode rate after it; a speculative
-        call's (nothing streamed): the wall time (compilation included) and its acceptance."""
+    def report(self, timing, tokens: int, rows: int, acceptance=None) -> str:
+        """One line: the tokens, the compilation's seconds, then the generation's and its tokens/s (comparable between
+        plain and speculative decoding); plain: the first token's time (prefill) and the decode rate after it;
+        speculative (nothing streamed): the verify steps and the drafts accepted."""
+        line = (f"{tokens} tokens: compiled in {timing.compile_seconds:.2f} s, generated in "
+                f"{timing.generate_seconds:.2f} s ({tokens / max(timing.generate_seconds, 1e-9):.1f} tokens/s")
         if acceptance is not None:
-            return (f"{tokens} tokens in {self.end - self.start:.1f} s (compilation included): {acceptance.steps} verify "
-                    f"steps, {acceptance.accepted} of {acceptance.drafted} drafts accepted ({acceptance.rate:.0%})")
-        line = f"{tokens} tokens in {self.end - self.start:.1f} s: first token after {self.first - self.start:.2f} s " \
-               f"(compilation + prefill)"
+            return line + (f"; {acceptance.steps} verify steps, {acceptance.accepted} of {acceptance.drafted} drafts "
+                           f"accepted ({acceptance.rate:.0%}))")
+        line += f"; first token after {self.first - timing.began:.2f} s (prefill)"
         if self.steps > 1 and self.last > self.first:
             line += f", then {rows * (self.steps - 1) / (self.last - self.first):.1f} tokens/s ({rows} x {self.steps - 1} steps)"
-        return line
+        return line + ")"
 
 
 class _StreamPrinter:
@@ -180,4 +180,4 @@ class _StreamPrinter:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line.run(main, "diffjax-generate")

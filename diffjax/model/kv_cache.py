@@ -130,11 +130,11 @@ class KVCache:
         visible_BTS = self._visible(T, attend.get("window"), windowed)
         q_ids_BT = jnp.ones((B, T), jnp.int32)
         # 1: a slot the token sees, 0: not. One token: kv ids [B, S]; several: one row of kv ids per token, [B, T, S]
-        # (the XLA op's per-query mask). impl "auto": diffjax.ops.choose picks the decode path (xla: no fused decode
-        # kernel yet), whatever the model's impl for full sequences.
+        # (the XLA op's per-query mask). impl "auto": diffjax.ops.choose routes a call against the cache (q / kv
+        # ids) as a decode step (xla: no fused decode kernel, and only the xla op takes per-query kv ids), whatever the
+        # model's impl for full sequences.
         kv_ids = visible_BTS[:, 0] if T == 1 else visible_BTS
-        attend = dict(attend, causal=False, segment_ids=(q_ids_BT, kv_ids.astype(jnp.int32)),
-                      impl="auto" if T == 1 else "xla", window=None)
+        attend = dict(attend, causal=False, segment_ids=(q_ids_BT, kv_ids.astype(jnp.int32)), impl="auto", window=None)
         cache = self._stored(k, v)
         return cache, _from_buffer(cache.k, K_SLOT_AXIS), _from_buffer(cache.v, V_SLOT_AXIS), attend
 

@@ -10,7 +10,9 @@ already), "max", or "stack" (one per call).
 
 Names the decoder block emits: "stream" (the residual stream after the layer: [B, T, D], mHC's [B, T, E, D]),
 "attention_input" (the normed x the attention reads) and "attention" (what a Request's attention returned beside
-its output); kinds emit their own (the MoE's "router": diffjax.model.mlp.router.routing_stats).
+its output); kinds emit their own (the MoE's "router": diffjax.model.mlp.router.routing_stats), and so do blocks
+(each MTP depth's final hidden state: diffjax.model.mtp.PREDICTION). Every stack's layers emit
+(TransformerLM.run_stack), the MTP depths' numbered on from the model's.
 
 A Request may also run a function in place of each layer's attention (the analyses' explicit maps) and reduce each
 layer's values as soon as the layer has made them (`per_layer`: a [B, H, T, S] map never outlives its layer); with

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from diffjax import attention_kinds
+from diffjax import attention_kinds, mlp_kinds
 from diffjax.config import ModelConfig
 from diffjax.model.attention import module_class
 from diffjax.model.rope import inv_frequencies, rope_tables
@@ -19,16 +19,18 @@ from diffjax.ops.choice import AttentionCall
 
 
 def parameter_counts(config: ModelConfig) -> tuple[int, int]:
-    """(total, active per token): active counts a routed-expert parameter (logical axis "expert") at top_k /
-    num_experts of its size, the share of the experts one token is sent to; every other parameter in full."""
+    """(total, active per token): active counts a routed-expert parameter (logical axis "expert") at the share of the
+    experts one token is sent to (its MLP kind's expert_share: top_k / num_experts); every other parameter in full."""
     model = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
+    stacks = {segment.name: segment.config for segment in model.stacks()}
     total = active = 0
     for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         size = math.prod(param.shape)
         total += size
-        options = next((s.config.mlp_options for s in model.segments() if s.name == path[0]), None)
         if "expert" in (param.get_metadata().get("logical_axes") or ()):
-            size = size * options.top_k // options.num_experts
+            stack = stacks[path[0]]
+            used, of = mlp_kinds.get(stack.mlp).expert_share(stack)
+            size = size * used // of
         active += size
     return total, active
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from diffjax import attention_kinds, ops
+from diffjax import attention_kinds, block_kinds, kinds, ops
 from diffjax.config import ModelConfig
-from diffjax.kinds import MTP_STACK, Segment, layer_segments, param_stacks
+from diffjax.kinds import Segment, layer_segments, param_stacks
 from diffjax.model import layer_outputs, mlp, residual
 from diffjax.model.attention import SAVED_BY_ATTENTION_POLICY, module_class
 from diffjax.model.kv_cache import KVCache
@@ -40,7 +40,19 @@ REMAT_SAVES = {"none": "all", "minimal": "none", "attention": "named", "full": "
 class DecoderBlock(nnx.Module):
     """An attention sublayer, then an MLP sublayer, each pre-normed and joined to the residual stream by the
     config's residual form; the three parts are the config's kinds (diffjax.kinds). With the plain form:
-    h = x + attn(norm(x)); out = h + mlp(norm(h)). depth None: a layer of TransformerLM's stack."""
+    h = x + attn(norm(x)); out = h + mlp(norm(h)). depth None: a layer of TransformerLM's stack.
+
+    The block kinds (diffjax.block_kinds) subclass it: a stack of these runs on the residual stream between the
+    embedding and the final norm; a kind with `follows_the_layers` runs on the model's final hidden state, when the
+    forward is given the inputs its `stack_constants` reads (the MTP depths: diffjax.model.mtp)."""
+
+    follows_the_layers: ClassVar[bool] = False
+
+    @classmethod
+    def stack_constants(cls, model: "TransformerLM", segment: Segment, inputs: Mapping, dtype) -> dict | None:
+        """The per-layer constants ([layers, ...] arrays) a stack that follows the layers runs with, made from the
+        forward's named inputs; None: it does not run in this forward (its inputs are not given)."""
+        return None
 
     def __init__(self, config: ModelConfig, depth: int | None = None, *, rngs: nnx.Rngs):
         # A standalone layer's own flag for models that mix windowed and global layers (a stack's come with its
@@ -83,28 +95,6 @@ class DecoderBlock(nnx.Module):
         return stream, aux
 
 
-class PredictionBlock(DecoderBlock):
-    """One multi-token-prediction depth (DeepSeek-V3's MTP module; Motif 3's model.mtp_layers.<k>, as Motif's vLLM
-    motif_mtp.py computes it): h' = [h, embed_norm(embedding of the next input token)] @ input_proj, then the decoder
-    block (the MTP layer's config: ModelConfig.mtp_layer_config), then final_norm; the model's head gives its logits.
-    Its params are a decoder block's plus these three, so LoRA, the sharding rules and checkpoints take it as a layer."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        super().__init__(config, rngs=rngs)
-        D = config.d_model
-        self.embed_norm = RMSNorm(D, config.norm_eps, config.param_dtype)
-        self.input_proj_kernel = normal_param(rngs, (2 * D, D), config.init_std, config.param_dtype, (None, "embed"))
-        self.final_norm = RMSNorm(D, config.norm_eps, config.param_dtype)
-
-    def predict(self, hidden_BTD, embedded_BTD, rope_cos_sin, segment_ids, constants, cache=None):
-        """The depth's final hidden states [B, T, D] from the previous depth's and the next tokens' embeddings; with a
-        KVCache (speculative decoding's drafter: diffjax.generate.speculative), (hidden states, the updated cache)."""
-        x_BTE = jnp.concatenate([hidden_BTD, self.embed_norm(embedded_BTD)], axis=-1)
-        x_BTD = jnp.einsum("bte,ed->btd", x_BTE, self.input_proj_kernel[...].astype(x_BTE.dtype))
-        stream, updated = self.call_with_cache(constrain(x_BTD, BTD), rope_cos_sin, segment_ids, constants, cache)
-        return self.final_norm(stream) if cache is None else (self.final_norm(stream), updated)
-
-
 class HiddenStates(NamedTuple):
     """TransformerLM.hidden_states' result."""
 
@@ -133,7 +123,7 @@ class TransformerLM(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed = Embedding(config.vocab_size, config.d_model, config.init_std, config.param_dtype, rngs=rngs)
-        for segment in param_stacks(config):
+        for segment in self.stacks():
             setattr(self, segment.name, _init_stack(segment, rngs))
         self.final_norm = RMSNorm(config.d_model, config.norm_eps, config.param_dtype)
         if not config.tie_embeddings:
@@ -142,23 +132,26 @@ class TransformerLM(nnx.Module):
             )
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None, *,
-                 lambda_scale=None, layer_params=None):
-        """float32 logits [B, T, vocab]; with a KVCache (generation), (logits, updated cache). lambda_scale and
-        layer_params: as hidden_states."""
+                 lambda_scale=None, layer_params=None, inputs: Mapping | None = None):
+        """float32 logits [B, T, vocab]; with a KVCache (generation), (logits, updated cache). lambda_scale,
+        layer_params and inputs: as hidden_states."""
         hidden_BTD, cache, _ = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, cache,
-                                                  lambda_scale=lambda_scale, layer_params=layer_params)
+                                                  lambda_scale=lambda_scale, layer_params=layer_params, inputs=inputs)
         logits = self.logits(hidden_BTD)
         return logits if cache is None else (logits, cache)
 
     def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: KVCache | None = None, *,
-                      lambda_scale=None, layer_params=None,
-                      outputs: layer_outputs.Request = layer_outputs.NOTHING) -> HiddenStates:
+                      lambda_scale=None, layer_params=None, outputs: layer_outputs.Request = layer_outputs.NOTHING,
+                      inputs: Mapping | None = None) -> HiddenStates:
         """HiddenStates(the final (normalized) hidden states [B, T, D] in the compute dtype: what the LM head projects
         (the trainer's chunked loss and generation's prefill start here); with a KVCache the updated cache, else None;
         the layers' outputs that `outputs` asks for (diffjax.model.layer_outputs), stacked over the layers that emit
         them).
-        lambda_scale: a scalar in [0, 1] multiplying every layer's lambda (optim.lambda_warmup_steps: 0 silences the
-        second map, as an upcycled model starts); None: the model as it is (the same as 1).
+        inputs: named inputs of the forward, what the kinds' facets make for a train step (diffjax.model.facets): a
+        scalar reaches every layer as a constant of that name (DIFF's lambda warm-up: "lambda_scale", a float32 in
+        [0, 1] multiplying every layer's lambda; 0 silences the second map, as an upcycled model starts); a stack that
+        follows the layers (the MTP depths) runs when given the inputs it reads, and emits on the layer output
+        channel. lambda_scale: inputs["lambda_scale"], shorter.
         layer_params: the blocks' params one pytree per layer (`unstacked_blocks()`), read instead of the stack:
         the layers then run in a Python loop whatever scan_layers says, and a KVCache holds one buffer per layer."""
         tokens_BT = jnp.asarray(tokens_BT)
@@ -177,13 +170,18 @@ class TransformerLM(nnx.Module):
                 raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
             # Under a context axis the tokens are in its layout (ops.context_parallel), and so their positions.
             positions_BT = jnp.broadcast_to(to_context_order(jnp.arange(T)[None], context_size()), tokens_BT.shape)
+        inputs = dict(inputs or {})
+        if lambda_scale is not None:
+            inputs["lambda_scale"] = jnp.asarray(lambda_scale, jnp.float32)
         dtype = jnp.dtype(self.config.dtype)
         residual_form = residual.module_class(self.config)
         stream = residual_form.expand(self.config, constrain(self.embed(tokens_BT, dtype), BTD))
         rope_cos_sin = layer_rope_tables(self.config, positions_BT, dtype)
-        stream, cache, emitted = self._run_blocks(stream, rope_cos_sin, segment_ids_BT, cache, lambda_scale, layer_params,
+        stream, cache, emitted = self._run_blocks(stream, rope_cos_sin, segment_ids_BT, cache, inputs, layer_params,
                                                   outputs)
-        return HiddenStates(self.final_norm(residual_form.collapse(self.config, stream)), cache, emitted)
+        hidden_BTD = self.final_norm(residual_form.collapse(self.config, stream))
+        emitted = self._run_following_stacks(hidden_BTD, positions_BT, segment_ids_BT, inputs, outputs, emitted)
+        return HiddenStates(hidden_BTD, cache, emitted)
 
     def logits(self, hidden_BTD):
         """float32 logits [B, T, vocab] of final hidden states."""
@@ -206,23 +204,36 @@ class TransformerLM(nnx.Module):
             constants["global_attention"] = jnp.asarray([depth in self.config.global_layers for depth in layers])
         return constants
 
+    def following_constants(self, segment: Segment, dtype) -> dict:
+        """The depth constants of a stack that follows the layers ([layers] arrays, as depth_constants'): its layers
+        are numbered on from num_layers and built with its own config (windowed at every position when windowed)."""
+        return module_class(segment.config).depth_constants(segment.config, range(segment.start, segment.stop), dtype)
+
     def layer_lambdas(self) -> jax.Array | None:
-        """lambda of every layer [L] (float32), by the attention's own formula and roundings in the compute
-        dtype (the values the layers use); None for the baseline and for V2, whose lambda is per token and head
-        (sigmoid(x W_lambda): a function of the activations, not of the params alone)."""
+        """lambda of every layer [L] (float32), then of each layer of the stacks that follow them (the MTP depths), by
+        the attention's own formula and roundings in the compute dtype (the values the layers use); None for the
+        baseline and for V2, whose lambda is per token and head (sigmoid(x W_lambda): a function of the activations,
+        not of the params alone)."""
         if attention_kinds.get(self.config.attention).lambda_form != "per_layer":
             return None
         dtype = jnp.dtype(self.config.dtype)
         lambda_init = self.depth_constants(dtype)["lambda_init"]
-        return jnp.concatenate([self.stack(segment).attn.lambda_full(dtype, lambda_init[segment.start:segment.stop])
-                                for segment in self.segments()]).astype(jnp.float32)
+        lambdas = [self.stack(segment).attn.lambda_full(dtype, lambda_init[segment.start:segment.stop])
+                   for segment in self.segments()]
+        lambdas += [self.stack(segment).attn.lambda_full(dtype, self.following_constants(segment, dtype)["lambda_init"])
+                    for segment in self.stacks()[len(lambdas):]]
+        return jnp.concatenate(lambdas).astype(jnp.float32)
 
     def segments(self) -> tuple[Segment, ...]:
         """The runs of like layers, each one stack of params (`stack`)."""
         return layer_segments(self.config)
 
+    def stacks(self) -> tuple[Segment, ...]:
+        """Every stack of block params: the layers' segments, then the stacks that follow them (the MTP depths)."""
+        return param_stacks(self.config)
+
     def stack(self, segment: Segment) -> DecoderBlock:
-        """The segment's layers: one DecoderBlock with [layers, ...] params."""
+        """The segment's layers: one DecoderBlock (its block kind's class) with [layers, ...] params."""
         return getattr(self, segment.name)
 
     def layer(self, depth: int) -> DecoderBlock:
@@ -243,21 +254,20 @@ class TransformerLM(nnx.Module):
             layers += [jax.tree.map(lambda x: x[i], params) for i in range(segment.num_layers)]
         return tuple(layers)
 
-    def _run_blocks(self, stream, rope_cos_sin, segment_ids_BT, cache: KVCache | None, lambda_scale, layer_params,
+    def _run_blocks(self, stream, rope_cos_sin, segment_ids_BT, cache: KVCache | None, inputs: Mapping, layer_params,
                     request: layer_outputs.Request):
         """The decoder blocks in order, rematerialized as the config says, scanned or in a Python loop (over
         `layer_params` if given, else over the stack's slices). A cache's buffers go through the layers with the
         params: stacked [L, ...] through a scan, one per layer through the loop. Returns (stream, the updated cache or
         None, the layers' outputs that `request` asks for)."""
         constants = self.depth_constants(stream.dtype)
-        if lambda_scale is not None:
-            constants["lambda_scale"] = jnp.broadcast_to(jnp.asarray(lambda_scale, jnp.float32), (self.config.num_layers,))
+        constants.update(layer_inputs(inputs, self.config.num_layers))
         kv = None if cache is None else (cache.k, cache.v)
         segments, kvs, emitted = self.segments(), [], []
         for segment in segments:
             layers = slice(segment.start, segment.stop)
             with ops.saved_by_remat(REMAT_SAVES[self.config.remat]):
-                stream, segment_kv, segment_outputs = self._run_stack(
+                stream, segment_kv, segment_outputs = self.run_stack(
                     segment, stream, rope_cos_sin, segment_ids_BT, cache, jax.tree.map(lambda x: x[layers], constants),
                     None if kv is None else tuple(None if x is None else x[layers] for x in kv),
                     None if layer_params is None else layer_params[layers], request)
@@ -272,9 +282,32 @@ class TransformerLM(nnx.Module):
         cache = dataclasses.replace(cache, k=kvs[0][0], v=kvs[0][1], lengths_B=cache.lengths_B + stream.shape[1])
         return stream, cache, emitted
 
-    def _run_stack(self, segment, stream, rope_cos_sin, segment_ids_BT, cache, constants, kv, layer_params, request):
-        """One segment's layers (_run_blocks): (stream, its k and v buffers (None without a cache), its layers'
-        outputs)."""
+    def _run_following_stacks(self, hidden_BTD, positions_BT, segment_ids_BT, inputs: Mapping,
+                              request: layer_outputs.Request, emitted: dict) -> dict:
+        """The stacks that follow the layers (DecoderBlock.follows_the_layers: the MTP depths) on the final hidden
+        states, each when the forward is given its inputs: `emitted` with their layers' outputs joined on."""
+        parts = [emitted]
+        for segment in self.stacks():
+            block = block_class(segment)
+            if not block.follows_the_layers:
+                continue
+            constants = block.stack_constants(self, segment, inputs, hidden_BTD.dtype)
+            if constants is None:
+                continue
+            rope_cos_sin = layer_rope_tables(segment.config, positions_BT, hidden_BTD.dtype)
+            with ops.saved_by_remat(REMAT_SAVES[self.config.remat]):
+                parts.append(self.run_stack(segment, hidden_BTD, rope_cos_sin, segment_ids_BT, None, constants, None,
+                                            None, request)[2])
+        return emitted if len(parts) == 1 else layer_outputs.joined(parts)
+
+    def run_stack(self, segment: Segment, stream, rope_cos_sin, segment_ids_BT, cache: KVCache | None, constants: dict,
+                  kv, layer_params, request: layer_outputs.Request):
+        """The one stack runner: a stack's layers (a segment of the layers, or of a stack that follows them) one after
+        the other on `stream`, each with its slice of `constants` ([layers, ...] arrays), rematerialized as the config
+        says, scanned or in a Python loop (over `layer_params` if given: one pytree per layer, else over the stack's
+        slices). kv: the layers' k and v buffers of `cache`, stacked [layers, ...] (scanned) or one per layer (loop);
+        None without a cache. Returns (stream, its k and v buffers (None without a cache), its layers' outputs that
+        `request` asks for, stacked over them)."""
         remat = self.config.remat
         scan = self.config.scan_layers and layer_params is None and not request.layer_by_layer
         graphdef, params = nnx.split(self.stack(segment))
@@ -308,7 +341,7 @@ class TransformerLM(nnx.Module):
             layer = jax.tree.map(lambda x: x[i], params) if layer_params is None else layer_params[i]
             layer_kv = None if kv is None else tuple(None if x is None else x[i] for x in kv)
             depth = segment.start + i
-            window = None if cache is None else self.config.window_at(depth)
+            window = None if cache is None else segment.config.window_at(depth)
             apply_block = block_call(window, depth if request.layer_by_layer else None)
             stream, (layer_kv, layer_emitted) = apply_block(stream, layer, jax.tree.map(lambda x: x[i], constants),
                                                             layer_kv)
@@ -318,54 +351,24 @@ class TransformerLM(nnx.Module):
         kv = None if cache is None else tuple(zip(*layers_kv))
         return stream, kv, layer_outputs.stacked(emitted, segment.start)
 
-    def mtp_hidden_states(self, hidden_BTD, inputs_KBT, positions_BT, segment_ids_BT=None) -> list[jax.Array]:
-        """The MTP depths' final hidden states, one [B, T, D] per depth k = 1..K (they predict token t + 1 + k:
-        `logits` projects them): depth k reads depth k - 1's (depth 0: hidden_BTD, the model's) and the embeddings of
-        inputs_KBT[k - 1] (token t + k at position t; diffjax.losses.mtp_targets). Every depth attends with the
-        model's positions and segment ids."""
-        if not self.config.mtp_depths:
-            raise ValueError("this model has no multi-token-prediction depths (ModelConfig.mtp_depths is 0)")
-        segment = param_stacks(self.config)[-1]
-        config, dtype = segment.config, hidden_BTD.dtype
-        graphdef, params = nnx.split(self.stack(segment))
-        constants = module_class(config).depth_constants(config, range(segment.start, segment.stop), dtype)
-        rope_cos_sin = layer_rope_tables(config, positions_BT, dtype)
-
-        def depth_call(hidden_BTD, depth_params, depth_constants, inputs_BT):
-            block = nnx.merge(graphdef, depth_params)
-            return block.predict(hidden_BTD, self.embed(inputs_BT, dtype), rope_cos_sin, segment_ids_BT, depth_constants)
-
-        if self.config.remat != "none":
-            depth_call = jax.checkpoint(depth_call, policy=REMAT_POLICIES[self.config.remat])
-        hiddens = []
-        for k in range(segment.num_layers):
-            pick = functools.partial(lambda x, k: x[k], k=k)
-            hidden_BTD = depth_call(hidden_BTD, jax.tree.map(pick, params), jax.tree.map(pick, constants), inputs_KBT[k])
-            hiddens.append(hidden_BTD)
-        return hiddens
-
-    def mtp_depth_with_cache(self, depth: int, hidden_BTD, inputs_BT, cache: KVCache, depth_params):
-        """MTP depth `depth` (1..mtp_depths) over T tokens with its own KVCache, at the cache's positions (speculative
-        decoding's drafter): (its final hidden states [B, T, D], the updated cache). depth_params: the depth's params
-        (a copy of the stack's slice, as unstacked_blocks makes them)."""
-        segment = param_stacks(self.config)[-1]
-        config, dtype = segment.config, hidden_BTD.dtype
-        constants = module_class(config).depth_constants(config, [segment.start + depth - 1], dtype)
-        block = nnx.merge(nnx.graphdef(self.stack(segment)), depth_params)
-        rope_cos_sin = layer_rope_tables(config, cache.positions(inputs_BT.shape[1]), dtype)
-        hidden_BTD, cache = block.predict(hidden_BTD, self.embed(inputs_BT, dtype), rope_cos_sin, None,
-                                          jax.tree.map(lambda x: x[0], constants),
-                                          cache.layer(cache.k, cache.v, window=config.window_at(0)))
-        return hidden_BTD, dataclasses.replace(cache, lengths_B=cache.lengths_B + inputs_BT.shape[1])
-
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
+
+
+def layer_inputs(inputs: Mapping, num_layers: int) -> dict:
+    """The forward's scalar inputs as constants of every layer, [num_layers] each (hidden_states)."""
+    return {name: jnp.broadcast_to(value, (num_layers,)) for name, value in inputs.items() if jnp.ndim(value) == 0}
+
+
+def block_class(segment: Segment) -> type[DecoderBlock]:
+    """The class of the segment's layers: its block kind's module (diffjax.block_kinds)."""
+    return kinds.module_class(block_kinds.get(segment.block), DecoderBlock)
 
 
 def _init_stack(segment: Segment, rngs: nnx.Rngs) -> DecoderBlock:
     """The segment's layers initialized by one vmapped layer init: a DecoderBlock with [layers, ...] params."""
 
-    block = PredictionBlock if segment.name == MTP_STACK else DecoderBlock
+    block = block_class(segment)
 
     @nnx.split_rngs(splits=segment.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)

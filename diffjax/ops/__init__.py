@@ -8,8 +8,10 @@ impl:
   window=W (a sliding window: each query sees its W latest keys) runs on xla, pallas_tpu, pallas_gpu, splash and
   cudnn; triton refuses it, and "auto" passes over it.
   "pallas_tpu"  our fused flash kernels (diffjax.ops.pallas_tpu): one pass over K/V for both maps,
-                custom-VJP backward. Compiled by Mosaic on TPU; Pallas interpret mode elsewhere
-                (correct but slow: for tests).
+                custom-VJP backward. Compiled by Mosaic when the call is compiled for a TPU (a TPU host, or
+                a topology's device: diffjax.ops.aot, no TPU needed); Pallas interpret mode otherwise
+                (correct but slow: for tests). Likewise below: "off GPU" / "elsewhere" means the device the
+                call is compiled for (target.compile_device()), not this machine's.
   "pallas_gpu"  our fused Mosaic GPU kernels for Hopper (diffjax.ops.pallas_gpu); standard attention runs
                 their single-map mode (d, dv each 64, 128 or 192: Motif 3's 192 / 128 too; segment ids too).
                 Mosaic GPU interpret mode off GPU (for tests).
@@ -54,10 +56,10 @@ from jax.ad_checkpoint import checkpoint_name
 from diffjax import sharding
 from diffjax.attention_impls import IMPLS, config_problems
 from diffjax.ops import compositions, context_parallel
-from diffjax.ops.choice import (DEVICES, HOPPER_MS, PASSES, AttentionCall, Device, Route, choose, current_device,
-                                current_saved, saved_by_remat, simulated_device)
+from diffjax.ops.choice import HOPPER_MS, PASSES, AttentionCall, Route, choose, current_saved, saved_by_remat
 from diffjax.ops.names import OUTPUT_NAME
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
+from diffjax.ops.target import DEVICES, Device, compile_device, current_device, simulated_device
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()
@@ -67,9 +69,10 @@ _LOGGED: set[tuple] = set()
 class _Kernel:
     """How an impl is called: diff_attention's and dot_product_attention's function in diffjax.ops.<module>
     (imported on first use: the Pallas modules load only where they run), the keywords it takes beside causal,
-    segment_ids and scale (from the op's window and block_sizes, and the running platform), whether it runs
-    per device under shard_map (XLA cannot partition a Pallas call), and whether it names its own output for remat
-    (names.OUTPUT_NAME, inside its custom VJP: pallas_gpu; the dispatch names the others')."""
+    segment_ids and scale (from the op's window and block_sizes, and the platform the call is compiled for:
+    target.compile_device()), whether it runs per device under shard_map (XLA cannot partition a Pallas call), and
+    whether it names its own output for remat (names.OUTPUT_NAME, inside its custom VJP: pallas_gpu; the dispatch
+    names the others')."""
 
     module: str
     functions: tuple[str, str]  # (diff_attention's, dot_product_attention's)
@@ -139,7 +142,7 @@ def _partitioned(kernel, q, k, v, lam, segment_ids):
     kv_heads = ("batch", "length", "act_kv_heads", None, None)
     arrays = [(q, heads), (k, kv_heads[: k.ndim]), (v, kv_heads[: v.ndim])]
     if lam is not None:
-        arrays.append((lam, () if jnp.ndim(lam) == 0 else ("batch", "length", "act_heads")))
+        arrays.append((jnp.asarray(lam), () if jnp.ndim(lam) == 0 else ("batch", "length", "act_heads")))
     ids = () if segment_ids is None else (segment_ids if isinstance(segment_ids, tuple) else (segment_ids,))
     arrays += [(jnp.asarray(x), ("batch", "length")) for x in ids]
     n = 4 if lam is not None else 3
@@ -222,7 +225,7 @@ def _run(op, route, q, k, v, lam=None, *, causal, segment_ids, scale, block_size
     kernel = _KERNELS[route.impl]
     function = kernel.function(op)
     keywords = dict(causal=causal, scale=scale, **kernel.keywords(window=window, block_sizes=block_sizes,
-                                                                   platform=jax.default_backend()))
+                                                                   platform=compile_device().platform))
 
     def attend(q, k, v, lam, ids, **offset):  # (lam is a placeholder for dot_product_attention)
         return function(q, k, v, *((lam,) if op == "diff_attention" else ()), segment_ids=ids, **keywords, **offset)
@@ -265,6 +268,6 @@ def dot_product_attention(q, k, v, *, causal=True, segment_ids=None, scale=None,
 
 __all__ = [
     "DEVICES", "HOPPER_MS", "IMPLS", "PASSES", "AttentionCall", "Device", "Route", "attention_mask", "choose",
-    "config_problems", "current_device", "diff_attention", "diff_attention_xla", "dot_product_attention",
-    "dot_product_attention_xla", "saved_by_remat", "simulated_device",
+    "compile_device", "config_problems", "current_device", "diff_attention", "diff_attention_xla",
+    "dot_product_attention", "dot_product_attention_xla", "saved_by_remat", "simulated_device",
 ]

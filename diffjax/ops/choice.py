@@ -5,7 +5,8 @@ device, so "what would `auto` do on an H100 for these shapes" needs no H100 (`py
 
 `choose(call, impl, device) -> Route`; an explicit impl that cannot run the call is a ValueError naming the impl,
 the shapes and what to use instead. diffjax.ops' diff_attention / dot_product_attention (and so the KV cache's
-decode step) call it with `current_device()`: the running device, or the one `simulated_device` sets (tests).
+decode step) call it with `current_device()`: the device the call is compiled for, or the one `simulated_device`
+sets (tests; diffjax.ops.target).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 from diffjax.attention_impls import IMPLS
 from diffjax.ops import compositions, context_parallel
 from diffjax.ops.reference import check_window
+from diffjax.ops.target import DEVICES, Device, current_device  # noqa: F401 (DEVICES: callers take it from here too)
 
 # The passes a call can run in: "fwd" undifferentiated (eval, generation's prefill), "fwd+bwd" differentiated (the
 # train step: the forward rule and the backward), named as benchmarks/attention.py names them.
@@ -46,53 +46,7 @@ HOPPER_MS: dict[tuple[str, int, int, bool], dict[str, dict[str, float]]] = {
     ("dot_product_attention", 128, 128, True): {"fwd": {"cudnn": 1.26, "pallas_gpu": 1.09},
                                                 "fwd+bwd": {"cudnn": 4.21, "pallas_gpu": 5.51}},
 }
-HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
-# The best pallas_gpu Tuning per shape class, measured on a Hopper GPU by benchmarks/pallas_gpu_sweep.py --table
-# (copied here from a GPU session's output); absent: pallas_gpu.default_tuning's shared-memory rule alone.
-TUNING_TABLE = Path(__file__).with_name("pallas_gpu_tuning.json")
 TPU_MIN_T = 128  # below one Pallas TPU block, auto takes xla
-
-
-@dataclasses.dataclass(frozen=True)
-class Device:
-    platform: str  # "cpu" | "gpu" | "tpu", as jax.default_backend() names it
-    kind: str  # jax's device_kind, e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite"
-
-    @property
-    def is_hopper(self) -> bool:
-        return self.platform == "gpu" and any(name in self.kind for name in HOPPER_KINDS)
-
-
-DEVICES = {  # short names for the command line and tests
-    "cpu": Device("cpu", "cpu"),
-    "h100": Device("gpu", "NVIDIA H100 80GB HBM3"),
-    "h200": Device("gpu", "NVIDIA H200"),
-    "a100": Device("gpu", "NVIDIA A100-SXM4-80GB"),
-    "l4": Device("gpu", "NVIDIA L4"),
-    "v5e": Device("tpu", "TPU v5 lite"),
-    "v5p": Device("tpu", "TPU v5p"),
-    "v6e": Device("tpu", "TPU v6 lite"),
-}
-
-
-_SIMULATED: contextvars.ContextVar[Device | None] = contextvars.ContextVar("simulated_device", default=None)
-
-
-def current_device() -> Device:
-    """The device calls are routed for: the one `simulated_device` sets, else the running one."""
-    return _SIMULATED.get() or Device(jax.default_backend(), jax.devices()[0].device_kind)
-
-
-@contextlib.contextmanager
-def simulated_device(device: Device):
-    """Route the attention calls traced inside as on `device` (e.g. DEVICES["h100"]), whatever runs them: tests of
-    the dispatch on a machine without that device. The kernels still run as the running device can (interpreted
-    off their platform)."""
-    token = _SIMULATED.set(device)
-    try:
-        yield device
-    finally:
-        _SIMULATED.reset(token)
 
 
 _SAVED: contextvars.ContextVar[str] = contextvars.ContextVar("saved_by_remat", default="all")
@@ -121,7 +75,8 @@ def current_saved() -> str:
 class AttentionCall:
     """An attention op call by its shapes: q [B, T, H, 2, d] (diff_attention) or [B, T, H, d]
     (dot_product_attention), k [B, S, Hkv, G, d] or [B, S, Hkv, d], v [B, S, Hkv, dv]. segments: None, "one"
-    (one [B, T] id array, T == S) or "pair" (q ids and kv ids: decoding against a cache). window: None or the
+    (one [B, T] id array, T == S), "pair" (q ids and kv ids: decoding against a cache) or "per_query" (q ids and
+    kv ids [B, T, S], a row of them per query: a multi-token decode step, speculative decoding's). window: None or the
     sliding window's keys per query. context: the size of the mesh's context axis the call runs under (1: none).
     saved: what of a differentiated call's forward its backward finds saved (SAVED): "all" (no remat), "named" (a
     remat policy keeping names.OUTPUT_NAME and KERNEL_RESIDUALS_NAME), "none" (the forward runs again)."""
@@ -140,7 +95,8 @@ class AttentionCall:
     @classmethod
     def of(cls, op, q, k, v, causal, segment_ids, window=None, context=1, saved="all") -> "AttentionCall":
         check_window(window, causal)
-        segments = None if segment_ids is None else "pair" if isinstance(segment_ids, (tuple, list)) else "one"
+        segments = None if segment_ids is None else "one" if not isinstance(segment_ids, (tuple, list)) else (
+            "per_query" if jnp.ndim(segment_ids[1]) == 3 else "pair")
         return cls(op, tuple(q.shape), tuple(k.shape), tuple(v.shape), jnp.dtype(q.dtype).name, bool(causal), segments,
                    None if window is None else int(window), int(context), saved)
 
@@ -148,17 +104,20 @@ class AttentionCall:
         """(q, k, v, segment_ids) as ShapeDtypeStructs: what the kernels' `unsupported` checks read."""
         sds = jax.ShapeDtypeStruct
         B, T, S = self.q_shape[0], self.q_shape[1], self.k_shape[1]
-        ids = {None: None, "one": sds((B, T), jnp.int32), "pair": (sds((B, T), jnp.int32), sds((B, S), jnp.int32))}
+        ids = {None: None, "one": sds((B, T), jnp.int32), "pair": (sds((B, T), jnp.int32), sds((B, S), jnp.int32)),
+               "per_query": (sds((B, T), jnp.int32), sds((B, T, S), jnp.int32))}
         return (sds(self.q_shape, self.dtype), sds(self.k_shape, self.dtype), sds(self.v_shape, self.dtype),
                 ids[self.segments])
 
     @property
     def is_decode(self) -> bool:
-        """One query per row against a KV cache's slots (q / kv segment ids)."""
-        return self.segments == "pair" and self.q_shape[1] == 1
+        """A decode step against a KV cache's slots: one query per row (q / kv segment ids), or a few with kv ids of
+        their own (speculative decoding's 1 + draft)."""
+        return (self.segments == "pair" and self.q_shape[1] == 1) or self.segments == "per_query"
 
     def describe(self) -> str:
-        ids = {None: "", "one": ", segment ids", "pair": ", q / kv segment ids"}[self.segments]
+        ids = {None: "", "one": ", segment ids", "pair": ", q / kv segment ids",
+               "per_query": ", q / per-query kv segment ids"}[self.segments]
         window = "" if self.window is None else f", window {self.window}"
         context = "" if self.context == 1 else f", context axis of {self.context}"
         return (f"{self.op} q {list(self.q_shape)} k {list(self.k_shape)} v {list(self.v_shape)} {self.dtype}"
@@ -263,6 +222,9 @@ def _asked_for(call: AttentionCall, impl: str, device: Device) -> tuple[str, str
     """(impl, why) for an explicit impl, or a ValueError where it cannot run `call`."""
     q, k, v, segment_ids = call.arrays()
     where = f"shapes q {call.q_shape}, k {call.k_shape}, v {call.v_shape}"
+    if call.segments == "per_query" and impl != "xla":
+        raise ValueError(f"{call.op}: impl={impl!r} takes no per-query kv segment ids ([B, T, S]: a multi-token decode "
+                         f"step); {where}. Use impl='xla' or 'auto'.")
     if impl == "cudnn":
         why_not = compositions.cudnn_unsupported(q, k, v, call.causal, segment_ids, device.platform)
         if why_not:
@@ -290,7 +252,8 @@ def _auto(call: AttentionCall, device: Device) -> tuple[tuple[str, str], tuple[s
     pallas_gpu and cuDNN apart."""
     T, d, dv = call.q_shape[1], call.q_shape[-1], call.v_shape[-1]
     if call.is_decode:
-        return (("xla", "decode: one query against the KV cache (no fused decode kernel yet)"),) * 2
+        return (("xla", "decode: queries against the KV cache (no fused decode kernel yet; per-query kv ids: the xla "
+                        "op's alone)"),) * 2
     if device.platform == "tpu":
         return (("pallas_tpu", "fused Pallas TPU kernel") if T >= TPU_MIN_T else
                 ("xla", f"T={T} < {TPU_MIN_T} is below one kernel block"),) * 2
@@ -308,11 +271,12 @@ def _auto(call: AttentionCall, device: Device) -> tuple[tuple[str, str], tuple[s
             return tuple(_faster(call, measured, p) for p in PASSES)
         return (("pallas_gpu", "fused Mosaic GPU kernel"),) * 2
     if why_not["cudnn"] is None:
-        return (("cudnn", "cuDNN flash composition"),) * 2
+        return (("cudnn", f"cuDNN flash composition; pallas_gpu {why_not['pallas_gpu']}"),) * 2
     why_not["triton"] = compositions.triton_unsupported(q, k, v, call.causal, segment_ids, device.platform,
                                                         window=call.window)
     if why_not["triton"] is None:
-        return (("triton", f"Pallas Triton flash composition; cudnn {why_not['cudnn']}"),) * 2
+        return (("triton", f"Pallas Triton flash composition; pallas_gpu {why_not['pallas_gpu']}; cudnn "
+                           f"{why_not['cudnn']}"),) * 2
     return (("xla", "; ".join(f"{name} {why}" for name, why in why_not.items())),) * 2
 
 
@@ -328,24 +292,3 @@ def _faster(call: AttentionCall, measured: dict[str, dict[str, float]], pass_: s
     rerun = ", with the forward its backward runs again where remat saves none of it" * (pass_ == "fwd+bwd" and
                                                                                          call.saved != "all")
     return impl, f"{what}, measured faster {pass_} on Hopper{rerun} ({ms(impl)} vs {ms(other)} ms at T 8192)"
-
-
-def tuning_class(d: int, dv: int, single: bool, dtype) -> str:
-    """The shape class a swept pallas_gpu Tuning is kept under, e.g. "diff d128 dv256 bfloat16"."""
-    return f"{'single' if single else 'diff'} d{d} dv{dv} {jnp.dtype(dtype).name}"
-
-
-def swept_tuning(d: int, dv: int, single: bool, dtype, table: Path | None = None) -> dict | None:
-    """The Tuning fields benchmarks/pallas_gpu_sweep.py measured best for this shape class on a Hopper GPU (the
-    table `table`, default TUNING_TABLE), or None: no table, no entry, or a table from a dry run / another GPU."""
-    table = TUNING_TABLE if table is None else Path(table)
-    if not table.exists():
-        return None
-    try:
-        content = json.loads(table.read_text())
-        entry = content["best"].get(tuning_class(d, dv, single, dtype))
-        measured = not content.get("dry_run") and any(kind in content["device"] for kind in HOPPER_KINDS)
-        return dict(entry["tuning"]) if entry is not None and measured else None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{table}: not a pallas_gpu tuning table as benchmarks/pallas_gpu_sweep.py --table writes "
-                         f"(device, best: {{class: {{tuning: {{...}}}}}}): {type(e).__name__}: {e}") from None

@@ -26,8 +26,8 @@ the q blocks, so GQA gradients are summed in VMEM) and dQ (grid over q blocks). 
 are O(T dv) row reductions done by XLA before the kernels.
 
 Kernel layout: q [B, H, M, T, d], k [B, Hkv, G, S, d], v [B, Hkv, S, dv], lam [B, H, T, 1] f32,
-segment ids q [B, T, 1] / kv [B, 1, S] int32. On a non-TPU backend the kernels run in Pallas
-interpret mode (slow; for tests). On a real TPU, block sizes must satisfy Mosaic's tiling
+segment ids q [B, T, 1] / kv [B, 1, S] int32. Compiled for anything but a TPU (diffjax.ops.target) the kernels
+run in Pallas interpret mode (slow; for tests). On a real TPU, block sizes must satisfy Mosaic's tiling
 (block_q, block_k multiples of 128 are the safe choice; the defaults).
 """
 
@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from diffjax.ops.reference import check_window, split_segment_ids
+from diffjax.ops.target import compile_device, interpreted
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(MASK - MASK) = 1, no inf - inf
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -55,7 +56,16 @@ class BlockSizes(NamedTuple):
 
 
 def _interpret() -> bool:
-    return jax.default_backend() != "tpu"
+    """Interpreted unless the call is compiled for a TPU (diffjax.ops.target: a TPU host, or a topology's device).
+    Compiled for a topology's TPU with no abstract mesh to say which (one device: no shard_map), jax's Mosaic
+    lowering would read the default device's generation ("Unsupported TPU device kind: cpu"): said here instead."""
+    if interpreted("tpu"):
+        return True
+    if jax.sharding.get_abstract_mesh().abstract_device is None and jax.default_backend() != "tpu":
+        raise ValueError(f"pallas_tpu: compiling for {compile_device().kind} on a {jax.default_backend()} machine "
+                         "needs the device in the abstract mesh: lower and compile inside "
+                         "diffjax.ops.aot.compile_for(target or mesh)")
+    return False
 
 
 def _round_up(x: int, m: int) -> int:

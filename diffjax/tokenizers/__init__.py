@@ -1,7 +1,7 @@
 """Tokenizers behind one interface (`Tokenizer`): byte-level, SentencePiece, tiktoken, Hugging Face tokenizer.json.
 
 `make_tokenizer(config.data.tokenizer)` builds the one a config names. Train a SentencePiece model
-with `python -m diffjax.tokenizers train-sentencepiece --output tok.model --vocab-size 8000`.
+with `python -m diffjax.data train-sentencepiece --output tok.model --vocab-size 8000`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from diffjax.tokenizers.tiktoken_tokenizer import (
     TiktokenNotCachedError,
     TiktokenTokenizer,
     load_cached_encoding,
+    load_encoding,
     tiktoken_cache_dir,
 )
 
@@ -28,7 +29,7 @@ def make_tokenizer(config: TokenizerConfig) -> Tokenizer:
     if config.kind == "tiktoken":
         return TiktokenTokenizer(path=config.path) if config.path else TiktokenTokenizer(config.encoding)
     if config.kind == "hf":
-        return HFTokenizer(config.path)
+        return HFTokenizer(config.path, revision=config.revision)
     raise ValueError(f"unknown tokenizer kind {config.kind!r}")
 
 
@@ -40,6 +41,7 @@ __all__ = [
     "TiktokenTokenizer",
     "Tokenizer",
     "load_cached_encoding",
+    "load_encoding",
     "make_tokenizer",
     "tiktoken_cache_dir",
     "train_sentencepiece",

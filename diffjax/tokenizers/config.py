@@ -16,10 +16,14 @@ class TokenizerConfig:
     kind: str = "byte"
     """Which tokenizer: "byte" (256 byte ids + eos), "sentencepiece", "tiktoken" or "hf" (a tokenizer.json)."""
     path: str | None = None
-    """sentencepiece: a .model file; tiktoken: a .tiktoken file (instead of encoding); hf: a tokenizer.json or the
-    directory holding it (a Hugging Face checkpoint's)."""
+    """sentencepiece: a .model file; tiktoken: a .tiktoken file (instead of encoding); hf: a tokenizer.json, the
+    directory holding it (a Hugging Face checkpoint's), or a Hub model name (org/name) whose tokenizer files are read
+    through the Hugging Face cache (fetched unless HF_HUB_OFFLINE)."""
     encoding: str | None = None
-    """tiktoken: a named encoding (e.g. "cl100k_base") from the local tiktoken cache."""
+    """tiktoken: a named encoding (e.g. "cl100k_base"): from tiktoken's cache, downloaded into it when absent and
+    the network is there (never with HF_HUB_OFFLINE)."""
+    revision: str | None = None
+    """hf with a Hub name: its branch, tag or commit (None: main)."""
 
     def __post_init__(self):
         if self.kind not in TOKENIZER_KINDS:
@@ -27,8 +31,10 @@ class TokenizerConfig:
         if self.kind == "sentencepiece" and not self.path:
             raise ValueError("data.tokenizer.path must name a sentencepiece .model file when data.tokenizer.kind is 'sentencepiece'")
         if self.kind == "hf" and not self.path:
-            raise ValueError("data.tokenizer.path must name a tokenizer.json (or the directory holding it) when "
-                             "data.tokenizer.kind is 'hf'")
+            raise ValueError("data.tokenizer.path must name a tokenizer.json, the directory holding it or a Hub "
+                             "model name (org/name) when data.tokenizer.kind is 'hf'")
+        if self.revision is not None and self.kind != "hf":
+            raise ValueError(f"data.tokenizer.revision is for data.tokenizer.kind 'hf' (a Hub name), not {self.kind!r}")
         if self.kind == "tiktoken" and bool(self.path) == bool(self.encoding):
             raise ValueError(
                 "data.tokenizer.kind 'tiktoken' needs exactly one of data.tokenizer.encoding (a named encoding such as "

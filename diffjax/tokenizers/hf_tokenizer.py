@@ -1,4 +1,5 @@
-"""Hugging Face tokenizers: a `tokenizer.json` read by the `tokenizers` library, from a local path only.
+"""Hugging Face tokenizers: a `tokenizer.json` read by the `tokenizers` library, from a local path or a Hub model
+name (org/name) through the Hugging Face cache (diffjax.convert.hub.resolve_tokenizer).
 
 Every HF checkpoint diffjax converts ships one (DiffLlama, Llama 3, Motif). eos / bos come from the
 `tokenizer_config.json` beside it (`eos_token` / `bos_token`, a string or an AddedToken dict), else from
@@ -25,18 +26,23 @@ def tokenizer_file(path: str | os.PathLike) -> str:
     if not os.path.isfile(file):
         where = f"directory {path!r} has no {TOKENIZER_FILE}" if os.path.isdir(path) else f"{path!r} does not exist"
         raise FileNotFoundError(
-            f"Hugging Face tokenizer: {where}; data.tokenizer.path must name a local tokenizer.json or the directory "
-            f"holding it (nothing is downloaded: fetch a hub tokenizer first, e.g. with huggingface_hub.snapshot_download)"
+            f"Hugging Face tokenizer: {where}; data.tokenizer.path must name a tokenizer.json, the directory holding "
+            f"it, or a Hub model name (org/name)"
         )
     return file
 
 
 class HFTokenizer(Tokenizer):
-    """`HFTokenizer("path/to/model_dir")` or `HFTokenizer("path/to/tokenizer.json")`."""
+    """`HFTokenizer("path/to/model_dir")`, `HFTokenizer("path/to/tokenizer.json")` or `HFTokenizer("org/name",
+    revision=None)` (a Hub model's, through the Hugging Face cache)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, revision: str | None = None):
         from tokenizers import Tokenizer as RustTokenizer  # the trainer's extra; imported when used
 
+        if revision is not None or not os.path.exists(path):  # perhaps a Hub name (the converters' module: lazily)
+            from diffjax.convert.hub import resolve_tokenizer
+
+            path = resolve_tokenizer(path, revision=revision)
         self.path = tokenizer_file(path)
         try:
             self._tok = RustTokenizer.from_file(self.path)

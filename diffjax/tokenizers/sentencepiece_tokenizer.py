@@ -25,7 +25,7 @@ class SentencePieceTokenizer(Tokenizer):
         if not os.path.isfile(self.path):
             raise FileNotFoundError(
                 f"sentencepiece model {self.path!r} does not exist; train one with "
-                f"`python -m diffjax.tokenizers train-sentencepiece --output {self.path} --vocab-size N`"
+                f"`python -m diffjax.data train-sentencepiece --output {self.path} --vocab-size N`"
             )
         with open(self.path, "rb") as f:
             data = f.read()

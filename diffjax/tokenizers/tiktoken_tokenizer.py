@@ -1,4 +1,5 @@
-"""tiktoken: a named encoding from the local cache only, or a `.tiktoken` vocabulary file."""
+"""tiktoken: a named encoding (from tiktoken's cache, downloaded into it by tiktoken when absent and the network is
+there; never with HF_HUB_OFFLINE), or a `.tiktoken` vocabulary file."""
 
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ CL100K_PATTERN = (
 
 
 class TiktokenNotCachedError(FileNotFoundError):
-    """A named tiktoken encoding whose vocabulary file is not in the local cache (and we never download)."""
+    """A named tiktoken encoding whose vocabulary file is not in the local cache and could not be downloaded
+    (offline, or the download failed)."""
 
 
 class TiktokenTokenizer(Tokenizer):
-    """A tiktoken BPE: `TiktokenTokenizer("cl100k_base")` (from the local cache, never the network),
+    """A tiktoken BPE: `TiktokenTokenizer("cl100k_base")` (load_encoding: the cache, else a download),
     `TiktokenTokenizer(path="vocab.tiktoken")`, or `TiktokenTokenizer(an_existing_tiktoken_Encoding)`.
 
     eos is the encoding's "<|endoftext|>" (a `.tiktoken` file gets it appended after its highest rank);
@@ -44,7 +46,7 @@ class TiktokenTokenizer(Tokenizer):
             self._enc = encoding_from_tiktoken_file(path)
             self.name = f"tiktoken({os.path.basename(os.fspath(path))})"
         else:
-            self._enc = encoding if isinstance(encoding, tiktoken.Encoding) else load_cached_encoding(encoding)
+            self._enc = encoding if isinstance(encoding, tiktoken.Encoding) else load_encoding(encoding)
             self.name = f"tiktoken({self._enc.name})"
         self.vocab_size = int(self._enc.n_vocab)
         self.eos_id = self._enc.encode_single_token(ENDOFTEXT) if ENDOFTEXT in self._enc.special_tokens_set else None
@@ -104,9 +106,9 @@ def _downloads_refused(name: str):
             else f"expected the file {os.path.join(cache_dir, file_name)!r} (absent, or it failed tiktoken's sha256 check)"
         )
         raise TiktokenNotCachedError(
-            f"tiktoken encoding {name!r} is not in the local cache and nothing is downloaded: {where}. "
-            f"Provide it offline: copy {blobpath} to a file named {file_name} in {cache_dir or '<a cache directory>'!r} "
-            f"(or set TIKTOKEN_CACHE_DIR to a directory that holds it), or set tokenizer.path to a .tiktoken file instead."
+            f"tiktoken encoding {name!r} is not in the local cache ({where}). Provide it offline: copy {blobpath} to a "
+            f"file named {file_name} in {cache_dir or '<a cache directory>'!r} (or set TIKTOKEN_CACHE_DIR to a "
+            f"directory that holds it), or set tokenizer.path to a .tiktoken file instead"
         )
 
     tiktoken.load.read_file = refuse
@@ -123,6 +125,24 @@ def load_cached_encoding(name: str) -> tiktoken.Encoding:
         raise ValueError(f"unknown tiktoken encoding {name!r}; known encodings: {', '.join(sorted(known))}")
     with _downloads_refused(name):
         return tiktoken.get_encoding(name)
+
+
+def load_encoding(name: str) -> tiktoken.Encoding:
+    """A named tiktoken encoding: from the local cache, else downloaded by tiktoken (into its cache, checked against
+    tiktoken's sha256) unless offline (HF_HUB_OFFLINE, diffjax's switch for every download). Offline, or when the
+    download fails: TiktokenNotCachedError, one line saying where the file goes and why it is not there."""
+    try:
+        return load_cached_encoding(name)
+    except TiktokenNotCachedError as absent:
+        from diffjax.convert.hub import is_offline, offline_because
+
+        if is_offline():
+            raise TiktokenNotCachedError(f"{absent}; nothing was downloaded: {offline_because()}") from None
+        try:
+            return tiktoken.get_encoding(name)
+        except (OSError, ValueError) as error:  # no network (requests' errors are OSErrors), a corrupt download
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise TiktokenNotCachedError(f"{absent}; the download failed: {type(error).__name__}: {reason}") from None
 
 
 def read_tiktoken_file(path: str | os.PathLike) -> dict[bytes, int]:

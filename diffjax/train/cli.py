@@ -19,43 +19,31 @@ own kind of device (a CPU: the mesh's devices simulated) the compiled train step
 from __future__ import annotations
 
 import argparse
-import logging
-import os
+import os  # noqa: F401 (os.environ, for --plan's options)
 import signal
 import sys
 
+from diffjax import command_line
 from diffjax.train.config_files import DEFAULT
 
-# --plan's devices: diffjax.train.plan.DEVICE_MEMORY's (named here so that --help loads no jax; tested equal)
-DEVICE_NAMES = ("cpu", "h100", "h200", "a100", "l4", "v5p", "v5e", "v6e")
+# --plan's devices and their memory as sold, in GB: diffjax.train.plan.DEVICE_MEMORY's (named here so that --help
+# loads no jax; tested equal)
+DEVICE_GB = {"h100": 80, "h200": 141, "a100": 80, "a100-40": 40, "l4": 24, "v5p": 95, "v5e": 16, "v6e": 32}
+DEVICE_NAMES = ("cpu", *DEVICE_GB)
 
 
 def run(argv=None):
-    """`diffjax-train` and `python train.py`: main(), then the process ends without Python's teardown (os._exit).
-    A finished run could abort in that teardown (exit -6, "terminate called ... exception not rethrown" after "done at
-    step N": once in a CI run's ~100 trainer launches): a native thread (XLA's, tensorstore's) that asks for the GIL
-    while the interpreter finalizes is unwound by force. Everything a run opens is closed by then (checkpoint saves
-    waited for, metrics files and W&B finished); what is left is ended here. An unexpected error still raises, with
-    its traceback, through the normal exit."""
-    code = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    coverage = sys.modules.get("coverage")  # `coverage run` (README, Testing) saves at exit: save it here
-    if coverage is not None and (measuring := coverage.Coverage.current()) is not None:
-        measuring.stop()
-        measuring.save()
-    if "jax" in sys.modules:  # (--help-keys loads no jax)
-        import jax
-
-        if jax.distributed.is_initialized():  # the coordinator's peers wait for its shutdown
-            jax.distributed.shutdown()
-    os._exit(code)
+    """`diffjax-train` and `python train.py`: main(), then the process ends without Python's teardown
+    (diffjax.command_line.end: a finished run could abort in it); Ctrl-C outside training, a closed output pipe and a
+    full disk under the output end it with one line (diffjax.command_line.run). Everything a run opens is closed by
+    then (checkpoint saves waited for, metrics files and W&B finished). An unexpected error still raises, with its
+    traceback, through the normal exit."""
+    command_line.run(main, "diffjax-train", argv, end_process=True)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="diffjax-train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line.ArgumentParser(prog="diffjax-train", description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT, metavar="NAME_OR_PATH",
                         help=f"a shipped config's name (paper/diff-1.4b, ...) or a YAML file (default: {DEFAULT})")
     parser.add_argument("--help-keys", action="store_true",
@@ -64,8 +52,10 @@ def main(argv=None) -> int:
     parser.add_argument("--plan", action="store_true",
                         help="print the run's memory per device and whether it fits --device, then exit (trains nothing)")
     parser.add_argument("--device", choices=DEVICE_NAMES,
-                        help="with --plan: the device to plan for (default cpu: this machine's memory)")
-    parser.add_argument("--devices", type=int, metavar="N",
+                        help="with --plan: the device to plan for, one memory size each ("
+                             + ", ".join(f"{name} {gb} GB" for name, gb in DEVICE_GB.items())
+                             + "; default cpu: this machine's memory)")
+    parser.add_argument("--devices", type=command_line.positive_int, metavar="N",
                         help="with --plan: devices in all, for a mesh axis of -1 (default: the other axes' product)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides

@@ -1,6 +1,6 @@
 """The run configuration: model, data, optimizer, training and checkpoint sections.
 
-A run is described by one YAML file (a path, or a config shipped in diffjax/configs/ by name) plus dotted
+A run is described by one YAML file (a path, or a config shipped in configs/ by name) plus dotted
 `key=value` overrides, e.g.
 
     diffjax-train --config tiny model.num_layers=2 optim.lr=1e-3
@@ -19,7 +19,7 @@ import yaml
 
 from diffjax import attention_kinds, storage
 from diffjax.config import ModelConfig
-from diffjax.config_values import build_config, plain, read_yaml_mapping
+from diffjax.config_values import build_config, nonfinite_problems, plain, read_yaml_mapping
 from diffjax.data.config import DataConfig
 from diffjax.lora_config import LoraConfig
 from diffjax.mesh_axes import ParallelConfig
@@ -136,6 +136,8 @@ class TrainConfig:
     """Weights & Biases logging (off unless train.wandb.project is set)."""
 
     def __post_init__(self):
+        if problems := nonfinite_problems(self, "train."):
+            raise ValueError(problems[0])
         if isinstance(self.wandb, dict):
             object.__setattr__(self, "wandb", build_config(WandbConfig, self.wandb, prefix="train.wandb"))
         if isinstance(self.profile_steps, list):

@@ -116,9 +116,10 @@ class MetricsLog(Hook):
         run.log = self.progress.log  # hooks' and the loop's lines clear the bar first
         self.flops_per_token = training_flops_per_token(config.model, config.data.seq_len)
         self.peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)
-        self.facets = model_facets(config.model)  # the kinds' own metrics and guards
+        self.facets = model_facets(config.model, config)  # the kinds' own metrics and guards
         self.guard = NonfiniteGuard(config.train.on_nonfinite, config.train.max_skipped_steps,
-                                    lambda values: "".join(facet.nonfinite_reasons(values) for facet in self.facets))
+                                    lambda values: "".join(facet.nonfinite_reasons(values) for facet in self.facets),
+                                    first_step=run.start_step + 1)
         self.pending = []  # (step, device metrics) not yet written: converting to floats would stall the device
         self.losses: dict[int, float] = {}
         self.listeners: list[Callable[[int, str, dict[str, float]], None]] = []
@@ -174,7 +175,7 @@ class MetricsLog(Hook):
         for (step, _), metrics in zip(self.pending, host_metrics):
             values = {key: float(value) for key, value in metrics.items()  # (the facets write the others)
                       if key != "ok" and not isinstance(value, dict) and np.ndim(value) == 0}
-            if not self.guard.check(step, metrics, lambda first_bad: run.checkpointer.fall_back_before(first_bad, run.log)):
+            if not self.guard.check(step, metrics, lambda spoiled: run.checkpointer.fall_back_before(spoiled, run.log)):
                 values["skipped"] = 1.0
                 self.progress.note(f"step {step}: loss {values['loss']}, gradient norm {values['grad_norm']}: skipped")
             histograms = {}

@@ -21,7 +21,8 @@ from diffjax.train import config as run_config
 from diffjax.train.optimizer_config import DECAYS
 
 # Keys whose value is one of a fixed set (a list key: a list of them), read when asked so that a kind registered
-# later is listed. A kind's options are keyed as `<part>_options.<field>` whichever kind they belong to.
+# later is listed. A kind's options say their own (Options.choices), keyed as `<part>_options.<field>` whichever kind
+# they belong to (option_choices).
 ALLOWED: dict[str, Callable[[], tuple[str, ...]]] = {
     "model.attention": attention_kinds.names,
     "model.mlp": mlp_kinds.names,
@@ -33,7 +34,6 @@ ALLOWED: dict[str, Callable[[], tuple[str, ...]]] = {
     "model.dtype": lambda: config.DTYPES,
     "model.param_dtype": lambda: config.DTYPES,
     "model.remat": lambda: config.REMAT_POLICIES,
-    "model.mlp_options.score_func": lambda: mlp_kinds.SCORE_FUNCS,
     "data.source": lambda: DATA_SOURCES,
     "data.tokenizer.kind": lambda: TOKENIZER_KINDS,
     "optim.decay": lambda: DECAYS,
@@ -55,7 +55,14 @@ class Key:
 
     @property
     def allowed(self) -> tuple[str, ...] | None:
-        return ALLOWED[self.name]() if self.name in ALLOWED else None
+        return ALLOWED[self.name]() if self.name in ALLOWED else option_choices().get(self.name)
+
+
+def option_choices() -> dict[str, tuple[str, ...]]:
+    """`model.<part>_options.<field>` -> its allowed values, for every field a registered kind's options name in
+    their `choices`."""
+    return {f"model.{part}_options.{field}": allowed for part, row in kinds_with_options()
+            for field, allowed in row.options.choices.items()}
 
 
 @functools.cache

@@ -159,9 +159,9 @@ def _stop_before_the_first_step(run: Run, name: str) -> None:
 def _continuable_below(metrics_log: MetricsLog, step: int) -> int:
     """The step below which every checkpoint is one training can continue from, every step up to `step` checked
     (MetricsLog writes them before a save): all of them, unless a stretch of skipped steps is going on
-    (train.on_nonfinite=skip); its first bad step's loss came from the params of the step before it."""
-    bad_since = metrics_log.guard.bad_since
-    return step if bad_since is None else bad_since - 1
+    (train.on_nonfinite=skip): those before the first one it spoils (guard.NonfiniteGuard.first_spoiled)."""
+    first_spoiled = metrics_log.guard.first_spoiled()
+    return step if first_spoiled is None else first_spoiled
 
 
 def _evaluate(run: Run, hooks: Sequence[Hook], result: TrainResult) -> None:

@@ -96,7 +96,7 @@ def _check_kind_axes(config: ModelConfig, mesh: Mesh) -> None:
             offered = [f"{part}={row.name}" for part, table in BLOCK_PARTS.items() for row in table.rows()
                        if axis in row.training.mesh_axes]
             if offered:
-                parts = ", ".join(f"{block.part} {block.row.name!r}" for block in rows)
+                parts = ", ".join(f"{block.part} {block.row.name!r}" for block in rows if block.part in BLOCK_PARTS)
                 raise ValueError(f"parallel.{axis} ({size}) has nothing to split in this model ({parts}); use "
                                  f"parallel.{axis}=1 (or parallel.data), or a kind it splits: "
                                  + ", ".join(f"model.{kind}" for kind in offered))

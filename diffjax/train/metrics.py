@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffjax import attention_kinds, mlp_kinds, residual_kinds, storage
+from diffjax import attention_kinds, block_kinds, mlp_kinds, residual_kinds, storage
 from diffjax.kinds import param_stacks
 from diffjax.config import ModelConfig
 from diffjax.run_dir import RunDir
@@ -47,26 +47,25 @@ PEAK_FLOPS = (
 
 def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the LM head counts even when tied; a mixture of experts
-    counts the experts a token is routed to: the MLP kind's matmul_params). Each multi-token-prediction depth adds its
-    layer, its input projection [2D, D] and the LM head once more."""
+    counts the experts a token is routed to: the MLP kind's matmul_params): every stack's layers (diffjax.kinds.
+    param_stacks), each with what its block kind adds (diffjax.block_kinds: a layer with logits of its own counts the
+    LM head once more), and the LM head."""
     def per_layer(c: ModelConfig) -> int:
         attention = attention_kinds.get(c.attention)
         return (attention.attention_params(c) - attention.vector_params(c) + mlp_kinds.get(c.mlp).matmul_params(c)
                 + residual_kinds.get(c.residual).matmul_params(c))
 
-    layers = sum(segment.num_layers * per_layer(segment.config) for segment in param_stacks(config))
-    D, depths = config.d_model, config.mtp_depths
-    return layers + (1 + depths) * D * config.vocab_size + depths * 2 * D * D
+    return config.d_model * config.vocab_size + sum(
+        segment.num_layers * (per_layer(segment.config) + block_kinds.get(segment.block).matmul_params(config))
+        for segment in param_stacks(config))
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs per token (module docstring)."""
-    kind = attention_kinds.get(config.attention)
-    attention_forward = sum(kind.attention_flops(config, config.mean_context(depth, seq_len))
-                            for depth in range(config.num_layers))
-    if config.mtp_depths:  # (every MTP depth's layer is windowed when the model has a window)
-        mtp = config.mtp_layer_config()
-        attention_forward += config.mtp_depths * kind.attention_flops(mtp, mtp.mean_context(0, seq_len))
+    """Forward + backward FLOPs per token (module docstring); each stack's layers attend with its own config (a
+    stack that follows the layers is windowed at every position when the model has a window)."""
+    attention_forward = sum(attention_kinds.get(segment.config.attention).attention_flops(
+        segment.config, segment.config.mean_context(depth, seq_len))
+        for segment in param_stacks(config) for depth in range(segment.start, segment.stop))
     return 6 * matmul_params(config) + 3 * attention_forward
 
 

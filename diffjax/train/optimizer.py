@@ -13,9 +13,8 @@ so the rate is `lr` at s = W and `min_lr` from s = N on.
 lr_multipliers ("pattern=factor", the first pattern found in a parameter's dotted path wins) scale that parameter's
 AdamW update (weight decay included): its own learning rate, factor x the schedule.
 
-lambda_warmup_steps = Wl > 0 (differential attention): step s computes with lambda x min(1, s / Wl), so the first
-step computes with the second map silent, as a model upcycled with lambda_warmup starts, and lambda reaches its full
-value at step Wl (lambda_scale()).
+lambda_warmup_steps (differential attention) is a schedule of the model's forward, not of the optimizer: its kinds'
+facet makes it (diffjax.model.attention.warmup).
 """
 
 from __future__ import annotations
@@ -35,14 +34,6 @@ from diffjax.train.optimizer_config import DECAYS, OptimizerConfig  # noqa: F401
 # the model's kinds spares (its row's training.no_decay: differential attention's lambda vectors and subln scale,
 # mHC's gate biases and scales, the MoE's expert_bias; default_no_decay).
 MODEL_NO_DECAY = (r"norm",)
-
-
-def lambda_scale(config: OptimizerConfig, step):
-    """The factor on lambda at optimizer step `step` (0-based; float32): min(1, step / lambda_warmup_steps), or
-    None without a warm-up."""
-    if not config.lambda_warmup_steps:
-        return None
-    return jnp.minimum(jnp.float32(1), jnp.asarray(step, jnp.float32) / config.lambda_warmup_steps)
 
 
 def make_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:

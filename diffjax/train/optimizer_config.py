@@ -7,6 +7,8 @@ import dataclasses
 import math
 import re
 
+from diffjax.config_values import nonfinite_problems
+
 DECAYS = ("linear", "cosine", "constant")
 
 
@@ -45,6 +47,8 @@ class OptimizerConfig:
     """Steps over which lambda grows linearly from 0 to its value (an upcycled model's start); 0: no warm-up."""
 
     def __post_init__(self):
+        if problems := nonfinite_problems(self, "optim."):
+            raise ValueError(problems[0])
         if self.no_decay is not None:
             object.__setattr__(self, "no_decay", tuple(self.no_decay))
         if not self.lr > 0:

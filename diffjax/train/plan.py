@@ -8,7 +8,8 @@ whole), so a plan for 512 devices needs none of them:
   gradients    one shard-sized gradient per parameter, live through the optimizer update, and one more for the
                accumulator when the step accumulates micro-batches (LoRA: the adapters', left out: a few MB)
   optimizer    AdamW's two moments, in param_dtype as diffjax configures optax
-  activations  an estimate for one micro-batch per device: what each layer keeps for the backward under
+  activations  an estimate for one micro-batch per device: what each layer (of every stack, with what its block
+               kind adds: diffjax.block_kinds) keeps for the backward under
                model.remat (full: its input; attention: q, k, v, the attention output and the residual; minimal:
                also the MLP's gate and up; none: everything), one layer's working set while it runs (values and
                gradients), the attention's T x S scores where the route the trainer takes on that device
@@ -32,7 +33,9 @@ import os
 
 import numpy as np
 
+from diffjax import block_kinds, mlp_kinds, residual_kinds
 from diffjax.config import ModelConfig
+from diffjax.kinds import layer_segments, param_stacks
 from diffjax.mesh_axes import MESH_AXES, splitting
 from diffjax.ops.choice import DEVICES, choose
 from diffjax.sharding import logical_spec
@@ -43,9 +46,10 @@ from diffjax.train.step import resolve_loss_chunk
 
 GiB = 2**30
 # Memory per device: the H100's as JAX reports it (bytes_limit 63,763,906,560 at the default fraction 0.75,
-# benchmarks/results/train_step_gpu_4096_attention.json), the others from their specifications.
-DEVICE_MEMORY = {"h100": 85_018_542_080, "h200": 141e9, "a100": 85_018_542_080, "l4": 24e9, "v5p": 95 * GiB,
-                 "v5e": 16 * GiB, "v6e": 32 * GiB, "cpu": None}  # cpu: the host's
+# benchmarks/results/train_step_gpu_4096_attention.json), the A100 40 GB's as nvidia-smi does (40,536 MiB), the
+# others from their specifications. Each name is one memory size (a100: the 80 GB A100); describe() says which.
+DEVICE_MEMORY = {"h100": 85_018_542_080, "h200": 141e9, "a100": 85_018_542_080, "a100-40": 42_505_273_344, "l4": 24e9,
+                 "v5p": 95 * GiB, "v5e": 16 * GiB, "v6e": 32 * GiB, "cpu": None}  # cpu: the host's
 DEFAULT_GPU_FRACTION = 0.75  # JAX's preallocation default (XLA_PYTHON_CLIENT_MEM_FRACTION)
 OTHER_FRACTION = 0.9
 MAX_MICRO_BATCH = 4096  # the search for the largest micro-batch stops here
@@ -136,6 +140,9 @@ class Widths:
     maps_x_heads: int  # T x S score matrices per sequence and layer
     scores: bool  # the route materialises them (XLA, not blockwise)
     route: str
+    # the stacks that follow the layers (diffjax.kinds.param_stacks): (layers, their MLP's and stream's widths, what
+    # their block kind adds per layer)
+    following: tuple[tuple[int, int, int, int], ...] = ()
 
 
 def widths(config: ModelConfig, seq_len: int, device: str, context: int) -> Widths:
@@ -144,12 +151,21 @@ def widths(config: ModelConfig, seq_len: int, device: str, context: int) -> Widt
     _, call = attention_calls(config, seq_len, context)[0]  # the train step's (global layers' where windows mix)
     route = choose(call, config.attention_impl, DEVICES[device])
     q, k, v = call.q_shape, call.k_shape, call.v_shape
-    m = config.mlp_options
-    mlp = m.top_k * m.expert_inner + (m.shared_inner or 0) if getattr(m, "num_experts", None) else config.mlp_dim
-    return Widths(q=math.prod(q[2:]), k=math.prod(k[2:]), v=math.prod(v[2:]), o=q[2] * v[-1], mlp=mlp,
-                  stream=config.d_model * getattr(config.residual_options, "streams", 1),
+    mlp, stream = part_widths(config)
+    following = tuple((segment.num_layers, *part_widths(segment.config),
+                       block_kinds.get(segment.block).activation_width(config))
+                      for segment in param_stacks(config)[len(layer_segments(config)):])
+    return Widths(q=math.prod(q[2:]), k=math.prod(k[2:]), v=math.prod(v[2:]), o=q[2] * v[-1], mlp=mlp, stream=stream,
                   maps_x_heads=math.prod(q[2:-1]), scores=route.impl == "xla" and not route.blockwise,
-                  route=route.describe())
+                  route=route.describe(), following=following)
+
+
+def part_widths(config: ModelConfig) -> tuple[int, int]:
+    """(the MLP's, the residual stream's) values per token in a layer of `config`, as their kinds' rows say
+    (PartKind.activation_width)."""
+    mlp, residual = mlp_kinds.get(config.mlp), residual_kinds.get(config.residual)
+    return (mlp.activation_width(config) if mlp.activation_width else config.mlp_dim,
+            residual.activation_width(config) if residual.activation_width else config.d_model)
 
 
 def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micro_batch: int, seq_len: int,
@@ -160,15 +176,24 @@ def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micr
     tokens = micro_batch * seq_len / split_of("length", sizes)
     heads, mlp, D = split_of("act_heads", sizes), split_of("act_mlp", sizes), config.d_model
     attention = (w.q + w.k + w.v + w.o) / heads
-    working = w.stream + 4 * D + attention + 3 * w.mlp / mlp  # norms, attention out, residual, MLP out; its hidden
-    saved = {"full": w.stream, "attention": w.stream + attention + D,
-             "minimal": w.stream + attention + 2 * D + 2 * w.mlp / mlp, "none": working}[config.remat]
+
+    def working(stream, mlp_width):  # norms, attention out, residual, MLP out; its hidden
+        return stream + 4 * D + attention + 3 * mlp_width / mlp
+
+    def saved(stream, mlp_width):
+        return {"full": stream, "attention": stream + attention + D, "minimal": stream + attention + 2 * D
+                + 2 * mlp_width / mlp, "none": working(stream, mlp_width)}[config.remat]
+
+    # the layers, then the stacks that follow them (their layers' widths and what their block kind adds)
+    saved_values = config.num_layers * saved(w.stream, w.mlp) + sum(
+        layers * (saved(stream, mlp_width) + added) for layers, mlp_width, stream, added in w.following)
+    layers = config.num_layers + sum(following[0] for following in w.following)
     score_bytes = (micro_batch * w.maps_x_heads / heads * seq_len / split_of("length", sizes) * seq_len * 4 * 2
                    if w.scores else 0.0)  # float32 scores and probabilities, per layer
     chunk = tokens if not loss_chunk else min(loss_chunk, tokens)
-    return {"saved": config.num_layers * tokens * saved * act,
-            "working": 2 * tokens * working * act,
-            "scores": score_bytes * (config.num_layers if config.remat == "none" else 2),
+    return {"saved": tokens * saved_values * act,
+            "working": 2 * tokens * working(w.stream, w.mlp) * act,
+            "scores": score_bytes * (layers if config.remat == "none" else 2),
             "logits": 2 * chunk * config.vocab_size / split_of("act_vocab", sizes) * 4}
 
 
@@ -281,11 +306,13 @@ def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> 
     lines = [f"plan: {run.model.attention} attention, {total:,} parameters" + (f" ({active:,} active per token)"
                                                                                  if active != total else ""),
              f"mesh: {' x '.join(f'{k}={v}' for k, v in sizes.items())} ({math.prod(sizes.values())} {budget.device} "
-             f"device(s))", f"batch: {batch.describe(run.data.seq_len)}",
+             f"device(s): {DEVICES[budget.device].kind}, {_size(budget.memory_bytes)} each)",
+             f"batch: {batch.describe(run.data.seq_len)}",
              f"attention in the train step: {plan.route}" + (" (materialises T x S scores)" if a["scores"] else ""),
              "memory per device:",
              f"  params           {_size(plan.params):>11}  {dtype}"
-             + (", the frozen LoRA base" if run.lora.enabled else ""),
+             + (", the frozen LoRA base" if run.lora.enabled else ", the one copy AdamW updates (no fp32 master "
+                "weights: diffjax keeps none)"),
              f"  gradients        {_size(plan.gradients):>11}"
              + (", and their accumulator" if plan.accum_steps > 1 else ""),
              f"  optimizer state  {_size(plan.optimizer):>11}  AdamW's two moments, {dtype}",

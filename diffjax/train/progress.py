@@ -5,7 +5,13 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import sys
+
+from diffjax.model import mtp
+
+# The MTP depths' losses among a step's metrics (named by diffjax.model.mtp.METRIC), shown beside the main loss
+_MTP_LOSS = re.compile("^" + re.escape(mtp.METRIC).replace(re.escape("{}"), r"(\d+)") + "$")
 
 
 def format_duration(seconds: float) -> str:
@@ -49,15 +55,18 @@ class Progress:
 
     def update(self, step: int, values: dict[str, float]):
         rate = values.get("tokens_per_second")
+        mtp = mtp_losses(values)
         if self.bar is not None:
-            postfix = {"loss": f"{values['loss']:.4f}"}
+            postfix = {"loss": f"{values['loss']:.4f}", **({"mtp": mtp} if mtp else {})}
             if rate:
                 postfix["tok/s"] = f"{rate:,.0f}"
             self.bar.set_postfix(postfix, refresh=False)  # before the update that draws it
             self.bar.update(step - self.bar.n)
             self.bar.refresh()  # tqdm skips redraws within its mininterval; this is once per log interval
             return
-        line = f"step {step:>{len(str(self.total))}}/{self.total} | loss {values['loss']:.4f} | grad norm {values['grad_norm']:.3f} | lr {values['lr']:.2e}"
+        line = (f"step {step:>{len(str(self.total))}}/{self.total} | loss {values['loss']:.4f}"
+                + (f" | mtp {mtp}" if mtp else "")
+                + f" | grad norm {values['grad_norm']:.3f} | lr {values['lr']:.2e}")
         if rate:
             eta = (self.total - step) * self.tokens_per_step / rate
             line += f" | {rate:,.0f} tok/s | eta {format_duration(eta)}"
@@ -71,6 +80,12 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def mtp_losses(values: dict[str, float]) -> str:
+    """"2.9071 3.1002": the MTP depths' losses among a step's metrics, depth 1 first ("" without MTP depths)."""
+    depths = sorted((int(match[1]), value) for key, value in values.items() if (match := _MTP_LOSS.match(key)))
+    return " ".join(f"{value:.4f}" for _, value in depths)
 
 
 def _beside_the_bars(log, message: str) -> None:

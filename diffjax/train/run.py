@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import shutil
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from jax.sharding import NamedSharding
 from diffjax import lora, storage
 from diffjax.config import RUNTIME_FIELDS, ModelConfig
 from diffjax.config_values import build_config
+from diffjax.convert.hub import refuse_the_cache
 from diffjax.data import make_eval_batches, make_train_dataset, open_documents
 from diffjax.generate import sample
 from diffjax.ops.context_parallel import context_order
@@ -38,7 +40,7 @@ from diffjax.train.batching import BatchPlan, plan_batch
 from diffjax.train.config import SECTIONS, RunConfig, read_yaml, save_run_config
 from diffjax.train.mesh import allgather_json, describe, initialize_distributed, make_mesh, process_batch_shard
 from diffjax.train.metrics import read_records, training_flops_per_token
-from diffjax.train.optimizer import OptimizerConfig, lambda_scale, make_optimizer, schedule_change
+from diffjax.train.optimizer import OptimizerConfig, make_optimizer, schedule_change
 from diffjax.train.start import Start, StartPlan, StartSettings, plan_start
 from diffjax.train.state_checkpoints import Checkpointer, Restored, abstract_like, restore_params
 from diffjax.train.step import ShardedTraining, setup_sharded_state, sharded_lora_init
@@ -88,7 +90,7 @@ class Run:
     tokenizer: Any
     training: ShardedTraining
     train_step: Callable  # jitted (state, batch) -> (state, device metrics); donates the state
-    eval_step: Callable  # jitted (params, batch, lambda_scale) -> (loss sum, counted tokens)
+    eval_step: Callable  # jitted (params, batch, step) -> (loss sum, counted tokens)
     state: dict
     data_iter: Any  # grain iterator of this process's rows; its position is checkpointed
     eval_batches: list[dict[str, jax.Array]]  # fixed, on the devices
@@ -97,6 +99,7 @@ class Run:
     # LoRA (config.lora.rank > 0): the frozen part of the base model, not in `state` (train_step and eval_step
     # pass it to the jitted steps)
     frozen: Any = None
+    drawn: list = dataclasses.field(default_factory=list)  # this process's rows of the next steps, drawn already
 
     def model_params(self) -> dict:
         """The params the model runs with now: state["params"], or with LoRA the base merged with the adapters."""
@@ -126,7 +129,7 @@ class Run:
     def next_batch(self) -> dict[str, jax.Array]:
         """The next step's batch, [accum, micro rows, T] per key, split over the mesh."""
         with setup_errors():  # a malformed record is the user's to fix
-            local = next(self.data_iter)
+            local = self.drawn.pop(0) if self.drawn else next(self.data_iter)
         micro_rows = self.plan.global_batch // self.plan.accum_steps
         stacked = {key: value.reshape(self.plan.accum_steps, -1, value.shape[-1]) for key, value in local.items()}
         return _global_batch(stacked, self.training.step_batch_sharding, micro_rows, batch_axis=1)
@@ -136,10 +139,9 @@ class Run:
         if not self.eval_batches:
             return None
         total, count = 0.0, 0.0
-        scale = lambda_scale(self.config.optim, self.step)  # the next step's: what the model computes now
-        scale = jnp.float32(1) if scale is None else scale
+        step = jnp.int32(self.step)  # the next step's: what the model computes now
         for batch in self.eval_batches:
-            loss_sum, tokens = self.eval_step(self.state[PARAMS], batch, scale)
+            loss_sum, tokens = self.eval_step(self.state[PARAMS], batch, step)
             total, count = total + float(loss_sum), count + float(tokens)
         return total / max(count, 1.0)
 
@@ -174,12 +176,14 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
     if jax.process_index() != 0:  # one process speaks and writes metrics for all
         log = lambda _: None  # noqa: E731
     with setup_errors():
-        created = not storage.as_path(config.train.run_dir).exists()
+        if not storage.is_url(config.train.run_dir):  # (a model's snapshot there would get a run beside its weights)
+            refuse_the_cache(config.train.run_dir)
+        created = _outermost_missing(storage.as_path(config.train.run_dir))
         directory = RunDir.for_training(config.train.run_dir)
         lock = _lock_run_dir(directory, log)
     with contextlib.ExitStack() as opened:  # undone (checkpointer closed, lock released) unless a Run takes them
-        if created and jax.process_index() == 0:
-            opened.callback(_remove_if_nothing_written, directory)  # (last: after the lock file is gone)
+        if created is not None and jax.process_index() == 0:
+            opened.callback(_remove_if_nothing_written, created)  # (last: after the lock file is gone)
         opened.callback(lock.release)
         with setup_errors():
             run = _set_up(config, log, directory, lock, opened)
@@ -188,13 +192,22 @@ def setup_run(config: RunConfig, log: Callable[[str], None] = print) -> Run | Tr
     return run
 
 
-def _remove_if_nothing_written(directory: RunDir) -> None:
-    """Removes a run directory this start created if the start failed before writing a file there: a refused start
-    leaves no empty runs/<name>/ behind (a local directory; gs:// has no empty directories)."""
-    path = directory.path
-    if storage.is_url(path) or not path.is_dir() or any(not p.is_dir() for p in path.rglob("*")):
-        return
-    shutil.rmtree(path, ignore_errors=True)
+def _outermost_missing(path) -> Path | None:
+    """The outermost directory of a local `path` that does not exist yet (runs/ of a new runs/tiny); None: it exists
+    (or is gs://, which has no empty directories)."""
+    if storage.is_url(path) or path.exists():
+        return None
+    path = Path(path).absolute()
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def _remove_if_nothing_written(path: Path) -> None:
+    """Removes the directories this start created (the run directory, and runs/ above it if new) if the start
+    failed before writing a file there: a refused start leaves no empty runs/<name>/ behind."""
+    if path.is_dir() and not any(not p.is_dir() for p in path.rglob("*")):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _lock_run_dir(run: RunDir, log) -> TrainerLock:
@@ -248,6 +261,9 @@ def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
         frozen = None
     data_iter, eval_batches = _data(config, tokenizer, training, batch_plan)
     state, start_step, last_saved = _start_from(plan, checkpointer, state, data_iter, config, log)
+    # The first batch now, before config.yaml: data that cannot be read (a broken record) stops the start while the
+    # run directory holds nothing, so a new one is removed again
+    first_batch = next(data_iter)
     if jax.process_index() == 0:
         save_run_config(config, directory.config_file)
 
@@ -256,7 +272,7 @@ def _set_up(config: RunConfig, log, directory: RunDir, lock: TrainerLock,
         config=config, directory=directory, log=log, lock=lock, checkpointer=checkpointer, last_saved=last_saved,
         start_step=start_step, step=start_step, mesh=mesh, plan=batch_plan, tokenizer=tokenizer, training=training,
         train_step=train_step, eval_step=eval_step, state=state, data_iter=data_iter, eval_batches=eval_batches,
-        frozen=frozen,
+        frozen=frozen, drawn=[first_batch],
     )
     _log_set_up(run)
     return run
@@ -348,8 +364,8 @@ def _data(config: RunConfig, tokenizer, training: ShardedTraining, plan: BatchPl
 
 def _jitted_steps(config: RunConfig, training: ShardedTraining, tx, schedule, frozen) -> tuple[Callable, Callable]:
     train_step = training.jit_train_step(tx, schedule, config.model, config.train.on_nonfinite, config.train.loss_chunk,
-                                         partial(lambda_scale, config.optim) if config.optim.lambda_warmup_steps else None)
-    eval_step = training.jit_eval_step(config.model, config.train.loss_chunk)
+                                         config)
+    eval_step = training.jit_eval_step(config.model, config.train.loss_chunk, config)
     if frozen is not None:  # the frozen base rides along as the steps' last argument
         train_step = partial(_with_frozen, train_step, frozen)
         eval_step = partial(_with_frozen, eval_step, frozen)
@@ -475,11 +491,13 @@ def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, global_
 
 def _check_not_empty(documents, config: RunConfig, sample: int = 64) -> None:
     """An empty corpus packs into rows with nothing to predict (and takes ages to pack): refuse it rather than
-    'train' at loss 0. The first `sample` documents tell, without reading a large corpus."""
-    n = min(len(documents), sample)
-    if not any(documents[i] for i in range(n)):
-        where = f"data.paths {list(config.data.paths)}" if config.data.paths else f"data.source {config.data.source!r}"
-        what = "all empty" if n == len(documents) else f"empty (the first {n})"
+    'train' at loss 0. The first `sample` documents tell, without reading a large corpus (or stream)."""
+    first = list(itertools.islice(iter(documents), sample))  # (each read: a broken record stops the start now)
+    if not any(first):
+        where = (f"data.paths {list(config.data.paths)}" if config.data.paths else
+                 f"data.hf_dataset {config.data.hf_dataset!r}" if config.data.hf_dataset else
+                 f"data.source {config.data.source!r}")
+        what = "all empty" if len(first) < sample else f"empty (the first {sample})"
         raise ValueError(f"the training data has no text to learn from ({where}: its documents are {what})")
 
 

@@ -167,14 +167,14 @@ class Checkpointer:
             multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
         self.manager.reload()
 
-    def fall_back_before(self, first_bad: int, log) -> str:
-        """After the steps from `first_bad` on were not finite (guard.py): sets aside the checkpoints they spoiled
-        (step first_bad - 1 on: the step after each was not finite, whatever the learning rate) and says which
+    def fall_back_before(self, first_spoiled: int, log) -> str:
+        """After steps were not finite (guard.py): sets aside the checkpoints they spoiled (step first_spoiled on,
+        NonfiniteGuard.first_spoiled: the step after each was not finite, whatever the learning rate) and says which
         checkpoint a rerun continues from."""
         self.wait()
-        spoiled = [step for step in self.manager.all_steps() if step >= first_bad - 1]
+        spoiled = [step for step in self.manager.all_steps() if step >= first_spoiled]
         for step in spoiled:
-            self.set_aside(step, f"training from it was not finite at step {max(step + 1, first_bad)}", log)
+            self.set_aside(step, f"training from it was not finite at step {step + 1}", log)
         moved = (f"checkpoint {', '.join(map(str, spoiled))} (training from it was not finite) was moved to "
                  f"{self.run.damaged_checkpoints}; " if spoiled else "nothing from that step on was saved; ")
         newest = self.manager.latest_step()

@@ -13,7 +13,7 @@ and the loss is the token-weighted mean over all of them, so accumulation equals
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from diffjax import lora, sharding
 from diffjax.config import ModelConfig
-from diffjax.losses import chunked_loss_sum_and_count, loss_sum_and_count, mtp_targets, next_token_targets
-from diffjax.model import TransformerLM, layer_outputs
-from diffjax.model.facets import model_facets, output_names
+from diffjax.losses import chunked_loss_sum_and_count, loss_sum_and_count, next_token_targets
+from diffjax.model import TransformerLM, facets, layer_outputs
 from diffjax.ops.context_parallel import context_size, to_context_order
 from diffjax.state_layout import BASE_CHECKSUMS, OPT_STATE, PARAMS, RNG, STEP
 from diffjax.train import guard
@@ -56,34 +55,26 @@ def resolve_loss_chunk(loss_chunk: int | None, vocab_size: int) -> int:
     return loss_chunk
 
 
-def _loss_sum_and_count(graphdef, params, batch, loss_chunk: int, lambda_scale=None):
-    """The batch's loss sum and target count (lambda_scale: TransformerLM.hidden_states'); _forward's first two."""
-    return _forward(graphdef, params, batch, loss_chunk, lambda_scale)[:2]
-
-
-def _forward(graphdef, params, batch, loss_chunk: int, lambda_scale=None, outputs=layer_outputs.NOTHING,
-             predictions: bool = False):
-    """(loss sum, target count, the layers' outputs `outputs` asks for: diffjax.model.layer_outputs, and with
-    `predictions` the multi-token-prediction depths' loss sums and target counts, [K] each: None without). Targets
-    and weights are stated per position first, so that under a context axis every [B, T] array can be put in the
-    context layout (ops.context_parallel) together."""
+def _forward(graphdef, params, batch, loss_chunk: int, inputs=None, outputs=layer_outputs.NOTHING,
+             step_facets=()):
+    """(loss sum, target count, the layers' outputs `outputs` asks for (diffjax.model.layer_outputs), the facets'
+    loss terms (None: none)): the forward with the named `inputs` and those the facets make of the batch, then the
+    facets' losses (`step_facets`; their outputs kept past them: facets.added_losses). Targets and weights are stated
+    per position first, so that under a context axis every [B, T] array can be put in the context layout
+    (ops.context_parallel) together."""
     model = nnx.merge(graphdef, params)
     targets_BT, weights_BT = next_token_targets(batch["tokens"], batch.get("segment_ids"), batch.get("loss_mask"))
     context = context_size()
     tokens_BT, positions_BT, segment_ids_BT, targets_BT, weights_BT = (
         None if x is None else to_context_order(x, context)
         for x in (batch["tokens"], batch["positions"], batch.get("segment_ids"), targets_BT, weights_BT))
-    hidden_BTD, _, emitted = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, lambda_scale=lambda_scale,
-                                                 outputs=outputs)
+    inputs = {**(inputs or {}), **facets.batch_inputs(step_facets, batch)}
+    hidden_BTD, _, emitted = model.hidden_states(tokens_BT, positions_BT, segment_ids_BT, outputs=outputs,
+                                                 inputs=inputs)
     loss_sum, count = _loss(model, hidden_BTD, targets_BT, weights_BT, loss_chunk)
-    if not (predictions and model.config.mtp_depths):
-        return loss_sum, count, emitted, None
-    inputs_KBT, targets_KBT, weights_KBT = (
-        jax.vmap(lambda x: to_context_order(x, context))(x)
-        for x in mtp_targets(batch["tokens"], batch.get("segment_ids"), batch.get("loss_mask"), model.config.mtp_depths))
-    hiddens = model.mtp_hidden_states(hidden_BTD, inputs_KBT, positions_BT, segment_ids_BT)
-    depths = [_loss(model, h_BTD, t_BT, w_BT, loss_chunk) for h_BTD, t_BT, w_BT in zip(hiddens, targets_KBT, weights_KBT)]
-    return loss_sum, count, emitted, tuple(jnp.stack(values) for values in zip(*depths))
+    added, emitted = facets.added_losses(step_facets, emitted, batch,
+                                         lambda h_BTD, t_BT, w_BT: _loss(model, h_BTD, t_BT, w_BT, loss_chunk))
+    return loss_sum, count, emitted, added
 
 
 def _loss(model, hidden_BTD, targets_BT, weights_BT, loss_chunk: int):
@@ -100,24 +91,20 @@ def _model_params(params, frozen, lora_config: lora.LoraConfig | None):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, model_config: ModelConfig,
-                    mesh: Mesh | None = None, on_nonfinite: str = "stop", loss_chunk: int | None = None,
-                    lambda_schedule: Callable | None = None, lora_config: lora.LoraConfig | None = None):
+                    mesh: Mesh | None = None, on_nonfinite: str = "stop", loss_chunk: int | None = None, run=None,
+                    lora_config: lora.LoraConfig | None = None):
     """step(state, batch) -> (state, metrics); jit it with the state donated. With a mesh, the model's
     activations are constrained by the logical-axis rules. metrics["ok"]: the step was finite; with
     on_nonfinite="skip" a step that was not leaves params and optimizer state unchanged (guard.py).
     loss_chunk: tokens per chunk of the loss (train.loss_chunk; None: resolve_loss_chunk's auto).
-    lambda_schedule: step -> the factor on lambda (optimizer.lambda_scale; logged as metrics["lambda_scale"]).
+    run: the run's config (diffjax.train.config.RunConfig), for the facets that read their kind's run settings.
     lora_config: LoRA on (state["params"] the trainable part): step(state, batch, frozen), frozen the rest of the base.
-    The facets of the model's kinds (diffjax.model.facets) add to each step: the layer outputs they ask for are
-    collected over the micro-batches, then each facet's check, update after the optimizer's (not under LoRA) and
-    metrics run."""
+    The facets of the model's rows (diffjax.model.facets) add to each step: their inputs of the forward (logged as
+    metrics when they are the step's), their loss terms, and the layer outputs they ask for, collected over the
+    micro-batches; then each facet's check, update after the optimizer's (not under LoRA) and metrics run."""
     loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
-    facets = model_facets(model_config)
-    # The MTP depths' mean loss joins the main loss times mtp_loss_weight; both are sums over the step's targets
-    # divided by its main target count (depth k counts k fewer per document), so accumulation stays one big batch.
-    depths = model_config.mtp_depths
-    mtp_weight = model_config.mtp_loss_weight / max(depths, 1)
-    request = layer_outputs.Request(output_names(facets))
+    step_facets = facets.model_facets(model_config, run)
+    request = layer_outputs.Request(facets.output_names(step_facets))
 
     def train_step(state, batch, frozen=None):
         with sharding.activation_sharding(mesh):
@@ -125,50 +112,43 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
     def _train_step(state, batch, frozen):
         params = state[PARAMS]
-        scale = None if lambda_schedule is None else lambda_schedule(state[STEP])
+        inputs = facets.step_inputs(step_facets, state[STEP])
 
         def loss_and_aux(p, micro):
-            loss_sum, count, outputs, predicted = _forward(graphdef, _model_params(p, frozen, lora_config), micro,
-                                                           loss_chunk, scale, request, predictions=True)
-            objective = loss_sum if predicted is None else loss_sum + mtp_weight * jnp.sum(predicted[0])
-            return objective, (loss_sum, count, outputs, predicted)
+            loss_sum, count, outputs, added = _forward(graphdef, _model_params(p, frozen, lora_config), micro,
+                                                       loss_chunk, inputs, request, step_facets)
+            return loss_sum if added is None else loss_sum + added, (loss_sum, count, outputs)
 
         grad_fn = jax.value_and_grad(loss_and_aux, has_aux=True)
 
         def accumulate(carry, micro):
-            grads_sum, loss_sum, count, depth_sums = carry
-            (_, (micro_loss, micro_count, outputs, predicted)), grads = grad_fn(params, micro)
+            grads_sum, loss_sum, count = carry
+            (_, (micro_loss, micro_count, outputs)), grads = grad_fn(params, micro)
             grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
-            depth_sums = depth_sums if predicted is None else jax.tree.map(jnp.add, depth_sums, predicted)
-            return (grads_sum, loss_sum + micro_loss, count + micro_count, depth_sums), outputs
+            return (grads_sum, loss_sum + micro_loss, count + micro_count), outputs
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        no_depths = (jnp.zeros(depths, jnp.float32),) * 2
-        (grads_sum, loss_sum, count, depth_sums), outputs = jax.lax.scan(
-            accumulate, (zeros, jnp.float32(0), jnp.float32(0), no_depths), batch)
+        (grads_sum, loss_sum, count), outputs = jax.lax.scan(accumulate, (zeros, jnp.float32(0), jnp.float32(0)), batch)
         outputs = layer_outputs.combine(outputs)  # the step's micro-batches together
         denominator = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denominator).astype(p.dtype), grads_sum, params)
         updates, opt_state = tx.update(grads, state[OPT_STATE], params)
         new_params = optax.apply_updates(params, updates)
         if lora_config is None:  # (with LoRA the base is frozen)
-            for facet in facets:
+            for facet in step_facets:
                 new_params = facet.after_update(new_params, outputs)
         loss, grad_norm = loss_sum / denominator, optax.tree.norm(grads)
         ok = guard.step_ok(loss, grad_norm, optax.tree.norm(updates))
-        for facet in facets:
+        for facet in step_facets:
             facet_ok = facet.step_ok(outputs)
             ok = ok if facet_ok is None else ok & facet_ok
         if on_nonfinite == "skip":
             new_params, opt_state = guard.keep_old_if_bad(ok, (new_params, opt_state), (params, state[OPT_STATE]))
         metrics = {"loss": loss, "grad_norm": grad_norm, "ok": ok, "lr": schedule(state[STEP]), "loss_tokens": count}
-        for facet in facets:
+        for facet in step_facets:
             metrics.update(facet.metrics(outputs, lambda: nnx.merge(graphdef, _model_params(new_params, frozen,
                                                                                            lora_config))))
-        for k in range(depths):  # each depth's mean loss
-            metrics[f"mtp_loss/depth_{k + 1}"] = depth_sums[0][k] / jnp.maximum(depth_sums[1][k], 1.0)
-        if scale is not None:
-            metrics["lambda_scale"] = scale
+        metrics.update(inputs)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state[RNG]))[0])
         new_state = {**state, PARAMS: new_params, OPT_STATE: opt_state, STEP: state[STEP] + 1, RNG: rng}
         return new_state, metrics
@@ -176,13 +156,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     return train_step
 
 
-def make_eval_step(graphdef, mesh: Mesh | None = None, loss_chunk: int = 0, lora_config: lora.LoraConfig | None = None):
-    """eval_step(params, batch[B, T], lambda_scale=None, frozen=None) -> (loss sum, counted tokens); loss_chunk as
-    resolve_loss_chunk gives, lambda_scale as TransformerLM.hidden_states takes it; frozen: with LoRA, the frozen base."""
+def make_eval_step(graphdef, mesh: Mesh | None = None, loss_chunk: int = 0, lora_config: lora.LoraConfig | None = None,
+                   model_config: ModelConfig | None = None, run=None):
+    """eval_step(params, batch[B, T], step=None, frozen=None) -> (loss sum, counted tokens) of the main loss; loss_chunk
+    as resolve_loss_chunk gives; step: the optimizer step the model computes as (an int32 scalar: the facets' inputs
+    at that step, diffjax.model.facets; None: none, the model as it is); frozen: with LoRA, the frozen base. The facets
+    are model_config's with the run's settings (None: none)."""
+    step_facets = () if model_config is None else facets.model_facets(model_config, run)
 
-    def eval_step(params, batch, lambda_scale=None, frozen=None):
+    def eval_step(params, batch, step=None, frozen=None):
+        inputs = {} if step is None else facets.step_inputs(step_facets, step)
         with sharding.activation_sharding(mesh):
-            return _loss_sum_and_count(graphdef, _model_params(params, frozen, lora_config), batch, loss_chunk, lambda_scale)
+            return _forward(graphdef, _model_params(params, frozen, lora_config), batch, loss_chunk, inputs)[:2]
 
     return eval_step
 
@@ -205,20 +190,21 @@ class ShardedTraining:
         return NamedSharding(self.mesh, P())
 
     def jit_train_step(self, tx, schedule, model_config: ModelConfig, on_nonfinite: str = "stop",
-                       loss_chunk: int | None = None, lambda_schedule: Callable | None = None):
-        """Jitted (state, batch) -> (state, metrics), donating the state; with LoRA (state, batch, frozen)."""
-        step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh, on_nonfinite, loss_chunk,
-                               lambda_schedule, self.lora)
+                       loss_chunk: int | None = None, run=None):
+        """Jitted (state, batch) -> (state, metrics), donating the state; with LoRA (state, batch, frozen). run: the
+        run's config (make_train_step)."""
+        step = make_train_step(self.graphdef, tx, schedule, model_config, self.mesh, on_nonfinite, loss_chunk, run,
+                               self.lora)
         frozen = (self.frozen_shardings,) if self.lora is not None else ()
         return jax.jit(step, in_shardings=(self.state_shardings, self.step_batch_sharding, *frozen),
                        out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
 
-    def jit_eval_step(self, model_config: ModelConfig, loss_chunk: int | None = None):
-        """Jitted (params, batch, lambda_scale) -> (loss sum, counted tokens); lambda_scale a float32 scalar;
-        with LoRA (params, batch, lambda_scale, frozen)."""
+    def jit_eval_step(self, model_config: ModelConfig, loss_chunk: int | None = None, run=None):
+        """Jitted (params, batch, step) -> (loss sum, counted tokens); step an int32 scalar (make_eval_step); with
+        LoRA (params, batch, step, frozen)."""
         loss_chunk = resolve_loss_chunk(loss_chunk, model_config.vocab_size)
         frozen = (self.frozen_shardings,) if self.lora is not None else ()
-        return jax.jit(make_eval_step(self.graphdef, self.mesh, loss_chunk, self.lora),
+        return jax.jit(make_eval_step(self.graphdef, self.mesh, loss_chunk, self.lora, model_config, run),
                        in_shardings=(self.state_shardings[PARAMS], self.eval_batch_sharding, self.replicated, *frozen),
                        out_shardings=self.replicated)
 

@@ -25,10 +25,11 @@ def cell(text: str) -> str:
     return html.escape(str(text), quote=False).replace("|", "\\|")
 
 
-def code(value) -> str:
+def code(value, *, unbroken: bool = False) -> str:
     """Code in a table cell: an HTML element with pipes and backslashes as entities (a Markdown code span would show
-    an escaped pipe as written)."""
-    return "<code>" + html.escape(str(value), quote=False).replace("|", "&#124;").replace("\\", "&#92;") + "</code>"
+    an escaped pipe as written); `unbroken`: never wrapped (the theme breaks code anywhere, `vocab_siz|e`)."""
+    start = '<code style="white-space: nowrap">' if unbroken else "<code>"
+    return start + html.escape(str(value), quote=False).replace("|", "&#124;").replace("\\", "&#92;") + "</code>"
 
 
 def key_table(keys, *, strip: str) -> list[str]:
@@ -36,7 +37,7 @@ def key_table(keys, *, strip: str) -> list[str]:
     for key in keys:
         default = "(required)" if key.default is dataclasses.MISSING else code(repr(key.default))
         allowed = ", ".join(code(name) for name in key.allowed) if key.allowed else ""
-        rows.append(f"| {code(key.name[len(strip):])} | {code(key.type)} | {default} | {allowed} | "
+        rows.append(f"| {code(key.name[len(strip):], unbroken=True)} | {code(key.type)} | {default} | {allowed} | "
                     f"{cell(key.description)} |")
     return rows + [""]
 
@@ -89,7 +90,7 @@ def kinds_table(part: str) -> str:
                  "|---|---|---|---|---|---|---|---|"]
         for row in rows:
             options = f"`{row.options.__name__}`" if row.options else ""
-            hf = ", ".join(f.label for f in formats.rows() if row.name in f.attention)  # the formats holding it
+            hf = ", ".join(f.label for f in formats.rows() if f.holds_value("attention", row.name))  # the formats holding it
             modules = ", ".join(module for module, name in unilm.MODULES.items() if name == row.name)
             lines.append(f"| `{row.name}` | {cell(row.label)} | {row.maps} | {row.value_width} | "
                          f"{cell(row.lambda_form)} | {cell(hf)} | {cell(modules)} | {options} |")

@@ -134,7 +134,7 @@ class AttentionModule(nnx.Module):
 
     def lambdas(self, x_BTD, constants) -> tuple:
         """op_arguments with lambda times constants["lambda_scale"] when there is one (a float32 scalar in [0, 1]:
-        the trainer's lambda warm-up), in lambda's dtype."""
+        the lambda warm-up's forward input, diffjax.model.attention.warmup), in lambda's dtype."""
         arguments = self.op_arguments(x_BTD, constants)
         scale = constants.get("lambda_scale")
         if scale is None or not arguments:

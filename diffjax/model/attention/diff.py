@@ -13,7 +13,7 @@ from flax import nnx
 
 from diffjax.config import ModelConfig
 from diffjax.model.attention.base import AttentionModule
-from diffjax.model.facets import Facet
+from diffjax.model.attention.warmup import LambdaWarmup
 from diffjax.model.layers import normal_param, ones_param, rms_normalize
 from diffjax.model.rope import apply_rope
 from diffjax.sharding import constrain
@@ -107,10 +107,11 @@ class DiffAttention(AttentionModule):
         return self._out_projection(o_BTHv, dtype)
 
 
-class LambdaMetrics(Facet):
-    """V1's training side (its rows' facet, with Shared DIFF's and GDA's): lambda per layer in each step's metrics
-    ("lambda" [L], float32, from the step's new params: TransformerLM.layer_lambdas) and in metrics.jsonl
-    (lambda/layer_i)."""
+class LambdaMetrics(LambdaWarmup):
+    """V1's training side (its rows' facet, with Shared DIFF's and GDA's): the lambda warm-up (LambdaWarmup), and
+    lambda per layer in each step's metrics ("lambda" [L + MTP depths], float32, from the step's new params:
+    TransformerLM.layer_lambdas) and in metrics.jsonl (lambda/layer_i; the MTP depths' layers numbered on from the
+    model's)."""
 
     def metrics(self, outputs, model):
         return {"lambda": model().layer_lambdas()}

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffjax.kinds import layer_segments
+from diffjax.kinds import param_stacks
 from diffjax.model.facets import Facet
 
 OUTPUT = "router"  # the name of routing_stats on the layer output channel
@@ -71,10 +71,10 @@ def balanced_expert_bias(bias_LE, tokens_LE, coeff: float):
 
 def rebalance_expert_biases(params: dict, tokens_LE, config, layers: tuple[int, ...], coeff: float) -> dict:
     """params with the expert_bias of every MoE layer (`layers`, in order: tokens_LE's rows, the tokens each expert got
-    in the step, summed over the global batch) moved by balanced_expert_bias; each stack of those layers (a segment:
-    diffjax.kinds.layer_segments) updated whole."""
+    in the step, summed over the global batch) moved by balanced_expert_bias; each stack of those layers (a segment of
+    the layers or the MTP depths': diffjax.kinds.param_stacks) updated whole."""
     params, row = dict(params), 0
-    for segment in layer_segments(config):
+    for segment in param_stacks(config):
         if segment.start not in layers:
             continue
         block, tokens_le = params[segment.name], tokens_LE[row:row + segment.num_layers]
@@ -120,13 +120,14 @@ class RouterTraining(Facet):
     """The MoE's training side: its layers' routing_stats collected each step; after the optimizer update the
     selection biases move toward balance (options.load_balance_coeff; rebalance_expert_biases); metrics["router"]
     and its values and histograms; a step with a non-finite router logit is not ok (the stop names the layer); a
-    router that collapsed for options.collapse_steps steps stops the run; parallel.expert must divide num_experts."""
+    router that collapsed for options.collapse_steps steps stops the run; parallel.expert must divide num_experts.
+    Its layers are every layer built with the MoE (an MoE MTP depth's too: layer num_layers + k - 1)."""
 
     outputs = (OUTPUT,)
 
-    def __init__(self, config, layers):
-        super().__init__(config, layers)
-        self.options = config.mlp_options
+    def __init__(self, config, layers, run=None):
+        super().__init__(config, layers, run)
+        self.options = self.layer_config.mlp_options
         self.collapsed_since: dict[int, tuple] = {}  # layer -> (first step, experts) of its collapsed stretch
 
     def step_ok(self, outputs):

@@ -50,7 +50,7 @@ d and dv are each 64, 128 or 192 (SINGLE_HEAD_DIMS says why), Motif 3's GDLA's 1
 only the forward's output staging depends on the pair (the query tile when dv == d, else a V ring slot,
 free once both consumers are past their last step).
 
-The single-map backward consumers (dq.single_step, dkdv.single_step) take each streamed step in 64-row sub-tiles
+The single-map backward consumers (dq.single_step, dkdv._single_step) take each streamed step in 64-row sub-tiles
 (dq: 64 keys, dk/dv: 64 queries; a loop, not unrolled, over a 128-row block's two), so the live set beside the fp32
 accumulators is one sub-tile's S and dP (32 registers each) at any block size. A 128-row step used to hold two
 64 x 128 fp32 tiles (64 registers each) beside dK and dV (128): ptxas spilled 1.8 KB a thread and serialized every
@@ -102,7 +102,9 @@ from diffjax.ops.pallas_gpu.common import (
 from diffjax.ops.pallas_gpu.dkdv import _dkdv, _exchange_bytes
 from diffjax.ops.pallas_gpu.dq import _dq
 from diffjax.ops.pallas_gpu.forward import _forward
+from diffjax.ops.pallas_gpu.tuning_table import swept_tuning
 from diffjax.ops.reference import check_window, split_segment_ids
+from diffjax.ops.target import interpreted
 
 __all__ = ["SINGLE_HEAD_DIMS", "Tuning", "default_tuning", "diff_attention_pallas_gpu", "dot_product_attention_pallas_gpu",
            "unsupported"]
@@ -170,12 +172,8 @@ def unsupported(q, k, v, tuning=None) -> str | None:
 
 def default_tuning(d, dv, G, dtype, single: bool = False, swept: bool = True) -> Tuning:
     """The sweep's measured best for the shape class where its table has one that fits (swept; see
-    choice.swept_tuning), else the largest block of each kernel (128 or 64) whose shared memory fits and whose
+    tuning_table.swept_tuning), else the largest block of each kernel (128 or 64) whose shared memory fits and whose
     consumers ptxas compiles without spilling in their step (`_spills`), with 2 stages."""
-    from diffjax.ops.choice import (
-        swept_tuning,  # same layer; choice imports this module lazily too
-    )
-
     fields = swept_tuning(d, dv, single, dtype) if swept else None
     if fields is not None and set(fields) <= set(Tuning._fields):
         bs = Tuning(**fields)
@@ -263,7 +261,7 @@ def _fused(q_BTHMd, k_BSKGd, v_BSKv, lam_BTH, single, causal, segment_ids, scale
     st = _Static(
         G=G, R=H // K, T=T, S=S, Sp=Sp, bq=bs.block_q, bk=bs.block_k, bk_dq=bs.block_k_dq, bq_bwd=bs.block_q_bwd, stages=bs.stages, pingpong=bool(bs.pingpong),
         causal=bool(causal), scale=float(d**-0.5 if scale is None else scale), has_seg=q_seg is not None,
-        interpret=(jax.default_backend() != "gpu") if interpret is None else bool(interpret), single=single,
+        interpret=interpreted("gpu") if interpret is None else bool(interpret), single=single,
         traced_offset=bool(causal) and q_offset is not None, window=_window(window, causal), dkdv=bs.dkdv,
     )
     offset = jnp.full((1,), q_offset, jnp.int32) if st.traced_offset else None

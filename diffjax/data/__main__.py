@@ -1,29 +1,30 @@
-"""`python -m diffjax.tokenizers train-sentencepiece --output tok.model --vocab-size 8000 [--source ...]`"""
-
-# This command reads its corpus through diffjax.data, which sits above the tokenizers (a DataConfig names its
-# tokenizer): it imports data when it runs, so that the tokenizers package never imports it.
+"""`python -m diffjax.data train-sentencepiece --output tok.model --vocab-size 8000 [--source ...]`: a tokenizer
+trained on a corpus as data.source reads it (the data layer stands above the tokenizers: a DataConfig names its
+tokenizer)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from diffjax import command_line
+from diffjax.data.config import DATA_SOURCES, DataConfig
+from diffjax.data.sources import open_documents
 from diffjax.tokenizers.sentencepiece_tokenizer import train_sentencepiece
 
 
 def main(argv: list[str] | None = None) -> int:
-    from diffjax.data.config import DATA_SOURCES, DataConfig
-    from diffjax.data.sources import open_documents
-
-    parser = argparse.ArgumentParser(prog="python -m diffjax.tokenizers", description=__doc__)
+    parser = command_line.ArgumentParser(prog="python -m diffjax.data", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train-sentencepiece", help="train a SentencePiece model on a corpus")
     train.add_argument("--output", required=True, help="the .model file to write")
     train.add_argument("--vocab-size", type=int, required=True, help="pieces in the vocabulary (e.g. 8000)")
     train.add_argument("--source", choices=DATA_SOURCES, default="builtin", help="as data.source in the trainer config")
     train.add_argument("--paths", nargs="*", default=(), help="files or glob patterns (text, jsonl, parquet)")
-    train.add_argument("--text-field", default="text", help="jsonl / parquet: the field holding a document's text")
+    train.add_argument("--text-field", default="text", help="jsonl / parquet / hf: the field holding a document's text")
+    train.add_argument("--hf-dataset", help="--source hf: a Hub dataset name (org/name) or a local dataset directory")
+    train.add_argument("--hf-config", help="--source hf: the dataset's configuration (subset), if it has several")
+    train.add_argument("--hf-split", default="train", help="--source hf: the split to read (default train)")
     train.add_argument("--max-documents", type=int, default=None, help="train on the first N documents only")
     train.add_argument("--model-type", choices=("bpe", "unigram", "char", "word"), default="bpe",
                        help="SentencePiece's model type (default bpe)")
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        config = DataConfig(source=args.source, paths=tuple(args.paths), text_field=args.text_field)
+        hf = dict(hf_dataset=args.hf_dataset, hf_config=args.hf_config, hf_split=args.hf_split) if args.source == "hf" else {}
+        config = DataConfig(source=args.source, paths=tuple(args.paths), text_field=args.text_field, **hf)
     except ValueError as e:
         parser.error(str(e))
     try:
@@ -64,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line.run(main, "python -m diffjax.data")
