@@ -3,12 +3,11 @@
     python benchmarks/step_tail.py compile --out DIR [--kind transformer] [KEY=VALUE ...]   # deviceless H100
     python benchmarks/step_tail.py compare BEFORE.txt.gz AFTER.txt.gz [--capture PROFILE.json] [--out FILE.md]
 
-`compile`: paper/diff-1.4b's (--kind transformer: its twin's) train step as the 2026-11-27 capture ran it (seq 4096, micro-batch 8, remat
-attention, bf16, impl auto, the chunked loss; KEY=VALUE: ModelConfig fields, e.g. remat=minimal) compiled by XLA's
-deviceless CUDA path for an H100 (the topology benchmarks/kernel_resources.py builds; needs JAX's CUDA plugin at
-jax's version and a ptxas: `pip install "jax-cuda12-plugin==$JAX" "jax-cuda12-pjrt==$JAX" nvidia-cuda-nvcc-cu12`,
-a separate venv will do). The attention ops route as on an H100 and the Mosaic GPU kernels compile (not
-interpreted). Writes DIR/hlo.txt.gz (the optimized HLO) and DIR/tail.json (its tail, below).
+`compile`: paper/diff-1.4b's (--kind transformer: its twin's) train step as the 2026-11-27 capture ran it (seq
+4096, micro-batch 8, remat attention, bf16, impl auto, the chunked loss; KEY=VALUE: ModelConfig fields, e.g.
+remat=minimal) compiled for a deviceless H100 (`diffjax.ops.aot`: JAX's CUDA plugin at jax's version and a ptxas,
+`aot.missing("gpu")` names the pip command; run with JAX_PLATFORMS=cpu). The attention ops route as on an H100 and
+the Mosaic GPU kernels compile. Writes DIR/hlo.txt.gz (the optimized HLO) and DIR/tail.json (its tail, below).
 
 `compare`: two such HLOs' tails side by side. The tail: every op outside the matmuls and attention kernels,
 grouped as benchmarks/profile_table.py --by-source groups a trace (pass, runs per step: the loop, jax source),
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import gzip
 import json
 import statistics
@@ -44,36 +42,6 @@ PASSES = ("fwd", "bwd", "bwd remat")  # profile_table.step_pass's names
 # ------------------------------------------------------------------------------------------------ compile
 
 
-@contextlib.contextmanager
-def compiling_for_h100():
-    """Attention calls traced inside route as on an H100 and its Pallas kernels compile for it (not interpreted):
-    diffjax reads the platform from jax.default_backend(), which says "cpu" here."""
-    import jax
-
-    from diffjax.ops import choice
-
-    saved = jax.default_backend
-    jax.default_backend = lambda: "gpu"
-    try:
-        with choice.simulated_device(choice.DEVICES["h100"]):
-            yield
-    finally:
-        jax.default_backend = saved
-
-
-def h100_mesh():
-    """A one-device mesh of a deviceless H100 (XLA's CUDA compiler, no GPU)."""
-    import jax
-    from jax.experimental import topologies
-    from kernel_resources import H100_TARGET_CONFIG, toolchain_missing
-
-    if why := toolchain_missing():
-        raise SystemExit(why.replace("kernel_resources.py", "step_tail.py"))
-    topology = topologies.get_topology_desc(platform="cuda", topology_name="cuda", target_config=H100_TARGET_CONFIG,
-                                            topology="1x1x1")
-    return jax.sharding.Mesh(topology.devices[:1], ("data",))
-
-
 def compiled_step_hlo(overrides: dict, kind: str = "diff") -> tuple[str, dict]:
     """(the optimized HLO of paper/<kind>-1.4b's train step compiled for an H100, figures)."""
     import jax
@@ -84,11 +52,16 @@ def compiled_step_hlo(overrides: dict, kind: str = "diff") -> tuple[str, dict]:
     from diffjax.train.step import sharded_init
     from train_step import paper_twins
 
+    from diffjax.ops import aot
+
     config = paper_twins(CAPTURE["size"])[kind]
     config = config.replace(**{"remat": CAPTURE["remat"], "scan_layers": True, "attention_impl": CAPTURE["impl"],
                                "dtype": CAPTURE["dtype"], "max_seq_len": max(config.max_seq_len, CAPTURE["seq_len"]),
                                **overrides})
-    mesh = make_mesh(ParallelConfig(data=1), list(h100_mesh().devices.flat))
+    if why := aot.missing("gpu"):
+        raise SystemExit(f"step_tail.py: {why}")
+    target = aot.gpu_target(1, "h100")
+    mesh = make_mesh(ParallelConfig(data=1), list(target.devices))
     tx, schedule = make_optimizer(OptimizerConfig(), 1000)
     training, init = sharded_init(config, tx, mesh)
     abstract = jax.eval_shape(init, jax.random.key(0))
@@ -98,7 +71,7 @@ def compiled_step_hlo(overrides: dict, kind: str = "diff") -> tuple[str, dict]:
     tokens = jax.ShapeDtypeStruct((1, CAPTURE["micro_batch"], CAPTURE["seq_len"]), np.int32,
                                   sharding=training.step_batch_sharding)
     start = time.perf_counter()
-    with compiling_for_h100():
+    with aot.compile_for(target):
         compiled = step.lower(state, dict.fromkeys(("tokens", "segment_ids", "positions"), tokens)).compile()
     return compiled.as_text(), {"compile_s": time.perf_counter() - start, "config": config.to_dict()}
 
