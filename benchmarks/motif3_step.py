@@ -65,11 +65,13 @@ def plan(config: ModelConfig, seq_len: int, budget: float) -> dict:
     """memory_plan's full fine-tuning row for one device, one sequence (params, grads, moments, activations)."""
     params = memory_plan.abstract_params(config)
     return memory_plan.plan_row(config, params, memory_plan.Plan("slice", "this device", budget / GiB, {"data": 1},
-                                                                 "full", 1, seq_len))
+                                                                 "full", 1, seq_len, margin=1.0,
+                                                                 loss_chunk=LOSS_CHUNK))
 
 
 def choose_slice(base: ModelConfig, seq_len: int, budget: float, log=print) -> tuple[ModelConfig, list[dict]]:
-    """The slice with the most MoE layers whose plan fits 90% of `budget`, dense layers first (never fewer than
+    """The slice with the most MoE layers whose plan fits `budget` (the plan counts the loss's logits and the
+    activations compiled steps showed, compile_plan.md: no margin on top), dense layers first (never fewer than
     published), and every candidate's plan."""
     published = base.mlp_options.dense_first_layers
     rows, chosen = [], None

@@ -100,6 +100,10 @@ class PartKind:
     # (ModelConfig) -> (used, of): the share of the part's parameters on the "expert" logical axis one token uses (a
     # mixture of experts: top_k of num_experts); None: the part has none
     expert_share: Callable | None = None
+    # (ModelConfig, expert shards S) -> rows per token an expert-parallel dispatch buffer holds (ops/expert_parallel.py:
+    # S destinations x min(top_k, E / S) rows each, S times what a token sends), what a memory plan counts; None: the
+    # part dispatches nothing
+    dispatch_rows: Callable | None = None
 
 
 def choice_problems(options: Options) -> list[str]:

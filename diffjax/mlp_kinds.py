@@ -207,6 +207,7 @@ register(MLPKind(
     active_params=lambda c: _moe_params(c, c.mlp_options.top_k),
     activation_width=lambda c: _active_inner(c.mlp_options),
     expert_share=lambda c: (c.mlp_options.top_k, c.mlp_options.num_experts),
+    dispatch_rows=lambda c, shards: shards * min(c.mlp_options.top_k, c.mlp_options.num_experts // shards),
     options=MoEOptions,
     # gate / up / down: the shared expert's; "experts" (only when named): per-expert adapters of the routed experts.
     # expert_bias only selects (no gradient): never decayed; the facet moves it after each step (load_balance_coeff),

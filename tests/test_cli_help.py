@@ -22,10 +22,10 @@ SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["
 COMMANDS = {"diffjax.analysis.needles": None, "diffjax.analysis.recall": None, "diffjax.analysis.attention_scores": None,
             "diffjax.analysis.outliers": None, "diffjax.analysis.quantization": None, "diffjax.analysis.probe": None,
             "diffjax.eval": "diffjax-eval", "diffjax.generate": "diffjax-generate", "diffjax.convert": "diffjax-convert",
-            "diffjax.checkpoint": "diffjax-checkpoint", "diffjax.ops": None, "diffjax.data": None}
+            "diffjax.checkpoint": "diffjax-checkpoint", "diffjax.data": None}
 # Every command line's main: the console scripts' and the modules'.
 MAINS = {**{name: target for name, target in SCRIPTS.items()},
-         **{f"python -m {module}": f"{module}.__main__:main" if module in ("diffjax.ops", "diffjax.data")
+         **{f"python -m {module}": f"{module}.__main__:main" if module in ("diffjax.data",)
             else f"{module}:main" for module, script in COMMANDS.items() if script is None}}
 
 

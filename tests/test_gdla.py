@@ -317,9 +317,9 @@ def test_ops_route_of_the_published_shapes():
 
 @pytest.mark.parametrize("context", [1, 2])
 def test_the_shipped_config_previews_no_xla_call_but_decode_on_an_h100(context):
-    """`python -m diffjax.ops --config motif3/published --device h100 [--context 2]`'s routes: the train step and
+    """`diffjax-train --routes --config motif3/published --device h100 [parallel.context=2]`'s routes: the train step and
     the prefill, windowed and global layers, run the fused kernels (per query chunk over a context axis)."""
-    from diffjax.ops.__main__ import main
+    from diffjax.train.cli import main
     from diffjax.train.config import load_run_config
 
     run = load_run_config("motif3/published", [])
@@ -329,7 +329,7 @@ def test_the_shipped_config_previews_no_xla_call_but_decode_on_an_h100(context):
     for what, route in routes.items():
         expected = ("xla", False) if "decode" in what else ("pallas_gpu", context > 1 and "train" in what)
         assert (route.impl, route.context) == expected and not route.blockwise, (what, route)
-    assert main(["--config", "motif3/published", "--device", "h100", "--context", str(context)]) == 0
+    assert main(["--routes", "--config", "motif3/published", "--device", "h100", f"parallel.context={context}"]) == 0
 
 
 def _equations(jaxpr):

@@ -36,11 +36,7 @@ LAYERS = (
 
 # Imports that run up a layer, as (importer, imported), lazy ones and a __main__.py's included (a command line belongs
 # in the layer of what it runs).
-ALLOWED_UPWARD: set[tuple[str, str]] = {
-    # the kernel-route preview reads a run config's model (issue 61: the ops layer's command line moves up or stops)
-    ("diffjax.ops.__main__", "diffjax.model.sizes"),
-    ("diffjax.ops.__main__", "diffjax.train.config"),
-}
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 # Modules that import each other, directly or through others (lazy imports included), as sets.
 ALLOWED_CIRCLES: set[frozenset[str]] = set()

@@ -318,13 +318,13 @@ def _switches(path: Path) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("name,hf", [("published", PUBLISHED), ("small", {"model_type": "Motif", **small_config()})])
 def test_the_configs_are_the_published_and_small_config_json(name, hf):
-    """configs/motif3/*.yaml are what the converter reads from the config.json (scan_layers and the attention route
-    aside), and each documented switch turns its feature off alone in a config that builds."""
+    """configs/motif3/*.yaml are what the converter reads from the config.json (scan_layers, remat and the attention
+    route aside: how it runs), and each documented switch turns its feature off alone in a config that builds."""
     from diffjax.train.config import load_run_config
 
     path = CONFIGS / f"{name}.yaml"
     model = load_run_config(path, [f"model.vocab_size={hf['vocab_size']}"]).model
-    assert model.replace(scan_layers=False, attention_impl="auto") == config_from_hf(hf)
+    assert model.replace(scan_layers=False, attention_impl="auto", remat="none") == config_from_hf(hf)
     switches = _switches(path)
     assert set(switches) == {"mHC off", "window off", "dense only", "gate off", "YaRN off"}
     off = {name: load_run_config(path, [f"model.vocab_size={hf['vocab_size']}", *overrides]).model

@@ -257,10 +257,10 @@ def test_auto_logs_its_choice_once_and_warns_for_xla_on_an_accelerator(caplog):
 
 
 def test_the_command_prints_each_calls_choice(capsys):
-    from diffjax.ops.__main__ import main
+    from diffjax.train.cli import main
 
     configs = Path(__file__).resolve().parents[1] / "configs"
-    assert main(["--config", str(configs / "paper" / "diff-1.4b.yaml"), "--device", "h100"]) == 0
+    assert main(["--routes", "--config", str(configs / "paper" / "diff-1.4b.yaml"), "--device", "h100"]) == 0
     out = capsys.readouterr().out
     assert "train step (packed rows): diff_attention q [1, 2048, 8, 2, 128]" in out
     assert "-> pallas_gpu: fused Mosaic GPU kernel" in out and "-> xla: decode" in out
@@ -268,24 +268,24 @@ def test_the_command_prints_each_calls_choice(capsys):
     prefill = out[out.index("generation prefill"):]
     assert "\n    -> fwd: pallas_gpu: fused Mosaic GPU kernel, measured faster fwd" in prefill
     assert "\n    -> fwd+bwd: cudnn: cuDNN flash composition, measured faster fwd+bwd" in prefill
-    assert main(["--config", str(configs / "tiny.yaml"), "--device", "a100", "model.attention=standard",
+    assert main(["--routes", "--config", str(configs / "tiny.yaml"), "--device", "a100", "model.attention=standard",
                  "model.dtype=bfloat16"]) == 0
     assert "dot_product_attention q [1, 128, 4, 32]" in capsys.readouterr().out
 
 
 def test_the_command_previews_the_context_and_blockwise_routes(capsys):
-    """--context 2 --window 256 (layer 0 global), 4096 tokens, on an H100, a TPU v5p and a CPU: the train step's
+    """parallel.context=2 model.attention_window=256 (layer 0 global), 4096 tokens, on an H100, a TPU v5p and a CPU: the train step's
     route over the context axis (fused kernels with a query offset, or blockwise XLA), the prefill's without one."""
     config = str(Path(__file__).resolve().parents[1] / "configs" / "paper" / "diff-1.4b.yaml")
 
     def routes(device):
-        assert main(["--config", config, "--device", device, "--context", "2", "--window", "256",
+        assert main(["--routes", "--config", config, "--device", device, "parallel.context=2", "model.attention_window=256",
                      "model.global_layers=[0]", "data.seq_len=4096", "model.max_seq_len=4096"]) == 0
         out = capsys.readouterr().out
         assert "window 256, context axis of 2" in out
         return dict(re.findall(r"^  (\S[^:]*): .*\n    -> (?:fwd: )?([^:]*):", out, re.MULTILINE))  # (the forward's)
 
-    from diffjax.ops.__main__ import main
+    from diffjax.train.cli import main
 
     chunked, blockwise = "per query chunk over the context axis", "xla blockwise per query chunk over the context axis"
     assert routes("h100") == {

@@ -45,14 +45,18 @@ def test_a_hooks_line_and_the_sigint_message_do_not_share_the_bars_line(tmp_path
 def test_the_mtp_depths_losses_stand_beside_the_main_loss(monkeypatch):
     """Issue 62 item 8: the depths' losses were in metrics.jsonl only; the line and the bar show them after the
     main loss, depth 1 first."""
+    from diffjax.config import ModelConfig
+    from diffjax.model.facets import model_facets
     from diffjax.train.progress import Progress
 
+    facets = model_facets(ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, mtp_depths=2))
+    shown = lambda values: {k: v for facet in facets for k, v in facet.shown(values).items()}  # as hooks.py gives it
     lines = []
     values = {"loss": 2.5, "grad_norm": 1.0, "lr": 1e-3, "mtp_loss/depth_2": 3.25, "mtp_loss/depth_1": 2.75}
-    Progress("lines", 0, 100, 2048, lines.append).update(10, values)
+    Progress("lines", 0, 100, 2048, lines.append, shown).update(10, values)
     assert lines == ["step  10/100 | loss 2.5000 | mtp 2.7500 3.2500 | grad norm 1.000 | lr 1.00e-03"]
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    bar = Progress("bar", 0, 100, 2048, lines.append)
+    bar = Progress("bar", 0, 100, 2048, lines.append, shown)
     bar.update(10, values)
     assert bar.bar.postfix == "loss=2.5000, mtp=2.7500 3.2500"
     bar.close()

@@ -32,6 +32,8 @@ so a facet states only what its kind needs:
     stop(step, metrics)        why the run must stop now (one line), or None: a guard. Facets are built once per
                                run, so a guard may count steps
     nonfinite_reasons(metrics) what is added to the message of a non-finite stop ("; ...")
+    shown(values)              {label: text} the progress display shows beside the loss (values: the step's
+                               floats as metrics.jsonl has them)
   When the mesh is made:
     mesh_problems(mesh_shape)  [one line per problem] with this mesh ({axis: size})
 
@@ -94,6 +96,9 @@ class Facet:
 
     def nonfinite_reasons(self, metrics: Mapping) -> str:
         return ""
+
+    def shown(self, values: Mapping[str, float]) -> dict[str, str]:
+        return {}
 
     def mesh_problems(self, mesh_shape: Mapping[str, int]) -> list[str]:
         return []

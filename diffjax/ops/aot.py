@@ -68,6 +68,11 @@ dnn_version_info { major: 9 minor: 8 patch: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """,
 }
+# An H200 is an H100's SM90 with 141 GB of HBM3e at 4.8 TB/s (NVIDIA's data sheet: 143,771 MiB as the driver reports).
+GPU_TARGET_CONFIGS["h200"] = (GPU_TARGET_CONFIGS["h100"]
+                              .replace("memory_bandwidth: 3352320000000", "memory_bandwidth: 4800000000000")
+                              .replace("device_memory_size: 84942979072", "device_memory_size: 150754820096")
+                              .replace("NVIDIA H100 80GB HBM3", "NVIDIA H200"))
 # The custom call each platform's Pallas kernels compile to (compiled HLO text).
 KERNEL_CALL_TARGETS = {"tpu": "tpu_custom_call", "gpu": "mosaic_gpu"}
 

@@ -1,7 +1,7 @@
 """The route of an attention call, and why: which impl runs it, whether per query chunk over the mesh's context
 axis, whether the XLA path runs blockwise. A pure function of the call's shapes, the context axis' size and the
-device, so "what would `auto` do on an H100 for these shapes" needs no H100 (`python -m diffjax.ops --config ...
---device h100 --context 2` prints it for a model's every attention call).
+device, so "what would `auto` do on an H100 for these shapes" needs no H100 (`diffjax-train --routes --config ...
+--device h100 parallel.context=2` prints it for a model's every attention call).
 
 `choose(call, impl, device) -> Route`; an explicit impl that cannot run the call is a ValueError naming the impl,
 the shapes and what to use instead. diffjax.ops' diff_attention / dot_product_attention (and so the KV cache's

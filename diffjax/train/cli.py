@@ -14,6 +14,17 @@ Ctrl-C saves a checkpoint of the current step before exiting. Keys: `diffjax-tra
 --plan prints the run's memory per device on its mesh and a device (params, gradients, optimizer state, an
 activations estimate), tokens per step, whether it fits and the largest micro-batch that does, and on this machine's
 own kind of device (a CPU: the mesh's devices simulated) the compiled train step's memory; exit 0 fits, 1 does not.
+
+    diffjax-train --plan --compile --topology v5p-8 --config paper/diff-1.4b   # compiled for a TPU, here
+
+--plan --compile --topology compiles the real train step for that hardware on this machine (libtpu for TPUs, JAX's
+CUDA plugin for GPUs: nothing runs, nothing is allocated) and prints XLA's memory per device beside the plan, the
+collectives and FLOPs of a step, and where it does not fit, a change that does, checked by compiling it.
+
+    diffjax-train --routes --device h100 --config paper/diff-1.4b parallel.context=2   # which kernel runs each call
+
+--routes prints how each attention call of the model (the train step's, a generation prefill's and decode step's)
+runs on a device and why: the impl `auto` picks in each pass, per query chunk over the context axis or not.
 """
 
 from __future__ import annotations
@@ -28,7 +39,8 @@ from diffjax.train.config_files import DEFAULT
 
 # --plan's devices and their memory as sold, in GB: diffjax.train.plan.DEVICE_MEMORY's (named here so that --help
 # loads no jax; tested equal)
-DEVICE_GB = {"h100": 80, "h200": 141, "a100": 80, "a100-40": 40, "l4": 24, "v5p": 95, "v5e": 16, "v6e": 32}
+DEVICE_GB = {"h100": 80, "h200": 141, "a100": 80, "a100-40": 40, "l4": 24, "v4": 32, "v5p": 95, "v5e": 16,
+             "v6e": 32}
 DEVICE_NAMES = ("cpu", *DEVICE_GB)
 
 
@@ -51,16 +63,24 @@ def main(argv=None) -> int:
                              "allowed values and meaning, then exit")
     parser.add_argument("--plan", action="store_true",
                         help="print the run's memory per device and whether it fits --device, then exit (trains nothing)")
+    parser.add_argument("--routes", action="store_true",
+                        help="print how each attention call of the model runs on --device and why (the impl auto "
+                             "picks per pass), then exit")
     parser.add_argument("--device", choices=DEVICE_NAMES,
-                        help="with --plan: the device to plan for, one memory size each ("
+                        help="with --plan or --routes: the device to plan or route for, one memory size each ("
                              + ", ".join(f"{name} {gb} GB" for name, gb in DEVICE_GB.items())
                              + "; default cpu: this machine's memory)")
     parser.add_argument("--devices", type=command_line.positive_int, metavar="N",
                         help="with --plan: devices in all, for a mesh axis of -1 (default: the other axes' product)")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --plan --topology: compile the real train step for that hardware on this machine "
+                             "and print XLA's memory, collectives and FLOPs per device beside the plan")
+    parser.add_argument("--topology", metavar="NAME",
+                        help="with --plan --compile: the hardware, as its vendor names it: v5e-8, v5p-128, v6e-256, "
+                             "v4-32, 2xv5p-256 (2 slices), h100x8, h100x64, h200x8")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. optim.lr=3e-4")
     args = parser.parse_intermixed_args(argv)  # --config may come after the overrides
-    if (args.device is not None or args.devices is not None) and not args.plan:
-        parser.error("--device and --devices go with --plan")
+    _check_together(parser, args)
 
     from diffjax.train.config import load_run_config  # (no jax: --help-keys loads none)
 
@@ -74,6 +94,13 @@ def main(argv=None) -> int:
 
         print(describe_keys(config))
         return 0
+    if args.routes:
+        from diffjax.train.route_preview import describe_routes
+
+        print(describe_routes(config, args.device))
+        return 0
+    if args.plan and args.topology:
+        return _plan_compiled(args, config)
     if args.plan:
         return _plan(config, args.device or "cpu", args.devices)
     from diffjax.log_lines import print_package_logs
@@ -103,6 +130,36 @@ def main(argv=None) -> int:
     if result.interrupted:
         return 128 + signal.Signals[result.interrupted].value
     return 0
+
+
+def _plan_compiled(args, config) -> int:
+    """--plan --compile --topology: diffjax.train.aot_plan; exit 0 fits, 1 not, 2 bad input."""
+    from diffjax.train.config import load_run_config
+    from diffjax.train.topologies import parse_topology
+
+    try:
+        topology = parse_topology(args.topology)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (before jax starts: a compile for a topology runs nothing)
+    from diffjax.train.aot_plan import plan_compiled
+
+    return plan_compiled(config, topology, lambda more: load_run_config(args.config, args.overrides + more))
+
+
+def _check_together(parser, args) -> None:
+    """The options that go only with others (a one-line usage error otherwise)."""
+    if args.plan and args.routes:
+        parser.error("--plan and --routes are two commands: give one")
+    if args.device is not None and not (args.plan or args.routes):
+        parser.error("--device goes with --plan or --routes")
+    if args.devices is not None and not args.plan:
+        parser.error("--devices goes with --plan")
+    if (args.compile or args.topology) and not (args.plan and args.compile and args.topology):
+        parser.error("--compile and --topology go together, with --plan")
+    if args.topology and (args.device or args.devices):
+        parser.error("--topology names the device and the device count: drop --device / --devices")
 
 
 def _plan(config, device: str, devices: int | None) -> int:

@@ -111,12 +111,13 @@ class MetricsLog(Hook):
                                     enabled=run.is_main_process)
         if self.writer.kept_as:
             run.log(f"note: this run starts at step 0; the metrics of its earlier start are kept in {self.writer.kept_as}")
+        self.facets = model_facets(config.model, config)  # the kinds' own metrics, guards and displayed values
         self.progress = Progress(config.train.progress if run.is_main_process else "lines", run.start_step,
-                                 config.train.steps, run.tokens_per_step, run.log)
+                                 config.train.steps, run.tokens_per_step, run.log,
+                                 lambda values: {k: v for facet in self.facets for k, v in facet.shown(values).items()})
         run.log = self.progress.log  # hooks' and the loop's lines clear the bar first
         self.flops_per_token = training_flops_per_token(config.model, config.data.seq_len)
         self.peak = peak_flops_per_device(jax.devices()[0].device_kind, config.train.peak_tflops_per_device)
-        self.facets = model_facets(config.model, config)  # the kinds' own metrics and guards
         self.guard = NonfiniteGuard(config.train.on_nonfinite, config.train.max_skipped_steps,
                                     lambda values: "".join(facet.nonfinite_reasons(values) for facet in self.facets),
                                     first_step=run.start_step + 1)

@@ -13,10 +13,14 @@ whole), so a plan for 512 devices needs none of them:
                model.remat (full: its input; attention: q, k, v, the attention output and the residual; minimal:
                also the MLP's gate and up; none: everything), one layer's working set while it runs (values and
                gradients), the attention's T x S scores where the route the trainer takes on that device
-               (diffjax.ops.choose) materialises them (XLA, not blockwise), and the loss's float32 logits and their
-               gradient (train.loss_chunk tokens at a time)
-A device's budget: on a GPU XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (JAX's default 0.75); elsewhere 90% (a
-margin for what the estimate leaves out); a CPU's memory is the host's, shared by its (simulated) devices. The
+               (diffjax.ops.choose) materialises them (XLA, not blockwise), the loss's float32 logits and their
+               gradient (train.loss_chunk tokens at a time), where the mesh splits the embedding table the table
+               gathered whole and its float32 gradient (head_bytes), and over an expert axis the experts' dispatch
+               buffers (dispatch_bytes); remat none's and these terms are read from steps compiled for TPUs
+               (benchmarks/results/compile_plan.md)
+A device's budget is what XLA may allocate on it: on a GPU XLA_PYTHON_CLIENT_MEM_FRACTION of its memory (JAX's
+default 0.75: it preallocates that much); on a TPU all of the HBM libtpu gives a program (v5p 95.74 GiB: its compiler
+refuses a program over it); on a CPU 90% of the host's memory, shared by its (simulated) devices. The
 largest micro-batch that fits is where the estimate, linear in the micro-batch, meets the budget.
 
 Where the running backend is the named device's (a CPU: the mesh's devices simulated, set before jax starts), the
@@ -46,12 +50,16 @@ from diffjax.train.step import resolve_loss_chunk
 
 GiB = 2**30
 # Memory per device: the H100's as JAX reports it (bytes_limit 63,763,906,560 at the default fraction 0.75,
-# benchmarks/results/train_step_gpu_4096_attention.json), the A100 40 GB's as nvidia-smi does (40,536 MiB), the
-# others from their specifications. Each name is one memory size (a100: the 80 GB A100); describe() says which.
+# benchmarks/results/train_step_gpu_4096_attention.json), the A100 40 GB's as nvidia-smi does (40,536 MiB); a TPU's
+# the HBM libtpu lets a program have (its out-of-memory error's "available HBM", libtpu 0.0.42.1: v5p 95.74G, G =
+# 2^30 bytes); the others from their specifications. Each name is one memory size (a100: the 80 GB A100); describe()
+# says which.
 DEVICE_MEMORY = {"h100": 85_018_542_080, "h200": 141e9, "a100": 85_018_542_080, "a100-40": 42_505_273_344, "l4": 24e9,
-                 "v5p": 95 * GiB, "v5e": 16 * GiB, "v6e": 32 * GiB, "cpu": None}  # cpu: the host's
+                 "v4": 30.75 * GiB, "v5p": 95.74 * GiB, "v5e": 15.75 * GiB, "v6e": 31.25 * GiB,
+                 "cpu": None}  # cpu: the host's
 DEFAULT_GPU_FRACTION = 0.75  # JAX's preallocation default (XLA_PYTHON_CLIENT_MEM_FRACTION)
-OTHER_FRACTION = 0.9
+TPU_FRACTION = 1.0  # libtpu's figure is already what a program may use: the compiler refuses one over it
+CPU_FRACTION = 0.9  # a margin for the host's other work
 MAX_MICRO_BATCH = 4096  # the search for the largest micro-batch stops here
 
 
@@ -116,14 +124,15 @@ def device_budget(device: str, num_devices: int) -> Budget:
         raise ValueError(one_of("--device", device, tuple(DEVICE_MEMORY)))
     if device == "cpu":
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return Budget(device, host / num_devices, OTHER_FRACTION,
+        return Budget(device, host / num_devices, CPU_FRACTION,
                       f"90% of the host's {host / GiB:.1f} GiB shared by {num_devices} device(s)")
     if DEVICES[device].platform == "gpu":
         given = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
         fraction = float(given or DEFAULT_GPU_FRACTION)
         return Budget(device, DEVICE_MEMORY[device], fraction, f"{fraction:.0%} of {DEVICE_MEMORY[device] / GiB:.1f} "
                       f"GiB: XLA_PYTHON_CLIENT_MEM_FRACTION{'' if given else ', JAX default'}")
-    return Budget(device, DEVICE_MEMORY[device], OTHER_FRACTION, f"90% of {DEVICE_MEMORY[device] / GiB:.1f} GiB")
+    return Budget(device, DEVICE_MEMORY[device], TPU_FRACTION,
+                  f"the {DEVICE_MEMORY[device] / GiB:.2f} GiB of HBM libtpu gives a program")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +178,9 @@ def part_widths(config: ModelConfig) -> tuple[int, int]:
 
 
 def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micro_batch: int, seq_len: int,
-                     loss_chunk: int) -> dict[str, float]:
+                     loss_chunk: int, frozen_head: bool = False) -> dict[str, float]:
     """The activations estimate of one micro-batch per device (the module docstring): {saved, working, scores,
-    logits} in bytes."""
+    logits, head, dispatch} in bytes; frozen_head: LoRA's (no gradient for the vocabulary table)."""
     act = np.dtype(config.dtype).itemsize
     tokens = micro_batch * seq_len / split_of("length", sizes)
     heads, mlp, D = split_of("act_heads", sizes), split_of("act_mlp", sizes), config.d_model
@@ -180,9 +189,12 @@ def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micr
     def working(stream, mlp_width):  # norms, attention out, residual, MLP out; its hidden
         return stream + 4 * D + attention + 3 * mlp_width / mlp
 
-    def saved(stream, mlp_width):
+    def saved(stream, mlp_width):  # remat none: what XLA keeps (the 1.4B DIFF's layer scan compiled for TPUs,
+        # compile_plan.md): six MLP-hidden arrays, the stream and three more D-wide arrays in bf16 and four in float32,
+        # q, k, v, the output and three float32 head-output-wide kernel residuals (DIFF's O_2 and its products)
         return {"full": stream, "attention": stream + attention + D, "minimal": stream + attention + 2 * D
-                + 2 * mlp_width / mlp, "none": working(stream, mlp_width)}[config.remat]
+                + 2 * mlp_width / mlp, "none": stream + 11 * D + (w.q + w.k + w.v + 7 * w.o) / heads
+                + 6 * mlp_width / mlp}[config.remat]
 
     # the layers, then the stacks that follow them (their layers' widths and what their block kind adds)
     saved_values = config.num_layers * saved(w.stream, w.mlp) + sum(
@@ -194,7 +206,42 @@ def activation_bytes(config: ModelConfig, w: Widths, sizes: dict[str, int], micr
     return {"saved": tokens * saved_values * act,
             "working": 2 * tokens * working(w.stream, w.mlp) * act,
             "scores": score_bytes * (layers if config.remat == "none" else 2),
-            "logits": 2 * chunk * config.vocab_size / split_of("act_vocab", sizes) * 4}
+            "logits": 2 * chunk * config.vocab_size / split_of("act_vocab", sizes) * 4,
+            "head": head_bytes(config, sizes, frozen_head),
+            "dispatch": dispatch_bytes(config, sizes, micro_batch, seq_len)}
+
+
+def head_bytes(config: ModelConfig, sizes: dict[str, int], frozen: bool = False) -> float:
+    """The vocabulary-sized arrays a step holds whole where the embedding table is split at rest (fsdp, context,
+    expert): the table gathered in the compute dtype and, unless frozen, its float32 gradient, all-reduced whole (two
+    float32 copies: the 1.4B DIFF's and Motif 3's steps compiled for TPUs, compile_plan.md)."""
+    if split_of("embed", sizes) == 1:
+        return 0.0
+    per_entry = np.dtype(config.dtype).itemsize + (0 if frozen else 8)
+    return config.vocab_size * config.d_model / split_of("vocab", sizes) * per_entry
+
+
+# Expert parallelism's dense dropless all-to-all (ops/expert_parallel.py) moves [S, C, D] buffers, C = n min(top_k,
+# E / S) rows for a device's n tokens: S times the rows it sends on average. While a MoE layer's backward runs, XLA
+# holds about DISPATCH_BUFFERS arrays of that size (the send, received, sorted and combined rows and their
+# cotangents in bf16, and the scatters' and gathers' uint32 index arrays of the same shape, twice the bytes): fitted
+# to Motif 3's step compiled for v5p x 64 at seq 4096 (70.10 GiB of temporaries, benchmarks/results/compile_plan.md).
+DISPATCH_BUFFERS = 8.8
+
+
+def dispatch_bytes(config: ModelConfig, sizes: dict[str, int], micro_batch: int, seq_len: int) -> float:
+    """The expert-parallel dispatch buffers (PartKind.dispatch_rows) of one layer per device, every such layer's under
+    remat none; 0 without an expert axis."""
+    shards = sizes.get("expert", 1)
+    tokens = micro_batch * seq_len * split_of("batch", sizes) / math.prod(sizes.values())  # the rows split every axis
+    held = []
+    for segment in layer_segments(config) if shards > 1 else ():
+        rows = mlp_kinds.get(segment.config.mlp).dispatch_rows
+        if rows is not None:
+            one = DISPATCH_BUFFERS * tokens * rows(segment.config, shards) * config.d_model
+            held += [one] * (segment.num_layers if config.remat == "none" else 1)
+    per_value = np.dtype(config.dtype).itemsize
+    return (sum(held) if config.remat == "none" else max(held, default=0.0)) * per_value
 
 
 @dataclasses.dataclass
@@ -241,39 +288,63 @@ def plan_memory(run: RunConfig, device: str, num_devices: int | None = None) -> 
 
     def total(micro_batch: int) -> float:
         return shard + gradients + 2 * trained + sum(activation_bytes(config, w, sizes, micro_batch, seq_len,
-                                                                      loss_chunk).values())
+                                                                      loss_chunk, run.lora.enabled).values())
 
     largest = 0
     while largest < MAX_MICRO_BATCH and total(largest + 1) <= budget.bytes:
         largest += 1
     mb = batch.micro_batch_per_device
     return MemoryPlan(run, sizes, budget, mb, batch.accum_steps, shard, gradients, 2 * trained,
-                      activation_bytes(config, w, sizes, mb, seq_len, loss_chunk), largest, w.route)
+                      activation_bytes(config, w, sizes, mb, seq_len, loss_chunk, run.lora.enabled), largest, w.route)
 
 
-def compiled_memory(run: RunConfig, sizes: dict[str, int], micro_batch: int) -> dict[str, int]:
-    """XLA's memory analysis of the real train step compiled for the mesh `sizes` of this machine's devices, one
-    micro-batch of `micro_batch` sequences per batch shard: {arguments, batch, outputs, aliased, temporaries,
-    code} in bytes per device (batch: the arguments' token arrays)."""
+def abstract_train_step(run: RunConfig, sizes: dict[str, int], micro_batch: int, devices=None, accum_steps: int = 1):
+    """(the jitted real train step, its arguments) for the mesh `sizes` of `devices` (default this machine's), the
+    arguments abstract (nothing allocated): the state, `accum_steps` micro-batches of `micro_batch` sequences per batch
+    shard, LoRA's frozen base. `step.lower(*arguments).compile()` compiles it."""
     import jax
 
     from diffjax.train.mesh import ParallelConfig, make_mesh
     from diffjax.train.optimizer import make_optimizer
-    from diffjax.train.step import sharded_init
+    from diffjax.train.step import sharded_init, sharded_lora_init
 
-    mesh = make_mesh(ParallelConfig(**sizes), jax.devices()[:math.prod(sizes.values())])
+    count = math.prod(sizes.values())
+    mesh = make_mesh(ParallelConfig(**sizes), list(jax.devices() if devices is None else devices)[:count])
     tx, schedule = make_optimizer(run.optim, run.train.steps)
-    training, init = sharded_init(run.model, tx, mesh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         jax.eval_shape(init, jax.random.key(0)), training.state_shardings)
-    shape = (1, micro_batch * split_of("batch", sizes), run.data.seq_len)
+    key = jax.random.key(0)  # (eager, on this machine's default device: a target's devices run nothing)
+    if run.lora.enabled:
+        from diffjax import lora
+
+        training, base, init = sharded_lora_init(run.model, run.lora, tx, mesh)
+        chosen, frozen = lora.split_base(base, run.lora)
+        abstract = jax.eval_shape(init, key, chosen, jax.eval_shape(lora.checksums, base))
+        extra = (frozen,)
+    else:
+        training, init = sharded_init(run.model, tx, mesh)
+        abstract, extra = jax.eval_shape(init, key), ()
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                         training.state_shardings)
+    shape = (accum_steps, micro_batch * split_of("batch", sizes), run.data.seq_len)
     tokens = jax.ShapeDtypeStruct(shape, np.int32, sharding=training.step_batch_sharding)
     step = training.jit_train_step(tx, schedule, run.model, loss_chunk=run.train.loss_chunk)
-    batch = {"tokens": tokens, "segment_ids": tokens, "positions": tokens}
-    memory = step.lower(state, batch).compile().memory_analysis()
-    return {"arguments": memory.argument_size_in_bytes, "batch": 3 * math.prod(shape) * 4 // split_of("batch", sizes),
-            "outputs": memory.output_size_in_bytes, "aliased": memory.alias_size_in_bytes,
-            "temporaries": memory.temp_size_in_bytes, "code": memory.generated_code_size_in_bytes}
+    return step, (state, {"tokens": tokens, "segment_ids": tokens, "positions": tokens}, *extra)
+
+
+def memory_figures(compiled, batch_bytes: int) -> dict[str, int]:
+    """XLA's memory analysis of a compiled step: {arguments, batch, outputs, aliased, temporaries, code} in bytes per
+    device (batch: the arguments' token arrays, `batch_bytes`)."""
+    memory = compiled.memory_analysis()
+    return {"arguments": memory.argument_size_in_bytes, "batch": batch_bytes, "outputs": memory.output_size_in_bytes,
+            "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
+            "code": memory.generated_code_size_in_bytes}
+
+
+def compiled_memory(run: RunConfig, sizes: dict[str, int], micro_batch: int) -> dict[str, int]:
+    """XLA's memory analysis (memory_figures) of the real train step compiled for the mesh `sizes` of this machine's
+    devices, one micro-batch of `micro_batch` sequences per batch shard."""
+    step, arguments = abstract_train_step(run, sizes, micro_batch)
+    compiled = step.lower(*arguments).compile()
+    return memory_figures(compiled, 3 * micro_batch * run.data.seq_len * 4)
 
 
 def can_compile(plan: MemoryPlan) -> str | None:
@@ -281,8 +352,6 @@ def can_compile(plan: MemoryPlan) -> str | None:
     import jax
 
     platform, count = DEVICES[plan.budget.device].platform, math.prod(plan.sizes.values())
-    if plan.run.lora.enabled:
-        return "a LoRA step needs its base's checkpoint"
     if jax.default_backend() != platform:
         return f"this machine runs {jax.default_backend()}, not {platform}"
     if jax.device_count() < count:
@@ -290,8 +359,11 @@ def can_compile(plan: MemoryPlan) -> str | None:
     return None
 
 
-def _size(num_bytes: float) -> str:
+def format_size(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.2f} GiB" if num_bytes >= GiB / 10 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+_size = format_size
 
 
 def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> str:
@@ -318,7 +390,9 @@ def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> 
              f"  optimizer state  {_size(plan.optimizer):>11}  AdamW's two moments, {dtype}",
              f"  activations      {_size(sum(a.values())):>11}  estimate, remat {run.model.remat}, micro-batch "
              f"{plan.micro_batch}: kept for the backward {_size(a['saved'])}, one layer's working set "
-             f"{_size(a['working'])}, attention scores {_size(a['scores'])}, logits {_size(a['logits'])}",
+             f"{_size(a['working'])}, attention scores {_size(a['scores'])}, logits {_size(a['logits'])}, the "
+             f"gathered vocabulary table and its gradient {_size(a['head'])}"
+             + (f", expert dispatch buffers {_size(a['dispatch'])}" if a["dispatch"] else ""),
              f"  total            {_size(plan.total):>11}  of {_size(budget.bytes)} ({budget.why}): "
              + ("fits" if plan.fits else "DOES NOT FIT"),
              f"largest micro-batch that fits: {plan.largest_micro_batch} sequences per device "

@@ -5,13 +5,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 import sys
-
-from diffjax.model import mtp
-
-# The MTP depths' losses among a step's metrics (named by diffjax.model.mtp.METRIC), shown beside the main loss
-_MTP_LOSS = re.compile("^" + re.escape(mtp.METRIC).replace(re.escape("{}"), r"(\d+)") + "$")
+from collections.abc import Callable
 
 
 def format_duration(seconds: float) -> str:
@@ -37,10 +32,12 @@ def terminal_size() -> os.terminal_size:
 
 class Progress:
     """`log`: the run's log, which writes each message on a line of its own while the bar is drawn (the trainer
-    gives it to hooks as run.log)."""
+    gives it to hooks as run.log). `shown(values)`: {label: text} shown beside the loss (the kinds' facets',
+    diffjax.model.facets.Facet.shown: e.g. the MTP depths' losses)."""
 
-    def __init__(self, style: str, start_step: int, total_steps: int, tokens_per_step: int, log):
-        self.total, self.tokens_per_step, self.log = total_steps, tokens_per_step, log
+    def __init__(self, style: str, start_step: int, total_steps: int, tokens_per_step: int, log,
+                 shown: Callable[[dict], dict[str, str]] = lambda values: {}):
+        self.total, self.tokens_per_step, self.log, self.shown = total_steps, tokens_per_step, log, shown
         use_bar = style == "bar" or (style == "auto" and sys.stderr.isatty())
         self.bar = None
         if use_bar and start_step < total_steps:
@@ -55,9 +52,9 @@ class Progress:
 
     def update(self, step: int, values: dict[str, float]):
         rate = values.get("tokens_per_second")
-        mtp = mtp_losses(values)
+        shown = self.shown(values)
         if self.bar is not None:
-            postfix = {"loss": f"{values['loss']:.4f}", **({"mtp": mtp} if mtp else {})}
+            postfix = {"loss": f"{values['loss']:.4f}", **shown}
             if rate:
                 postfix["tok/s"] = f"{rate:,.0f}"
             self.bar.set_postfix(postfix, refresh=False)  # before the update that draws it
@@ -65,7 +62,7 @@ class Progress:
             self.bar.refresh()  # tqdm skips redraws within its mininterval; this is once per log interval
             return
         line = (f"step {step:>{len(str(self.total))}}/{self.total} | loss {values['loss']:.4f}"
-                + (f" | mtp {mtp}" if mtp else "")
+                + "".join(f" | {label} {text}" for label, text in shown.items())
                 + f" | grad norm {values['grad_norm']:.3f} | lr {values['lr']:.2e}")
         if rate:
             eta = (self.total - step) * self.tokens_per_step / rate
@@ -80,12 +77,6 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
-
-
-def mtp_losses(values: dict[str, float]) -> str:
-    """"2.9071 3.1002": the MTP depths' losses among a step's metrics, depth 1 first ("" without MTP depths)."""
-    depths = sorted((int(match[1]), value) for key, value in values.items() if (match := _MTP_LOSS.match(key)))
-    return " ".join(f"{value:.4f}" for _, value in depths)
 
 
 def _beside_the_bars(log, message: str) -> None:
