@@ -42,6 +42,7 @@ MOVEMENT = {"parameter", "constant", "copy", "transpose", "bitcast", "reshape", 
             "dynamic-update-slice", "concatenate", "pad", "tuple", "get-tuple-element", "convert", "reverse",
             "copy-start", "copy-done", "iota"}
 CONTROL = {"while", "conditional", "call"}
+WRAPPERS = {"eval_jaxpr", "closed_call", "core_call"}  # op_name parts jax versions name differently: not a source
 REDUCTIONS = {"reduce", "reduce-window", "reduce-precision", "select-and-scatter", "scatter", "sort"}
 ATTENTION_TARGETS = re.compile(r"fmha|mosaic_gpu|triton|flash|attention", re.I)
 GEMM_TARGETS = re.compile(r"cublas|gemm|matmul", re.I)
@@ -226,7 +227,8 @@ def hlo_costs(text: str) -> dict[str, dict]:
     out = {}
     for comp, times in runs.items():
         for instr in comps.get(comp, []):
-            if instr.opcode in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
+            if instr.opcode in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast", "async-start",
+                                "async-done"):  # (an async pair's own computation is costed)
                 continue
             out[instr.name] = _cost(instr, instrs, comps, times)
             for inner in _inner_custom_calls(instr, comps) if instr.opcode == "fusion" else ():
@@ -237,9 +239,74 @@ def hlo_costs(text: str) -> dict[str, dict]:
 def _cost(instr: Instr, instrs, comps, times: float) -> dict:
     source = re.search(r'op_name="([^"]*)"', instr.attrs)
     return {"opcode": instr.opcode, "category": category(instr, instrs, comps), "flops": _flops(instr, instrs, comps),
-            "bytes": shape_bytes(instr.shape) + sum(shape_bytes(instrs[o].shape) for o in instr.operands
-                                                    if o in instrs),
-            "runs": times, "source": _short_source(source.group(1)) if source else ""}
+            "bytes": op_bytes(instr, instrs, comps),
+            "runs": times, "source": _short_source(source.group(1)) if source else "",
+            "pass": step_pass(source.group(1)) if source else ""}
+
+
+def op_bytes(instr: Instr, instrs, comps) -> float:
+    """Bytes an op moves at its boundary: its result and operands, except that an operand read only through
+    dynamic-slices (a layer's slice of a stacked array) counts as those slices, and one updated in place by a
+    dynamic-update-slice (a layer's slice written into a stack) as nothing, the result then as the update written."""
+    operands = [_operand_bytes(o, instrs) for o in instr.operands]
+    if instr.opcode == "dynamic-slice":
+        return 2 * shape_bytes(instr.shape)
+    if instr.opcode == "dynamic-update-slice":
+        return 2 * operands[1]
+    if instr.opcode != "fusion":
+        return shape_bytes(instr.shape) + sum(operands)
+    inner = [i for comp in _called(instr) for i in comps.get(comp, [])]
+    if not inner:
+        return shape_bytes(instr.shape) + sum(operands)
+    users = collections.defaultdict(list)
+    for i in inner:
+        for o in i.operands:
+            users[o].append(i)
+    for i in inner:
+        if i.opcode == "parameter" and i.operands and i.operands[0].isdigit() and int(i.operands[0]) < len(operands):
+            uses = _uses_through_bitcasts(i.name, users)
+            if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == via for u, via in uses):
+                operands[int(i.operands[0])] = sum(shape_bytes(u.shape) for u, _ in uses)
+            elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == via for u, via in uses):
+                operands[int(i.operands[0])] = 0.0  # written in place
+    by_name = {i.name: i for i in inner}
+    root = inner[-1]  # XLA prints a computation's root last
+    results = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+    result = sum(shape_bytes(r.shape) if r is None or r.opcode != "dynamic-update-slice"
+                 else shape_bytes(by_name[r.operands[1]].shape) if r.operands[1] in by_name else 0.0
+                 for r in results if r is not None)
+    return result + sum(operands)
+
+
+def _operand_bytes(name: str, instrs) -> float:
+    """Bytes of an operand: an instruction's result, or one element of a tuple result (printed 'name#index')."""
+    base, _, index = name.partition("#")
+    if base not in instrs:
+        return 0.0
+    shape = instrs[base].shape
+    if index:
+        elements = _tuple_elements(shape)
+        shape = elements[int(index)] if int(index) < len(elements) else ""
+    return shape_bytes(shape)
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """'(f32[2]{0}, (s32[], bf16[3]))' -> ['f32[2]{0}', '(s32[], bf16[3])']."""
+    inner, parts, depth, start = shape.strip()[1:-1], [], 0, 0
+    for i, ch in enumerate(inner + ","):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            parts.append(inner[start:i].strip())
+            start = i + 1
+    return parts
+
+
+def _uses_through_bitcasts(name: str, users) -> list[tuple[Instr, str]]:
+    """(user, the name it reads: `name` or a bitcast of it) of every use of `name`, looking through bitcasts."""
+    found = []
+    for user in users.get(name, []):
+        found += _uses_through_bitcasts(user.name, users) if user.opcode == "bitcast" else [(user, name)]
+    return found
 
 
 def _inner_custom_calls(fusion: Instr, comps) -> list[Instr]:
@@ -268,7 +335,7 @@ def kernel_launches(text: str, pattern: str = r"diffjax_mgpu\w*?_(?:fwd|bwd_dq|b
 def _short_source(op_name: str) -> str:
     """The jax-level provenance of an op: its pass (step_pass), then the last two path parts (e.g. 'bwd:
     checkpoint/diffjax_mgpu_bwd_dq')."""
-    parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")]
+    parts = [p for p in op_name.split("/") if p and not p.startswith("jit(") and p not in WRAPPERS]
     return (f"{step_pass(op_name)}: " if step_pass(op_name) else "") + "/".join(parts[-2:])[:80]
 
 
@@ -380,11 +447,43 @@ def reduce_trace(events, costs: dict[str, dict], module: str, steps: int | None,
                         "launches_per_step": sum(count[op] for op in ops) / steps, "ops": sorted(ops),
                         "kernels": sorted({kernel_of[op] for op in ops} - {""})}
                  for role, ops in by_role.items()}
+    remainder = [op for op, _ in time_ns.most_common()[top:]]
     return {"module": module, "steps": steps, "ms_per_step": total / steps / 1e6, "ops": len(time_ns), "rows": rows,
+            "remainder_by_source": by_source(remainder, time_ns, count, costs, category_of, steps, total),
             "by_category": {c: {"ms_per_step": t / steps / 1e6, "share": 100 * t / total}
                             for c, t in by_category.most_common()},
             "attention_by_role": dict(sorted(attention.items(), key=lambda kv: -kv[1]["ms_per_step"])),
             "hlo_costs": bool(costs)}
+
+
+def source_key(op: str, cost: dict | None) -> tuple[str, float, str]:
+    """(pass, runs per step, source without the pass) of an op: what `by_source` groups by. Runs tell the loop
+    an op is in (a scanned layer stack's trip count, a chunked loss's chunks; 1: once per step: the embedding, the
+    optimizer). Ops without a jax provenance (XLA's own: zero-filled loop buffers, copies) go by their fusion kind."""
+    cost = cost or {}
+    name = cost.get("pass", "")
+    source = cost.get("source", "").removeprefix(f"{name}: ")
+    kind = re.sub(r"[.]\d+$", "", op)
+    return name or "-", cost.get("runs", 1.0), source or f"({kind}, no source)"
+
+
+def by_source(ops: list[str], time_ns, count, costs: dict, category_of: dict, steps: int, total: float) -> list[dict]:
+    """`ops` grouped by source_key, most time first: ms / step, share, ops, events, categories, and the HBM rate
+    the HLO's bytes (operands + results at each op's boundary) give over the group's time."""
+    groups = collections.defaultdict(list)
+    for op in ops:
+        groups[source_key(op, costs.get(op))].append(op)
+    rows = []
+    for (name, runs, source), members in groups.items():
+        t = sum(time_ns[op] for op in members)
+        nbytes = sum(costs[op]["bytes"] * costs[op]["runs"] * steps for op in members if op in costs)
+        categories = collections.Counter({category_of[op]: time_ns[op] for op in members})
+        rows.append({"pass": name, "runs_per_step": runs, "source": source, "ms_per_step": t / steps / 1e6,
+                     "share": 100 * t / total, "ops": len(members), "events": sum(count[op] for op in members),
+                     "categories": [c for c, _ in categories.most_common()],
+                     "gbps": nbytes / (t * 1e-9) / 1e9 if nbytes and t else None,
+                     "top_ops": sorted(members, key=lambda op: -time_ns[op])[:3]})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
 def _is_control(op: str, cost: dict | None) -> bool:
@@ -443,7 +542,7 @@ def _row(op, t_ns, events, cost, steps, total, category, kernel) -> dict:
             "kernel": kernel[:60]}
 
 
-def markdown(table: dict, title: str) -> str:
+def markdown(table: dict, title: str, by_source: bool = False) -> str:
     fmt = lambda x, spec: "" if x is None else format(x, spec)  # noqa: E731
     lines = [f"## {title}", "",
              f"Module `{table['module']}`: {table['ops']} ops, {table['ms_per_step']:.2f} ms of op time per step "
@@ -462,7 +561,29 @@ def markdown(table: dict, title: str) -> str:
         lines += [f"| {role} | {v['ms_per_step']:.3f} | {v['share']:.1f}% | {v['launches_per_step']:g} | "
                   f"{', '.join(f'`{op}`' for op in v['ops'])} | {', '.join(v['kernels'])} |"
                   for role, v in table["attention_by_role"].items()]
+    if by_source and table.get("remainder_by_source"):
+        lines += remainder_markdown(table)
     return "\n".join(lines) + "\n"
+
+
+def remainder_markdown(table: dict) -> list[str]:
+    """The ops below the top rows (the "(other N ops)" row) grouped by source_key, with their sum by category."""
+    groups = table["remainder_by_source"]
+    by_category = collections.Counter()
+    for g in groups:
+        by_category[g["categories"][0]] += g["ms_per_step"]
+    fmt = lambda x: "" if x is None else f"{x:.0f}"  # noqa: E731
+    lines = ["", f"The {sum(g['ops'] for g in groups)} ops below the top rows by source ({table['steps']} steps "
+             "traced; runs / step: the loop an op is in, e.g. the layer scan's trip count; GB/s: the HLO's bytes at "
+             "each op's boundary over the group's time). By category (each group under its largest): "
+             + ", ".join(f"{c} {ms:.1f}" for c, ms in by_category.most_common())
+             + f"; {sum(by_category.values()):.1f} ms / step.", "",
+             "| pass | runs / step | source | category | ops | events | ms / step | share | GB/s | largest ops |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {g['pass']} | {g['runs_per_step']:g} | {g['source'].replace('|', '/')} | {', '.join(g['categories'])} | "
+              f"{g['ops']} | {g['events']} | {g['ms_per_step']:.3f} | {g['share']:.1f}% | {fmt(g['gbps'])} | "
+              f"{', '.join(f'`{op}`' for op in g['top_ops'])} |" for g in groups]
+    return lines
 
 
 def compare_markdown(tables: dict[str, dict]) -> str:
@@ -490,6 +611,8 @@ def main(argv=None) -> int:
     parser.add_argument("--module", default="train_step", help="regex of the HLO module to tabulate")
     parser.add_argument("--steps", type=int, help="module executions in the trace (default: its run ids, else 1)")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--by-source", action="store_true",
+                        help="also break the ops below --top down by source (pass, loop, jax provenance)")
     parser.add_argument("--title", default="Per-op profile")
     parser.add_argument("--out", type=Path, required=True, help="JSON path; the markdown table beside it (.md)")
     args = parser.parse_args(argv)
@@ -506,7 +629,7 @@ def main(argv=None) -> int:
     table["trace"], table["hlo"] = str(find_xplane(args.trace)), str(hlo) if hlo else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(table, indent=1))
-    text = markdown(table, args.title)
+    text = markdown(table, args.title, args.by_source)
     args.out.with_suffix(".md").write_text(text)
     print(text)
     return 0

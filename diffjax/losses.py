@@ -111,10 +111,15 @@ def _chunk_logits(hidden_BCD, head_DV):
 
 def _chunk_losses(logits_BCV, targets_BC):
     """(cross-entropy [B, C], logsumexp [B, C], one-hot mask of the targets [B, C, V] as a bool expression).
-    The target logit is a masked sum, not a gather, so a vocab axis split over devices stays split."""
+    The target logit is a masked sum, not a gather, so a vocab axis split over devices stays split. It and the row
+    max come from one pass over the logits (a variadic reduction: XLA kept the two apart, each reading a chunk's
+    float32 logits); logsumexp's value is jax.nn.logsumexp's, the same operations."""
     is_target_BCV = jnp.arange(logits_BCV.shape[-1]) == targets_BC[..., None]
-    logsumexp_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    target_logit_BC = jnp.sum(jnp.where(is_target_BCV, logits_BCV, 0.0), axis=-1)
+    max_BC, target_logit_BC = jax.lax.reduce(
+        (logits_BCV, jnp.where(is_target_BCV, logits_BCV, 0.0)), (jnp.float32(-jnp.inf), jnp.float32(0)),
+        lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]), (logits_BCV.ndim - 1,))
+    shift_BC = jnp.where(jnp.isfinite(max_BC), max_BC, 0.0)
+    logsumexp_BC = jnp.log(jnp.sum(jnp.exp(logits_BCV - shift_BC[..., None]), axis=-1)) + shift_BC
     return logsumexp_BC - target_logit_BC, logsumexp_BC, is_target_BCV
 
 

@@ -215,6 +215,71 @@ def test_custom_calls_inside_fusions_and_the_kernels_per_layer():
     assert "forward kernel launches per layer: 3 (at most 2): FAILS" in step_hlo.markdown(result)
 
 
+STACK_HLO = """HloModule m
+
+%read_slice (p0: bf16[24,64,128], p1: s32[]) -> f32[64,128] {
+  %p0 = bf16[24,64,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%p0, %p1, %c, %c), dynamic_slice_sizes={1,64,128}
+  %b = bf16[64,128]{1,0} bitcast(%ds)
+  ROOT %cv = f32[64,128]{1,0} convert(%b)
+}
+
+%write_slice (p0: f32[24,64,128], p1: f32[64,128], p2: s32[]) -> f32[24,64,128] {
+  %p0 = f32[24,64,128]{2,1,0} parameter(0)
+  %p1 = f32[64,128]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  %b = f32[1,64,128]{2,1,0} bitcast(%p1)
+  ROOT %dus = f32[24,64,128]{2,1,0} dynamic-update-slice(%p0, %b, %p2, %c, %c)
+}
+
+ENTRY %main (s: bf16[24,64,128], acc: f32[24,64,128], i: s32[]) -> f32[24,64,128] {
+  %s = bf16[24,64,128]{2,1,0} parameter(0)
+  %acc = f32[24,64,128]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %pair = (f32[64,128]{1,0}, s32[]) tuple(%i, %i)
+  %read = f32[64,128]{1,0} fusion(%s, %i), kind=kLoop, calls=%read_slice
+  %add = f32[64,128]{1,0} add(%read, %pair#0)
+  ROOT %write = f32[24,64,128]{2,1,0} fusion(%acc, %add, %i), kind=kLoop, calls=%write_slice
+}
+"""
+
+
+def test_bytes_of_slices_of_stacks_and_in_place_updates():
+    """A layer's slice read from a stack counts as the slice, one written into a stack in place as the update (not
+    the 24-layer buffer twice); a tuple element ('name#0') as that element."""
+    costs = profile_table.hlo_costs(STACK_HLO)
+    assert costs["read"]["bytes"] == 64 * 128 * (2 + 4) + 4  # the bf16 slice in, the f32 result out, the index
+    assert costs["write"]["bytes"] == 64 * 128 * (4 + 4) + 4  # the update in and written, the index
+    assert costs["add"]["bytes"] == 3 * 64 * 128 * 4
+
+
+def test_the_ops_below_the_top_rows_by_source():
+    """--by-source: the ops the "(other N ops)" row sums, grouped by pass, runs per step (the loop they are in) and
+    jax source, adding up to that row; XLA's own ops (no provenance) by their fusion kind."""
+    costs = profile_table.hlo_costs(GPU_HLO)
+    costs.update({"fusion.6": {**costs["fusion.3"], "source": "", "pass": ""},
+                  "loop_broadcast_fusion.2": {"opcode": "fusion", "category": "copy or transpose", "runs": 1.0,
+                                              "bytes": 8.0, "flops": None, "source": "", "pass": ""}})
+    durations = {"custom-call.9": 50, "custom-call.7": 40, "fusion.3": 30, "fusion.6": 20, "fusion.5": 10,
+                 "loop_broadcast_fusion.2": 5}
+    events = [("jit_train_step", op, 1000 * ns, None, None) for _ in range(2) for op, ns in durations.items()]
+    table = profile_table.reduce_trace(events, costs, module="train_step", steps=2, top=1)
+    groups = {(g["pass"], g["runs_per_step"], g["source"]): g for g in table["remainder_by_source"]}
+    assert set(groups) == {("-", 24, "body/dot_general"), ("-", 24, "(fusion, no source)"), ("-", 1, "(fusion, no source)"),
+                           ("-", 1, "(loop_broadcast_fusion, no source)")}
+    assert groups["-", 24, "(fusion, no source)"]["ops"] == 2  # fusion.3 and fusion.6: one group
+    other = table["rows"][-1]
+    assert other["op"] == "(other 5 ops)"
+    assert sum(g["ms_per_step"] for g in groups.values()) == pytest.approx(other["ms_per_step"])
+    assert sum(g["events"] for g in groups.values()) == other["events"]
+    text = profile_table.markdown(table, "t", by_source=True)
+    assert "The 5 ops below the top rows by source" in text and "| - | 24 | body/dot_general | matmul | 1 | 2 |" in text
+    assert "ops below the top rows" not in profile_table.markdown(table, "t")
+
+
 def test_gpu_kernel_annotations_name_their_hlo_op():
     assert profile_table._annotation_op(
         "XlaModule:#hlo_module=jit_train_step,program_id=6#::Thunk:#hlo_op=fusion.12#") == ("jit_train_step", "fusion.12")

@@ -128,6 +128,31 @@ def test_token_ids_outside_vocab_under_jit_give_nan_not_a_clamped_row(tiny_model
     assert np.isnan(np.asarray(logits[0, 2])).all() and np.isfinite(np.asarray(logits[1])).all()
 
 
+def test_the_embedding_gradient_sums_in_float32_in_a_bfloat16_model():
+    """The lookup in bfloat16 reads the same rows as casting the table first; its gradient is each id's cotangents
+    summed in float32 (against float64 numpy): 4,000 cotangents of one id summed in bfloat16 would be off by ~1%.
+    Ids outside the table read NaN rows and get no gradient."""
+    from diffjax.model.layers import embedding_lookup
+
+    V, D, dtype = 64, 16, jnp.dtype(jnp.bfloat16)
+    table_VD = jax.random.normal(jax.random.key(0), (V, D))
+    ids_BT = jnp.concatenate([jnp.full((2, 2000), 5), jnp.arange(64).reshape(2, 32) % V, jnp.full((2, 1), V + 3)], axis=1)
+    rows_BTD = jax.jit(embedding_lookup, static_argnums=2)(table_VD, ids_BT, dtype)
+    expected = jnp.take(table_VD.astype(dtype), ids_BT, axis=0, mode="fill", fill_value=jnp.nan)
+    assert rows_BTD.dtype == dtype and np.array_equal(np.asarray(rows_BTD), np.asarray(expected), equal_nan=True)
+    assert np.isnan(np.asarray(rows_BTD[:, -1], np.float32)).all()
+
+    cotangents_BTD = jax.random.normal(jax.random.key(1), rows_BTD.shape).astype(dtype)
+    grad_VD = jax.jit(jax.grad(lambda t: jnp.sum(jnp.where(jnp.isnan(r := embedding_lookup(t, ids_BT, dtype)), 0, r)
+                                                 .astype(jnp.float32) * cotangents_BTD.astype(jnp.float32))))(table_VD)
+    reference = np.zeros((V, D))
+    ids = np.asarray(ids_BT).ravel()
+    inside = ids < V
+    np.add.at(reference, ids[inside], np.asarray(cotangents_BTD, np.float64).reshape(-1, D)[inside])
+    assert grad_VD.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(grad_VD), reference, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_token_shapes_and_dtypes(tiny_model):
     with pytest.raises(ValueError, match="tokens must have shape \\[batch, length\\]"):
         tiny_model(np.zeros((8,), np.int32))
