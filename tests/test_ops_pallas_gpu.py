@@ -199,8 +199,9 @@ GDLA_GPU_CASES = {
     "global": ((1, 4096, 4096, 10, 2, 192, True, "same", "bfloat16"), 128, None),
 }
 # A window of 40 over 64-row blocks at T = 256: the forward / dq skip the kv blocks behind the last CTA's rows, dk/dv
-# the q blocks past the first kv CTA's windows (so the rings start past block 0), and masks cross both edges.
-GDLA_INTERPRET_CASE = ((1, 256, 256, 2, 1, 192, True, "same", "bfloat16"), 128, 40)
+# the q blocks past the first kv CTA's windows (so the rings start past block 0), and masks cross both edges. One
+# query head (interpret mode pays per head; GQA's head mapping is SINGLE_INTERPRET_CASES' causal-gqa2 case's).
+GDLA_INTERPRET_CASE = ((1, 256, 256, 1, 1, 192, True, "same", "bfloat16"), 128, 40)
 
 
 @pytest.mark.gpu
@@ -212,7 +213,7 @@ def test_pallas_gpu_gdla_compiled_forward_and_grads(name, measured):
 
 @pytest.mark.slow
 def test_pallas_gpu_interpret_gdla_window(measured):
-    """d 192 / dv 128 with a sliding window, causal, packed segment ids and GQA: output and every gradient."""
+    """d 192 / dv 128 with a sliding window, causal, packed segment ids: output and every gradient."""
     case, dv, window = GDLA_INTERPRET_CASE
     _check_single_against_reference(case, measured, interpret=True, tuning=SMALL_STEPS, dv=dv, window=window)
 
@@ -281,6 +282,13 @@ OFFSET_CASES = {
     # a window of 40 keys behind a chunk at 128: kv blocks 0 and 3 are skipped, the differential mode's masks
     "diff-G2-offset128-window40-seg-bf16": ("diff", 1, 64, 256, 2, 1, 64, 128, "bfloat16", 40),
 }
+# Interpret mode pays per query head and per case (~10 CPU-s each): one head (GQA's head mapping is the offset-free
+# interpret cases'), and one differential case for the two above, its offset not a block multiple (the diagonal
+# crosses kv blocks 1 and 2) with a window of 40 behind it (blocks 0 and 3 skipped).
+INTERPRET_OFFSET_CASES = {
+    "single-offset0-seg-f16": ("single", 1, 64, 192, 1, 1, 64, 0, "float16", None),
+    "diff-G2-offset104-window40-seg-bf16": ("diff", 1, 64, 256, 1, 1, 64, 104, "bfloat16", 40),
+}
 
 
 def _check_chunk_against_reference(case, measured, *, interpret):
@@ -319,10 +327,10 @@ def _check_chunk_against_reference(case, measured, *, interpret):
     _compare(measured, fused, xla, ct, args, np.zeros((B, Tc), bool))
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.single_leg) for name in OFFSET_CASES])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.single_leg) for name in INTERPRET_OFFSET_CASES])
 @pytest.mark.slow
 def test_pallas_gpu_interpret_query_offset(name, measured):
-    _check_chunk_against_reference(OFFSET_CASES[name], measured, interpret=True)
+    _check_chunk_against_reference(INTERPRET_OFFSET_CASES[name], measured, interpret=True)
 
 
 @pytest.mark.gpu

@@ -176,6 +176,24 @@ class _EventsFile:
             self.error = self.error or error
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported with torch hidden unless torch is loaded already: tensorboardX's writer
+    module imports torch wherever it is installed (1.4 s of every trainer start) only for type hints of the torch
+    tensors it would accept; the trainer logs floats and numpy arrays."""
+    import sys
+
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 def _guard_events_file(writer) -> _EventsFile:
     """Puts an _EventsFile between a tensorboardX SummaryWriter (2.6) and its open event file."""
     try:
@@ -209,8 +227,7 @@ class MetricsWriter:
         self._jsonl = _ObjectAppender(self.jsonl_path) if storage.is_url(self.jsonl_path) else open(self.jsonl_path, "a", buffering=1)
         self._tensorboard = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer_class()
             earlier = run.tensorboard.is_dir() and any(run.tensorboard.iterdir())
             self._uploader = _EventsUploader(run.tensorboard) if storage.is_url(run.tensorboard) else None
             self._tensorboard = SummaryWriter(str(self._uploader.staging if self._uploader else run.tensorboard),
