@@ -22,6 +22,7 @@ import math
 import re
 import time
 
+from diffjax.config import REMAT_POLICIES
 from diffjax.mesh_axes import MESH_AXES
 from diffjax.train import plan as planning
 from diffjax.train.batching import plan_batch
@@ -31,7 +32,6 @@ from diffjax.train.plan import format_size
 from diffjax.train.topologies import TPU_GENERATIONS, Topology, chip_grid
 
 _KERNEL_CALL = {"tpu": "Mosaic TPU custom calls", "gpu": "Mosaic GPU custom calls"}
-REMAT_ORDER = ("none", "minimal", "attention", "full")  # each keeps less for the backward than the one before
 
 
 @dataclasses.dataclass
@@ -220,7 +220,8 @@ def proposals(step: CompiledStep, budget: float, load):
     while micro > 1:
         micro //= 2
         levers.append(f"train.micro_batch_per_device={micro}")
-    levers += [f"model.remat={name}" for name in REMAT_ORDER[REMAT_ORDER.index(run.model.remat) + 1:]]
+    # (REMAT_POLICIES: each keeps less for the backward than the one before)
+    levers += [f"model.remat={name}" for name in REMAT_POLICIES[REMAT_POLICIES.index(run.model.remat) + 1:]]
     if (chunk := planning.resolve_loss_chunk(run.train.loss_chunk, run.model.vocab_size)) > 512:
         levers.append(f"train.loss_chunk={chunk // 2}")
     fills = any(getattr(run.parallel, axis) == -1 for axis in MESH_AXES)

@@ -363,9 +363,6 @@ def format_size(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.2f} GiB" if num_bytes >= GiB / 10 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-_size = format_size
-
-
 def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> str:
     """The plan as lines; `compiled`: compiled_memory's figures, or why there are none."""
     run, sizes, budget = plan.run, plan.sizes, plan.budget
@@ -378,32 +375,34 @@ def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> 
     lines = [f"plan: {run.model.attention} attention, {total:,} parameters" + (f" ({active:,} active per token)"
                                                                                  if active != total else ""),
              f"mesh: {' x '.join(f'{k}={v}' for k, v in sizes.items())} ({math.prod(sizes.values())} {budget.device} "
-             f"device(s): {DEVICES[budget.device].kind}, {_size(budget.memory_bytes)} each)",
+             f"device(s): {DEVICES[budget.device].kind}, {format_size(budget.memory_bytes)} each)",
              f"batch: {batch.describe(run.data.seq_len)}",
              f"attention in the train step: {plan.route}" + (" (materialises T x S scores)" if a["scores"] else ""),
              "memory per device:",
-             f"  params           {_size(plan.params):>11}  {dtype}"
+             f"  params           {format_size(plan.params):>11}  {dtype}"
              + (", the frozen LoRA base" if run.lora.enabled else ", the one copy AdamW updates (no fp32 master "
                 "weights: diffjax keeps none)"),
-             f"  gradients        {_size(plan.gradients):>11}"
+             f"  gradients        {format_size(plan.gradients):>11}"
              + (", and their accumulator" if plan.accum_steps > 1 else ""),
-             f"  optimizer state  {_size(plan.optimizer):>11}  AdamW's two moments, {dtype}",
-             f"  activations      {_size(sum(a.values())):>11}  estimate, remat {run.model.remat}, micro-batch "
-             f"{plan.micro_batch}: kept for the backward {_size(a['saved'])}, one layer's working set "
-             f"{_size(a['working'])}, attention scores {_size(a['scores'])}, logits {_size(a['logits'])}, the "
-             f"gathered vocabulary table and its gradient {_size(a['head'])}"
-             + (f", expert dispatch buffers {_size(a['dispatch'])}" if a["dispatch"] else ""),
-             f"  total            {_size(plan.total):>11}  of {_size(budget.bytes)} ({budget.why}): "
+             f"  optimizer state  {format_size(plan.optimizer):>11}  AdamW's two moments, {dtype}",
+             f"  activations      {format_size(sum(a.values())):>11}  estimate, remat {run.model.remat}, micro-batch "
+             f"{plan.micro_batch}: kept for the backward {format_size(a['saved'])}, one layer's working set "
+             f"{format_size(a['working'])}, attention scores {format_size(a['scores'])}, logits "
+             f"{format_size(a['logits'])}, the gathered vocabulary table and its gradient {format_size(a['head'])}"
+             + (f", expert dispatch buffers {format_size(a['dispatch'])}" if a["dispatch"] else ""),
+             f"  total            {format_size(plan.total):>11}  of {format_size(budget.bytes)} ({budget.why}): "
              + ("fits" if plan.fits else "DOES NOT FIT"),
              f"largest micro-batch that fits: {plan.largest_micro_batch} sequences per device "
              f"(train.micro_batch_per_device; this run: {plan.micro_batch})"]
     if isinstance(compiled, dict):
         peak = compiled["arguments"] + compiled["temporaries"] + compiled["outputs"] - compiled["aliased"]
         lines.append(f"compiled train step (XLA:{DEVICES[budget.device].platform}, this machine's devices): arguments "
-                     f"{_size(compiled['arguments'])} (the state {_size(compiled['arguments'] - compiled['batch'])}, "
-                     f"planned {_size(plan.params + plan.optimizer)}), temporaries {_size(compiled['temporaries'])} "
-                     f"(planned gradients + activations {_size(plan.gradients + sum(a.values()))}), outputs not "
-                     f"aliased {_size(compiled['outputs'] - compiled['aliased'])}: {_size(peak)} in all")
+                     f"{format_size(compiled['arguments'])} (the state "
+                     f"{format_size(compiled['arguments'] - compiled['batch'])}, planned "
+                     f"{format_size(plan.params + plan.optimizer)}), temporaries "
+                     f"{format_size(compiled['temporaries'])} "
+                     f"(planned gradients + activations {format_size(plan.gradients + sum(a.values()))}), outputs not "
+                     f"aliased {format_size(compiled['outputs'] - compiled['aliased'])}: {format_size(peak)} in all")
     elif compiled:
         lines.append(f"compiled train step: not compiled ({compiled})")
     return "\n".join(lines)
