@@ -56,7 +56,7 @@ class Plan:
     mode: str  # "lora", "full" or "generate"
     batch: int  # global sequences per step (train) or per decode batch (generate)
     seq_len: int
-    device: str = "h100"  # the diffjax.ops DEVICES name whose attention route the activations assume
+    device: str = "h100"  # the diffjax.hardware name whose attention route the activations assume
     margin: float = 0.9  # the share of hbm_gib a plan may fill
     loss_chunk: int | None = None  # train.loss_chunk (None: diffjax's default)
 

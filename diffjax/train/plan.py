@@ -39,24 +39,17 @@ import numpy as np
 
 from diffjax import block_kinds, mlp_kinds, residual_kinds
 from diffjax.config import ModelConfig
+from diffjax.hardware import DEVICES, TABLE, GiB
 from diffjax.kinds import layer_segments, param_stacks
 from diffjax.mesh_axes import MESH_AXES, splitting
-from diffjax.ops.choice import DEVICES, choose
+from diffjax.ops.choice import choose
 from diffjax.sharding import logical_spec
 from diffjax.train.batching import plan_batch
 from diffjax.train.config import RunConfig
 from diffjax.train.mesh import check_model_fits_mesh, mesh_shape
 from diffjax.train.step import resolve_loss_chunk
 
-GiB = 2**30
-# Memory per device: the H100's as JAX reports it (bytes_limit 63,763,906,560 at the default fraction 0.75,
-# benchmarks/results/train_step_gpu_4096_attention.json), the A100 40 GB's as nvidia-smi does (40,536 MiB); a TPU's
-# the HBM libtpu lets a program have (its out-of-memory error's "available HBM", libtpu 0.0.42.1: v5p 95.74G, G =
-# 2^30 bytes); the others from their specifications. Each name is one memory size (a100: the 80 GB A100); describe()
-# says which.
-DEVICE_MEMORY = {"h100": 85_018_542_080, "h200": 141e9, "a100": 85_018_542_080, "a100-40": 42_505_273_344, "l4": 24e9,
-                 "v4": 30.75 * GiB, "v5p": 95.74 * GiB, "v5e": 15.75 * GiB, "v6e": 31.25 * GiB,
-                 "cpu": None}  # cpu: the host's
+DEVICE_MEMORY = {name: row.memory_bytes for name, row in TABLE.items()}  # None: the host's (a CPU)
 DEFAULT_GPU_FRACTION = 0.75  # JAX's preallocation default (XLA_PYTHON_CLIENT_MEM_FRACTION)
 TPU_FRACTION = 1.0  # libtpu's figure is already what a program may use: the compiler refuses one over it
 CPU_FRACTION = 0.9  # a margin for the host's other work
@@ -106,7 +99,7 @@ def split_of(logical: str, sizes: dict[str, int]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    device: str  # a diffjax.ops DEVICES name
+    device: str  # a diffjax.hardware name
     memory_bytes: float  # one device's memory
     fraction: float  # the share a run may allocate
     why: str
@@ -272,7 +265,7 @@ class MemoryPlan:
 
 def plan_memory(run: RunConfig, device: str, num_devices: int | None = None) -> MemoryPlan:
     """The plan of `run` on its mesh (parallel.*; an axis of -1 fills `num_devices`, default the other axes' product)
-    of `device` (a diffjax.ops DEVICES name)."""
+    of `device` (a diffjax.hardware name)."""
     fixed = math.prod(size for axis in MESH_AXES if (size := getattr(run.parallel, axis)) != -1)
     sizes = mesh_shape(run.parallel, num_devices or fixed)
     check_model_fits_mesh(run.model, ShapeOnlyMesh(sizes))

@@ -16,7 +16,7 @@ from diffjax.config_values import did_you_mean
 
 @dataclasses.dataclass(frozen=True)
 class TpuGeneration:
-    chip: str  # the chip's name in diffjax.ops DEVICES and in jax's topology names (v5p:4x4x4)
+    chip: str  # the chip's name in diffjax.hardware and in jax's topology names (v5p:4x4x4)
     cores_in_name: bool  # Cloud TPU counts TensorCores (2 a chip) in the slice's name
     grid_dims: int  # 3: a torus of chips (v4, v5p); 2: a plane (v5e, v6e)
     chip_counts: tuple[int, ...]  # the slice sizes in chips this parser takes
@@ -38,7 +38,7 @@ ACCEPTED = ("v4-N and v5p-N (N TensorCores, 2 a chip: v5p-8 = 4 chips), v5e-N an
 class Topology:
     name: str  # as given (Cloud TPU's spelling, or h100x64)
     platform: str  # "tpu" | "gpu"
-    chip: str  # a diffjax.ops DEVICES name: v5p, v5e, h100, ...
+    chip: str  # a diffjax.hardware name: v5p, v5e, h100, ...
     grid: tuple[int, ...]  # one slice's chips (TPU: 4x4x4, 2x4); GPU: (hosts, GPUs a host)
     num_slices: int = 1
 
