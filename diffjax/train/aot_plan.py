@@ -29,7 +29,7 @@ from diffjax.train.batching import plan_batch
 from diffjax.train.config import RunConfig
 from diffjax.train.hlo_collectives import KINDS, collective_bytes
 from diffjax.train.plan import format_size
-from diffjax.train.topologies import TPU_GENERATIONS, Topology, chip_grid
+from diffjax.train.topologies import TPU_GENERATIONS, Topology, parse_topology
 
 _KERNEL_CALL = {"tpu": "Mosaic TPU custom calls", "gpu": "Mosaic GPU custom calls"}
 
@@ -196,18 +196,17 @@ def predict(step: CompiledStep, run: RunConfig, topology: Topology) -> float:
 
 
 def bigger(topology: Topology) -> Topology | None:
-    """The same hardware with twice the devices (None past the largest slice this parser takes)."""
+    """The same hardware with twice the devices, as parse_topology builds it (None where it names no slice or GPU
+    count it takes)."""
     if topology.platform == "gpu":
-        count = 2 * topology.devices
-        hosts = max(1, count // 8)
-        return Topology(f"{topology.chip}x{count}", "gpu", topology.chip, (hosts, count // hosts))
-    gen = TPU_GENERATIONS[topology.chip]
-    chips = 2 * topology.devices_per_slice
-    if chips not in gen.chip_counts:
+        name = f"{topology.chip}x{2 * topology.devices}"
+    else:
+        slices = f"{topology.num_slices}x" if topology.num_slices > 1 else ""
+        name = f"{slices}{topology.chip}-{TPU_GENERATIONS[topology.chip].named_count(2 * topology.devices_per_slice)}"
+    try:
+        return parse_topology(name)
+    except ValueError:
         return None
-    name = f"{topology.chip}-{chips * (2 if gen.cores_in_name else 1)}"
-    slices = f"{topology.num_slices}x" if topology.num_slices > 1 else ""
-    return Topology(slices + name, "tpu", topology.chip, chip_grid(chips, gen.grid_dims), topology.num_slices)
 
 
 def proposals(step: CompiledStep, budget: float, load):

@@ -21,6 +21,10 @@ class TpuGeneration:
     grid_dims: int  # 3: a torus of chips (v4, v5p); 2: a plane (v5e, v6e)
     chip_counts: tuple[int, ...]  # the slice sizes in chips this parser takes
 
+    def named_count(self, chips: int) -> int:
+        """The N of a slice of `chips` chips in its name (v5p-N: 2 a chip; v5e-N: N chips)."""
+        return chips * (2 if self.cores_in_name else 1)
+
 
 TPU_GENERATIONS = {
     "v4": TpuGeneration("v4", True, 3, tuple(2**k for k in range(2, 13))),
@@ -89,7 +93,7 @@ def parse_topology(name: str) -> Topology:
             if not odd and chips in gen.chip_counts:
                 return Topology(name, "tpu", gen.chip, chip_grid(chips, gen.grid_dims), slices)
             unit = "TensorCores, 2 a chip" if gen.cores_in_name else "chips"
-            sizes = [n * (2 if gen.cores_in_name else 1) for n in gen.chip_counts]
+            sizes = [gen.named_count(n) for n in gen.chip_counts]
             raise ValueError(f"--topology {name!r}: {generation} slices are {generation}-N with N {unit}, one of "
                              f"{', '.join(map(str, sizes))}")
     if gpu := _GPU.fullmatch(spelled):
@@ -107,7 +111,7 @@ def _near_names(spelled: str) -> tuple[str, ...]:
     names = []
     for generation, gen in TPU_GENERATIONS.items():
         if generation in spelled:
-            names += [f"{generation}-{n * (2 if gen.cores_in_name else 1)}" for n in gen.chip_counts]
+            names += [f"{generation}-{gen.named_count(n)}" for n in gen.chip_counts]
     for chip in GPUS:
         if chip in spelled:
             names += [f"{chip}x{n}" for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
