@@ -30,7 +30,7 @@ runs on a device and why: the impl `auto` picks in each pass, per query chunk ov
 from __future__ import annotations
 
 import argparse
-import os  # noqa: F401 (os.environ, for --plan's options)
+import os
 import signal
 import sys
 
@@ -163,7 +163,6 @@ def _check_together(parser, args) -> None:
 def _plan(config, device: str, devices: int | None) -> int:
     """--plan: the plan, and the compiled step's figures where this machine can compile it; exit 0 fits, 1 not."""
     import math
-    import os
 
     from diffjax.train import plan
 
