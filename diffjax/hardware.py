@@ -22,6 +22,8 @@ _PLATFORMS = {"cuda": "gpu", "rocm": "gpu"}  # jax.default_backend()'s names for
 
 @dataclasses.dataclass(frozen=True)
 class Device:
+    """A device as a route depends on it (diffjax.ops.choose): its platform and jax's device kind."""
+
     platform: str  # "cpu" | "gpu" | "tpu", as jax.default_backend() names it
     kind: str  # jax's device_kind, e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite"
 
@@ -37,6 +39,8 @@ class Device:
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
+    """A row of TABLE (the module docstring)."""
+
     device: Device
     sold_gb: int | None  # its memory as sold, in GB (None: the host's)
     memory_bytes: float | None  # the memory one program may have on it (None: the host's)
