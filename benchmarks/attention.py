@@ -255,7 +255,7 @@ def route_table(paths) -> dict:
     """diffjax.ops.choice.HOPPER_MS from result files of this benchmark on Hopper GPUs: per (op, d, dv, causal) and
     pass, each impl's milliseconds at T = 8192, the mean over the files (diff rows: diff_attention; baseline rows:
     dot_product_attention, dv = d), rounded to 0.01 ms. Rows with an error or run interpreted are left out."""
-    from diffjax.ops.target import HOPPER_KINDS
+    from diffjax.hardware import HOPPER_KINDS
 
     times: dict = {}
     for path in paths:

@@ -7,9 +7,9 @@ formula of diffjax.train.plan.
     python benchmarks/compile_plan.py --table          # only rewrite the .md from the JSON
 
 Each compile is recorded in benchmarks/results/compile_plan.json as it finishes (a long run can stop and go on);
-the .md is made from the JSON. TPU rows need libtpu (`pip install "jax[tpu]==<jax>"`), GPU rows JAX's CUDA plugin
-(`pip install "jax-cuda12-plugin==<jax>" "jax-cuda12-pjrt==<jax>" nvidia-cuda-nvcc-cu12`); a row whose compiler is
-absent is left out with the install line. Motif 3's compiles take 3-5 minutes and ~10 GiB of memory each here.
+the .md is made from the JSON. TPU rows need libtpu, GPU rows JAX's CUDA plugin (diffjax's `aot` extra has both); a
+row whose compiler is absent is left out with the install line (diffjax.ops.aot.missing's). Motif 3's compiles take
+3-5 minutes and ~10 GiB of memory each here.
 """
 
 from __future__ import annotations

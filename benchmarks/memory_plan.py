@@ -40,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diffjax.mesh_axes import MESH_AXES  # noqa: E402
 from diffjax.train import plan as train_plan  # noqa: E402
 from diffjax.train.plan import abstract_params, compiled_memory, params_bytes, split_of  # noqa: E402
 
@@ -56,7 +57,7 @@ class Plan:
     mode: str  # "lora", "full" or "generate"
     batch: int  # global sequences per step (train) or per decode batch (generate)
     seq_len: int
-    device: str = "h100"  # the diffjax.ops DEVICES name whose attention route the activations assume
+    device: str = "h100"  # the diffjax.hardware name whose attention route the activations assume
     margin: float = 0.9  # the share of hbm_gib a plan may fill
     loss_chunk: int | None = None  # train.loss_chunk (None: diffjax's default)
 
@@ -82,7 +83,7 @@ def plan_row(config, params, plan: Plan) -> dict:
         row["optimizer_fp32"] = 12 * shard // np.dtype(config.param_dtype).itemsize  # fp32 mu, nu and master copy
     if plan.mode in ("full", "lora"):  # diffjax.train.plan's activations estimate, as `diffjax-train --plan`'s
         local_seqs = plan.batch // split_of("batch", sizes)
-        full = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, "expert": 1, **sizes}
+        full = {**dict.fromkeys(MESH_AXES, 1), **sizes}
         widths = train_plan.widths(config, plan.seq_len, plan.device, full["context"])
         chunk = train_plan.resolve_loss_chunk(plan.loss_chunk, config.vocab_size)
         row["activations"] = sum(train_plan.activation_bytes(config, widths, full, local_seqs, plan.seq_len, chunk,

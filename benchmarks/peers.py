@@ -222,7 +222,7 @@ def markdown(out: dict) -> str:
              f"torch threads {s['torch_intra_op_threads']} (inter-op {s['torch_inter_op_threads']}), XLA: "
              f"{s['xla_flags'] or 'default flags'}, a thread per core ({s['cores']} of {s['cpu_count']} CPUs); busy processes beside it: {out['busy']}. "
              f"Load average (1 min) over the timed rounds: {min(out['load_1min']):.2f} - {max(out['load_1min']):.2f}.",
-             "", f"First losses: " + ", ".join(f"{name} {v[0]:.7f}" for name, v in out["losses"].items())
+             "", "First losses: " + ", ".join(f"{name} {v[0]:.7f}" for name, v in out["losses"].items())
              + f" (agree to {LOSS_RTOL:g}; second step too).", "",
              "| runner | steps/s | median step s | min step s | ratio vs PyTorch | CPU s / step | lower + compile s "
              "| first step s |", "|---|---|---|---|---|---|---|---|"]

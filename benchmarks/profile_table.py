@@ -33,6 +33,9 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from diffjax.train.hlo_collectives import tuple_elements  # noqa: E402 (pure: no jax)
+
 CATEGORIES = ("matmul", "attention kernel", "elementwise", "copy or transpose", "reduction", "collective", "other")
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
                "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
@@ -285,20 +288,9 @@ def _operand_bytes(name: str, instrs) -> float:
         return 0.0
     shape = instrs[base].shape
     if index:
-        elements = _tuple_elements(shape)
+        elements = tuple_elements(shape)
         shape = elements[int(index)] if int(index) < len(elements) else ""
     return shape_bytes(shape)
-
-
-def _tuple_elements(shape: str) -> list[str]:
-    """'(f32[2]{0}, (s32[], bf16[3]))' -> ['f32[2]{0}', '(s32[], bf16[3])']."""
-    inner, parts, depth, start = shape.strip()[1:-1], [], 0, 0
-    for i, ch in enumerate(inner + ","):
-        depth += (ch in "([{") - (ch in ")]}")
-        if ch == "," and depth == 0:
-            parts.append(inner[start:i].strip())
-            start = i + 1
-    return parts
 
 
 def _uses_through_bitcasts(name: str, users) -> list[tuple[Instr, str]]:

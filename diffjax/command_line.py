@@ -28,7 +28,7 @@ import signal
 import sys
 from typing import Callable, NoReturn
 
-from diffjax.config_values import did_you_mean
+from diffjax.config_values import did_you_mean, meant
 
 # An argument that argparse takes for an option: a dash and a letter (not "-3", a negative number)
 _OPTION_LIKE = re.compile(r"^--?[A-Za-z]")
@@ -83,9 +83,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def _meant(name: str, known) -> str:
     """' (did you mean ...?)' for an unknown option: the options it abbreviates, else the closest by spelling."""
     longer = sorted(option for option in known if option.startswith(name))
-    if longer:
-        return f" (options are not abbreviated: did you mean {' or '.join(longer[:3])}?)"
-    return did_you_mean(name, known)
+    return meant(longer[:3], "options are not abbreviated: ") if longer else did_you_mean(name, known)
 
 
 def positive_int(text: str) -> int:

@@ -37,8 +37,14 @@ def closest(name, allowed: Iterable) -> list[str]:
 
 def did_you_mean(name, allowed: Iterable) -> str:
     """' (did you mean X?)' / ' (did you mean X or Y?)' naming the `closest` allowed names; '' when none is close."""
-    close = closest(name, allowed)
-    return f" (did you mean {' or '.join(close)}?)" if close else ""
+    return meant(closest(name, allowed))
+
+
+def meant(names: Iterable[str], why: str = "") -> str:
+    """The one wording of what was meant: ' (did you mean X or Y?)' naming `names`, `why` before it ('options are
+    not abbreviated: '); '' for no names. (A one-line error ending in it needs no usage after it: command_line.)"""
+    names = list(names)
+    return f" ({why}did you mean {' or '.join(names)}?)" if names else ""
 
 
 def one_of(field: str, value, allowed: Iterable) -> str:
@@ -68,7 +74,7 @@ def _unknown_key(where: str, name: str, fields: Iterable[str]) -> str:
     in_tree = not where or where.rstrip(".") in everywhere
     elsewhere = [other for other in everywhere if other.rsplit(".", 1)[-1] == name and other != key] if in_tree else []
     close = elsewhere[:3] or [where + field for field in closest(name, fields)] or closest(key, everywhere)
-    return key + (f" (did you mean {' or '.join(close)}?)" if close else "")
+    return key + meant(close)
 
 
 def read_yaml_mapping(path) -> dict:

@@ -83,6 +83,12 @@ def after_a_failed_write() -> None:
     warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
+def first_line(error: BaseException) -> str:
+    """An error's message in one line: its first, or its class's name when it has none."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def os_error_line(error: OSError) -> str:
     """An OSError as "<file>: <reason>" (its str is "[Errno 28] No space left on device: '<file>'")."""
     if error.strerror is None:

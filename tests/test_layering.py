@@ -18,7 +18,7 @@ LAYERS = (
     # settings and the tables of kinds, no jax
     ("config", ("diffjax.config", "diffjax.config_values", "diffjax.kinds", "diffjax.attention_kinds",
                 "diffjax.mlp_kinds", "diffjax.residual_kinds", "diffjax.block_kinds", "diffjax.attention_impls",
-                "diffjax.jax_compat",
+                "diffjax.jax_compat", "diffjax.hardware",
                 "diffjax.log_lines", "diffjax.mesh_axes", "diffjax.lora_config", "diffjax.lazy_exports",
                 "diffjax.command_line")),
     ("sharding", ("diffjax.sharding",)),

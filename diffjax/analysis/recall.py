@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import string
-import sys
 from pathlib import Path
 from typing import Callable, Sequence
 

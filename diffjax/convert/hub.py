@@ -18,6 +18,8 @@ import os
 import re
 from pathlib import Path
 
+from diffjax.log_lines import first_line
+
 CONFIG_AND_TOKENIZER = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
                         "added_tokens.json", "vocab.json", "merges.txt", "chat_template*",
                         "README.md")  # the model card: its license and terms go on with an export
@@ -57,7 +59,7 @@ def resolve(src: str | os.PathLike, *, revision: str | None = None, trust_remote
         snapshot = _snapshot(huggingface_hub, name, revision, PYTORCH_BIN)
     has_weights = any(snapshot.glob("*.safetensors")) or any(snapshot.glob("pytorch_model*.bin"))
     if not (snapshot / "config.json").is_file() or not has_weights:  # (offline: a snapshot cached only in part)
-        raise FileNotFoundError(f"{_described(name, revision)}: the snapshot in {snapshot} has no config.json or no "
+        raise FileNotFoundError(f"{described(name, revision)}: the snapshot in {snapshot} has no config.json or no "
                                 f"weights (*.safetensors, pytorch_model*.bin); {fetch_hint(name, revision)}")
     return snapshot
 
@@ -73,7 +75,7 @@ def resolve_tokenizer(src: str | os.PathLike, *, revision: str | None = None):
         return src
     snapshot = _snapshot(_huggingface_hub(name), name, revision, TOKENIZER)
     if not (snapshot / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{_described(name, revision)} has no tokenizer.json (its snapshot {snapshot}): "
+        raise FileNotFoundError(f"{described(name, revision)} has no tokenizer.json (its snapshot {snapshot}): "
                                 "diffjax reads a Hugging Face tokenizer from tokenizer.json; for a SentencePiece-only "
                                 "repository, fetch its .model file and set data.tokenizer.kind sentencepiece")
     return snapshot
@@ -134,9 +136,9 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
         status = getattr(error.response, "status_code", None)
         problem = {401: "the token was refused (set HF_TOKEN or run `hf auth login`)",
                    403: "the token may not write there (it needs write access to the repository or organisation)"
-                   }.get(status, f"the Hub answered: {_first_line(error)}")
+                   }.get(status, f"the Hub answered: {first_line(error)}")
     except (OSError, ValueError) as error:  # the network, a revision the Hub refuses
-        problem = f"{type(error).__name__}: {_first_line(error)}"
+        problem = f"{type(error).__name__}: {first_line(error)}"
     else:
         return str(getattr(commit, "commit_url", commit))
     raise PushError(f"--push-to-hub {repo_id}: the upload of {folder} failed: {problem} (the export is complete: "
@@ -159,6 +161,13 @@ def refuse_the_cache(destination: str | os.PathLike) -> None:
             raise ValueError(f"{destination} is in the Hugging Face cache {root}: diffjax does not write there (its "
                              "snapshots are read by every program that loads those models); choose a directory "
                              "outside it")
+
+
+def hub_cache() -> str:
+    """huggingface_hub's cache of Hub snapshots (HF_HUB_CACHE, under HF_HOME)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
 
 
 def _huggingface_hub(name: str):
@@ -185,11 +194,11 @@ def _snapshot(huggingface_hub, name: str, revision: str | None, patterns) -> Pat
         problem = f"{name}: no such model on the Hugging Face Hub (a private one needs HF_TOKEN or `hf auth login`)"
     except errors.LocalEntryNotFoundError as error:
         offline = offline_because() if huggingface_hub.constants.HF_HUB_OFFLINE else (
-            f"the Hub could not be reached ({_first_line(error.__cause__ or error)})")
-        problem = (f"{_described(name, revision)} is not a local directory and is not (fully) in the Hugging Face "
+            f"the Hub could not be reached ({first_line(error.__cause__ or error)})")
+        problem = (f"{described(name, revision)} is not a local directory and is not (fully) in the Hugging Face "
                    f"cache {huggingface_hub.constants.HF_HUB_CACHE}, and {offline}")
     except (OSError, ValueError) as error:  # other HTTP errors, a name the Hub refuses
-        problem = f"{_described(name, revision)}: {type(error).__name__}: {_first_line(error)}"
+        problem = f"{described(name, revision)}: {type(error).__name__}: {first_line(error)}"
     raise FileNotFoundError(f"{problem}; {fetch_hint(name, revision)}")
 
 
@@ -201,7 +210,8 @@ def offline_because(variables=("HF_HUB_OFFLINE",)) -> str:
     return f"offline mode is on ({' and '.join(v for v in variables if v in os.environ) or variables[0]} set in your environment)"
 
 
-def _described(name: str, revision: str | None) -> str:
+def described(name: str, revision: str | None) -> str:
+    """`name`, at `revision` when one is given."""
     return name if revision is None else f"{name} at revision {revision!r}"
 
 
@@ -210,8 +220,3 @@ def fetch_hint(name: str, revision: str | None, *, repo_type: str = "model") -> 
     command = (f"hf download {name}" + (f" --repo-type {repo_type}" if repo_type != "model" else "")
                + (f" --revision {revision}" if revision is not None else ""))
     return f"fetch it with `{command}` where the Hub is reachable (HF_HUB_OFFLINE unset), or pass a local directory"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -17,6 +17,7 @@ from typing import Iterator
 
 from diffjax.convert import hub
 from diffjax.data.config import DataConfig
+from diffjax.log_lines import first_line
 
 SHUFFLE_BUFFER = 1000  # documents in datasets' shuffle buffer of a stream (with its shards' order, per epoch)
 
@@ -44,10 +45,9 @@ def load(config: DataConfig):
         except ConnectionError:
             pass
     why = (hub.offline_because(hub.OFFLINE_VARIABLES) if unreachable is None else
-           f"the Hub could not be reached ({_first_line(unreachable)})")
-    described = name if revision is None else f"{name} at revision {revision!r}"
-    raise FileNotFoundError(f"data.hf_dataset {described} is not a local directory and is not in the Hugging Face "
-                            f"cache (Hub snapshots: {_hub_cache()}; prepared datasets: {_datasets_cache()}), and {why}; "
+           f"the Hub could not be reached ({first_line(unreachable)})")
+    raise FileNotFoundError(f"data.hf_dataset {hub.described(name, revision)} is not a local directory and is not in the Hugging Face "
+                            f"cache (Hub snapshots: {hub.hub_cache()}; prepared datasets: {_datasets_cache()}), and {why}; "
                             f"{hub.fetch_hint(name, revision, repo_type='dataset')}")
 
 
@@ -60,12 +60,12 @@ def _load(path: str, config: DataConfig, *, revision: str | None):
     except ConnectionError:
         raise
     except ValueError as error:
-        text = _first_line(error)
+        text = first_line(error)
         key = ("hf_split" if "split" in text.lower() else
                "hf_config" if "config" in text.lower() else "hf_dataset")
         raise ValueError(f"data.{key} {getattr(config, key)!r}: {text}") from None
     except FileNotFoundError as error:  # datasets' DatasetNotFoundError, data files that are not there
-        raise FileNotFoundError(f"data.hf_dataset {config.hf_dataset!r}: {_first_line(error)}") from None
+        raise FileNotFoundError(f"data.hf_dataset {config.hf_dataset!r}: {first_line(error)}") from None
 
 
 def _datasets():
@@ -76,19 +76,8 @@ def _datasets():
     return datasets
 
 
-def _hub_cache() -> str:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
-
-
 def _datasets_cache() -> str:
     return str(_datasets().config.HF_DATASETS_CACHE)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _text(record: dict, config: DataConfig, where: str) -> str:

@@ -11,7 +11,9 @@ import re
 import urllib.error
 import urllib.request
 
-OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+# (convert.hub imports huggingface_hub only when a function needs it: its offline switches are still unread here)
+from diffjax.convert.hub import OFFLINE_REASON, OFFLINE_VARIABLES, is_offline, offline_because
+
 LOCAL_TASK_HINT = ("or evaluate a task on local files: --include-path DIR holding a task YAML with "
                    "`dataset_path: json` and `dataset_kwargs: {data_files: {test: FILE.jsonl}}`")
 
@@ -28,14 +30,8 @@ def offline_unless_reachable(timeout_s: float = 5.0) -> None:
     except urllib.error.HTTPError:
         return  # it answered
     except (OSError, ValueError):
-        from diffjax.convert.hub import OFFLINE_REASON
-
         os.environ.update({variable: "1" for variable in OFFLINE_VARIABLES})
         os.environ[OFFLINE_REASON] = f"the Hub ({endpoint}) did not answer within {timeout_s:g} s"
-
-
-def is_offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "on", "yes", "true") for v in OFFLINE_VARIABLES)
 
 
 def dataset_out_of_reach(error: ConnectionError) -> str:
@@ -43,8 +39,6 @@ def dataset_out_of_reach(error: ConnectionError) -> str:
     config = _config_of_the_task_being_built(error)
     named = re.search(r"reach '([^']+)'", str(error))
     dataset = getattr(config, "dataset_path", None) or (named.group(1) if named else "?")
-    from diffjax.convert.hub import offline_because
-
     why = f"not in the local cache (HF_HOME), and {offline_because(OFFLINE_VARIABLES)}" if is_offline() else f"out of reach ({error})"
     return (f"task {getattr(config, 'task', None) or '?'} needs its dataset {dataset} from the Hugging Face Hub, "
             f"{why}: run once online to cache it, {LOCAL_TASK_HINT}")

@@ -55,11 +55,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import sharding
 from diffjax.attention_impls import IMPLS, config_problems
+from diffjax.hardware import DEVICES, Device
 from diffjax.ops import compositions, context_parallel
 from diffjax.ops.choice import HOPPER_MS, PASSES, AttentionCall, Route, choose, current_saved, saved_by_remat
 from diffjax.ops.names import OUTPUT_NAME
 from diffjax.ops.reference import attention_mask, diff_attention_xla, dot_product_attention_xla
-from diffjax.ops.target import DEVICES, Device, compile_device, current_device, simulated_device
+from diffjax.ops.target import compile_device, current_device, simulated_device
 
 logger = logging.getLogger(__name__)
 _LOGGED: set[tuple] = set()

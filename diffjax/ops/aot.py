@@ -42,15 +42,15 @@ import jax
 import numpy as np
 
 from diffjax import jax_compat
-from diffjax.ops.target import Device
+from diffjax.hardware import DEVICES, Device
 
-# generation: (jax's device_kind, the default topology: one host's slice, the chip configuration). v4 and v5p run
-# as megacore (one device per chip, two cores), as jax sees them on a real host.
+# generation (its device kind: diffjax.hardware's row of that name): (the default topology: one host's slice, the
+# chip configuration). v4 and v5p run as megacore (one device per chip, two cores), as jax sees them on a real host.
 TPU_GENERATIONS = {
-    "v4": ("TPU v4", "2x2x1", "megacore"),
-    "v5e": ("TPU v5 lite", "2x2", "default"),
-    "v5p": ("TPU v5", "2x2x1", "default"),
-    "v6e": ("TPU v6 lite", "2x2", "default"),
+    "v4": ("2x2x1", "megacore"),
+    "v5e": ("2x2", "default"),
+    "v5p": ("2x2x1", "default"),
+    "v6e": ("2x2", "default"),
 }
 # What XLA needs to compile for an absent GPU (a GpuTargetConfigProto; fields of xla's specs/h100_sxm.txtpb).
 GPU_TARGET_CONFIGS = {
@@ -162,7 +162,7 @@ def tpu_target(generation: str, topology: str | None = None, num_slices: int = 1
     libtpu (no TPU needed)."""
     if generation not in TPU_GENERATIONS:
         raise ValueError(f"TPU generation must be one of {sorted(TPU_GENERATIONS)}, got {generation!r}")
-    kind, default, chip_config = TPU_GENERATIONS[generation]
+    kind, (default, chip_config) = DEVICES[generation].kind, TPU_GENERATIONS[generation]
     topology = topology or default
     dims = topology.split("x")
     if not all(d.isdigit() and int(d) > 0 for d in dims) or len(dims) not in (2, 3):
@@ -180,7 +180,7 @@ def tpu_target(generation: str, topology: str | None = None, num_slices: int = 1
     name = f"{generation}:{topology}" + (f" x {num_slices} slices" if num_slices > 1 else "")
     if devices[0].device_kind != kind:
         raise RuntimeError(f"libtpu describes {name} as {devices[0].device_kind!r}, not {kind!r}: "
-                           "TPU_GENERATIONS needs its kind")
+                           "diffjax.hardware's row needs its kind")
     return Target(name, tuple(devices))
 
 

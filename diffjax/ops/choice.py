@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from diffjax.attention_impls import IMPLS
 from diffjax.ops import compositions, context_parallel
 from diffjax.ops.reference import check_window
-from diffjax.ops.target import DEVICES, Device, current_device  # noqa: F401 (DEVICES: callers take it from here too)
+from diffjax.hardware import Device
+from diffjax.ops.target import current_device
 
 # The passes a call can run in: "fwd" undifferentiated (eval, generation's prefill), "fwd+bwd" differentiated (the
 # train step: the forward rule and the backward), named as benchmarks/attention.py names them.

@@ -19,45 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 
 import jax
 
 from diffjax import sharding
-
-HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
-_PLATFORMS = {"cuda": "gpu", "rocm": "gpu"}  # jax.default_backend()'s names for what a device's platform may say
-
-
-@dataclasses.dataclass(frozen=True)
-class Device:
-    platform: str  # "cpu" | "gpu" | "tpu", as jax.default_backend() names it
-    kind: str  # jax's device_kind, e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite"
-
-    @classmethod
-    def of(cls, device) -> "Device":
-        """The Device of a jax device (a topology's too) or a jax.sharding.AbstractDevice."""
-        return cls(_PLATFORMS.get(device.platform, device.platform), device.device_kind)
-
-    @property
-    def is_hopper(self) -> bool:
-        return self.platform == "gpu" and any(name in self.kind for name in HOPPER_KINDS)
-
-
-# Short names for the command line and tests; the TPU kinds are what jax reports for each generation's devices
-# (a v5p is "TPU v5", a v5e "TPU v5 lite": read from libtpu's topologies, tests/test_aot_kernels.py checks them).
-DEVICES = {
-    "cpu": Device("cpu", "cpu"),
-    "h100": Device("gpu", "NVIDIA H100 80GB HBM3"),
-    "h200": Device("gpu", "NVIDIA H200"),
-    "a100": Device("gpu", "NVIDIA A100-SXM4-80GB"),
-    "a100-40": Device("gpu", "NVIDIA A100-SXM4-40GB"),
-    "l4": Device("gpu", "NVIDIA L4"),
-    "v4": Device("tpu", "TPU v4"),
-    "v5e": Device("tpu", "TPU v5 lite"),
-    "v5p": Device("tpu", "TPU v5"),
-    "v6e": Device("tpu", "TPU v6 lite"),
-}
+from diffjax.hardware import Device
 
 
 def compile_device() -> Device:
@@ -94,7 +60,7 @@ def current_device() -> Device:
 
 @contextlib.contextmanager
 def simulated_device(device: Device):
-    """Route the attention calls traced inside as on `device` (e.g. DEVICES["h100"]), whatever runs them: tests of
+    """Route the attention calls traced inside as on `device` (e.g. diffjax.ops.DEVICES["h100"]), whatever runs them: tests of
     the dispatch on a machine without that device. The kernels still compile for `compile_device()` (interpreted
     off their platform)."""
     token = _SIMULATED.set(device)

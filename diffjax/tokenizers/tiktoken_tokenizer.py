@@ -15,6 +15,7 @@ import numpy as np
 import tiktoken
 import tiktoken.load
 
+from diffjax.log_lines import first_line
 from diffjax.tokenizers.base import Tokenizer
 
 ENDOFTEXT = "<|endoftext|>"
@@ -141,8 +142,8 @@ def load_encoding(name: str) -> tiktoken.Encoding:
         try:
             return tiktoken.get_encoding(name)
         except (OSError, ValueError) as error:  # no network (requests' errors are OSErrors), a corrupt download
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise TiktokenNotCachedError(f"{absent}; the download failed: {type(error).__name__}: {reason}") from None
+            raise TiktokenNotCachedError(f"{absent}; the download failed: {type(error).__name__}: "
+                                         f"{first_line(error)}") from None
 
 
 def read_tiktoken_file(path: str | os.PathLike) -> dict[bytes, int]:

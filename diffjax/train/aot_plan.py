@@ -22,16 +22,16 @@ import math
 import re
 import time
 
+from diffjax.config import REMAT_POLICIES
 from diffjax.mesh_axes import MESH_AXES
 from diffjax.train import plan as planning
 from diffjax.train.batching import plan_batch
 from diffjax.train.config import RunConfig
 from diffjax.train.hlo_collectives import KINDS, collective_bytes
 from diffjax.train.plan import format_size
-from diffjax.train.topologies import TPU_GENERATIONS, Topology, chip_grid
+from diffjax.train.topologies import TPU_GENERATIONS, Topology, parse_topology
 
 _KERNEL_CALL = {"tpu": "Mosaic TPU custom calls", "gpu": "Mosaic GPU custom calls"}
-REMAT_ORDER = ("none", "minimal", "attention", "full")  # each keeps less for the backward than the one before
 
 
 @dataclasses.dataclass
@@ -196,18 +196,17 @@ def predict(step: CompiledStep, run: RunConfig, topology: Topology) -> float:
 
 
 def bigger(topology: Topology) -> Topology | None:
-    """The same hardware with twice the devices (None past the largest slice this parser takes)."""
+    """The same hardware with twice the devices, as parse_topology builds it (None where it names no slice or GPU
+    count it takes)."""
     if topology.platform == "gpu":
-        count = 2 * topology.devices
-        hosts = max(1, count // 8)
-        return Topology(f"{topology.chip}x{count}", "gpu", topology.chip, (hosts, count // hosts))
-    gen = TPU_GENERATIONS[topology.chip]
-    chips = 2 * topology.devices_per_slice
-    if chips not in gen.chip_counts:
+        name = f"{topology.chip}x{2 * topology.devices}"
+    else:
+        slices = f"{topology.num_slices}x" if topology.num_slices > 1 else ""
+        name = f"{slices}{topology.chip}-{TPU_GENERATIONS[topology.chip].named_count(2 * topology.devices_per_slice)}"
+    try:
+        return parse_topology(name)
+    except ValueError:
         return None
-    name = f"{topology.chip}-{chips * (2 if gen.cores_in_name else 1)}"
-    slices = f"{topology.num_slices}x" if topology.num_slices > 1 else ""
-    return Topology(slices + name, "tpu", topology.chip, chip_grid(chips, gen.grid_dims), topology.num_slices)
 
 
 def proposals(step: CompiledStep, budget: float, load):
@@ -220,7 +219,8 @@ def proposals(step: CompiledStep, budget: float, load):
     while micro > 1:
         micro //= 2
         levers.append(f"train.micro_batch_per_device={micro}")
-    levers += [f"model.remat={name}" for name in REMAT_ORDER[REMAT_ORDER.index(run.model.remat) + 1:]]
+    # (REMAT_POLICIES: each keeps less for the backward than the one before)
+    levers += [f"model.remat={name}" for name in REMAT_POLICIES[REMAT_POLICIES.index(run.model.remat) + 1:]]
     if (chunk := planning.resolve_loss_chunk(run.train.loss_chunk, run.model.vocab_size)) > 512:
         levers.append(f"train.loss_chunk={chunk // 2}")
     fills = any(getattr(run.parallel, axis) == -1 for axis in MESH_AXES)

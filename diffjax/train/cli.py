@@ -30,18 +30,16 @@ runs on a device and why: the impl `auto` picks in each pass, per query chunk ov
 from __future__ import annotations
 
 import argparse
-import os  # noqa: F401 (os.environ, for --plan's options)
+import os
 import signal
 import sys
 
 from diffjax import command_line
+from diffjax.hardware import TABLE
 from diffjax.train.config_files import DEFAULT
 
-# --plan's devices and their memory as sold, in GB: diffjax.train.plan.DEVICE_MEMORY's (named here so that --help
-# loads no jax; tested equal)
-DEVICE_GB = {"h100": 80, "h200": 141, "a100": 80, "a100-40": 40, "l4": 24, "v4": 32, "v5p": 95, "v5e": 16,
-             "v6e": 32}
-DEVICE_NAMES = ("cpu", *DEVICE_GB)
+DEVICE_NAMES = tuple(TABLE)  # --plan's and --routes' devices (diffjax.hardware: no jax for --help)
+DEVICE_GB = {name: row.sold_gb for name, row in TABLE.items() if row.sold_gb}  # their memory as sold
 
 
 def run(argv=None):
@@ -165,7 +163,6 @@ def _check_together(parser, args) -> None:
 def _plan(config, device: str, devices: int | None) -> int:
     """--plan: the plan, and the compiled step's figures where this machine can compile it; exit 0 fits, 1 not."""
     import math
-    import os
 
     from diffjax.train import plan
 

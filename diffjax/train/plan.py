@@ -39,24 +39,17 @@ import numpy as np
 
 from diffjax import block_kinds, mlp_kinds, residual_kinds
 from diffjax.config import ModelConfig
+from diffjax.hardware import DEVICES, TABLE, GiB
 from diffjax.kinds import layer_segments, param_stacks
 from diffjax.mesh_axes import MESH_AXES, splitting
-from diffjax.ops.choice import DEVICES, choose
+from diffjax.ops.choice import choose
 from diffjax.sharding import logical_spec
 from diffjax.train.batching import plan_batch
 from diffjax.train.config import RunConfig
 from diffjax.train.mesh import check_model_fits_mesh, mesh_shape
 from diffjax.train.step import resolve_loss_chunk
 
-GiB = 2**30
-# Memory per device: the H100's as JAX reports it (bytes_limit 63,763,906,560 at the default fraction 0.75,
-# benchmarks/results/train_step_gpu_4096_attention.json), the A100 40 GB's as nvidia-smi does (40,536 MiB); a TPU's
-# the HBM libtpu lets a program have (its out-of-memory error's "available HBM", libtpu 0.0.42.1: v5p 95.74G, G =
-# 2^30 bytes); the others from their specifications. Each name is one memory size (a100: the 80 GB A100); describe()
-# says which.
-DEVICE_MEMORY = {"h100": 85_018_542_080, "h200": 141e9, "a100": 85_018_542_080, "a100-40": 42_505_273_344, "l4": 24e9,
-                 "v4": 30.75 * GiB, "v5p": 95.74 * GiB, "v5e": 15.75 * GiB, "v6e": 31.25 * GiB,
-                 "cpu": None}  # cpu: the host's
+DEVICE_MEMORY = {name: row.memory_bytes for name, row in TABLE.items()}  # None: the host's (a CPU)
 DEFAULT_GPU_FRACTION = 0.75  # JAX's preallocation default (XLA_PYTHON_CLIENT_MEM_FRACTION)
 TPU_FRACTION = 1.0  # libtpu's figure is already what a program may use: the compiler refuses one over it
 CPU_FRACTION = 0.9  # a margin for the host's other work
@@ -106,7 +99,7 @@ def split_of(logical: str, sizes: dict[str, int]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    device: str  # a diffjax.ops DEVICES name
+    device: str  # a diffjax.hardware name
     memory_bytes: float  # one device's memory
     fraction: float  # the share a run may allocate
     why: str
@@ -272,7 +265,7 @@ class MemoryPlan:
 
 def plan_memory(run: RunConfig, device: str, num_devices: int | None = None) -> MemoryPlan:
     """The plan of `run` on its mesh (parallel.*; an axis of -1 fills `num_devices`, default the other axes' product)
-    of `device` (a diffjax.ops DEVICES name)."""
+    of `device` (a diffjax.hardware name)."""
     fixed = math.prod(size for axis in MESH_AXES if (size := getattr(run.parallel, axis)) != -1)
     sizes = mesh_shape(run.parallel, num_devices or fixed)
     check_model_fits_mesh(run.model, ShapeOnlyMesh(sizes))
@@ -363,9 +356,6 @@ def format_size(num_bytes: float) -> str:
     return f"{num_bytes / GiB:.2f} GiB" if num_bytes >= GiB / 10 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-_size = format_size
-
-
 def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> str:
     """The plan as lines; `compiled`: compiled_memory's figures, or why there are none."""
     run, sizes, budget = plan.run, plan.sizes, plan.budget
@@ -378,32 +368,34 @@ def describe(plan: MemoryPlan, compiled: dict[str, int] | str | None = None) -> 
     lines = [f"plan: {run.model.attention} attention, {total:,} parameters" + (f" ({active:,} active per token)"
                                                                                  if active != total else ""),
              f"mesh: {' x '.join(f'{k}={v}' for k, v in sizes.items())} ({math.prod(sizes.values())} {budget.device} "
-             f"device(s): {DEVICES[budget.device].kind}, {_size(budget.memory_bytes)} each)",
+             f"device(s): {DEVICES[budget.device].kind}, {format_size(budget.memory_bytes)} each)",
              f"batch: {batch.describe(run.data.seq_len)}",
              f"attention in the train step: {plan.route}" + (" (materialises T x S scores)" if a["scores"] else ""),
              "memory per device:",
-             f"  params           {_size(plan.params):>11}  {dtype}"
+             f"  params           {format_size(plan.params):>11}  {dtype}"
              + (", the frozen LoRA base" if run.lora.enabled else ", the one copy AdamW updates (no fp32 master "
                 "weights: diffjax keeps none)"),
-             f"  gradients        {_size(plan.gradients):>11}"
+             f"  gradients        {format_size(plan.gradients):>11}"
              + (", and their accumulator" if plan.accum_steps > 1 else ""),
-             f"  optimizer state  {_size(plan.optimizer):>11}  AdamW's two moments, {dtype}",
-             f"  activations      {_size(sum(a.values())):>11}  estimate, remat {run.model.remat}, micro-batch "
-             f"{plan.micro_batch}: kept for the backward {_size(a['saved'])}, one layer's working set "
-             f"{_size(a['working'])}, attention scores {_size(a['scores'])}, logits {_size(a['logits'])}, the "
-             f"gathered vocabulary table and its gradient {_size(a['head'])}"
-             + (f", expert dispatch buffers {_size(a['dispatch'])}" if a["dispatch"] else ""),
-             f"  total            {_size(plan.total):>11}  of {_size(budget.bytes)} ({budget.why}): "
+             f"  optimizer state  {format_size(plan.optimizer):>11}  AdamW's two moments, {dtype}",
+             f"  activations      {format_size(sum(a.values())):>11}  estimate, remat {run.model.remat}, micro-batch "
+             f"{plan.micro_batch}: kept for the backward {format_size(a['saved'])}, one layer's working set "
+             f"{format_size(a['working'])}, attention scores {format_size(a['scores'])}, logits "
+             f"{format_size(a['logits'])}, the gathered vocabulary table and its gradient {format_size(a['head'])}"
+             + (f", expert dispatch buffers {format_size(a['dispatch'])}" if a["dispatch"] else ""),
+             f"  total            {format_size(plan.total):>11}  of {format_size(budget.bytes)} ({budget.why}): "
              + ("fits" if plan.fits else "DOES NOT FIT"),
              f"largest micro-batch that fits: {plan.largest_micro_batch} sequences per device "
              f"(train.micro_batch_per_device; this run: {plan.micro_batch})"]
     if isinstance(compiled, dict):
         peak = compiled["arguments"] + compiled["temporaries"] + compiled["outputs"] - compiled["aliased"]
         lines.append(f"compiled train step (XLA:{DEVICES[budget.device].platform}, this machine's devices): arguments "
-                     f"{_size(compiled['arguments'])} (the state {_size(compiled['arguments'] - compiled['batch'])}, "
-                     f"planned {_size(plan.params + plan.optimizer)}), temporaries {_size(compiled['temporaries'])} "
-                     f"(planned gradients + activations {_size(plan.gradients + sum(a.values()))}), outputs not "
-                     f"aliased {_size(compiled['outputs'] - compiled['aliased'])}: {_size(peak)} in all")
+                     f"{format_size(compiled['arguments'])} (the state "
+                     f"{format_size(compiled['arguments'] - compiled['batch'])}, planned "
+                     f"{format_size(plan.params + plan.optimizer)}), temporaries "
+                     f"{format_size(compiled['temporaries'])} "
+                     f"(planned gradients + activations {format_size(plan.gradients + sum(a.values()))}), outputs not "
+                     f"aliased {format_size(compiled['outputs'] - compiled['aliased'])}: {format_size(peak)} in all")
     elif compiled:
         lines.append(f"compiled train step: not compiled ({compiled})")
     return "\n".join(lines)

@@ -9,16 +9,17 @@ whether it runs per query chunk over the context axis, whether the XLA path runs
 come from the attention module's own `project` (abstractly: nothing is computed); they are per micro-batch
 row (B = 1) and unsharded. The train step runs over the config's context axis (parallel.context; 1 for -1);
 generation without one. Windowed and global layers are called apart. The device: a short name of
-diffjax.ops.DEVICES (h100, a100, v4, v5e, v5p, v6e, cpu, ...), or this machine's.
+diffjax.hardware.DEVICES (h100, a100, v4, v5e, v5p, v6e, cpu, ...), or this machine's.
 
 It lives in the train layer: it reads run configs and builds attention modules, layers above ops.
 """
 
 from __future__ import annotations
 
+from diffjax.hardware import DEVICES
 from diffjax.model.sizes import attention_calls
 from diffjax.ops.choice import choose
-from diffjax.ops.target import DEVICES, current_device
+from diffjax.ops.target import current_device
 
 
 def describe_routes(config, device_name: str | None = None) -> str:

@@ -16,10 +16,14 @@ from diffjax.config_values import did_you_mean
 
 @dataclasses.dataclass(frozen=True)
 class TpuGeneration:
-    chip: str  # the chip's name in diffjax.ops DEVICES and in jax's topology names (v5p:4x4x4)
+    chip: str  # the chip's name in diffjax.hardware and in jax's topology names (v5p:4x4x4)
     cores_in_name: bool  # Cloud TPU counts TensorCores (2 a chip) in the slice's name
     grid_dims: int  # 3: a torus of chips (v4, v5p); 2: a plane (v5e, v6e)
     chip_counts: tuple[int, ...]  # the slice sizes in chips this parser takes
+
+    def named_count(self, chips: int) -> int:
+        """The N of a slice of `chips` chips in its name (v5p-N: 2 a chip; v5e-N: N chips)."""
+        return chips * (2 if self.cores_in_name else 1)
 
 
 TPU_GENERATIONS = {
@@ -38,7 +42,7 @@ ACCEPTED = ("v4-N and v5p-N (N TensorCores, 2 a chip: v5p-8 = 4 chips), v5e-N an
 class Topology:
     name: str  # as given (Cloud TPU's spelling, or h100x64)
     platform: str  # "tpu" | "gpu"
-    chip: str  # a diffjax.ops DEVICES name: v5p, v5e, h100, ...
+    chip: str  # a diffjax.hardware name: v5p, v5e, h100, ...
     grid: tuple[int, ...]  # one slice's chips (TPU: 4x4x4, 2x4); GPU: (hosts, GPUs a host)
     num_slices: int = 1
 
@@ -89,7 +93,7 @@ def parse_topology(name: str) -> Topology:
             if not odd and chips in gen.chip_counts:
                 return Topology(name, "tpu", gen.chip, chip_grid(chips, gen.grid_dims), slices)
             unit = "TensorCores, 2 a chip" if gen.cores_in_name else "chips"
-            sizes = [n * (2 if gen.cores_in_name else 1) for n in gen.chip_counts]
+            sizes = [gen.named_count(n) for n in gen.chip_counts]
             raise ValueError(f"--topology {name!r}: {generation} slices are {generation}-N with N {unit}, one of "
                              f"{', '.join(map(str, sizes))}")
     if gpu := _GPU.fullmatch(spelled):
@@ -107,7 +111,7 @@ def _near_names(spelled: str) -> tuple[str, ...]:
     names = []
     for generation, gen in TPU_GENERATIONS.items():
         if generation in spelled:
-            names += [f"{generation}-{n * (2 if gen.cores_in_name else 1)}" for n in gen.chip_counts]
+            names += [f"{generation}-{gen.named_count(n)}" for n in gen.chip_counts]
     for chip in GPUS:
         if chip in spelled:
             names += [f"{chip}x{n}" for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from diffjax.ops.target import HOPPER_KINDS
+from diffjax.hardware import HOPPER_KINDS
 
 TUNING_TABLE = Path(__file__).resolve().parents[1] / "pallas_gpu_tuning.json"
 
