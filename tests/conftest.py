@@ -55,16 +55,21 @@ def pytest_runtest_logreport(report):
 # had finished. Every other file keeps its place after them.
 LONGEST_FILES = ("test_readme_recipes.py", "test_motif3.py", "test_motif3_lora.py", "test_expert_parallel.py",
                  "test_ops_pallas_gpu.py", "test_capture.py", "test_attention_kinds.py", "test_trainer.py",
-                 "test_context_parallel.py", "test_robustness.py", "test_aot_kernels.py", "test_kernel_resources.py")
+                 "test_context_parallel.py", "test_robustness.py", "test_kernel_resources.py")
+# The files that compile for absent hardware in the test process itself (libtpu's and the CUDA plugin's compilers
+# loaded beside XLA:CPU's), last: a worker that ran them runs little else after. A worker died once of a segfault in
+# XLA:CPU's executable serialization after such files had run in it (CI, 2026-11-29; never reproduced alone).
+LAST_FILES = ("test_aot.py", "test_aot_plan.py", "test_aot_kernels.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (LONGEST_FILES; a stable sort, the same in every xdist worker); `gpu` tests run only
-    where JAX's default backend is a GPU (JAX_PLATFORMS=cuda pytest -m gpu)."""
+    """The longest files first (LONGEST_FILES), LAST_FILES last (a stable sort, the same in every xdist worker);
+    `gpu` tests run only where JAX's default backend is a GPU (JAX_PLATFORMS=cuda pytest -m gpu)."""
     import jax
 
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    rank.update({name: len(rank) + 1 + i for i, name in enumerate(LAST_FILES)})
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAX_PLATFORMS=cuda)")
