@@ -62,6 +62,18 @@ LONGEST_FILES = ("test_readme_recipes.py", "test_motif3.py", "test_motif3_lora.p
 LAST_FILES = ("test_aot.py", "test_aot_plan.py", "test_aot_kernels.py")
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Each test starts from the session's environment: a command's main() called in-process may set variables for
+    the rest of its process (diffjax-eval switches the Hub's offline mode on when the Hub does not answer), which
+    would leak into the worker's later tests."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def pytest_collection_modifyitems(config, items):
     """The longest files first (LONGEST_FILES), LAST_FILES last (a stable sort, the same in every xdist worker);
     `gpu` tests run only where JAX's default backend is a GPU (JAX_PLATFORMS=cuda pytest -m gpu)."""

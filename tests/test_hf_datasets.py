@@ -63,6 +63,7 @@ def offline(hub_home, monkeypatch, tmp_path):
     home = hub_home / "home"
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)  # test_lm_eval.py sets it when collected
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "prepared"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
