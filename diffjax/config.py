@@ -32,7 +32,8 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "polynorm")  # polynorm: Motif's (di
 ROPE_STYLES = ("interleaved", "rotate_half")
 ROPE_TYPES = ("default", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "minimal", "attention", "full")  # what a decoder block keeps for the backward: less each
+# What a decoder block keeps for the backward pass, each policy less than the one before.
+REMAT_POLICIES = ("none", "minimal", "attention", "full")
 # Fields that change how the model computes, not what it computes: a run may resume with others.
 RUNTIME_FIELDS = ("attention_impl", "remat", "scan_layers", "mtp_loss_weight")
 # The parts a decoder block is built from: ModelConfig field naming the part's kind -> its table of kinds.

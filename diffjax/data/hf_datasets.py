@@ -46,9 +46,9 @@ def load(config: DataConfig):
             pass
     why = (hub.offline_because(hub.OFFLINE_VARIABLES) if unreachable is None else
            f"the Hub could not be reached ({first_line(unreachable)})")
-    raise FileNotFoundError(f"data.hf_dataset {hub.described(name, revision)} is not a local directory and is not in the Hugging Face "
-                            f"cache (Hub snapshots: {hub.hub_cache()}; prepared datasets: {_datasets_cache()}), and {why}; "
-                            f"{hub.fetch_hint(name, revision, repo_type='dataset')}")
+    raise FileNotFoundError(f"data.hf_dataset {hub.described(name, revision)} is not a local directory and is not in "
+                            f"the Hugging Face cache (Hub snapshots: {hub.hub_cache()}; prepared datasets: "
+                            f"{_datasets_cache()}), and {why}; {hub.fetch_hint(name, revision, repo_type='dataset')}")
 
 
 def _load(path: str, config: DataConfig, *, revision: str | None):

@@ -35,9 +35,9 @@ the sequence as their query offset); every other impl attends blockwise in XLA.
 
 The whole route of a call (impl per pass, context axis, blockwise) is `diffjax.ops.choose(call, impl, device) ->
 Route`, a pure function of the shapes, the context axis' size and the device (choice.py; `diffjax-train --routes
---config ... --device h100 parallel.context=2` prints it per attention call); auto's choice and its reason are logged once
-per (op, platform, choice, reason), "xla" on an accelerator as a warning. One table (_KERNELS) says how each impl is
-called. A call whose passes take different impls is a custom VJP (_by_pass): the primal runs the forward's impl,
+--config ... --device h100 parallel.context=2` prints it per attention call); auto's choice and its reason are logged
+once per (op, platform, choice, reason), "xla" on an accelerator as a warning. One table (_KERNELS) says how each impl
+is called. A call whose passes take different impls is a custom VJP (_by_pass): the primal runs the forward's impl,
 the forward rule the differentiated one's, so differentiation itself picks (nothing to pass, nothing to go stale).
 """
 

@@ -60,9 +60,9 @@ def current_device() -> Device:
 
 @contextlib.contextmanager
 def simulated_device(device: Device):
-    """Route the attention calls traced inside as on `device` (e.g. diffjax.ops.DEVICES["h100"]), whatever runs them: tests of
-    the dispatch on a machine without that device. The kernels still compile for `compile_device()` (interpreted
-    off their platform)."""
+    """Route the attention calls traced inside as on `device` (e.g. diffjax.ops.DEVICES["h100"]), whatever runs
+    them: tests of the dispatch on a machine without that device. The kernels still compile for `compile_device()`
+    (interpreted off their platform)."""
     token = _SIMULATED.set(device)
     try:
         yield device
